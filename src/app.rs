@@ -1,0 +1,132 @@
+//! Builds every running object from a [`Config`] and runs them: the listener, the
+//! per-connection hyper service, SIGHUP reload and SIGTERM drain. The only place that
+//! spawns long-lived tasks.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::task::JoinHandle;
+
+use crate::config::Config;
+use crate::proxy::Router;
+use crate::reload;
+use crate::shutdown::{self, Shutdown, Trigger};
+
+/// A router serving on a bound listener, as started by [`spawn`].
+pub struct RunningRouter {
+    /// The address it listens on.
+    pub addr: SocketAddr,
+    pub router: Arc<Router>,
+    trigger: Trigger,
+    task: JoinHandle<()>,
+}
+
+impl RunningRouter {
+    /// Stops accepting, drains in-flight requests for up to `server.shutdown_grace_secs`,
+    /// and waits for that to finish.
+    pub async fn shutdown(self) {
+        self.trigger.shutdown();
+        let _ = self.task.await;
+    }
+
+    /// A handle that triggers the same shutdown.
+    pub fn trigger(&self) -> Trigger {
+        self.trigger.clone()
+    }
+}
+
+/// Serves `config` on an already bound `listener` (tests bind `127.0.0.1:0` first).
+pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRouter> {
+    let addr = listener.local_addr()?;
+    let grace = config.server.shutdown_grace;
+    let router = Arc::new(Router::new(config));
+    let (trigger, shutdown) = shutdown::channel();
+    let task = tokio::spawn(serve(Arc::clone(&router), listener, shutdown, grace));
+    Ok(RunningRouter {
+        addr,
+        router,
+        trigger,
+        task,
+    })
+}
+
+/// The binary's main loop: bind, serve, reload on SIGHUP, drain on SIGTERM/SIGINT
+/// (a second signal exits at once).
+pub async fn run(config: Config, files: Vec<PathBuf>) -> std::io::Result<()> {
+    let bind = format!("{}:{}", config.server.host, config.server.port);
+    let listener = TcpListener::bind(&bind)
+        .await
+        .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {bind}: {e}")))?;
+    tracing::info!(
+        addr = %listener.local_addr()?,
+        workers = config.workers.len(),
+        policy = config.policy.as_str(),
+        "cache-aware-router listening"
+    );
+    let running = spawn(config, listener)?;
+    let reload_task = tokio::spawn(reload::run(Arc::clone(&running.router), files));
+    shutdown::terminate_signal().await;
+    tracing::info!("shutting down: no new connections, draining in-flight requests");
+    let trigger = running.trigger();
+    trigger.shutdown();
+    tokio::select! {
+        _ = running.task => tracing::info!("drained; bye"),
+        _ = shutdown::terminate_signal() => tracing::warn!("second signal: exiting now"),
+    }
+    reload_task.abort();
+    Ok(())
+}
+
+async fn serve(
+    router: Arc<Router>,
+    listener: TcpListener,
+    mut shutdown: Shutdown,
+    grace: Duration,
+) {
+    let graceful = GracefulShutdown::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _peer)) => {
+                    // Small SSE writes must leave at once, not wait for a delayed ACK.
+                    let _ = stream.set_nodelay(true);
+                    let router = Arc::clone(&router);
+                    let service = service_fn(move |req| {
+                        let router = Arc::clone(&router);
+                        async move { Ok::<_, Infallible>(router.handle(req).await) }
+                    });
+                    let conn = http1::Builder::new()
+                        .timer(TokioTimer::new())
+                        .serve_connection(TokioIo::new(stream), service);
+                    let conn = graceful.watch(conn);
+                    tokio::spawn(async move {
+                        if let Err(e) = conn.await {
+                            tracing::debug!(error = %e, "client connection ended with an error");
+                        }
+                    });
+                }
+                Err(e) => {
+                    // e.g. EMFILE: back off instead of spinning.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            },
+            _ = shutdown.wait() => break,
+        }
+    }
+    drop(listener);
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(grace) => {
+            tracing::warn!(grace_secs = grace.as_secs_f64(), "grace period over; closing remaining connections");
+        }
+    }
+}

@@ -1,0 +1,1111 @@
+//! Command line and configuration: YAML files -> one validated [`Config`].
+//!
+//! Parsing happens once, at the edge. Several `-c` files are layered in order: mappings
+//! merge key by key, lists and scalars replace, and an empty or comment-only file changes
+//! nothing. Each file is first checked on its own (unknown keys and wrong types are
+//! reported with that file's name and the key's path), then the merged document is
+//! deserialised and range-checked; a range error names the last file that set the key.
+//! SIGHUP reload goes through the same [`Config::load`].
+
+use std::num::NonZeroUsize;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::Parser;
+use serde::Deserialize;
+use serde_yaml_ng::{Mapping, Value};
+
+/// `cache-aware-router` command line.
+#[derive(Debug, Parser)]
+#[command(name = "cache-aware-router", version, about)]
+pub struct Cli {
+    /// YAML config file; repeat to layer files in order (later files override earlier
+    /// ones key by key; lists replace).
+    #[arg(short = 'c', long = "config", value_name = "FILE", required = true)]
+    pub config: Vec<PathBuf>,
+
+    /// Validate the config files and exit: 0 when valid, 2 with a message otherwise.
+    #[arg(long)]
+    pub config_check: bool,
+}
+
+/// Routing policy (top-level `policy` key).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum PolicyKind {
+    /// Longest prefix match in the radix tree, guarded by load balance (the default).
+    CacheAware,
+    /// Baseline: usable workers in turn.
+    RoundRobin,
+    /// Baseline: a uniformly random usable worker.
+    Random,
+    /// Baseline: the usable worker with the fewest in-flight requests (+ penalty).
+    LeastLoad,
+}
+
+impl PolicyKind {
+    /// The name used in config, logs and `/workers`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PolicyKind::CacheAware => "cache_aware",
+            PolicyKind::RoundRobin => "round_robin",
+            PolicyKind::Random => "random",
+            PolicyKind::LeastLoad => "least_load",
+        }
+    }
+}
+
+/// The whole validated configuration.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Config {
+    pub policy: PolicyKind,
+    pub server: ServerConfig,
+    /// At least one, URLs normalised, duplicates merged (first occurrence wins).
+    pub workers: Vec<WorkerConfig>,
+    pub cache: CacheConfig,
+    pub health: HealthConfig,
+    pub circuit_breaker: BreakerConfig,
+    pub proxy: ProxyConfig,
+    pub log: LogConfig,
+}
+
+/// `server:` — the client-facing listener.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServerConfig {
+    /// Listen address (default `0.0.0.0`).
+    pub host: String,
+    /// Listen port (default 6700).
+    pub port: u16,
+    /// Largest request body accepted, in bytes (default 32 MiB); larger ones get 413.
+    pub max_body_bytes: usize,
+    /// Bearer token for the mutating admin endpoints; `None` disables them.
+    pub admin_token: Option<String>,
+    /// How long SIGTERM waits for in-flight requests before exiting (default 30 s).
+    pub shutdown_grace: Duration,
+}
+
+/// One entry of `workers:`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerConfig {
+    pub url: WorkerUrl,
+    /// Most in-flight requests this worker takes; `None` = unbounded (the default).
+    pub max_load: Option<NonZeroUsize>,
+    /// Added to the in-flight count when comparing loads (default 0), to make a slower
+    /// replica look busier than it is.
+    pub load_penalty: u32,
+    /// Whether prefix affinity applies to this worker (default true); when false it is
+    /// only ever picked for load.
+    pub cache_aware: bool,
+    /// Bearer token sent to this worker, overriding `proxy.api_key`.
+    pub api_key: Option<String>,
+}
+
+/// A worker's base URL, normalised: `scheme://authority` plus a path prefix with no
+/// trailing slash (`""` when none). IPv6 hosts keep their brackets.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct WorkerUrl {
+    scheme: String,
+    authority: String,
+    path_prefix: String,
+}
+
+impl WorkerUrl {
+    /// Parses and normalises a worker URL. Accepts `http://host[:port][/prefix][/]`;
+    /// refuses other schemes, a missing host, an unbracketed IPv6 literal, a bad port,
+    /// a query or a fragment.
+    pub fn parse(raw: &str) -> Result<Self, String> {
+        let raw = raw.trim();
+        let (scheme, rest) = raw
+            .split_once("://")
+            .ok_or_else(|| "expected http://host[:port][/path]".to_string())?;
+        let scheme = scheme.to_ascii_lowercase();
+        if scheme != "http" {
+            return Err(format!(
+                "scheme `{scheme}` is not supported (only http://; put TLS termination beside the workers)"
+            ));
+        }
+        if rest.contains(['?', '#']) {
+            return Err("a worker URL may not carry a query or fragment".into());
+        }
+        let (authority, path) = match rest.find('/') {
+            Some(i) => (&rest[..i], &rest[i..]),
+            None => (rest, ""),
+        };
+        if authority.is_empty() {
+            return Err("missing host".into());
+        }
+        if authority.contains('@') {
+            return Err("user info in worker URLs is not supported; use api_key".into());
+        }
+        let (host, port) = if let Some(inner) = authority.strip_prefix('[') {
+            let end = inner
+                .find(']')
+                .ok_or_else(|| "unclosed `[` in IPv6 host".to_string())?;
+            let host = &inner[..end];
+            if host.parse::<std::net::Ipv6Addr>().is_err() {
+                return Err(format!("`{host}` is not an IPv6 address"));
+            }
+            let after = &inner[end + 1..];
+            let port = match after {
+                "" => None,
+                p => Some(
+                    p.strip_prefix(':')
+                        .ok_or_else(|| format!("unexpected `{p}` after IPv6 host"))?,
+                ),
+            };
+            (&authority[..end + 2], port)
+        } else {
+            if authority.matches(':').count() > 1 {
+                return Err(
+                    "an IPv6 host must be written in brackets, e.g. http://[::1]:8000".into(),
+                );
+            }
+            match authority.split_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (authority, None),
+            }
+        };
+        if host.is_empty() {
+            return Err("missing host".into());
+        }
+        if !host.starts_with('[')
+            && !host
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_'))
+        {
+            return Err(format!("invalid host `{host}`"));
+        }
+        let authority = match port {
+            Some(p) => {
+                let n: u16 = p
+                    .parse()
+                    .ok()
+                    .filter(|n| *n != 0)
+                    .ok_or_else(|| format!("invalid port `{p}`"))?;
+                format!("{}:{n}", host.to_ascii_lowercase())
+            }
+            None => host.to_ascii_lowercase(),
+        };
+        let path_prefix = path.trim_end_matches('/');
+        if path_prefix.contains("//") || path_prefix.chars().any(|c| c.is_whitespace()) {
+            return Err(format!("invalid path `{path}`"));
+        }
+        let url = WorkerUrl {
+            scheme,
+            authority,
+            path_prefix: path_prefix.to_string(),
+        };
+        // Final check with the same parser the proxy uses to build request URIs.
+        url.uri_for("/")
+            .map_err(|e| format!("not a valid URI: {e}"))?;
+        Ok(url)
+    }
+
+    /// `host[:port]`, as sent in the `Host` header (IPv6 in brackets).
+    pub fn authority(&self) -> &str {
+        &self.authority
+    }
+
+    /// The path prefix, `""` or `/something` without a trailing slash.
+    pub fn path_prefix(&self) -> &str {
+        &self.path_prefix
+    }
+
+    /// The upstream URI for a client `path_and_query` (which starts with `/`): the
+    /// worker's prefix is put in front, the query is kept, no `//` appears.
+    pub fn uri_for(&self, path_and_query: &str) -> Result<http::Uri, http::Error> {
+        let mut pq = String::with_capacity(self.path_prefix.len() + path_and_query.len());
+        pq.push_str(&self.path_prefix);
+        pq.push_str(path_and_query);
+        http::Uri::builder()
+            .scheme(self.scheme.as_str())
+            .authority(self.authority.as_str())
+            .path_and_query(pq)
+            .build()
+    }
+}
+
+impl std::fmt::Display for WorkerUrl {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{}://{}{}",
+            self.scheme, self.authority, self.path_prefix
+        )
+    }
+}
+
+/// `cache:` — the approximate prefix tree and the cache/load trade-off.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CacheConfig {
+    /// A match is a cache hit when matched/prompt length (bytes of the routing text)
+    /// reaches this ratio, in [0, 1] (default 0.3).
+    pub threshold: f64,
+    /// …or when at least this many bytes matched (default 8192; 0 disables).
+    pub match_abs_threshold: usize,
+    /// A hit is overridden for load only when the cached worker's load exceeds the
+    /// least-loaded one's by more than this many requests (default 2)…
+    pub balance_abs_threshold: usize,
+    /// …and by more than this factor (default 1.5, ≥ 1).
+    pub balance_rel_threshold: f64,
+    /// Routing text kept per request, in bytes, cut on a UTF-8 boundary (default 32 KiB).
+    pub max_prompt_bytes: usize,
+    /// Node ceiling for the whole tree (default 1,000,000).
+    pub max_tree_size: usize,
+    /// Eviction pass period (default 60 s); `None` = eviction off (`0` in YAML).
+    pub eviction_interval: Option<Duration>,
+    /// UTC hour (0–23) at which the whole tree is dropped; `None` = off (`-1`, default).
+    pub daily_cleanup_hour_utc: Option<u8>,
+}
+
+/// `health:` — active health checks (see `health.rs`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct HealthConfig {
+    /// Path probed on each worker, below its path prefix (default `/health`).
+    pub endpoint: String,
+    /// Probe period (default 10 s).
+    pub interval: Duration,
+    /// Timeout of one probe (default 5 s).
+    pub timeout: Duration,
+    /// Consecutive failures that mark a worker unhealthy (default 3).
+    pub failure_threshold: u32,
+    /// Consecutive successes that bring it back (default 2).
+    pub success_threshold: u32,
+}
+
+/// `circuit_breaker:` — passive failure tracking per worker.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BreakerConfig {
+    /// Consecutive request failures that open the breaker (default 5).
+    pub failure_threshold: u32,
+    /// How long an open breaker rejects traffic before probing (default 30 s).
+    pub timeout: Duration,
+    /// Successful probes that close it again (default 2).
+    pub success_threshold: u32,
+}
+
+/// `proxy:` — forwarding, retries and timeouts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ProxyConfig {
+    /// Extra attempts on other workers after a connection error or retryable status
+    /// (default 2).
+    pub max_retries: u32,
+    /// Backoff before the first retry (default 50 ms).
+    pub initial_backoff: Duration,
+    /// Backoff growth per retry (default 2.0, ≥ 1).
+    pub backoff_multiplier: f64,
+    /// Random spread of each backoff, ± this fraction, in [0, 1] (default 0.2).
+    pub jitter_factor: f64,
+    /// Upstream statuses that are retried on another worker while nothing has reached
+    /// the client (default 502, 503, 504).
+    pub retryable_statuses: Vec<u16>,
+    /// TCP connect bound (default 2 s).
+    pub connect_timeout: Duration,
+    /// Bound on the wait for response headers (default 600 s: a non-streamed vLLM
+    /// response sends its headers only when generation ends).
+    pub request_timeout: Duration,
+    /// Idle pooled upstream connections are closed after this (default 4 s, below
+    /// uvicorn's 5 s keep-alive, so a reused socket is never one the worker closed).
+    pub pool_idle_timeout: Duration,
+    /// Adds `x-routed-peer: <worker url>` to responses (default false).
+    pub add_routed_peer_header: bool,
+    /// `allow` (default), or an HTTP status with which requests carrying remote media
+    /// URLs are refused.
+    pub remote_media_url_policy: RemoteMediaPolicy,
+    /// How long a `/v1/models` answer is reused (default 600 s; 0 = never cached).
+    pub models_cache: Duration,
+    /// Bearer token sent to every worker unless the worker sets its own.
+    pub api_key: Option<String>,
+}
+
+/// What to do with requests that reference remote media by URL (`http(s)://` images).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoteMediaPolicy {
+    /// Forward them (the default).
+    Allow,
+    /// Refuse them with this status (4xx).
+    Reject(u16),
+}
+
+/// `log:` — tracing output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LogConfig {
+    pub format: LogFormat,
+    /// An `EnvFilter` directive such as `info` or `cache_aware_router=debug`; `RUST_LOG`
+    /// wins when set. Default `info`.
+    pub level: String,
+}
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// A config error: which file, which key, what was wrong.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{file}: cannot read: {source}")]
+    Read {
+        file: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{file}: {message}")]
+    Parse { file: PathBuf, message: String },
+    #[error("{file}: `{key}`: {message}")]
+    Invalid {
+        file: PathBuf,
+        key: String,
+        message: String,
+    },
+    #[error("{0}")]
+    Other(String),
+}
+
+// ---------------------------------------------------------------------------------
+// Raw (serde) schema. Every field optional so one file of a layered set can be
+// checked alone; defaults are applied in `Config::from_raw`.
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    policy: Option<PolicyKind>,
+    #[serde(default)]
+    server: RawServer,
+    workers: Option<Vec<RawWorker>>,
+    #[serde(default)]
+    cache: RawCache,
+    #[serde(default)]
+    health: RawHealth,
+    #[serde(default)]
+    circuit_breaker: RawBreaker,
+    #[serde(default)]
+    proxy: RawProxy,
+    #[serde(default)]
+    log: RawLog,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    host: Option<String>,
+    port: Option<u16>,
+    max_body_bytes: Option<u64>,
+    admin_token: Option<String>,
+    shutdown_grace_secs: Option<f64>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawWorker {
+    url: String,
+    max_load: Option<u64>,
+    load_penalty: Option<u32>,
+    cache_aware: Option<bool>,
+    api_key: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawCache {
+    threshold: Option<f64>,
+    match_abs_threshold: Option<u64>,
+    balance_abs_threshold: Option<u64>,
+    balance_rel_threshold: Option<f64>,
+    max_prompt_bytes: Option<u64>,
+    max_tree_size: Option<u64>,
+    eviction_interval_secs: Option<f64>,
+    daily_cleanup_hour_utc: Option<i64>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHealth {
+    endpoint: Option<String>,
+    interval_secs: Option<f64>,
+    timeout_secs: Option<f64>,
+    failure_threshold: Option<u32>,
+    success_threshold: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBreaker {
+    failure_threshold: Option<u32>,
+    timeout_secs: Option<f64>,
+    success_threshold: Option<u32>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawProxy {
+    max_retries: Option<u32>,
+    initial_backoff_ms: Option<u64>,
+    backoff_multiplier: Option<f64>,
+    jitter_factor: Option<f64>,
+    retryable_statuses: Option<Vec<u16>>,
+    connect_timeout_secs: Option<f64>,
+    request_timeout_secs: Option<f64>,
+    pool_idle_timeout_secs: Option<f64>,
+    add_routed_peer_header: Option<bool>,
+    remote_media_url_policy: Option<Value>,
+    models_cache_secs: Option<f64>,
+    api_key: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLog {
+    format: Option<LogFormat>,
+    level: Option<String>,
+}
+
+/// Merges `over` into `base`: mappings key by key (recursively), anything else replaces.
+fn merge(base: &mut Value, over: Value) {
+    match (base, over) {
+        (Value::Mapping(b), Value::Mapping(o)) => {
+            for (k, v) in o {
+                match b.get_mut(&k) {
+                    Some(slot) => merge(slot, v),
+                    None => {
+                        b.insert(k, v);
+                    }
+                }
+            }
+        }
+        (_, Value::Null) => {}
+        (slot, o) => *slot = o,
+    }
+}
+
+/// One file's parsed YAML, kept to tell which file set a key.
+struct Layer {
+    file: PathBuf,
+    doc: Value,
+}
+
+impl Layer {
+    fn sets(&self, key: &[&str]) -> bool {
+        let mut v = &self.doc;
+        for k in key {
+            match v {
+                Value::Mapping(m) => match m.get(*k) {
+                    Some(next) => v = next,
+                    None => return false,
+                },
+                _ => return false,
+            }
+        }
+        true
+    }
+}
+
+/// Collects range errors, naming the file that last set the key.
+struct Checker<'a> {
+    layers: &'a [Layer],
+}
+
+impl Checker<'_> {
+    /// `key` is a dotted path such as `cache.threshold`; `workers[2].url` is looked up
+    /// as `workers`.
+    fn err(&self, key: &str, message: impl Into<String>) -> ConfigError {
+        let path: Vec<&str> = key
+            .split('.')
+            .map(|p| p.split('[').next().unwrap_or(p))
+            .collect();
+        let mut path = path.as_slice();
+        let file = loop {
+            if let Some(l) = self.layers.iter().rev().find(|l| l.sets(path)) {
+                break l.file.clone();
+            }
+            if path.len() <= 1 {
+                break self
+                    .layers
+                    .last()
+                    .map(|l| l.file.clone())
+                    .unwrap_or_default();
+            }
+            path = &path[..path.len() - 1];
+        };
+        ConfigError::Invalid {
+            file,
+            key: key.to_string(),
+            message: message.into(),
+        }
+    }
+
+    fn secs(
+        &self,
+        key: &str,
+        v: Option<f64>,
+        default: f64,
+        allow_zero: bool,
+    ) -> Result<Duration, ConfigError> {
+        let s = v.unwrap_or(default);
+        if !s.is_finite() || s < 0.0 || (!allow_zero && s == 0.0) || s > 1e9 {
+            let want = if allow_zero { "≥ 0" } else { "> 0" };
+            return Err(self.err(key, format!("{s} is out of range (seconds, {want})")));
+        }
+        Ok(Duration::from_secs_f64(s))
+    }
+
+    fn at_least_one(&self, key: &str, v: Option<u32>, default: u32) -> Result<u32, ConfigError> {
+        match v.unwrap_or(default) {
+            0 => Err(self.err(key, "0 is out of range (must be ≥ 1)")),
+            n => Ok(n),
+        }
+    }
+}
+
+impl Config {
+    /// Reads, layers and validates the given files (in order).
+    ///
+    /// Errors: unreadable file, YAML syntax, unknown key, wrong type (each naming the
+    /// file and key), out-of-range value (naming the last file that set it, the key and
+    /// the value), or an empty worker list.
+    pub fn load(files: &[PathBuf]) -> Result<Config, ConfigError> {
+        let mut docs = Vec::with_capacity(files.len());
+        for f in files {
+            let text = std::fs::read_to_string(f).map_err(|source| ConfigError::Read {
+                file: f.clone(),
+                source,
+            })?;
+            docs.push((f.clone(), text));
+        }
+        Self::from_sources(docs.iter().map(|(f, t)| (f.as_path(), t.as_str())))
+    }
+
+    /// As [`Config::load`], from `(file name, YAML text)` pairs (a seam for tests).
+    pub fn from_sources<'a>(
+        sources: impl IntoIterator<Item = (&'a Path, &'a str)>,
+    ) -> Result<Config, ConfigError> {
+        let mut layers = Vec::new();
+        let mut merged = Value::Mapping(Mapping::new());
+        for (file, text) in sources {
+            let doc: Value = serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Parse {
+                file: file.to_path_buf(),
+                message: e.to_string(),
+            })?;
+            match &doc {
+                Value::Null => continue, // empty or comment-only: changes nothing
+                Value::Mapping(_) => {}
+                _ => {
+                    return Err(ConfigError::Parse {
+                        file: file.to_path_buf(),
+                        message: "the top level must be a mapping of keys".into(),
+                    });
+                }
+            }
+            // Unknown keys and wrong types, reported against this file alone.
+            serde_yaml_ng::from_str::<RawConfig>(text).map_err(|e| ConfigError::Parse {
+                file: file.to_path_buf(),
+                message: e.to_string(),
+            })?;
+            merge(&mut merged, doc.clone());
+            layers.push(Layer {
+                file: file.to_path_buf(),
+                doc,
+            });
+        }
+        if layers.is_empty() {
+            return Err(ConfigError::Other(
+                "no configuration: every -c file is empty; `workers` is required".into(),
+            ));
+        }
+        let raw: RawConfig = serde_yaml_ng::from_value(merged).map_err(|e| ConfigError::Parse {
+            file: layers.last().map(|l| l.file.clone()).unwrap_or_default(),
+            message: e.to_string(),
+        })?;
+        Self::from_raw(raw, &Checker { layers: &layers })
+    }
+
+    fn from_raw(raw: RawConfig, ck: &Checker<'_>) -> Result<Config, ConfigError> {
+        let s = raw.server;
+        let max_body_bytes = s.max_body_bytes.unwrap_or(32 * 1024 * 1024);
+        if max_body_bytes == 0 || max_body_bytes > (1 << 32) {
+            return Err(ck.err(
+                "server.max_body_bytes",
+                format!("{max_body_bytes} is out of range (bytes, 1 to 4 GiB)"),
+            ));
+        }
+        let host = s.host.unwrap_or_else(|| "0.0.0.0".into());
+        if host.parse::<std::net::IpAddr>().is_err() && host != "localhost" {
+            return Err(ck.err(
+                "server.host",
+                format!("`{host}` is not an IP address to listen on"),
+            ));
+        }
+        let server = ServerConfig {
+            host,
+            port: s.port.unwrap_or(6700),
+            max_body_bytes: max_body_bytes as usize,
+            admin_token: s.admin_token.filter(|t| !t.is_empty()),
+            shutdown_grace: ck.secs(
+                "server.shutdown_grace_secs",
+                s.shutdown_grace_secs,
+                30.0,
+                true,
+            )?,
+        };
+
+        let raw_workers = raw.workers.unwrap_or_default();
+        if raw_workers.is_empty() {
+            return Err(ck.err(
+                "workers",
+                "the worker list is empty: list at least one worker URL (e.g. `- url: http://127.0.0.1:8000`)",
+            ));
+        }
+        let mut workers: Vec<WorkerConfig> = Vec::with_capacity(raw_workers.len());
+        for (i, w) in raw_workers.into_iter().enumerate() {
+            let url = WorkerUrl::parse(&w.url)
+                .map_err(|m| ck.err(&format!("workers[{i}].url"), format!("`{}`: {m}", w.url)))?;
+            let max_load = match w.max_load {
+                None => None,
+                Some(0) => {
+                    return Err(ck.err(
+                        &format!("workers[{i}].max_load"),
+                        "0 is out of range (≥ 1; leave it out for unbounded)",
+                    ));
+                }
+                Some(n) => NonZeroUsize::new(n as usize),
+            };
+            if workers.iter().any(|x| x.url == url) {
+                tracing::warn!(%url, "duplicate worker URL merged into its first entry");
+                continue;
+            }
+            workers.push(WorkerConfig {
+                url,
+                max_load,
+                load_penalty: w.load_penalty.unwrap_or(0),
+                cache_aware: w.cache_aware.unwrap_or(true),
+                api_key: w.api_key.filter(|k| !k.is_empty()),
+            });
+        }
+
+        let c = raw.cache;
+        let threshold = c.threshold.unwrap_or(0.3);
+        if !(0.0..=1.0).contains(&threshold) {
+            return Err(ck.err(
+                "cache.threshold",
+                format!("{threshold} is out of range [0, 1]"),
+            ));
+        }
+        let balance_rel_threshold = c.balance_rel_threshold.unwrap_or(1.5);
+        if !balance_rel_threshold.is_finite() || balance_rel_threshold < 1.0 {
+            return Err(ck.err(
+                "cache.balance_rel_threshold",
+                format!("{balance_rel_threshold} is out of range (≥ 1)"),
+            ));
+        }
+        let max_prompt_bytes = c.max_prompt_bytes.unwrap_or(32 * 1024);
+        if !(1..=(16 << 20)).contains(&max_prompt_bytes) {
+            return Err(ck.err(
+                "cache.max_prompt_bytes",
+                format!("{max_prompt_bytes} is out of range (bytes, 1 to 16 MiB)"),
+            ));
+        }
+        let max_tree_size = c.max_tree_size.unwrap_or(1_000_000);
+        if max_tree_size == 0 {
+            return Err(ck.err("cache.max_tree_size", "0 is out of range (nodes, ≥ 1)"));
+        }
+        let eviction = ck.secs(
+            "cache.eviction_interval_secs",
+            c.eviction_interval_secs,
+            60.0,
+            true,
+        )?;
+        let daily_cleanup_hour_utc = match c.daily_cleanup_hour_utc.unwrap_or(-1) {
+            -1 => None,
+            h @ 0..=23 => Some(h as u8),
+            h => {
+                return Err(ck.err(
+                    "cache.daily_cleanup_hour_utc",
+                    format!("{h} is out of range (0–23, or -1 for off)"),
+                ));
+            }
+        };
+        let cache = CacheConfig {
+            threshold,
+            match_abs_threshold: c.match_abs_threshold.unwrap_or(8192) as usize,
+            balance_abs_threshold: c.balance_abs_threshold.unwrap_or(2) as usize,
+            balance_rel_threshold,
+            max_prompt_bytes: max_prompt_bytes as usize,
+            max_tree_size: max_tree_size as usize,
+            eviction_interval: (!eviction.is_zero()).then_some(eviction),
+            daily_cleanup_hour_utc,
+        };
+
+        let h = raw.health;
+        let endpoint = h.endpoint.unwrap_or_else(|| "/health".into());
+        if !endpoint.starts_with('/') || endpoint.parse::<http::uri::PathAndQuery>().is_err() {
+            return Err(ck.err(
+                "health.endpoint",
+                format!("`{endpoint}` is not a path starting with `/`"),
+            ));
+        }
+        let health = HealthConfig {
+            endpoint,
+            interval: ck.secs("health.interval_secs", h.interval_secs, 10.0, false)?,
+            timeout: ck.secs("health.timeout_secs", h.timeout_secs, 5.0, false)?,
+            failure_threshold: ck.at_least_one(
+                "health.failure_threshold",
+                h.failure_threshold,
+                3,
+            )?,
+            success_threshold: ck.at_least_one(
+                "health.success_threshold",
+                h.success_threshold,
+                2,
+            )?,
+        };
+
+        let b = raw.circuit_breaker;
+        let circuit_breaker = BreakerConfig {
+            failure_threshold: ck.at_least_one(
+                "circuit_breaker.failure_threshold",
+                b.failure_threshold,
+                5,
+            )?,
+            timeout: ck.secs("circuit_breaker.timeout_secs", b.timeout_secs, 30.0, false)?,
+            success_threshold: ck.at_least_one(
+                "circuit_breaker.success_threshold",
+                b.success_threshold,
+                2,
+            )?,
+        };
+
+        let p = raw.proxy;
+        let backoff_multiplier = p.backoff_multiplier.unwrap_or(2.0);
+        if !backoff_multiplier.is_finite() || !(1.0..=100.0).contains(&backoff_multiplier) {
+            return Err(ck.err(
+                "proxy.backoff_multiplier",
+                format!("{backoff_multiplier} is out of range [1, 100]"),
+            ));
+        }
+        let jitter_factor = p.jitter_factor.unwrap_or(0.2);
+        if !(0.0..=1.0).contains(&jitter_factor) {
+            return Err(ck.err(
+                "proxy.jitter_factor",
+                format!("{jitter_factor} is out of range [0, 1]"),
+            ));
+        }
+        let retryable_statuses = p.retryable_statuses.unwrap_or_else(|| vec![502, 503, 504]);
+        if let Some(bad) = retryable_statuses
+            .iter()
+            .find(|s| !(100..=599).contains(*s))
+        {
+            return Err(ck.err(
+                "proxy.retryable_statuses",
+                format!("{bad} is not an HTTP status (100–599)"),
+            ));
+        }
+        let remote_media_url_policy = match p.remote_media_url_policy {
+            None => RemoteMediaPolicy::Allow,
+            Some(Value::String(s)) if s == "allow" => RemoteMediaPolicy::Allow,
+            Some(Value::Number(n)) if n.as_u64().is_some_and(|n| (400..=499).contains(&n)) => {
+                RemoteMediaPolicy::Reject(n.as_u64().unwrap_or(400) as u16)
+            }
+            Some(other) => {
+                return Err(ck.err(
+                    "proxy.remote_media_url_policy",
+                    format!("{other:?} is not `allow` or a 4xx status"),
+                ));
+            }
+        };
+        let proxy = ProxyConfig {
+            max_retries: p.max_retries.unwrap_or(2),
+            initial_backoff: Duration::from_millis(p.initial_backoff_ms.unwrap_or(50)),
+            backoff_multiplier,
+            jitter_factor,
+            retryable_statuses,
+            connect_timeout: ck.secs(
+                "proxy.connect_timeout_secs",
+                p.connect_timeout_secs,
+                2.0,
+                false,
+            )?,
+            request_timeout: ck.secs(
+                "proxy.request_timeout_secs",
+                p.request_timeout_secs,
+                600.0,
+                false,
+            )?,
+            pool_idle_timeout: ck.secs(
+                "proxy.pool_idle_timeout_secs",
+                p.pool_idle_timeout_secs,
+                4.0,
+                true,
+            )?,
+            add_routed_peer_header: p.add_routed_peer_header.unwrap_or(false),
+            remote_media_url_policy,
+            models_cache: ck.secs("proxy.models_cache_secs", p.models_cache_secs, 600.0, true)?,
+            api_key: p.api_key.filter(|k| !k.is_empty()),
+        };
+
+        let level = raw.log.level.unwrap_or_else(|| "info".into());
+        if tracing_subscriber::EnvFilter::try_new(&level).is_err() {
+            return Err(ck.err(
+                "log.level",
+                format!("`{level}` is not a log level or filter"),
+            ));
+        }
+        let log = LogConfig {
+            format: raw.log.format.unwrap_or(LogFormat::Text),
+            level,
+        };
+
+        Ok(Config {
+            policy: raw.policy.unwrap_or(PolicyKind::CacheAware),
+            server,
+            workers,
+            cache,
+            health,
+            circuit_breaker,
+            proxy,
+            log,
+        })
+    }
+
+    /// Names the first top-level key other than `workers` that differs between two
+    /// configs (SIGHUP may change only `workers`), or `None`.
+    pub fn non_worker_difference(&self, other: &Config) -> Option<&'static str> {
+        if self.policy != other.policy {
+            return Some("policy");
+        }
+        if self.server != other.server {
+            return Some("server");
+        }
+        if self.cache != other.cache {
+            return Some("cache");
+        }
+        if self.health != other.health {
+            return Some("health");
+        }
+        if self.circuit_breaker != other.circuit_breaker {
+            return Some("circuit_breaker");
+        }
+        if self.proxy != other.proxy {
+            return Some("proxy");
+        }
+        if self.log != other.log {
+            return Some("log");
+        }
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(files: &[(&str, &str)]) -> Result<Config, ConfigError> {
+        Config::from_sources(files.iter().map(|(f, t)| (Path::new(*f), *t)))
+    }
+
+    fn err(files: &[(&str, &str)]) -> String {
+        load(files)
+            .expect_err("config should be refused")
+            .to_string()
+    }
+
+    const ONE: &str = "workers:\n  - url: http://127.0.0.1:8001\n";
+
+    #[test]
+    fn minimal_config_gets_documented_defaults() {
+        let c = load(&[("a.yaml", ONE)]).unwrap();
+        assert_eq!(c.policy, PolicyKind::CacheAware);
+        assert_eq!(c.server.port, 6700);
+        assert_eq!(c.server.host, "0.0.0.0");
+        assert_eq!(c.server.max_body_bytes, 32 << 20);
+        assert_eq!(c.cache.threshold, 0.3);
+        assert_eq!(c.cache.match_abs_threshold, 8192);
+        assert_eq!(c.cache.balance_abs_threshold, 2);
+        assert_eq!(c.cache.balance_rel_threshold, 1.5);
+        assert_eq!(c.cache.max_prompt_bytes, 32768);
+        assert_eq!(c.cache.eviction_interval, Some(Duration::from_secs(60)));
+        assert_eq!(c.cache.daily_cleanup_hour_utc, None);
+        assert_eq!(c.health.failure_threshold, 3);
+        assert_eq!(c.health.success_threshold, 2);
+        assert_eq!(c.proxy.max_retries, 2);
+        assert_eq!(c.proxy.connect_timeout, Duration::from_secs(2));
+        assert_eq!(c.proxy.models_cache, Duration::from_secs(600));
+        assert!(!c.proxy.add_routed_peer_header);
+        assert_eq!(c.workers.len(), 1);
+        assert_eq!(c.workers[0].max_load, None);
+        assert!(c.workers[0].cache_aware);
+    }
+
+    #[test]
+    fn layers_merge_mappings_and_replace_lists_and_scalars() {
+        let base = "policy: round_robin\nserver:\n  port: 7000\n  host: 127.0.0.1\nworkers:\n  - url: http://a:1\n  - url: http://b:2\ncache:\n  threshold: 0.5\n";
+        let over = "server:\n  port: 7100\nworkers:\n  - url: http://c:3\ncache:\n  match_abs_threshold: 10\n";
+        let c = load(&[("base.yaml", base), ("over.yaml", over)]).unwrap();
+        assert_eq!(c.policy, PolicyKind::RoundRobin);
+        assert_eq!(c.server.port, 7100);
+        assert_eq!(c.server.host, "127.0.0.1", "sibling key kept by the merge");
+        assert_eq!(c.workers.len(), 1, "lists replace");
+        assert_eq!(c.workers[0].url.to_string(), "http://c:3");
+        assert_eq!(c.cache.threshold, 0.5);
+        assert_eq!(c.cache.match_abs_threshold, 10);
+    }
+
+    #[test]
+    fn empty_and_comment_only_layers_change_nothing() {
+        let a = load(&[("a.yaml", ONE)]).unwrap();
+        let b = load(&[
+            ("a.yaml", ONE),
+            ("empty.yaml", ""),
+            ("c.yaml", "# just a comment\n"),
+        ])
+        .unwrap();
+        assert_eq!(a, b);
+        let c = load(&[("empty.yaml", ""), ("a.yaml", ONE)]).unwrap();
+        assert_eq!(a, c);
+    }
+
+    #[test]
+    fn unknown_key_names_file_and_key() {
+        let e = err(&[("a.yaml", ONE), ("b.yaml", "cache:\n  treshold: 0.4\n")]);
+        assert!(e.contains("b.yaml") && e.contains("treshold"), "{e}");
+        let e = err(&[("a.yaml", "workerz: []\n")]);
+        assert!(e.contains("a.yaml") && e.contains("workerz"), "{e}");
+    }
+
+    #[test]
+    fn wrong_type_names_file_key_and_value() {
+        let e = err(&[("a.yaml", ONE), ("b.yaml", "cache:\n  threshold: high\n")]);
+        assert!(
+            e.contains("b.yaml") && e.contains("cache.threshold") && e.contains("high"),
+            "{e}"
+        );
+        let e = err(&[("a.yaml", "server:\n  port: 70000\n")]);
+        assert!(e.contains("server.port") && e.contains("70000"), "{e}");
+        let e = err(&[("a.yaml", "policy: fastest\n")]);
+        assert!(e.contains("fastest"), "{e}");
+    }
+
+    #[test]
+    fn out_of_range_values_name_file_key_and_value() {
+        let cases = [
+            ("cache:\n  threshold: 1.5\n", "cache.threshold", "1.5"),
+            ("cache:\n  threshold: -0.1\n", "cache.threshold", "-0.1"),
+            (
+                "cache:\n  balance_rel_threshold: 0.5\n",
+                "cache.balance_rel_threshold",
+                "0.5",
+            ),
+            (
+                "cache:\n  daily_cleanup_hour_utc: 24\n",
+                "cache.daily_cleanup_hour_utc",
+                "24",
+            ),
+            ("cache:\n  max_tree_size: 0\n", "cache.max_tree_size", "0"),
+            ("proxy:\n  jitter_factor: 2\n", "proxy.jitter_factor", "2"),
+            (
+                "proxy:\n  retryable_statuses: [700]\n",
+                "proxy.retryable_statuses",
+                "700",
+            ),
+            (
+                "health:\n  failure_threshold: 0\n",
+                "health.failure_threshold",
+                "0",
+            ),
+            ("health:\n  interval_secs: 0\n", "health.interval_secs", "0"),
+            ("health:\n  endpoint: health\n", "health.endpoint", "health"),
+            (
+                "server:\n  max_body_bytes: 0\n",
+                "server.max_body_bytes",
+                "0",
+            ),
+            ("log:\n  level: \"[[\"\n", "log.level", "[["),
+        ];
+        for (over, key, value) in cases {
+            let e = err(&[("base.yaml", ONE), ("over.yaml", over)]);
+            assert!(
+                e.contains("over.yaml") && e.contains(key) && e.contains(value),
+                "{over:?} gave {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn worker_errors_are_refused() {
+        let e = err(&[("w.yaml", "workers:\n  - url: http://a:1\n    max_load: 0\n")]);
+        assert!(
+            e.contains("w.yaml") && e.contains("workers[0].max_load") && e.contains('0'),
+            "{e}"
+        );
+        for bad in [
+            "http://::1:18006",
+            "ftp://a:1",
+            "a:1",
+            "http://:80",
+            "http://h:99999",
+            "http://h:0",
+            "http://a b:1",
+            "http://h/p?q=1",
+            "https://h:1",
+        ] {
+            let e = err(&[(
+                "w.yaml",
+                &format!("workers:\n  - url: http://ok:1\n  - url: \"{bad}\"\n"),
+            )]);
+            assert!(
+                e.contains("w.yaml") && e.contains("workers[1].url") && e.contains(bad),
+                "{bad}: {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn empty_worker_list_is_refused_with_a_message() {
+        for doc in ["workers: []\n", "server:\n  port: 1\n"] {
+            let e = err(&[("w.yaml", doc)]);
+            assert!(e.contains("worker list is empty"), "{e}");
+        }
+        let e = err(&[("e.yaml", "")]);
+        assert!(e.contains("workers"), "{e}");
+    }
+
+    #[test]
+    fn worker_urls_are_normalised_and_duplicates_merged() {
+        let doc = "workers:\n  - url: http://127.0.0.1:18001/\n  - url: http://127.0.0.1:18001\n  - url: http://[::1]:18003\n  - url: http://[::1]:18004/\n  - url: http://127.0.0.1:18005/gpu5/\n  - url: HTTP://Example.com\n";
+        let c = load(&[("w.yaml", doc)]).unwrap();
+        let urls: Vec<String> = c.workers.iter().map(|w| w.url.to_string()).collect();
+        assert_eq!(
+            urls,
+            [
+                "http://127.0.0.1:18001",
+                "http://[::1]:18003",
+                "http://[::1]:18004",
+                "http://127.0.0.1:18005/gpu5",
+                "http://example.com"
+            ]
+        );
+        assert_eq!(c.workers[1].url.authority(), "[::1]:18003");
+        let u = &c.workers[3].url;
+        assert_eq!(
+            u.uri_for("/v1/chat/completions?trace=1")
+                .unwrap()
+                .to_string(),
+            "http://127.0.0.1:18005/gpu5/v1/chat/completions?trace=1"
+        );
+        assert_eq!(
+            c.workers[0].url.uri_for("/v1/models").unwrap().to_string(),
+            "http://127.0.0.1:18001/v1/models"
+        );
+    }
+
+    #[test]
+    fn only_worker_changes_are_not_differences() {
+        let a = load(&[("a", ONE)]).unwrap();
+        let b = load(&[("b", "workers:\n  - url: http://other:1\n")]).unwrap();
+        assert_eq!(a.non_worker_difference(&b), None);
+        let c = load(&[("c", ONE), ("d", "cache:\n  threshold: 0.9\n")]).unwrap();
+        assert_eq!(a.non_worker_difference(&c), Some("cache"));
+    }
+}

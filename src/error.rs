@@ -1,0 +1,105 @@
+//! Errors the proxy answers itself, and their single mapping to an HTTP response.
+//!
+//! Every error response has a JSON body in the OpenAI error shape, so SDKs show the
+//! message: `{"error":{"message":…,"type":…,"code":<status>}}`. The detail that helps
+//! an operator is logged where the error happens; the client gets a short message.
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+use http_body_util::{BodyExt, Full};
+
+use crate::proxy::ProxyBody;
+
+/// Something the router answers instead of a worker.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The request body is over `server.max_body_bytes` (413).
+    #[error("request body is larger than the limit of {limit} bytes (server.max_body_bytes)")]
+    BodyTooLarge { limit: usize },
+    /// The request body could not be read (client went away, bad framing) (400).
+    #[error("could not read the request body: {0}")]
+    BadBody(String),
+    /// No worker is usable: all unhealthy, open, full, or already tried (503).
+    #[error("no usable worker: {0}")]
+    NoWorker(&'static str),
+    /// The request references remote media and `proxy.remote_media_url_policy` refuses it.
+    #[error(
+        "requests that fetch media from remote URLs are not accepted here (proxy.remote_media_url_policy)"
+    )]
+    RemoteMedia(StatusCode),
+    /// Every attempt failed to reach a worker (502).
+    #[error("upstream worker failed: {0}")]
+    Upstream(String),
+    /// No response headers within `proxy.request_timeout_secs` (504).
+    #[error("upstream worker did not answer within {0} s (proxy.request_timeout_secs)")]
+    Timeout(u64),
+    /// A mutating admin endpoint without a configured token (403) or with a wrong one (401).
+    #[error("{0}")]
+    Forbidden(&'static str),
+    #[error("{0}")]
+    Unauthorized(&'static str),
+    /// A malformed admin request (400).
+    #[error("{0}")]
+    BadRequest(String),
+}
+
+impl ProxyError {
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::BadBody(_) | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::NoWorker(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::RemoteMedia(s) => *s,
+            ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
+            ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
+            ProxyError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+        }
+    }
+
+    fn kind(&self) -> &'static str {
+        match self {
+            ProxyError::BodyTooLarge { .. } => "request_too_large",
+            ProxyError::BadBody(_) | ProxyError::BadRequest(_) => "invalid_request_error",
+            ProxyError::NoWorker(_) => "no_worker_available",
+            ProxyError::RemoteMedia(_) => "remote_media_rejected",
+            ProxyError::Upstream(_) => "upstream_error",
+            ProxyError::Timeout(_) => "upstream_timeout",
+            ProxyError::Forbidden(_) => "admin_disabled",
+            ProxyError::Unauthorized(_) => "unauthorized",
+        }
+    }
+
+    /// The JSON error response. A 503 carries `Retry-After: 1`.
+    pub fn into_response(self) -> Response<ProxyBody> {
+        let status = self.status();
+        let body = serde_json::json!({
+            "error": {
+                "message": self.to_string(),
+                "type": self.kind(),
+                "code": status.as_u16(),
+            }
+        });
+        let mut resp = json_response(status, body.to_string());
+        if status == StatusCode::SERVICE_UNAVAILABLE {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        resp
+    }
+}
+
+/// A response with a JSON body the router wrote itself.
+pub fn json_response(status: StatusCode, body: String) -> Response<ProxyBody> {
+    let mut resp = Response::new(
+        Full::new(Bytes::from(body))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *resp.status_mut() = status;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    resp
+}

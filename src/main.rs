@@ -1,0 +1,58 @@
+//! `cache-aware-router` binary: parse the CLI, load the config, run.
+
+use std::process::ExitCode;
+
+use cache_aware_router::{
+    app,
+    config::{Cli, Config, LogFormat},
+};
+use clap::Parser;
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let config = match Config::load(&cli.config) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("cache-aware-router: invalid configuration: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    if cli.config_check {
+        println!(
+            "configuration OK: {} worker(s), policy {}",
+            config.workers.len(),
+            config.policy.as_str()
+        );
+        return ExitCode::SUCCESS;
+    }
+    init_tracing(&config);
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("cache-aware-router: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(app::run(config, cli.config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "fatal");
+            eprintln!("cache-aware-router: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `RUST_LOG` wins over `log.level`; `log.format` picks text or JSON lines.
+fn init_tracing(config: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log.level));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    match config.log.format {
+        LogFormat::Json => builder.json().init(),
+        LogFormat::Text => builder.init(),
+    }
+}

@@ -1,0 +1,106 @@
+//! Anthropic Messages shape (`POST /v1/messages`): `system` then `messages`.
+//!
+//! `system` may be a string or a list of text blocks; blocks are joined with newlines,
+//! so both spellings of the same system prompt give the same routing text. Message
+//! content blocks (`text`, `tool_use`, `tool_result`, images, documents, thinking) are
+//! read by the shared part reader in [`super`].
+
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use super::{PromptBuilder, content};
+
+#[derive(Deserialize)]
+struct MessagesBody<'a> {
+    #[serde(borrow, default)]
+    system: Option<&'a RawValue>,
+    #[serde(borrow)]
+    messages: Vec<Message<'a>>,
+}
+
+#[derive(Deserialize)]
+struct Message<'a> {
+    #[serde(borrow, default)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow, default)]
+    content: Option<&'a RawValue>,
+}
+
+/// Appends `system: <system>` then `role: content` per message.
+pub fn messages(body: &[u8], b: &mut PromptBuilder) -> bool {
+    let Ok(req) = serde_json::from_slice::<MessagesBody<'_>>(body) else {
+        return false;
+    };
+    if let Some(system) = req.system {
+        b.role("system");
+        if !content(system, b) {
+            return false;
+        }
+        b.end_message();
+    }
+    for m in &req.messages {
+        b.role(m.role.as_deref().unwrap_or("user"));
+        if let Some(c) = m.content
+            && !content(c, b)
+        {
+            return false;
+        }
+        b.end_message();
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::prompt::{Endpoint, Source, extract};
+
+    fn text(body: &str) -> String {
+        let ctx = extract(Endpoint::Messages, body.as_bytes(), 1 << 20);
+        assert_eq!(ctx.source, Source::Extracted, "{body}");
+        String::from_utf8(ctx.text.into_owned()).unwrap()
+    }
+
+    const MESSAGES: &str = r#""messages":[{"role":"user","content":[{"type":"text","text":"hi"}]},{"role":"assistant","content":[{"type":"tool_use","id":"tu_1","name":"lookup","input":{"q":"x"}}]},{"role":"user","content":[{"type":"tool_result","tool_use_id":"tu_1","content":[{"type":"text","text":"found"}]}]}]"#;
+
+    #[test]
+    fn system_blocks_and_string_route_alike() {
+        let blocks = text(&format!(
+            r#"{{"model":"m","max_tokens":16,"system":[{{"type":"text","text":"You are terse."}},{{"type":"text","text":"Reply in English.","cache_control":{{"type":"ephemeral"}}}}],{MESSAGES}}}"#
+        ));
+        let string = text(&format!(
+            r#"{{"model":"m","max_tokens":16,"system":"You are terse.\nReply in English.",{MESSAGES}}}"#
+        ));
+        assert_eq!(blocks, string);
+        assert_eq!(
+            blocks,
+            "system: You are terse.\nReply in English.\nuser: hi\nassistant: lookup {\"q\":\"x\"}\nuser: found\n"
+        );
+    }
+
+    #[test]
+    fn images_are_hashed_not_copied() {
+        let body = r#"{"messages":[{"role":"user","content":[{"type":"image","source":{"type":"base64","media_type":"image/png","data":"AAAABBBBCCCC"}},{"type":"text","text":"What is this?"}]}]}"#;
+        let t = text(body);
+        assert!(
+            t.starts_with("user: <image:") && t.ends_with("What is this?\n"),
+            "{t}"
+        );
+        assert!(!t.contains("AAAABBBB"));
+        let remote = r#"{"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://example.com/x.png"}}]}]}"#;
+        assert!(extract(Endpoint::Messages, remote.as_bytes(), 100).has_remote_media);
+    }
+
+    #[test]
+    fn no_system_and_string_content() {
+        assert_eq!(
+            text(r#"{"messages":[{"role":"user","content":"Hello"}]}"#),
+            "user: Hello\n"
+        );
+        assert_eq!(
+            extract(Endpoint::Messages, br#"{"system":"x"}"#, 100).source,
+            Source::RawBody
+        );
+    }
+}

@@ -1,0 +1,111 @@
+//! Header rules of the proxy path: hop-by-hop stripping and request ids.
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+/// `x-request-id`, the id shared by the router's log, the worker and the client.
+pub static REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+/// Response header naming the worker that served the request
+/// (`proxy.add_routed_peer_header`).
+pub static ROUTED_PEER: HeaderName = HeaderName::from_static("x-routed-peer");
+
+/// Longest client-supplied request id forwarded as-is, in bytes.
+pub const MAX_REQUEST_ID_LEN: usize = 128;
+
+/// Hop-by-hop headers (RFC 9110 §7.6.1, plus the de-facto `Keep-Alive`,
+/// `Proxy-Connection` and the proxy auth pair): they describe one connection and are
+/// never forwarded.
+const HOP_BY_HOP: [HeaderName; 9] = [
+    header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    header::PROXY_AUTHENTICATE,
+    header::PROXY_AUTHORIZATION,
+    header::TE,
+    header::TRAILER,
+    header::TRANSFER_ENCODING,
+    header::UPGRADE,
+];
+
+/// Removes hop-by-hop headers and every header named in `Connection`. Returns whether
+/// the message had `Transfer-Encoding` (so a stale `Content-Length` can be dropped).
+pub fn strip_hop_by_hop(headers: &mut HeaderMap) -> bool {
+    let chunked = headers.contains_key(header::TRANSFER_ENCODING);
+    let named: Vec<HeaderName> = headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+        headers.remove(name);
+    }
+    chunked
+}
+
+/// The client's request id when it is usable as-is (1–128 visible ASCII characters),
+/// otherwise a fresh one: oversized or control-character ids are never forwarded or
+/// logged.
+pub fn request_id(headers: &HeaderMap) -> HeaderValue {
+    if let Some(v) = headers.get(&REQUEST_ID) {
+        let b = v.as_bytes();
+        if !b.is_empty() && b.len() <= MAX_REQUEST_ID_LEN && b.iter().all(|c| c.is_ascii_graphic())
+        {
+            return v.clone();
+        }
+    }
+    let id: u128 = rand::random();
+    HeaderValue::from_str(&format!("{id:032x}"))
+        .unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn strips_hop_by_hop_and_connection_named_headers() {
+        let mut h = HeaderMap::new();
+        for (k, v) in [
+            ("connection", "keep-alive, X-Trace-Hop"),
+            ("x-trace-hop", "1"),
+            ("keep-alive", "timeout=2"),
+            ("te", "trailers"),
+            ("upgrade", "websocket"),
+            ("proxy-authorization", "Basic dGVzdDp0ZXN0"),
+            ("transfer-encoding", "chunked"),
+            ("x-request-id", "qa-hop-1"),
+            ("authorization", "Bearer k"),
+        ] {
+            h.append(
+                HeaderName::from_bytes(k.as_bytes()).unwrap(),
+                HeaderValue::from_static(v),
+            );
+        }
+        assert!(strip_hop_by_hop(&mut h));
+        let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
+        left.sort();
+        assert_eq!(left, ["authorization", "x-request-id"]);
+    }
+
+    #[test]
+    fn request_ids_are_kept_or_replaced() {
+        let mut h = HeaderMap::new();
+        h.insert(&REQUEST_ID, HeaderValue::from_static("qa-req-0001"));
+        assert_eq!(request_id(&h), "qa-req-0001");
+        h.insert(
+            &REQUEST_ID,
+            HeaderValue::from_str(&"a".repeat(10_000)).unwrap(),
+        );
+        let r = request_id(&h);
+        assert_eq!(r.len(), 32);
+        h.insert(&REQUEST_ID, HeaderValue::from_bytes(b"bad\tid").unwrap());
+        assert_ne!(request_id(&h), "bad\tid");
+        h.insert(&REQUEST_ID, HeaderValue::from_static("has space"));
+        assert_eq!(request_id(&h).len(), 32);
+        let a = request_id(&HeaderMap::new());
+        let b = request_id(&HeaderMap::new());
+        assert_ne!(a, b);
+        assert!(a.to_str().unwrap().bytes().all(|c| c.is_ascii_hexdigit()));
+    }
+}

@@ -1,0 +1,384 @@
+//! The request path: read the body, extract the prompt, pick a worker, forward, stream
+//! the answer back.
+//!
+//! [`Router`] is the hyper service state shared by every connection. One request loads
+//! the current [`WorkerSet`] once and keeps it for all its attempts. The upstream body
+//! goes back to the client frame by frame inside a [`GuardedBody`], which owns the
+//! in-flight guard. Retries (other workers only, with backoff) happen only before any
+//! response byte reached the client: once headers are returned, a failure ends the
+//! client's stream with an error, never a replay.
+
+pub mod body;
+pub mod headers;
+pub mod models;
+mod upstream;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Method, Request, Response, StatusCode};
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+
+pub use body::GuardedBody;
+
+use crate::admin;
+use crate::config::{Config, PolicyKind, RemoteMediaPolicy, WorkerConfig};
+use crate::error::ProxyError;
+use crate::policy::{self, CacheParams, Candidate, Pick, Reason};
+use crate::prompt::{self, Endpoint, RouteContext};
+use crate::tree::WorkerMask;
+use crate::workers::{InFlightGuard, Worker, WorkerId, WorkerSet};
+
+/// Error type of response bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// The body of every response the router sends.
+pub type ProxyBody = BoxBody<Bytes, BoxError>;
+
+/// Shared state of the request path. See the module docs.
+pub struct Router {
+    config: Config,
+    workers: ArcSwap<WorkerSet>,
+    client: upstream::Upstream,
+    params: CacheParams,
+}
+
+impl Router {
+    /// Builds the router for a validated config: workers start healthy with nothing in
+    /// flight, and the tree starts empty.
+    pub fn new(config: Config) -> Self {
+        let set = WorkerSet::new(
+            config
+                .workers
+                .iter()
+                .map(|w| Arc::new(Worker::new(w.clone())))
+                .collect(),
+        );
+        Router {
+            client: upstream::Upstream::new(&config.proxy),
+            params: CacheParams::from(&config.cache),
+            workers: ArcSwap::from_pointee(set),
+            config,
+        }
+    }
+
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The current worker set (one atomic load).
+    pub fn worker_set(&self) -> Arc<WorkerSet> {
+        self.workers.load_full()
+    }
+
+    /// Swaps in a new worker list: workers whose config is unchanged keep their
+    /// `Arc<Worker>` (health, in-flight); the tree and the models cache start fresh.
+    /// Requests in flight keep the set they loaded.
+    pub fn replace_workers(&self, workers: &[WorkerConfig]) {
+        let old = self.workers.load();
+        let next = workers
+            .iter()
+            .map(|cfg| {
+                old.workers()
+                    .iter()
+                    .find(|w| w.config() == cfg)
+                    .cloned()
+                    .unwrap_or_else(|| Arc::new(Worker::new(cfg.clone())))
+            })
+            .collect();
+        self.workers.store(Arc::new(WorkerSet::new(next)));
+    }
+
+    /// Answers one client request. Never fails: errors become JSON responses.
+    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
+        let method = req.method().clone();
+        let path = req.uri().path();
+        if method == Method::GET {
+            match path {
+                "/health" => return admin::health(&self.worker_set()),
+                "/workers" => return admin::workers(&self),
+                _ => {}
+            }
+        }
+        let request_id = headers::request_id(req.headers());
+        let result = if method == Method::GET && path == "/v1/models" {
+            models::get(&self, req, &request_id).await
+        } else {
+            self.proxy(req, &request_id).await
+        };
+        let mut resp = result.unwrap_or_else(ProxyError::into_response);
+        resp.headers_mut()
+            .insert(headers::REQUEST_ID.clone(), request_id);
+        resp
+    }
+
+    /// Reads the body (bounded), routes and forwards.
+    async fn proxy(
+        &self,
+        req: Request<Incoming>,
+        request_id: &HeaderValue,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let (parts, body) = req.into_parts();
+        let body = read_body(&parts, body, self.config.server.max_body_bytes).await?;
+        let endpoint = (parts.method == Method::POST)
+            .then(|| Endpoint::from_path(parts.uri.path()))
+            .flatten();
+        let started = Instant::now();
+        let ctx = endpoint.map(|e| prompt::extract(e, &body, self.config.cache.max_prompt_bytes));
+        if let (Some(c), RemoteMediaPolicy::Reject(status)) =
+            (&ctx, self.config.proxy.remote_media_url_policy)
+            && c.has_remote_media
+        {
+            return Err(ProxyError::RemoteMedia(
+                StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
+            ));
+        }
+        let set = self.worker_set();
+        let route = Route {
+            endpoint,
+            ctx: ctx.as_ref(),
+            started,
+        };
+        self.forward(&set, &parts, body.clone(), &route, request_id)
+            .await
+    }
+
+    /// Picks a worker and forwards, retrying on other workers while nothing has been
+    /// returned to the client.
+    async fn forward(
+        &self,
+        set: &WorkerSet,
+        parts: &http::request::Parts,
+        body: Bytes,
+        route: &Route<'_>,
+        request_id: &HeaderValue,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let base = upstream::RequestTemplate::new(parts, request_id);
+        let mut tried = WorkerMask::default();
+        let mut last_error =
+            ProxyError::NoWorker("every worker is unhealthy, at max_load, or down");
+        let retries = self.config.proxy.max_retries;
+        let mut attempt = 0u32;
+        let mut started = route.started;
+        while attempt <= retries {
+            let Some((pick, guard)) = self.pick(set, route, &tried) else {
+                log_decision(
+                    route,
+                    request_id,
+                    None,
+                    Reason::NoWorker,
+                    0.0,
+                    started,
+                    attempt,
+                );
+                return Err(if attempt == 0 {
+                    ProxyError::NoWorker("every worker is unhealthy, at max_load, or down")
+                } else {
+                    last_error
+                });
+            };
+            let worker = Arc::clone(guard.worker());
+            log_decision(
+                route,
+                request_id,
+                Some(&worker),
+                pick.reason,
+                pick.matched_ratio(),
+                started,
+                attempt,
+            );
+            if let Some(id) = pick.worker {
+                tried.insert(id);
+            }
+            match self.client.send(&worker, &base, body.clone()).await {
+                Ok(resp)
+                    if attempt < retries
+                        && self
+                            .config
+                            .proxy
+                            .retryable_statuses
+                            .contains(&resp.status().as_u16()) =>
+                {
+                    tracing::warn!(
+                        request_id = ?request_id,
+                        worker = %worker.url(),
+                        status = resp.status().as_u16(),
+                        "retryable status; trying another worker"
+                    );
+                    last_error = ProxyError::Upstream(format!("worker answered {}", resp.status()));
+                }
+                Ok(resp) => return Ok(self.respond(resp, guard)),
+                Err(e) => {
+                    tracing::warn!(request_id = ?request_id, worker = %worker.url(), error = %e, "upstream attempt failed");
+                    last_error = e;
+                }
+            }
+            drop(guard);
+            attempt += 1;
+            if attempt <= retries {
+                tokio::time::sleep(self.backoff(attempt)).await;
+                started = Instant::now();
+            }
+        }
+        Err(last_error)
+    }
+
+    /// One decision plus the in-flight slot on the chosen worker. A worker that filled
+    /// up between the decision and the slot is skipped and the decision re-run.
+    fn pick(
+        &self,
+        set: &WorkerSet,
+        route: &Route<'_>,
+        tried: &WorkerMask,
+    ) -> Option<(Pick, InFlightGuard)> {
+        let mut excluded = tried.clone();
+        loop {
+            let candidates: Vec<Candidate> = set
+                .workers()
+                .iter()
+                .enumerate()
+                .map(|(i, w)| {
+                    let id = WorkerId(i as u32);
+                    Candidate {
+                        id,
+                        load: w.load(),
+                        usable: w.is_routable() && !excluded.contains(id),
+                        cache_aware: w.config().cache_aware,
+                    }
+                })
+                .collect();
+            let text_len = route.ctx.map_or(0, |c| c.text.len());
+            let pick = match (self.config.policy, route.ctx) {
+                (PolicyKind::CacheAware, Some(ctx)) => {
+                    let mut tree = set.tree();
+                    policy::pick_cache_aware(
+                        &self.params,
+                        &ctx.text,
+                        &candidates,
+                        &mut tree,
+                        &mut rand::rng(),
+                    )
+                }
+                (PolicyKind::RoundRobin, _) => {
+                    policy::pick_round_robin(&candidates, text_len, set.next_ticket())
+                }
+                (PolicyKind::Random, _) => {
+                    policy::pick_random(&candidates, text_len, &mut rand::rng())
+                }
+                (PolicyKind::LeastLoad | PolicyKind::CacheAware, _) => {
+                    policy::pick_least_load(&candidates, text_len, &mut rand::rng())
+                }
+            };
+            let id = pick.worker?;
+            let worker = set.get(id)?;
+            match InFlightGuard::try_acquire(worker) {
+                Some(guard) => return Some((pick, guard)),
+                None => {
+                    excluded.insert(id);
+                }
+            }
+        }
+    }
+
+    /// Backoff before retry number `attempt` (1-based): initial × multiplier^(attempt-1),
+    /// spread by ± `jitter_factor`.
+    fn backoff(&self, attempt: u32) -> Duration {
+        let p = &self.config.proxy;
+        let base = p.initial_backoff.as_secs_f64() * p.backoff_multiplier.powi(attempt as i32 - 1);
+        let jitter = 1.0 + p.jitter_factor * (rand::random::<f64>() * 2.0 - 1.0);
+        Duration::from_secs_f64((base * jitter).clamp(0.0, 60.0))
+    }
+
+    /// The client's response: upstream status and end-to-end headers, body streamed with
+    /// the in-flight guard.
+    fn respond(&self, resp: Response<Incoming>, guard: InFlightGuard) -> Response<ProxyBody> {
+        let (mut parts, incoming) = resp.into_parts();
+        if headers::strip_hop_by_hop(&mut parts.headers) {
+            // Framing is hyper's job now; a length beside chunked framing is stale.
+            parts.headers.remove(header::CONTENT_LENGTH);
+        }
+        if self.config.proxy.add_routed_peer_header
+            && let Ok(v) = HeaderValue::from_str(&guard.worker().url().to_string())
+        {
+            parts.headers.insert(headers::ROUTED_PEER.clone(), v);
+        }
+        let is_sse = parts
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        if is_sse {
+            // Keep any buffering proxy in front (nginx) from holding tokens back.
+            parts
+                .headers
+                .entry(header::CACHE_CONTROL)
+                .or_insert(HeaderValue::from_static("no-cache"));
+            parts
+                .headers
+                .entry("x-accel-buffering")
+                .or_insert(HeaderValue::from_static("no"));
+        }
+        let body = GuardedBody::new(incoming, guard)
+            .map_err(|e| -> BoxError { Box::new(e) })
+            .boxed();
+        Response::from_parts(parts, body)
+    }
+}
+
+/// What one request routes on.
+struct Route<'a> {
+    endpoint: Option<Endpoint>,
+    ctx: Option<&'a RouteContext<'a>>,
+    /// When the decision started (for its latency).
+    started: Instant,
+}
+
+fn log_decision(
+    route: &Route<'_>,
+    request_id: &HeaderValue,
+    worker: Option<&Arc<Worker>>,
+    reason: Reason,
+    matched_ratio: f64,
+    started: Instant,
+    attempt: u32,
+) {
+    tracing::info!(
+        target: "cache_aware_router::decision",
+        request_id = request_id.to_str().unwrap_or("-"),
+        endpoint = route.endpoint.map_or("other", Endpoint::as_str),
+        worker = worker.map(|w| w.url().to_string()).as_deref().unwrap_or("-"),
+        reason = reason.as_str(),
+        matched_ratio = format_args!("{matched_ratio:.3}"),
+        decision_us = started.elapsed().as_micros() as u64,
+        attempt,
+        "route"
+    );
+}
+
+/// Reads a request body up to `limit` bytes. A declared `Content-Length` over the limit
+/// is refused before reading; a chunked body is refused as soon as it passes the limit.
+async fn read_body(
+    parts: &http::request::Parts,
+    body: Incoming,
+    limit: usize,
+) -> Result<Bytes, ProxyError> {
+    let declared = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ProxyError::BodyTooLarge { limit });
+    }
+    match Limited::new(body, limit).collect().await {
+        Ok(c) => Ok(c.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(ProxyError::BodyTooLarge { limit })
+        }
+        Err(e) => Err(ProxyError::BadBody(e.to_string())),
+    }
+}

@@ -1,0 +1,106 @@
+//! `GET /v1/models`: proxied to a usable worker, the answer cached per worker set.
+
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::header::{self, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+
+use super::{ProxyBody, Route, Router};
+use crate::error::ProxyError;
+
+/// Largest `/v1/models` answer that is cached, in bytes.
+const MAX_CACHED_BYTES: usize = 4 << 20;
+
+/// The last successful `/v1/models` answer of one worker set. A reload makes a new set
+/// and so drops it.
+#[derive(Debug, Default)]
+pub struct ModelsCache {
+    entry: Mutex<Option<Cached>>,
+}
+
+#[derive(Debug, Clone)]
+struct Cached {
+    at: Instant,
+    content_type: Option<HeaderValue>,
+    body: Bytes,
+}
+
+impl ModelsCache {
+    fn fresh(&self, ttl: Duration) -> Option<Cached> {
+        let entry = self.entry.lock().unwrap_or_else(|e| e.into_inner());
+        entry.as_ref().filter(|c| c.at.elapsed() < ttl).cloned()
+    }
+
+    fn store(&self, c: Cached) {
+        *self.entry.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
+    }
+}
+
+/// Serves `/v1/models` from the cache, or forwards it like any request (least-loaded
+/// usable worker, retries) and caches a 200 answer for `proxy.models_cache_secs`.
+pub(super) async fn get(
+    router: &Router,
+    req: Request<Incoming>,
+    request_id: &HeaderValue,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let set = router.worker_set();
+    let ttl = router.config.proxy.models_cache;
+    if let Some(c) = set.models.fresh(ttl) {
+        if set.healthy_count() == 0 {
+            return Err(ProxyError::NoWorker("no worker is healthy"));
+        }
+        return Ok(build(StatusCode::OK, c.content_type, c.body));
+    }
+    let (parts, _) = req.into_parts();
+    let route = Route {
+        endpoint: None,
+        ctx: None,
+        started: Instant::now(),
+    };
+    let resp = router
+        .forward(&set, &parts, Bytes::new(), &route, request_id)
+        .await?;
+    if resp.status() != StatusCode::OK || ttl.is_zero() {
+        return Ok(resp);
+    }
+    let (parts, mut body) = resp.into_parts();
+    // Collected by hand: `Limited` over a boxed-error body trips rustc's higher-ranked
+    // Send check (rust-lang/rust#102211).
+    let mut buf = bytes::BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        let frame = frame.map_err(|e| ProxyError::Upstream(format!("reading /v1/models: {e}")))?;
+        if let Some(data) = frame.data_ref() {
+            if buf.len() + data.len() > MAX_CACHED_BYTES {
+                return Err(ProxyError::Upstream(format!(
+                    "/v1/models answer is over {MAX_CACHED_BYTES} bytes"
+                )));
+            }
+            buf.extend_from_slice(data);
+        }
+    }
+    let body = buf.freeze();
+    let content_type = parts.headers.get(header::CONTENT_TYPE).cloned();
+    set.models.store(Cached {
+        at: Instant::now(),
+        content_type: content_type.clone(),
+        body: body.clone(),
+    });
+    Ok(build(parts.status, content_type, body))
+}
+
+fn build(
+    status: StatusCode,
+    content_type: Option<HeaderValue>,
+    body: Bytes,
+) -> Response<ProxyBody> {
+    let mut resp = Response::new(Full::new(body).map_err(|never| match never {}).boxed());
+    *resp.status_mut() = status;
+    if let Some(ct) = content_type {
+        resp.headers_mut().insert(header::CONTENT_TYPE, ct);
+    }
+    resp
+}

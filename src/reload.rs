@@ -1,0 +1,72 @@
+//! SIGHUP reload: re-read every `-c` file and swap the worker list.
+//!
+//! Only `workers` may change. A file that fails to load, or a change to any other key,
+//! is logged and the running config kept. Surviving workers keep their state (see
+//! [`Router::replace_workers`]); the tree and the `/v1/models` cache start fresh.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use crate::config::Config;
+use crate::proxy::Router;
+
+/// What a reload did.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Applied {
+        workers: usize,
+    },
+    /// The files did not load; the message names file, key and value.
+    Invalid(String),
+    /// A key other than `workers` differs.
+    Rejected {
+        key: &'static str,
+    },
+}
+
+/// Loads `files` and applies them to `router` if only `workers` changed.
+pub fn apply(router: &Router, files: &[PathBuf]) -> Outcome {
+    let next = match Config::load(files) {
+        Ok(c) => c,
+        Err(e) => return Outcome::Invalid(e.to_string()),
+    };
+    if let Some(key) = router.config().non_worker_difference(&next) {
+        return Outcome::Rejected { key };
+    }
+    router.replace_workers(&next.workers);
+    Outcome::Applied {
+        workers: next.workers.len(),
+    }
+}
+
+/// Waits for SIGHUP forever, applying each.
+pub async fn run(router: Arc<Router>, files: Vec<PathBuf>) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        let mut hup = match signal(SignalKind::hangup()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::error!(error = %e, "cannot listen for SIGHUP; reload disabled");
+                return;
+            }
+        };
+        while hup.recv().await.is_some() {
+            match apply(&router, &files) {
+                Outcome::Applied { workers } => tracing::info!(workers, "reload applied"),
+                Outcome::Invalid(e) => {
+                    tracing::error!(error = %e, "reload failed; keeping the running config")
+                }
+                Outcome::Rejected { key } => tracing::error!(
+                    key,
+                    "reload rejected: only `workers` may change without a restart; keeping the running config"
+                ),
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (router, files);
+        std::future::pending::<()>().await;
+    }
+}

@@ -1,0 +1,165 @@
+//! [`WorkerMask`]: a set of [`WorkerId`]s, one bit each.
+
+use super::WorkerId;
+
+/// A set of workers. Ids below 64 live inline (no allocation: the common fleet size);
+/// larger ids spill into a boxed bit vector.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct WorkerMask {
+    low: u64,
+    high: Option<Box<[u64]>>,
+}
+
+impl WorkerMask {
+    /// Adds `w`; returns whether it was absent.
+    pub fn insert(&mut self, w: WorkerId) -> bool {
+        let (word, bit) = split(w);
+        let slot = if word == 0 {
+            &mut self.low
+        } else {
+            let high = self.high.get_or_insert_with(|| vec![0; word].into());
+            if high.len() < word {
+                let mut grown = vec![0; word];
+                grown[..high.len()].copy_from_slice(high);
+                *high = grown.into();
+            }
+            &mut high[word - 1]
+        };
+        let absent = *slot & bit == 0;
+        *slot |= bit;
+        absent
+    }
+
+    /// Removes `w`; returns whether it was present.
+    pub fn remove(&mut self, w: WorkerId) -> bool {
+        let (word, bit) = split(w);
+        let slot = if word == 0 {
+            &mut self.low
+        } else {
+            match self.high.as_mut().and_then(|h| h.get_mut(word - 1)) {
+                Some(s) => s,
+                None => return false,
+            }
+        };
+        let present = *slot & bit != 0;
+        *slot &= !bit;
+        if present
+            && word > 0
+            && self
+                .high
+                .as_ref()
+                .is_some_and(|h| h.iter().all(|x| *x == 0))
+        {
+            self.high = None;
+        }
+        present
+    }
+
+    /// Whether `w` is in the set.
+    pub fn contains(&self, w: WorkerId) -> bool {
+        let (word, bit) = split(w);
+        let v = if word == 0 {
+            self.low
+        } else {
+            self.high
+                .as_ref()
+                .and_then(|h| h.get(word - 1))
+                .copied()
+                .unwrap_or(0)
+        };
+        v & bit != 0
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.low == 0 && self.high.is_none()
+    }
+
+    /// Whether the two sets share a worker (no allocation).
+    pub fn intersects(&self, other: &WorkerMask) -> bool {
+        if self.low & other.low != 0 {
+            return true;
+        }
+        match (&self.high, &other.high) {
+            (Some(a), Some(b)) => a.iter().zip(b.iter()).any(|(x, y)| x & y != 0),
+            _ => false,
+        }
+    }
+
+    /// The workers in both sets.
+    pub fn intersection(&self, other: &WorkerMask) -> WorkerMask {
+        let high = match (&self.high, &other.high) {
+            (Some(a), Some(b)) => {
+                let v: Box<[u64]> = a.iter().zip(b.iter()).map(|(x, y)| x & y).collect();
+                v.iter().any(|x| *x != 0).then_some(v)
+            }
+            _ => None,
+        };
+        WorkerMask {
+            low: self.low & other.low,
+            high,
+        }
+    }
+
+    /// The members in increasing id order.
+    pub fn iter(&self) -> impl Iterator<Item = WorkerId> + '_ {
+        std::iter::once(self.low)
+            .chain(self.high.iter().flat_map(|h| h.iter().copied()))
+            .enumerate()
+            .flat_map(|(word, mut bits)| {
+                std::iter::from_fn(move || {
+                    if bits == 0 {
+                        return None;
+                    }
+                    let b = bits.trailing_zeros();
+                    bits &= bits - 1;
+                    Some(WorkerId(word as u32 * 64 + b))
+                })
+            })
+    }
+}
+
+impl FromIterator<WorkerId> for WorkerMask {
+    fn from_iter<I: IntoIterator<Item = WorkerId>>(iter: I) -> Self {
+        let mut m = WorkerMask::default();
+        for w in iter {
+            m.insert(w);
+        }
+        m
+    }
+}
+
+fn split(w: WorkerId) -> (usize, u64) {
+    ((w.0 / 64) as usize, 1u64 << (w.0 % 64))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn set_operations_across_the_inline_boundary() {
+        let mut a: WorkerMask = [WorkerId(1), WorkerId(63), WorkerId(64), WorkerId(200)]
+            .into_iter()
+            .collect();
+        assert!(a.contains(WorkerId(200)) && !a.contains(WorkerId(199)));
+        assert!(!a.insert(WorkerId(64)));
+        let b: WorkerMask = [WorkerId(200), WorkerId(5)].into_iter().collect();
+        assert!(a.intersects(&b));
+        assert_eq!(
+            a.intersection(&b).iter().collect::<Vec<_>>(),
+            vec![WorkerId(200)]
+        );
+        assert_eq!(
+            a.iter().collect::<Vec<_>>(),
+            vec![WorkerId(1), WorkerId(63), WorkerId(64), WorkerId(200)]
+        );
+        for w in [1, 63, 64, 200] {
+            assert!(a.remove(WorkerId(w)));
+        }
+        assert!(a.is_empty(), "{a:?}");
+        assert!(!a.remove(WorkerId(500)));
+        let only_low: WorkerMask = [WorkerId(3)].into_iter().collect();
+        assert!(!only_low.intersects(&b));
+        assert!(only_low.intersection(&b).is_empty());
+    }
+}

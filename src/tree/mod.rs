@@ -1,0 +1,483 @@
+//! The approximate KV-cache map: a radix tree of routing text shared by all workers.
+//!
+//! Each node holds one compressed edge (a run of bytes), the set of workers this router
+//! sent that prefix to, and a last-access stamp. A worker that holds a node holds every
+//! ancestor too (`child.workers ⊆ parent.workers`), so a match can stop as soon as no
+//! eligible worker holds the next edge. Match and insert walk at most one edge per
+//! branching point of the prompt, and compare each byte of the prompt at most once: their
+//! cost grows with the prompt's length, not with the tree's size (children are found by
+//! binary search on the edge's first byte).
+//!
+//! Text is bytes, not chars: thresholds and the tree share are in bytes of UTF-8 text.
+//! Nodes live in an arena (`Vec<Node>` plus a free list) addressed by `u32`, so there are
+//! no reference-counted links and a node costs one small allocation for its edge.
+//!
+//! Locking (see `workers::WorkerSet`): the tree is plain data with no interior locking;
+//! its owner wraps it in one `std::sync::Mutex`, held only for one match + insert (a few
+//! microseconds) and never across an `.await`. Whole-tree passes (removing a worker,
+//! eviction) run under the same lock but in bounded batches, so a request never waits
+//! behind a whole eviction pass.
+//!
+//! The idea follows SGLang's `sgl-model-gateway` approximate tree (per-node tenant sets
+//! and LRU stamps); the arena layout and the subset invariant are ours.
+
+mod mask;
+
+pub use mask::WorkerMask;
+
+/// Index of a worker within one worker set (dense, from 0).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId(pub u32);
+
+type NodeIdx = u32;
+const ROOT: NodeIdx = 0;
+
+#[derive(Debug, Clone)]
+struct Node {
+    /// Bytes between the parent and this node (empty only for the root).
+    edge: Box<[u8]>,
+    /// Children sorted by the first byte of their edge.
+    children: Vec<(u8, NodeIdx)>,
+    parent: NodeIdx,
+    workers: WorkerMask,
+    /// Logical time of the last insert through this node (see [`RadixTree::insert`]).
+    last_access: u64,
+}
+
+/// The result of a prefix match.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Bytes of the query matched (0 when nothing matched).
+    pub matched: usize,
+    /// The eligible workers that hold the whole matched prefix (empty when `matched` is 0).
+    pub workers: WorkerMask,
+}
+
+/// Radix tree over routing text with per-node worker membership. See the module docs.
+#[derive(Debug, Clone)]
+pub struct RadixTree {
+    nodes: Vec<Node>,
+    free: Vec<NodeIdx>,
+    /// Edge bytes held per worker (index = `WorkerId.0`), for the tree share.
+    worker_bytes: Vec<u64>,
+    /// Sum of all edge lengths.
+    total_bytes: u64,
+    /// Logical clock for `last_access`, bumped per insert.
+    clock: u64,
+}
+
+impl Default for RadixTree {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl RadixTree {
+    /// An empty tree (just the root).
+    pub fn new() -> Self {
+        RadixTree {
+            nodes: vec![Node {
+                edge: Box::default(),
+                children: Vec::new(),
+                parent: ROOT,
+                workers: WorkerMask::default(),
+                last_access: 0,
+            }],
+            free: Vec::new(),
+            worker_bytes: Vec::new(),
+            total_bytes: 0,
+            clock: 0,
+        }
+    }
+
+    /// Nodes in the tree, the root excluded.
+    pub fn node_count(&self) -> usize {
+        self.nodes.len() - self.free.len() - 1
+    }
+
+    /// Fraction (0–1) of the tree's bytes that `worker` holds.
+    pub fn share(&self, worker: WorkerId) -> f64 {
+        if self.total_bytes == 0 {
+            return 0.0;
+        }
+        let held = self
+            .worker_bytes
+            .get(worker.0 as usize)
+            .copied()
+            .unwrap_or(0);
+        held as f64 / self.total_bytes as f64
+    }
+
+    /// Bytes of routing text held for `worker` (shared prefixes count for each holder).
+    pub fn worker_bytes(&self, worker: WorkerId) -> u64 {
+        self.worker_bytes
+            .get(worker.0 as usize)
+            .copied()
+            .unwrap_or(0)
+    }
+
+    fn child(&self, node: NodeIdx, first: u8) -> Option<NodeIdx> {
+        let children = &self.nodes[node as usize].children;
+        children
+            .binary_search_by_key(&first, |(b, _)| *b)
+            .ok()
+            .map(|i| children[i].1)
+    }
+
+    /// Longest prefix of `text` held by any worker in `eligible`; read-only.
+    ///
+    /// The walk follows edges while at least one eligible worker holds them; a match may
+    /// end inside an edge (its holders hold the partial edge too).
+    pub fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask) -> PrefixMatch {
+        let mut node = ROOT;
+        let mut pos = 0;
+        let mut best = PrefixMatch {
+            matched: 0,
+            workers: WorkerMask::default(),
+        };
+        while pos < text.len() {
+            let Some(child) = self.child(node, text[pos]) else {
+                break;
+            };
+            let c = &self.nodes[child as usize];
+            if !c.workers.intersects(eligible) {
+                break;
+            }
+            let n = common_prefix_len(&c.edge, &text[pos..]);
+            pos += n;
+            best.matched = pos;
+            best.workers = c.workers.intersection(eligible);
+            if n < c.edge.len() {
+                break;
+            }
+            node = child;
+        }
+        best
+    }
+
+    /// Records that `text` was sent to `worker`: adds the worker along the whole path,
+    /// splitting an edge where the text diverges and adding one leaf for the rest.
+    /// Returns the number of nodes created (0–2).
+    pub fn insert(&mut self, text: &[u8], worker: WorkerId) -> usize {
+        self.clock += 1;
+        let now = self.clock;
+        let mut created = 0;
+        let mut node = ROOT;
+        let mut pos = 0;
+        while pos < text.len() {
+            match self.child(node, text[pos]) {
+                None => {
+                    let leaf = self.alloc(Node {
+                        edge: text[pos..].into(),
+                        children: Vec::new(),
+                        parent: node,
+                        workers: WorkerMask::default(),
+                        last_access: now,
+                    });
+                    self.link(node, text[pos], leaf);
+                    self.total_bytes += (text.len() - pos) as u64;
+                    self.hold(leaf, worker, now);
+                    return created + 1;
+                }
+                Some(child) => {
+                    let n = common_prefix_len(&self.nodes[child as usize].edge, &text[pos..]);
+                    let next = if n < self.nodes[child as usize].edge.len() {
+                        created += 1;
+                        self.split(child, n)
+                    } else {
+                        child
+                    };
+                    self.hold(next, worker, now);
+                    pos += n;
+                    node = next;
+                }
+            }
+        }
+        created
+    }
+
+    /// Removes every record of `worker`; nodes left with no worker are freed (their
+    /// whole subtree is then empty too, by the subset invariant). Cost: one pass over
+    /// the nodes that worker holds.
+    pub fn remove_worker(&mut self, worker: WorkerId) {
+        let mut stack: Vec<NodeIdx> = self.nodes[ROOT as usize]
+            .children
+            .iter()
+            .map(|(_, c)| *c)
+            .collect();
+        while let Some(n) = stack.pop() {
+            let node = &mut self.nodes[n as usize];
+            if !node.workers.remove(worker) {
+                continue; // nor do its descendants hold it
+            }
+            let len = node.edge.len() as u64;
+            let empty = node.workers.is_empty();
+            if !empty {
+                stack.extend(node.children.iter().map(|(_, c)| *c));
+            }
+            if let Some(b) = self.worker_bytes.get_mut(worker.0 as usize) {
+                *b -= len;
+            }
+            if empty {
+                // Its descendants held only this worker too: free them all.
+                self.unlink(n);
+                self.release(n);
+            }
+        }
+    }
+
+    /// Removes everything (a fresh tree keeps its allocation).
+    pub fn clear(&mut self) {
+        *self = RadixTree::new();
+    }
+
+    fn hold(&mut self, node: NodeIdx, worker: WorkerId, now: u64) {
+        let n = &mut self.nodes[node as usize];
+        n.last_access = now;
+        if n.workers.insert(worker) {
+            let i = worker.0 as usize;
+            if self.worker_bytes.len() <= i {
+                self.worker_bytes.resize(i + 1, 0);
+            }
+            self.worker_bytes[i] += n.edge.len() as u64;
+        }
+    }
+
+    /// Splits `child`'s edge after `at` bytes; returns the new middle node, which takes
+    /// the first `at` bytes and `child`'s workers and stamp.
+    fn split(&mut self, child: NodeIdx, at: usize) -> NodeIdx {
+        let c = &self.nodes[child as usize];
+        let parent = c.parent;
+        let first = c.edge[0];
+        let head: Box<[u8]> = c.edge[..at].into();
+        let tail: Box<[u8]> = c.edge[at..].into();
+        let middle = self.alloc(Node {
+            edge: head,
+            children: vec![(tail[0], child)],
+            parent,
+            workers: c.workers.clone(),
+            last_access: c.last_access,
+        });
+        let c = &mut self.nodes[child as usize];
+        c.edge = tail;
+        c.parent = middle;
+        let siblings = &mut self.nodes[parent as usize].children;
+        if let Ok(i) = siblings.binary_search_by_key(&first, |(b, _)| *b) {
+            siblings[i].1 = middle;
+        }
+        middle
+    }
+
+    fn alloc(&mut self, node: Node) -> NodeIdx {
+        match self.free.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i
+            }
+            None => {
+                self.nodes.push(node);
+                (self.nodes.len() - 1) as NodeIdx
+            }
+        }
+    }
+
+    fn link(&mut self, parent: NodeIdx, first: u8, child: NodeIdx) {
+        let children = &mut self.nodes[parent as usize].children;
+        let i = children
+            .binary_search_by_key(&first, |(b, _)| *b)
+            .unwrap_or_else(|i| i);
+        children.insert(i, (first, child));
+    }
+
+    fn unlink(&mut self, node: NodeIdx) {
+        let n = &self.nodes[node as usize];
+        let (parent, first) = (n.parent, n.edge[0]);
+        let siblings = &mut self.nodes[parent as usize].children;
+        if let Ok(i) = siblings.binary_search_by_key(&first, |(b, _)| *b) {
+            siblings.remove(i);
+        }
+    }
+
+    /// Frees `node` and its subtree, keeping the byte totals right.
+    fn release(&mut self, node: NodeIdx) {
+        let mut stack = vec![node];
+        while let Some(n) = stack.pop() {
+            let slot = &mut self.nodes[n as usize];
+            stack.extend(slot.children.iter().map(|(_, c)| *c));
+            let len = slot.edge.len() as u64;
+            self.total_bytes -= len;
+            for w in slot.workers.iter() {
+                if let Some(b) = self.worker_bytes.get_mut(w.0 as usize) {
+                    *b -= len;
+                }
+            }
+            *slot = Node {
+                edge: Box::default(),
+                children: Vec::new(),
+                parent: ROOT,
+                workers: WorkerMask::default(),
+                last_access: 0,
+            };
+            self.free.push(n);
+        }
+    }
+}
+
+/// Length of the common prefix of two byte strings.
+fn common_prefix_len(a: &[u8], b: &[u8]) -> usize {
+    let n = a.len().min(b.len());
+    let mut i = 0;
+    // Compare 16-byte chunks with memcmp, then finish byte by byte.
+    while i + 16 <= n && a[i..i + 16] == b[i..i + 16] {
+        i += 16;
+    }
+    while i < n && a[i] == b[i] {
+        i += 1;
+    }
+    i
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: WorkerId = WorkerId(0);
+    const B: WorkerId = WorkerId(1);
+    const C: WorkerId = WorkerId(70); // beyond the inline mask
+
+    fn all() -> WorkerMask {
+        [A, B, C].into_iter().collect()
+    }
+
+    fn only(w: WorkerId) -> WorkerMask {
+        [w].into_iter().collect()
+    }
+
+    #[test]
+    fn empty_tree_matches_nothing() {
+        let t = RadixTree::new();
+        let m = t.longest_prefix(b"hello", &all());
+        assert_eq!(m.matched, 0);
+        assert!(m.workers.is_empty());
+        assert_eq!(t.node_count(), 0);
+    }
+
+    #[test]
+    fn longest_prefix_and_holders() {
+        let mut t = RadixTree::new();
+        t.insert(b"system: you are helpful\nuser: hi", A);
+        t.insert(b"system: you are helpful\nuser: bye", B);
+        let m = t.longest_prefix(b"system: you are helpful\nuser: hi there", &all());
+        assert_eq!(m.matched, 32);
+        assert_eq!(m.workers.iter().collect::<Vec<_>>(), vec![A]);
+        let m = t.longest_prefix(b"system: you are helpful\nuser: b", &all());
+        assert_eq!(m.matched, 31);
+        assert_eq!(m.workers.iter().collect::<Vec<_>>(), vec![B]);
+        // The shared part is held by both.
+        let m = t.longest_prefix(b"system: you are helpful\nassistant", &all());
+        assert_eq!(m.matched, 24);
+        assert_eq!(m.workers.iter().collect::<Vec<_>>(), vec![A, B]);
+        // Match can end inside an edge.
+        let m = t.longest_prefix(b"system: you", &all());
+        assert_eq!(m.matched, 11);
+    }
+
+    #[test]
+    fn match_is_restricted_to_eligible_workers() {
+        let mut t = RadixTree::new();
+        t.insert(b"abcdef", A);
+        t.insert(b"abcxyz", B);
+        assert_eq!(t.longest_prefix(b"abcdef", &only(B)).matched, 3);
+        assert_eq!(t.longest_prefix(b"abcdef", &only(B)).workers, only(B));
+        assert_eq!(t.longest_prefix(b"abcdef", &only(A)).matched, 6);
+        assert_eq!(t.longest_prefix(b"abcdef", &only(C)).matched, 0);
+        assert_eq!(
+            t.longest_prefix(b"abcdef", &WorkerMask::default()).matched,
+            0
+        );
+    }
+
+    #[test]
+    fn insert_splits_edges_and_counts_nodes() {
+        let mut t = RadixTree::new();
+        assert_eq!(t.insert(b"abcdef", A), 1);
+        assert_eq!(t.insert(b"abcdef", A), 0, "re-insert creates nothing");
+        assert_eq!(t.insert(b"abcxyz", B), 2, "split + leaf");
+        assert_eq!(t.insert(b"abc", C), 0, "ends on the split point");
+        assert_eq!(t.insert(b"ab", C), 1, "ends inside an edge: split only");
+        assert_eq!(t.node_count(), 4);
+        assert_eq!(t.longest_prefix(b"abcdef", &only(C)).matched, 3);
+        assert_eq!(t.insert(b"", A), 0);
+    }
+
+    #[test]
+    fn tree_share_counts_bytes_per_worker() {
+        let mut t = RadixTree::new();
+        t.insert(b"aaaa", A);
+        t.insert(b"aabb", B);
+        // edges: "aa" (A,B), "aa" (A), "bb" (B): total 6
+        assert_eq!(t.worker_bytes(A), 4);
+        assert_eq!(t.worker_bytes(B), 4);
+        assert!((t.share(A) - 4.0 / 6.0).abs() < 1e-9);
+        assert_eq!(t.share(C), 0.0);
+    }
+
+    #[test]
+    fn removing_a_worker_keeps_the_others() {
+        let mut t = RadixTree::new();
+        t.insert(b"shared prefix then A", A);
+        t.insert(b"shared prefix then B", B);
+        t.insert(b"only A here", A);
+        t.insert(b"shared prefix then C", C);
+        t.remove_worker(A);
+        assert_eq!(t.longest_prefix(b"only A here", &all()).matched, 0);
+        assert_eq!(
+            t.longest_prefix(b"shared prefix then A", &only(A)).matched,
+            0
+        );
+        let m = t.longest_prefix(b"shared prefix then B", &all());
+        assert_eq!((m.matched, m.workers), (20, only(B)));
+        assert_eq!(
+            t.longest_prefix(b"shared prefix then C", &all()).matched,
+            20
+        );
+        assert_eq!(t.worker_bytes(A), 0);
+        assert_eq!(t.node_count(), 3, "A's private nodes freed");
+        t.remove_worker(B);
+        t.remove_worker(C);
+        assert_eq!(t.node_count(), 0);
+        assert_eq!(t.share(B), 0.0);
+        // Freed nodes are reused.
+        t.insert(b"again", A);
+        assert_eq!(t.longest_prefix(b"again!", &all()).matched, 5);
+    }
+
+    #[test]
+    fn cost_follows_prompt_not_tree() {
+        // 20k distinct prompts; a lookup still touches only its own path.
+        let mut t = RadixTree::new();
+        for i in 0..20_000u32 {
+            t.insert(
+                format!("conversation {i} says hello").as_bytes(),
+                WorkerId(i % 4),
+            );
+        }
+        let m = t.longest_prefix(
+            b"conversation 12345 says hello and more",
+            &(0..4).map(WorkerId).collect(),
+        );
+        assert_eq!(m.matched, "conversation 12345 says hello".len());
+        assert_eq!(m.workers, only(WorkerId(12345 % 4)));
+    }
+
+    #[test]
+    fn common_prefix_handles_chunks_and_tails() {
+        let a = vec![7u8; 40];
+        let mut b = a.clone();
+        assert_eq!(common_prefix_len(&a, &b), 40);
+        b[33] = 0;
+        assert_eq!(common_prefix_len(&a, &b), 33);
+        assert_eq!(common_prefix_len(&a[..5], &b), 5);
+        assert_eq!(common_prefix_len(b"", &b), 0);
+    }
+}
