@@ -48,6 +48,8 @@ struct WorkerView {
 struct Workers {
     policy: &'static str,
     tree_nodes: usize,
+    /// Bytes of routing text stored in the tree.
+    tree_bytes: u64,
     workers: Vec<WorkerView>,
 }
 
@@ -56,10 +58,11 @@ struct Workers {
 pub fn workers(router: &Router) -> http::Response<ProxyBody> {
     let set = router.worker_set();
     // Copy what is needed under the lock, format after releasing it.
-    let (nodes, shares): (usize, Vec<f64>) = {
+    let (nodes, bytes, shares): (usize, u64, Vec<f64>) = {
         let tree = set.tree();
         (
             tree.node_count(),
+            tree.total_bytes(),
             set.ids().map(|id| tree.share(id)).collect(),
         )
     };
@@ -81,6 +84,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
     let body = Workers {
         policy: router.config().policy.as_str(),
         tree_nodes: nodes,
+        tree_bytes: bytes,
         workers,
     };
     json_response(

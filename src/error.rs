@@ -27,7 +27,10 @@ pub enum ProxyError {
         "requests that fetch media from remote URLs are not accepted here (proxy.remote_media_url_policy)"
     )]
     RemoteMedia(StatusCode),
-    /// Every attempt failed to reach a worker (502).
+    /// No worker could be connected to (503: retryable, the pool is down).
+    #[error("no worker could be reached: {0}")]
+    Unreachable(String),
+    /// A worker failed after the connection was made (502).
     #[error("upstream worker failed: {0}")]
     Upstream(String),
     /// No response headers within `proxy.request_timeout_secs` (504).
@@ -48,7 +51,7 @@ impl ProxyError {
         match self {
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BadBody(_) | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            ProxyError::NoWorker(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::NoWorker(_) | ProxyError::Unreachable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::RemoteMedia(s) => *s,
             ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -61,7 +64,7 @@ impl ProxyError {
         match self {
             ProxyError::BodyTooLarge { .. } => "request_too_large",
             ProxyError::BadBody(_) | ProxyError::BadRequest(_) => "invalid_request_error",
-            ProxyError::NoWorker(_) => "no_worker_available",
+            ProxyError::NoWorker(_) | ProxyError::Unreachable(_) => "no_worker_available",
             ProxyError::RemoteMedia(_) => "remote_media_rejected",
             ProxyError::Upstream(_) => "upstream_error",
             ProxyError::Timeout(_) => "upstream_timeout",

@@ -74,6 +74,7 @@ impl Upstream {
         }
         match tokio::time::timeout(self.request_timeout, self.client.request(req)).await {
             Ok(Ok(resp)) => Ok(resp),
+            Ok(Err(e)) if e.is_connect() => Err(ProxyError::Unreachable(describe(&e))),
             Ok(Err(e)) => Err(ProxyError::Upstream(describe(&e))),
             Err(_) => Err(ProxyError::Timeout(self.request_timeout.as_secs())),
         }

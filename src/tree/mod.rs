@@ -95,6 +95,11 @@ impl RadixTree {
         self.nodes.len() - self.free.len() - 1
     }
 
+    /// Bytes of routing text stored in the tree (sum of edge lengths).
+    pub fn total_bytes(&self) -> u64 {
+        self.total_bytes
+    }
+
     /// Fraction (0–1) of the tree's bytes that `worker` holds.
     pub fn share(&self, worker: WorkerId) -> f64 {
         if self.total_bytes == 0 {
