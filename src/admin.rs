@@ -66,6 +66,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
             set.ids().map(|id| tree.share(id)).collect(),
         )
     };
+    let now = crate::workers::now();
     let workers = set
         .workers()
         .iter()
@@ -74,7 +75,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
             url: w.url().to_string(),
             in_flight: w.in_flight(),
             healthy: w.is_healthy(),
-            breaker: "closed",
+            breaker: w.breaker_state(now).as_str(),
             max_load: w.config().max_load.map(|m| m.get()),
             load_penalty: w.config().load_penalty,
             cache_aware: w.config().cache_aware,

@@ -16,9 +16,11 @@ use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
 use crate::config::Config;
+use crate::health;
 use crate::proxy::Router;
 use crate::reload;
 use crate::shutdown::{self, Shutdown, Trigger};
+use crate::tree::evict;
 
 /// A router serving on a bound listener, as started by [`spawn`].
 pub struct RunningRouter {
@@ -49,6 +51,8 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
     let grace = config.server.shutdown_grace;
     let router = Arc::new(Router::new(config));
     let (trigger, shutdown) = shutdown::channel();
+    tokio::spawn(health::run(Arc::clone(&router), shutdown.clone()));
+    tokio::spawn(evict::run(Arc::clone(&router), shutdown.clone()));
     let task = tokio::spawn(serve(Arc::clone(&router), listener, shutdown, grace));
     Ok(RunningRouter {
         addr,

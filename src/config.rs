@@ -79,7 +79,7 @@ pub struct ServerConfig {
     /// Largest request body accepted, in bytes (default 32 MiB); larger ones get 413.
     pub max_body_bytes: usize,
     /// Bearer token for the mutating admin endpoints; `None` disables them.
-    pub admin_token: Option<String>,
+    pub admin_token: Option<Secret>,
     /// How long SIGTERM waits for in-flight requests before exiting (default 30 s).
     pub shutdown_grace: Duration,
 }
@@ -97,7 +97,28 @@ pub struct WorkerConfig {
     /// only ever picked for load.
     pub cache_aware: bool,
     /// Bearer token sent to this worker, overriding `proxy.api_key`.
-    pub api_key: Option<String>,
+    pub api_key: Option<Secret>,
+}
+
+/// A credential from the config: compared and used, never printed (`Debug` shows `***`).
+#[derive(Clone, PartialEq, Eq)]
+pub struct Secret(String);
+
+impl Secret {
+    /// The credential itself, for building a header.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+
+    fn from_config(v: Option<String>) -> Option<Secret> {
+        v.filter(|k| !k.is_empty()).map(Secret)
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("***")
+    }
 }
 
 /// A worker's base URL, normalised: `scheme://authority` plus a path prefix with no
@@ -314,8 +335,9 @@ pub struct ProxyConfig {
     pub remote_media_url_policy: RemoteMediaPolicy,
     /// How long a `/v1/models` answer is reused (default 600 s; 0 = never cached).
     pub models_cache: Duration,
-    /// Bearer token sent to every worker unless the worker sets its own.
-    pub api_key: Option<String>,
+    /// Bearer token sent to every worker (requests and health probes) unless the worker
+    /// sets its own; it replaces the client's `Authorization`.
+    pub api_key: Option<Secret>,
 }
 
 /// What to do with requests that reference remote media by URL (`http(s)://` images).
@@ -642,7 +664,7 @@ impl Config {
             host,
             port: s.port.unwrap_or(6700),
             max_body_bytes: max_body_bytes as usize,
-            admin_token: s.admin_token.filter(|t| !t.is_empty()),
+            admin_token: Secret::from_config(s.admin_token),
             shutdown_grace: ck.secs(
                 "server.shutdown_grace_secs",
                 s.shutdown_grace_secs,
@@ -681,7 +703,7 @@ impl Config {
                 max_load,
                 load_penalty: w.load_penalty.unwrap_or(0),
                 cache_aware: w.cache_aware.unwrap_or(true),
-                api_key: w.api_key.filter(|k| !k.is_empty()),
+                api_key: Secret::from_config(w.api_key),
             });
         }
 
@@ -842,7 +864,7 @@ impl Config {
             add_routed_peer_header: p.add_routed_peer_header.unwrap_or(false),
             remote_media_url_policy,
             models_cache: ck.secs("proxy.models_cache_secs", p.models_cache_secs, 600.0, true)?,
-            api_key: p.api_key.filter(|k| !k.is_empty()),
+            api_key: Secret::from_config(p.api_key),
         };
 
         let level = raw.log.level.unwrap_or_else(|| "info".into());
@@ -1097,6 +1119,23 @@ mod tests {
         assert_eq!(
             c.workers[0].url.uri_for("/v1/models").unwrap().to_string(),
             "http://127.0.0.1:18001/v1/models"
+        );
+    }
+
+    #[test]
+    fn keys_never_show_in_debug_output() {
+        let c = load(&[(
+            "k.yaml",
+            "workers:\n  - url: http://a:1\n    api_key: sk-worker-1\nproxy:\n  api_key: sk-global-2\nserver:\n  admin_token: tok-3\n",
+        )])
+        .unwrap();
+        let shown = format!("{c:?}");
+        for secret in ["sk-worker-1", "sk-global-2", "tok-3"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+        assert_eq!(
+            c.workers[0].api_key.as_ref().map(Secret::expose),
+            Some("sk-worker-1")
         );
     }
 

@@ -36,8 +36,10 @@
 
 pub mod admin;
 pub mod app;
+pub mod breaker;
 pub mod config;
 pub mod error;
+pub mod health;
 pub mod policy;
 pub mod prompt;
 pub mod proxy;

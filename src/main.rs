@@ -26,6 +26,7 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_tracing(&config);
+    raise_fd_limit();
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -43,6 +44,20 @@ fn main() -> ExitCode {
             eprintln!("cache-aware-router: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Each client and each upstream connection is a file descriptor: raise the soft limit to
+/// the hard one, and warn when that stays below 65535.
+fn raise_fd_limit() {
+    const WANTED: u64 = 65_535;
+    match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(n) if n < WANTED => tracing::warn!(
+            limit = n,
+            "open-file limit is below {WANTED}; raise it (ulimit -n) or connections will fail under load"
+        ),
+        Ok(n) => tracing::debug!(limit = n, "open-file limit"),
+        Err(e) => tracing::warn!(error = %e, "cannot read or raise the open-file limit"),
     }
 }
 

@@ -120,13 +120,15 @@ impl From<&CacheConfig> for CacheParams {
     }
 }
 
-/// The cache-aware pick (steps 1–6 of the module docs). Inserts `text` into `tree` for
-/// the chosen worker when that worker is cache-aware and the text is not empty.
+/// The cache-aware pick (steps 1–6 of the module docs). When `record` is true, inserts
+/// `text` into `tree` for the chosen worker (if that worker is cache-aware and the text
+/// is not empty); an eviction pass in progress passes false.
 pub fn pick_cache_aware(
     params: &CacheParams,
     text: &[u8],
     candidates: &[Candidate],
     tree: &mut RadixTree,
+    record: bool,
     rng: &mut impl Rng,
 ) -> Pick {
     let Some(least) = least_loaded(candidates.iter().filter(|c| c.usable), rng) else {
@@ -164,7 +166,7 @@ pub fn pick_cache_aware(
         Some(c) => (c, Reason::CacheHit),
         None => (least, Reason::Miss),
     };
-    if chosen.cache_aware {
+    if record && chosen.cache_aware {
         tree.insert(text, chosen.id);
     }
     Pick {
@@ -280,10 +282,10 @@ mod tests {
         for x in &mut c {
             x.usable = false;
         }
-        let p = pick_cache_aware(&params(), PROMPT, &c, &mut t, &mut rng());
+        let p = pick_cache_aware(&params(), PROMPT, &c, &mut t, true, &mut rng());
         assert_eq!((p.worker, p.reason), (None, Reason::NoWorker));
         assert_eq!(
-            pick_cache_aware(&params(), PROMPT, &[], &mut t, &mut rng()).reason,
+            pick_cache_aware(&params(), PROMPT, &[], &mut t, true, &mut rng()).reason,
             Reason::NoWorker
         );
         assert_eq!(pick_round_robin(&c, 0, 3).reason, Reason::NoWorker);
@@ -295,7 +297,7 @@ mod tests {
     #[test]
     fn empty_text_goes_least_loaded_without_insert() {
         let mut t = RadixTree::new();
-        let p = pick_cache_aware(&params(), b"", &cands(&[3, 1, 2]), &mut t, &mut rng());
+        let p = pick_cache_aware(&params(), b"", &cands(&[3, 1, 2]), &mut t, true, &mut rng());
         assert_eq!((p.worker, p.reason), (Some(WorkerId(1)), Reason::EmptyText));
         assert_eq!(t.node_count(), 0);
     }
@@ -304,14 +306,14 @@ mod tests {
     fn miss_then_hit_follows_the_prefix() {
         let mut t = RadixTree::new();
         let c = cands(&[1, 0, 1]);
-        let first = pick_cache_aware(&params(), PROMPT, &c, &mut t, &mut rng());
+        let first = pick_cache_aware(&params(), PROMPT, &c, &mut t, true, &mut rng());
         assert_eq!(
             (first.worker, first.reason),
             (Some(WorkerId(1)), Reason::Miss)
         );
         // Now worker 1 is busier than 0 but within the balance margins.
         let c = cands(&[0, 2, 0]);
-        let second = pick_cache_aware(&params(), PROMPT, &c, &mut t, &mut rng());
+        let second = pick_cache_aware(&params(), PROMPT, &c, &mut t, true, &mut rng());
         assert_eq!(
             (second.worker, second.reason),
             (Some(WorkerId(1)), Reason::CacheHit)
@@ -329,12 +331,12 @@ mod tests {
         // 10 of 40 bytes = 0.25 < 0.3: a miss.
         let text = b"0123456789abcdefghijklmnopqrstuvwxyzABCD";
         assert_eq!(
-            pick_cache_aware(&p, text, &c, &mut t.clone(), &mut rng()).reason,
+            pick_cache_aware(&p, text, &c, &mut t.clone(), true, &mut rng()).reason,
             Reason::Miss
         );
         // The absolute threshold makes it a hit.
         p.match_abs_threshold = 10;
-        let hit = pick_cache_aware(&p, text, &c, &mut t.clone(), &mut rng());
+        let hit = pick_cache_aware(&p, text, &c, &mut t.clone(), true, &mut rng());
         assert_eq!(
             (hit.worker, hit.reason),
             (Some(WorkerId(0)), Reason::CacheHit)
@@ -342,13 +344,13 @@ mod tests {
         // 0 disables the absolute threshold.
         p.match_abs_threshold = 0;
         assert_eq!(
-            pick_cache_aware(&p, text, &c, &mut t.clone(), &mut rng()).reason,
+            pick_cache_aware(&p, text, &c, &mut t.clone(), true, &mut rng()).reason,
             Reason::Miss
         );
         // Ratio reached.
         p.threshold = 0.25;
         assert_eq!(
-            pick_cache_aware(&p, text, &c, &mut t, &mut rng()).reason,
+            pick_cache_aware(&p, text, &c, &mut t, true, &mut rng()).reason,
             Reason::CacheHit
         );
     }
@@ -359,19 +361,40 @@ mod tests {
         t.insert(PROMPT, WorkerId(0));
         let p = params(); // abs 2, rel 1.5
         // 3 vs 0: > 0 + 2 and > 0 × 1.5 ⇒ overloaded.
-        let r = pick_cache_aware(&p, PROMPT, &cands(&[3, 0]), &mut t.clone(), &mut rng());
+        let r = pick_cache_aware(
+            &p,
+            PROMPT,
+            &cands(&[3, 0]),
+            &mut t.clone(),
+            true,
+            &mut rng(),
+        );
         assert_eq!(
             (r.worker, r.reason),
             (Some(WorkerId(1)), Reason::HitOverloaded)
         );
         // 2 vs 0: abs margin not exceeded ⇒ hit.
-        let r = pick_cache_aware(&p, PROMPT, &cands(&[2, 0]), &mut t.clone(), &mut rng());
+        let r = pick_cache_aware(
+            &p,
+            PROMPT,
+            &cands(&[2, 0]),
+            &mut t.clone(),
+            true,
+            &mut rng(),
+        );
         assert_eq!(r.reason, Reason::CacheHit);
         // 14 vs 10: abs exceeded (4 > 2) but 14 < 15 = 10 × 1.5 ⇒ hit.
-        let r = pick_cache_aware(&p, PROMPT, &cands(&[14, 10]), &mut t.clone(), &mut rng());
+        let r = pick_cache_aware(
+            &p,
+            PROMPT,
+            &cands(&[14, 10]),
+            &mut t.clone(),
+            true,
+            &mut rng(),
+        );
         assert_eq!(r.reason, Reason::CacheHit);
         // 16 vs 10: both exceeded ⇒ overloaded.
-        let r = pick_cache_aware(&p, PROMPT, &cands(&[16, 10]), &mut t, &mut rng());
+        let r = pick_cache_aware(&p, PROMPT, &cands(&[16, 10]), &mut t, true, &mut rng());
         assert_eq!(
             (r.worker, r.reason),
             (Some(WorkerId(1)), Reason::HitOverloaded)
@@ -382,7 +405,7 @@ mod tests {
     fn overloaded_hit_records_the_prompt_for_the_new_worker() {
         let mut t = RadixTree::new();
         t.insert(PROMPT, WorkerId(0));
-        pick_cache_aware(&params(), PROMPT, &cands(&[5, 0]), &mut t, &mut rng());
+        pick_cache_aware(&params(), PROMPT, &cands(&[5, 0]), &mut t, true, &mut rng());
         let holders = t.longest_prefix(PROMPT, &[WorkerId(0), WorkerId(1)].into_iter().collect());
         assert!(holders.workers.contains(WorkerId(1)));
     }
@@ -393,7 +416,7 @@ mod tests {
         t.insert(PROMPT, WorkerId(0));
         let mut c = cands(&[0, 1]);
         c[0].usable = false; // e.g. at max_load or already tried
-        let r = pick_cache_aware(&params(), PROMPT, &c, &mut t, &mut rng());
+        let r = pick_cache_aware(&params(), PROMPT, &c, &mut t, true, &mut rng());
         assert_eq!((r.worker, r.reason), (Some(WorkerId(1)), Reason::Miss));
     }
 
@@ -402,7 +425,7 @@ mod tests {
         let mut t = RadixTree::new();
         let mut c = cands(&[0, 5]);
         c[0].cache_aware = false;
-        let r = pick_cache_aware(&params(), PROMPT, &c, &mut t, &mut rng());
+        let r = pick_cache_aware(&params(), PROMPT, &c, &mut t, true, &mut rng());
         assert_eq!(r.worker, Some(WorkerId(0)));
         assert_eq!(
             t.node_count(),
@@ -418,7 +441,7 @@ mod tests {
         let mut seen = [0usize; 4];
         for _ in 0..4000 {
             let mut t = RadixTree::new();
-            let p = pick_cache_aware(&params(), b"", &c, &mut t, &mut r);
+            let p = pick_cache_aware(&params(), b"", &c, &mut t, true, &mut r);
             seen[p.worker.unwrap().0 as usize] += 1;
         }
         for n in seen {
@@ -461,7 +484,7 @@ mod tests {
         for i in 0..400 {
             let text = format!("{system} conversation {i} {}", "x".repeat(20_000));
             let c = cands(&[0, 0, 0, 0]);
-            let p = pick_cache_aware(&params(), text.as_bytes(), &c, &mut t, &mut r);
+            let p = pick_cache_aware(&params(), text.as_bytes(), &c, &mut t, true, &mut r);
             counts[p.worker.unwrap().0 as usize] += 1;
         }
         assert!(counts.iter().all(|n| *n > 50), "{counts:?}");

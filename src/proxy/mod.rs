@@ -11,7 +11,7 @@
 pub mod body;
 pub mod headers;
 pub mod models;
-mod upstream;
+pub mod upstream;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -27,6 +27,7 @@ use hyper::body::Incoming;
 pub use body::GuardedBody;
 
 use crate::admin;
+use crate::breaker::Outcome;
 use crate::config::{Config, PolicyKind, RemoteMediaPolicy, WorkerConfig};
 use crate::error::ProxyError;
 use crate::policy::{self, CacheParams, Candidate, Pick, Reason};
@@ -55,7 +56,7 @@ impl Router {
             config
                 .workers
                 .iter()
-                .map(|w| Arc::new(Worker::new(w.clone())))
+                .map(|w| Arc::new(Worker::new(w.clone(), &config.circuit_breaker)))
                 .collect(),
         );
         Router {
@@ -68,6 +69,11 @@ impl Router {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// The pooled upstream client (shared with health probes).
+    pub fn upstream(&self) -> &upstream::Upstream {
+        &self.client
     }
 
     /// The current worker set (one atomic load).
@@ -87,7 +93,9 @@ impl Router {
                     .iter()
                     .find(|w| w.config() == cfg)
                     .cloned()
-                    .unwrap_or_else(|| Arc::new(Worker::new(cfg.clone())))
+                    .unwrap_or_else(|| {
+                        Arc::new(Worker::new(cfg.clone(), &self.config.circuit_breaker))
+                    })
             })
             .collect();
         self.workers.store(Arc::new(WorkerSet::new(next)));
@@ -165,7 +173,7 @@ impl Router {
         let mut attempt = 0u32;
         let mut started = route.started;
         while attempt <= retries {
-            let Some((pick, guard)) = self.pick(set, route, &tried) else {
+            let Some((pick, mut guard)) = self.pick(set, route, &tried) else {
                 log_decision(
                     route,
                     request_id,
@@ -194,7 +202,14 @@ impl Router {
             if let Some(id) = pick.worker {
                 tried.insert(id);
             }
-            match self.client.send(&worker, &base, body.clone()).await {
+            let result = self.client.send(&worker, &base, body.clone()).await;
+            guard.record(match &result {
+                Ok(r) if r.status().is_server_error() => Outcome::Failure,
+                Ok(r) if r.status().is_client_error() => Outcome::Neutral,
+                Ok(_) => Outcome::Success,
+                Err(_) => Outcome::Failure,
+            });
+            match result {
                 Ok(resp)
                     if attempt < retries
                         && self
@@ -237,6 +252,7 @@ impl Router {
     ) -> Option<(Pick, InFlightGuard)> {
         let mut excluded = tried.clone();
         loop {
+            let now = crate::workers::now();
             let candidates: Vec<Candidate> = set
                 .workers()
                 .iter()
@@ -246,7 +262,7 @@ impl Router {
                     Candidate {
                         id,
                         load: w.load(),
-                        usable: w.is_routable() && !excluded.contains(id),
+                        usable: !excluded.contains(id) && w.is_routable(now),
                         cache_aware: w.config().cache_aware,
                     }
                 })
@@ -254,12 +270,18 @@ impl Router {
             let text_len = route.ctx.map_or(0, |c| c.text.len());
             let pick = match (self.config.policy, route.ctx) {
                 (PolicyKind::CacheAware, Some(ctx)) => {
+                    let record = !set.is_evicting();
+                    if !record {
+                        set.skipped_inserts
+                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    }
                     let mut tree = set.tree();
                     policy::pick_cache_aware(
                         &self.params,
                         &ctx.text,
                         &candidates,
                         &mut tree,
+                        record,
                         &mut rand::rng(),
                     )
                 }
@@ -275,12 +297,13 @@ impl Router {
             };
             let id = pick.worker?;
             let worker = set.get(id)?;
-            match InFlightGuard::try_acquire(worker) {
-                Some(guard) => return Some((pick, guard)),
-                None => {
-                    excluded.insert(id);
-                }
+            // Lost a race for the last slot, or the breaker's last probe slot: re-pick.
+            if let Some(mut guard) = InFlightGuard::try_acquire(worker)
+                && guard.admit()
+            {
+                return Some((pick, guard));
             }
+            excluded.insert(id);
         }
     }
 
@@ -322,9 +345,7 @@ impl Router {
                 .entry("x-accel-buffering")
                 .or_insert(HeaderValue::from_static("no"));
         }
-        let body = GuardedBody::new(incoming, guard)
-            .map_err(|e| -> BoxError { Box::new(e) })
-            .boxed();
+        let body = GuardedBody::new(incoming, guard, self.config.proxy.request_timeout).boxed();
         Response::from_parts(parts, body)
     }
 }

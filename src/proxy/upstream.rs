@@ -3,7 +3,7 @@
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, Version};
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -14,7 +14,8 @@ use crate::config::ProxyConfig;
 use crate::error::ProxyError;
 use crate::workers::Worker;
 
-/// hyper-util's pooled HTTP/1.1 client, configured from `proxy:`.
+/// hyper-util's pooled HTTP/1.1 client, configured from `proxy:`. Cheap to clone.
+#[derive(Clone)]
 pub struct Upstream {
     client: Client<HttpConnector, Full<Bytes>>,
     request_timeout: std::time::Duration,
@@ -36,7 +37,7 @@ impl Upstream {
         Upstream {
             client,
             request_timeout: cfg.request_timeout,
-            api_key: cfg.api_key.as_deref().and_then(bearer),
+            api_key: cfg.api_key.as_ref().and_then(|k| bearer(k.expose())),
         }
     }
 
@@ -51,33 +52,102 @@ impl Upstream {
             .url()
             .uri_for(&template.path_and_query)
             .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream URI: {e}")))?;
-        let mut req = Request::new(Full::new(body.clone()));
-        *req.method_mut() = template.method.clone();
-        *req.uri_mut() = uri;
-        *req.version_mut() = Version::HTTP_11;
-        let h = req.headers_mut();
-        *h = template.headers.clone();
+        let mut headers = template.headers.clone();
         if let Ok(host) = HeaderValue::from_str(worker.url().authority()) {
-            h.insert(header::HOST, host);
+            headers.insert(header::HOST, host);
         }
         if !body.is_empty() || template.method == Method::POST || template.method == Method::PUT {
-            h.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
         }
-        let key = worker
-            .config()
-            .api_key
-            .as_deref()
-            .and_then(bearer)
-            .or_else(|| self.api_key.clone());
-        if let Some(key) = key {
-            h.insert(header::AUTHORIZATION, key);
+        if let Some(key) = self.key_for(worker) {
+            headers.insert(header::AUTHORIZATION, key);
         }
-        match tokio::time::timeout(self.request_timeout, self.client.request(req)).await {
+        let build = || {
+            let mut req = Request::new(Full::new(body.clone()));
+            *req.method_mut() = template.method.clone();
+            *req.uri_mut() = uri.clone();
+            *req.version_mut() = Version::HTTP_11;
+            *req.headers_mut() = headers.clone();
+            req
+        };
+        let call = async {
+            match self.client.request(build()).await {
+                // A pooled connection the worker closed as we reused it (uvicorn drops
+                // idle keep-alive sockets after 5 s): nothing was answered, so send
+                // once more, on a fresh connection, to the same worker.
+                Err(e) if is_stale_connection(&e) => {
+                    tracing::debug!(worker = %worker.url(), error = %describe(&e), "stale pooled connection; resending once");
+                    self.client.request(build()).await
+                }
+                other => other,
+            }
+        };
+        match tokio::time::timeout(self.request_timeout, call).await {
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(e)) if e.is_connect() => Err(ProxyError::Unreachable(describe(&e))),
             Ok(Err(e)) => Err(ProxyError::Upstream(describe(&e))),
             Err(_) => Err(ProxyError::Timeout(self.request_timeout.as_secs())),
         }
+    }
+}
+
+/// Whether a request failed because a reused connection was closed under it before
+/// any response byte arrived (hyper: "connection closed before message completed").
+fn is_stale_connection(e: &hyper_util::client::legacy::Error) -> bool {
+    if e.is_connect() {
+        return false;
+    }
+    let mut src = std::error::Error::source(e);
+    while let Some(cause) = src {
+        if let Some(h) = cause.downcast_ref::<hyper::Error>() {
+            return h.is_incomplete_message() || h.is_canceled();
+        }
+        src = cause.source();
+    }
+    false
+}
+
+impl Upstream {
+    /// `GET` of `path` below the worker's prefix with the backend key (health probes),
+    /// bounded by `timeout`; resolves to the status once the whole (small) body is read.
+    pub async fn probe(
+        &self,
+        worker: &Worker,
+        path: &str,
+        timeout: std::time::Duration,
+    ) -> Result<http::StatusCode, String> {
+        let uri = worker.url().uri_for(path).map_err(|e| e.to_string())?;
+        let mut req = Request::new(Full::new(Bytes::new()));
+        *req.uri_mut() = uri;
+        if let Ok(host) = HeaderValue::from_str(worker.url().authority()) {
+            req.headers_mut().insert(header::HOST, host);
+        }
+        if let Some(key) = self.key_for(worker) {
+            req.headers_mut().insert(header::AUTHORIZATION, key);
+        }
+        let call = async {
+            let resp = self.client.request(req).await.map_err(|e| describe(&e))?;
+            let status = resp.status();
+            // Drain (bounded) so the connection goes back to the pool.
+            http_body_util::Limited::new(resp.into_body(), 64 * 1024)
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(status)
+        };
+        tokio::time::timeout(timeout, call)
+            .await
+            .map_err(|_| format!("no answer within {timeout:?}"))?
+    }
+
+    /// The bearer token for `worker`: its own `api_key`, else `proxy.api_key`.
+    fn key_for(&self, worker: &Worker) -> Option<HeaderValue> {
+        worker
+            .config()
+            .api_key
+            .as_ref()
+            .and_then(|k| bearer(k.expose()))
+            .or_else(|| self.api_key.clone())
     }
 }
 

@@ -21,6 +21,7 @@
 //! The idea follows SGLang's `sgl-model-gateway` approximate tree (per-node tenant sets
 //! and LRU stamps); the arena layout and the subset invariant are ours.
 
+pub mod evict;
 mod mask;
 
 pub use mask::WorkerMask;
@@ -229,6 +230,41 @@ impl RadixTree {
                 self.release(n);
             }
         }
+    }
+
+    /// Slots in the node arena (live or free); bounds the ranges given to
+    /// [`RadixTree::collect_leaves`].
+    pub fn arena_len(&self) -> usize {
+        self.nodes.len()
+    }
+
+    /// Appends `(last_access, node)` for every live leaf among arena slots `range`, so an
+    /// eviction pass can scan the arena in short steps between lock holds.
+    pub fn collect_leaves(&self, range: std::ops::Range<usize>, out: &mut Vec<(u64, u32)>) {
+        let end = range.end.min(self.nodes.len());
+        for i in range.start.max(1)..end {
+            let n = &self.nodes[i];
+            // Live non-root nodes always have a non-empty edge; free slots have none.
+            if !n.edge.is_empty() && n.children.is_empty() {
+                out.push((n.last_access, i as u32));
+            }
+        }
+    }
+
+    /// Evicts one leaf found by [`RadixTree::collect_leaves`], unless it changed since:
+    /// it must still be a live leaf with the same stamp (a touched or reused slot gets a
+    /// newer stamp). Its parent may become a leaf for a later round; shared prefixes with
+    /// other children stay. Returns whether it was removed.
+    pub fn evict_leaf(&mut self, node: u32, stamp: u64) -> bool {
+        let Some(n) = self.nodes.get(node as usize) else {
+            return false;
+        };
+        if node == ROOT || n.edge.is_empty() || !n.children.is_empty() || n.last_access != stamp {
+            return false;
+        }
+        self.unlink(node);
+        self.release(node);
+        true
     }
 
     /// Removes everything (a fresh tree keeps its allocation).
@@ -473,6 +509,38 @@ mod tests {
         );
         assert_eq!(m.matched, "conversation 12345 says hello".len());
         assert_eq!(m.workers, only(WorkerId(12345 % 4)));
+    }
+
+    #[test]
+    fn leaves_are_evicted_oldest_first_and_shared_prefixes_stay() {
+        let mut t = RadixTree::new();
+        t.insert(b"system prompt / conversation one", A);
+        t.insert(b"system prompt / conversation two", B);
+        t.insert(b"other prompt", A);
+        assert_eq!(t.node_count(), 4);
+        let mut leaves = Vec::new();
+        t.collect_leaves(0..t.arena_len(), &mut leaves);
+        leaves.sort();
+        assert_eq!(leaves.len(), 3);
+        // The oldest leaf is "...one".
+        let (stamp, node) = leaves[0];
+        assert!(t.evict_leaf(node, stamp));
+        assert!(!t.evict_leaf(node, stamp), "already gone");
+        assert_eq!(
+            t.longest_prefix(b"system prompt / conversation one", &all())
+                .matched,
+            29
+        );
+        assert_eq!(
+            t.longest_prefix(b"system prompt / conversation two", &all())
+                .matched,
+            32
+        );
+        assert_eq!(t.worker_bytes(A), 29 + 12);
+        // A touched leaf is not evicted with its old stamp.
+        let (stamp, node) = leaves[1];
+        t.insert(b"system prompt / conversation two", B);
+        assert!(!t.evict_leaf(node, stamp));
     }
 
     #[test]

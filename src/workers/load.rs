@@ -4,15 +4,20 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::Worker;
+use crate::breaker::{Admission, Outcome};
 
-/// Counts one request in flight on a worker for as long as it lives.
+/// Counts one request in flight on a worker for as long as it lives, and carries its
+/// circuit-breaker admission until an outcome is recorded.
 ///
 /// The proxy moves the guard into the response body, so it is dropped when the body
 /// ends, fails, or the client goes away mid-stream, not when headers arrive. Every path
-/// out of a request drops it exactly once; there is no manual decrement anywhere.
+/// out of a request drops it exactly once; there is no manual decrement anywhere. An
+/// admission still pending at drop (the client cancelled before headers) is recorded as
+/// neutral, so a half-open probe slot is always given back.
 #[derive(Debug)]
 pub struct InFlightGuard {
     worker: Arc<Worker>,
+    admission: Option<Admission>,
 }
 
 impl InFlightGuard {
@@ -29,18 +34,46 @@ impl InFlightGuard {
             .ok()?;
         Some(InFlightGuard {
             worker: Arc::clone(worker),
+            admission: None,
         })
     }
 
     pub fn worker(&self) -> &Arc<Worker> {
         &self.worker
     }
+
+    /// Asks the worker's breaker to admit this request; false when it refuses.
+    pub fn admit(&mut self) -> bool {
+        self.admission = self.worker.admit(now());
+        self.admission.is_some()
+    }
+
+    /// Records the request's outcome with the breaker. The first call reports the
+    /// admission's verdict; a later failure (a body that broke off after a successful
+    /// start) counts as one more failure of a normal request.
+    pub fn record(&mut self, outcome: Outcome) {
+        match self.admission.take() {
+            Some(a) => self.worker.record(a, outcome, now()),
+            None if outcome == Outcome::Failure => {
+                self.worker.record(Admission::Normal, outcome, now())
+            }
+            None => {}
+        }
+    }
 }
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
+        if let Some(a) = self.admission.take() {
+            self.worker.record(a, Outcome::Neutral, now());
+        }
         self.worker.in_flight.fetch_sub(1, Ordering::Relaxed);
     }
+}
+
+/// The time breakers see: tokio's clock, so tests with paused time drive them.
+pub(crate) fn now() -> std::time::Instant {
+    tokio::time::Instant::now().into_std()
 }
 
 #[cfg(test)]
@@ -50,13 +83,20 @@ mod tests {
     use std::num::NonZeroUsize;
 
     fn worker(max_load: Option<usize>) -> Arc<Worker> {
-        Arc::new(Worker::new(WorkerConfig {
-            url: WorkerUrl::parse("http://127.0.0.1:1").unwrap(),
-            max_load: max_load.and_then(NonZeroUsize::new),
-            load_penalty: 0,
-            cache_aware: true,
-            api_key: None,
-        }))
+        Arc::new(Worker::new(
+            WorkerConfig {
+                url: WorkerUrl::parse("http://127.0.0.1:1").unwrap(),
+                max_load: max_load.and_then(NonZeroUsize::new),
+                load_penalty: 0,
+                cache_aware: true,
+                api_key: None,
+            },
+            &crate::config::BreakerConfig {
+                failure_threshold: 1,
+                timeout: std::time::Duration::from_secs(60),
+                success_threshold: 1,
+            },
+        ))
     }
 
     #[test]
@@ -65,12 +105,34 @@ mod tests {
         let a = InFlightGuard::try_acquire(&w).unwrap();
         let b = InFlightGuard::try_acquire(&w).unwrap();
         assert_eq!(w.in_flight(), 2);
-        assert!(!w.is_routable());
+        assert!(!w.is_routable(now()));
         assert!(InFlightGuard::try_acquire(&w).is_none());
         drop(a);
         assert_eq!(w.in_flight(), 1);
-        assert!(w.is_routable());
+        assert!(w.is_routable(now()));
         drop(b);
         assert_eq!(w.in_flight(), 0);
+    }
+
+    #[test]
+    fn dropped_probe_gives_its_slot_back() {
+        let w = worker(None);
+        let mut g = InFlightGuard::try_acquire(&w).unwrap();
+        assert!(g.admit());
+        g.record(Outcome::Failure); // failure_threshold 1: open
+        drop(g);
+        assert!(!w.is_routable(now()));
+        let later = now() + std::time::Duration::from_secs(61);
+        assert_eq!(w.breaker_state(later), crate::breaker::State::HalfOpen);
+        assert_eq!(w.admit(later), Some(Admission::Probe));
+        // The probe's client cancels: the guard records neutral on drop.
+        let g = InFlightGuard {
+            worker: Arc::clone(&w),
+            admission: Some(Admission::Probe),
+        };
+        w.in_flight.fetch_add(1, Ordering::Relaxed);
+        drop(g);
+        assert_eq!(w.in_flight(), 0);
+        assert!(w.is_routable(later));
     }
 }

@@ -9,12 +9,15 @@
 
 mod load;
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
 
 pub use load::InFlightGuard;
+pub(crate) use load::now;
 
-use crate::config::WorkerConfig;
+use crate::breaker::{self, Admission, CircuitBreaker, Outcome};
+use crate::config::{BreakerConfig, WorkerConfig};
 pub use crate::tree::WorkerId;
 use crate::tree::{RadixTree, WorkerMask};
 
@@ -25,16 +28,65 @@ pub struct Worker {
     /// Requests forwarded and not yet finished (body ended or dropped).
     in_flight: AtomicUsize,
     healthy: AtomicBool,
+    /// One lock for the whole state machine: a transition is one step.
+    breaker: Mutex<CircuitBreaker>,
+    /// Consecutive probe results, owned by the health-check task.
+    probes: Mutex<ProbeRun>,
+}
+
+/// Consecutive health-probe results of one worker.
+#[derive(Debug, Default)]
+pub struct ProbeRun {
+    pub successes: u32,
+    pub failures: u32,
 }
 
 impl Worker {
-    /// A worker that starts healthy with nothing in flight.
-    pub fn new(config: WorkerConfig) -> Self {
+    /// A worker that starts healthy, breaker closed, nothing in flight.
+    pub fn new(config: WorkerConfig, breaker: &BreakerConfig) -> Self {
         Worker {
             config,
             in_flight: AtomicUsize::new(0),
             healthy: AtomicBool::new(true),
+            breaker: Mutex::new(CircuitBreaker::new(breaker)),
+            probes: Mutex::new(ProbeRun::default()),
         }
+    }
+
+    fn breaker(&self) -> MutexGuard<'_, CircuitBreaker> {
+        self.breaker.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The breaker's state at `now`.
+    pub fn breaker_state(&self, now: Instant) -> breaker::State {
+        self.breaker().state(now)
+    }
+
+    /// Asks the breaker to admit one request; logs a transition.
+    pub fn admit(&self, now: Instant) -> Option<Admission> {
+        let (admission, transition) = self.breaker().admit(now);
+        if let Some(t) = transition {
+            tracing::info!(worker = %self.config.url, from = t.from.as_str(), to = t.to.as_str(), "circuit breaker");
+        }
+        admission
+    }
+
+    /// Records how an admitted request ended; logs a transition.
+    pub fn record(&self, admission: Admission, outcome: Outcome, now: Instant) {
+        let transition = self.breaker().record(admission, outcome, now);
+        if let Some(t) = transition {
+            let level_warn = t.to == breaker::State::Open;
+            if level_warn {
+                tracing::warn!(worker = %self.config.url, from = t.from.as_str(), to = t.to.as_str(), "circuit breaker");
+            } else {
+                tracing::info!(worker = %self.config.url, from = t.from.as_str(), to = t.to.as_str(), "circuit breaker");
+            }
+        }
+    }
+
+    /// The health-probe counters (health-check task only).
+    pub fn probe_run(&self) -> MutexGuard<'_, ProbeRun> {
+        self.probes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
     pub fn config(&self) -> &WorkerConfig {
@@ -65,9 +117,10 @@ impl Worker {
         self.healthy.swap(healthy, Ordering::Relaxed) != healthy
     }
 
-    /// Whether another request may be sent now: healthy and under `max_load`.
-    pub fn is_routable(&self) -> bool {
-        self.is_healthy() && self.has_capacity()
+    /// Whether another request may be sent at `now`: healthy, breaker admitting, and
+    /// under `max_load`.
+    pub fn is_routable(&self, now: Instant) -> bool {
+        self.is_healthy() && self.has_capacity() && self.breaker().is_available(now)
     }
 
     fn has_capacity(&self) -> bool {
@@ -83,6 +136,12 @@ pub struct WorkerSet {
     workers: Vec<Arc<Worker>>,
     tree: Mutex<RadixTree>,
     round_robin: AtomicUsize,
+    /// Set while an eviction pass runs: inserts are then skipped (and counted).
+    evicting: AtomicBool,
+    /// Inserts skipped because an eviction pass was running.
+    pub skipped_inserts: AtomicU64,
+    /// Nodes removed by eviction passes.
+    pub evicted_nodes: AtomicU64,
     /// The cached `/v1/models` answer of this set (dropped with the set on reload).
     pub models: crate::proxy::models::ModelsCache,
 }
@@ -94,6 +153,9 @@ impl WorkerSet {
             workers,
             tree: Mutex::new(RadixTree::new()),
             round_robin: AtomicUsize::new(0),
+            evicting: AtomicBool::new(false),
+            skipped_inserts: AtomicU64::new(0),
+            evicted_nodes: AtomicU64::new(0),
             models: Default::default(),
         }
     }
@@ -115,6 +177,16 @@ impl WorkerSet {
     /// stays structurally valid between operations.
     pub fn tree(&self) -> MutexGuard<'_, RadixTree> {
         self.tree.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether an eviction pass is running (Relaxed: a hint, the lock orders the data).
+    pub fn is_evicting(&self) -> bool {
+        self.evicting.load(Ordering::Relaxed)
+    }
+
+    /// Marks an eviction pass as running or done.
+    pub fn set_evicting(&self, on: bool) {
+        self.evicting.store(on, Ordering::Relaxed);
     }
 
     /// The next round-robin ticket.

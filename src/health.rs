@@ -1,0 +1,127 @@
+//! Active health checks: probe every worker's `health.endpoint` each `interval`.
+//!
+//! `failure_threshold` consecutive failed probes (non-2xx, connect error, timeout) mark
+//! a worker unhealthy; `success_threshold` consecutive good ones bring it back. An
+//! isolated failure changes nothing. A worker that turns unhealthy loses its tree
+//! entries: when it returns, its KV cache is presumed cold. Probes carry the backend
+//! API key like proxied requests do.
+
+use std::sync::Arc;
+
+use tokio::task::JoinSet;
+use tokio::time::MissedTickBehavior;
+
+use crate::config::HealthConfig;
+use crate::proxy::Router;
+use crate::shutdown::Shutdown;
+use crate::workers::{ProbeRun, WorkerId};
+
+/// Folds one probe result into a worker's run of results. Returns the new health when
+/// it changes.
+pub fn observe(run: &mut ProbeRun, healthy: bool, ok: bool, cfg: &HealthConfig) -> Option<bool> {
+    if ok {
+        run.failures = 0;
+        run.successes = run.successes.saturating_add(1);
+        (!healthy && run.successes >= cfg.success_threshold).then_some(true)
+    } else {
+        run.successes = 0;
+        run.failures = run.failures.saturating_add(1);
+        (healthy && run.failures >= cfg.failure_threshold).then_some(false)
+    }
+}
+
+/// Probes every worker of the current set each interval until shutdown.
+pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
+    let cfg = router.config().health.clone();
+    let mut tick = tokio::time::interval(cfg.interval);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.wait() => return,
+        }
+        let set = router.worker_set();
+        let mut probes = JoinSet::new();
+        for (i, worker) in set.workers().iter().enumerate() {
+            let worker = Arc::clone(worker);
+            let upstream = router.upstream().clone();
+            let (path, timeout) = (cfg.endpoint.clone(), cfg.timeout);
+            probes.spawn(async move {
+                let result = upstream.probe(&worker, &path, timeout).await;
+                (WorkerId(i as u32), result)
+            });
+        }
+        while let Some(joined) = probes.join_next().await {
+            let Ok((id, result)) = joined else { continue };
+            let Some(worker) = set.get(id) else { continue };
+            let ok = matches!(result, Ok(s) if s.is_success());
+            let change = observe(&mut worker.probe_run(), worker.is_healthy(), ok, &cfg);
+            match (change, &result) {
+                (Some(true), _) => {
+                    worker.set_healthy(true);
+                    tracing::info!(worker = %worker.url(), "worker healthy again");
+                }
+                (Some(false), r) => {
+                    worker.set_healthy(false);
+                    set.tree().remove_worker(id);
+                    let why = match r {
+                        Ok(s) => format!("status {s}"),
+                        Err(e) => e.clone(),
+                    };
+                    tracing::warn!(worker = %worker.url(), reason = %why, "worker unhealthy; its tree entries dropped");
+                }
+                (None, Err(e)) => {
+                    tracing::debug!(worker = %worker.url(), error = %e, "health probe failed")
+                }
+                (None, Ok(s)) if !s.is_success() => {
+                    tracing::debug!(worker = %worker.url(), status = %s, "health probe failed")
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn cfg() -> HealthConfig {
+        HealthConfig {
+            endpoint: "/health".into(),
+            interval: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+            failure_threshold: 3,
+            success_threshold: 2,
+        }
+    }
+
+    /// Runs a sequence of probe results; returns the health after each.
+    fn replay(seq: &str) -> Vec<bool> {
+        let mut run = ProbeRun::default();
+        let mut healthy = true;
+        seq.chars()
+            .map(|c| {
+                if let Some(h) = observe(&mut run, healthy, c == '+', &cfg()) {
+                    healthy = h;
+                }
+                healthy
+            })
+            .collect()
+    }
+
+    #[test]
+    fn isolated_failures_change_nothing() {
+        assert!(replay("+++-+++-++-++--+++").iter().all(|h| *h));
+    }
+
+    #[test]
+    fn consecutive_thresholds_flip_health_once_each_way() {
+        let h = replay("++---+-++");
+        assert_eq!(
+            h,
+            [true, true, true, true, false, false, false, false, true]
+        );
+    }
+}

@@ -1,0 +1,136 @@
+//! Tree upkeep task: LRU eviction above `cache.max_tree_size`, and the optional daily
+//! reset at `cache.daily_cleanup_hour_utc`.
+//!
+//! A pass never holds the tree lock for long: it scans the arena in steps of
+//! [`SCAN_STEP`] slots and evicts in batches of [`EVICT_BATCH`] leaves, releasing the
+//! lock between steps, so a request waits at most one step. While a pass runs, requests
+//! still match against the tree but skip their insert (counted in
+//! `WorkerSet::skipped_inserts`), so the pass is not chasing a growing tree.
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::time::MissedTickBehavior;
+
+use crate::proxy::Router;
+use crate::shutdown::Shutdown;
+use crate::workers::WorkerSet;
+
+/// Arena slots scanned per lock hold.
+pub const SCAN_STEP: usize = 32 * 1024;
+/// Leaves evicted per lock hold.
+pub const EVICT_BATCH: usize = 2048;
+
+/// Evicts least-recently-used leaves until the tree holds at most `max_nodes` nodes.
+/// Returns the number of nodes removed.
+pub async fn evict_to(set: &WorkerSet, max_nodes: usize) -> usize {
+    let mut removed = 0;
+    set.set_evicting(true);
+    // Each round removes leaves; parents that become leaves are taken in a later round.
+    for _ in 0..64 {
+        let (count, arena) = {
+            let t = set.tree();
+            (t.node_count(), t.arena_len())
+        };
+        if count <= max_nodes {
+            break;
+        }
+        let mut leaves = Vec::new();
+        let mut start = 0;
+        while start < arena {
+            set.tree()
+                .collect_leaves(start..start + SCAN_STEP, &mut leaves);
+            start += SCAN_STEP;
+            tokio::task::yield_now().await;
+        }
+        leaves.sort_unstable();
+        let mut excess = count - max_nodes;
+        for batch in leaves.chunks(EVICT_BATCH) {
+            if excess == 0 {
+                break;
+            }
+            {
+                let mut t = set.tree();
+                for &(stamp, node) in batch {
+                    if excess == 0 {
+                        break;
+                    }
+                    if t.evict_leaf(node, stamp) {
+                        excess -= 1;
+                        removed += 1;
+                    }
+                }
+            }
+            tokio::task::yield_now().await;
+        }
+    }
+    set.set_evicting(false);
+    set.evicted_nodes
+        .fetch_add(removed as u64, Ordering::Relaxed);
+    removed
+}
+
+/// The UTC hour (0–23) and day number of `t`.
+fn utc_hour_and_day(t: SystemTime) -> (u8, u64) {
+    let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    (((secs / 3600) % 24) as u8, secs / 86_400)
+}
+
+/// Runs eviction every `eviction_interval` and the daily reset, until shutdown.
+pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
+    let cache = router.config().cache.clone();
+    if cache.eviction_interval.is_none() && cache.daily_cleanup_hour_utc.is_none() {
+        return;
+    }
+    let period = cache
+        .eviction_interval
+        .unwrap_or(Duration::from_secs(60))
+        .min(Duration::from_secs(60));
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut since_eviction = Duration::ZERO;
+    let mut last_reset_day = None;
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.wait() => return,
+        }
+        since_eviction += period;
+        let set = router.worker_set();
+        if let Some(hour) = cache.daily_cleanup_hour_utc {
+            let (now_hour, day) = utc_hour_and_day(SystemTime::now());
+            if now_hour == hour && last_reset_day != Some(day) {
+                last_reset_day = Some(day);
+                set.tree().clear();
+                tracing::info!(hour, "daily tree reset");
+            }
+        }
+        if let Some(every) = cache.eviction_interval
+            && since_eviction >= every
+        {
+            since_eviction = Duration::ZERO;
+            let removed = evict_to(&set, cache.max_tree_size).await;
+            if removed > 0 {
+                tracing::info!(
+                    removed,
+                    nodes = set.tree().node_count(),
+                    "tree eviction pass"
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_hour_of_known_instants() {
+        // 2026-11-30T13:00:00Z = 1_796_043_600 s.
+        let t = UNIX_EPOCH + Duration::from_secs(1_796_043_600);
+        assert_eq!(utc_hour_and_day(t).0, 13);
+        assert_eq!(utc_hour_and_day(UNIX_EPOCH).0, 0);
+    }
+}
