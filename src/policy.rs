@@ -24,6 +24,12 @@ use rand::Rng;
 use crate::config::CacheConfig;
 use crate::tree::{RadixTree, WorkerId, WorkerMask};
 
+/// Shortest match that counts as a hit, in bytes: about one KV block (vLLM's default
+/// block is 16 tokens, ~4 bytes of English each). An engine reuses only whole blocks, so
+/// a shorter match saves nothing; without this floor every short prompt would "hit" on
+/// its role header (`user: `) alone.
+pub const MIN_HIT_BYTES: usize = 64;
+
 /// Why a worker was chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Reason {
@@ -148,7 +154,7 @@ pub fn pick_cache_aware(
         .map(|c| c.id)
         .collect();
     let m = tree.longest_prefix(text, &eligible);
-    let is_hit = m.matched > 0
+    let is_hit = m.matched >= MIN_HIT_BYTES
         && (m.matched as f64 >= params.threshold * text.len() as f64
             || (params.match_abs_threshold > 0 && m.matched >= params.match_abs_threshold));
     let cached = is_hit
@@ -325,34 +331,48 @@ mod tests {
     #[test]
     fn thresholds_ratio_and_absolute() {
         let mut t = RadixTree::new();
-        t.insert(b"0123456789", WorkerId(0));
+        let shared = [b'x'; 100];
+        t.insert(&shared, WorkerId(0));
         let c = cands(&[0, 0]);
         let mut p = params();
-        // 10 of 40 bytes = 0.25 < 0.3: a miss.
-        let text = b"0123456789abcdefghijklmnopqrstuvwxyzABCD";
-        assert_eq!(
-            pick_cache_aware(&p, text, &c, &mut t.clone(), true, &mut rng()).reason,
-            Reason::Miss
-        );
+        // 100 of 400 bytes = 0.25 < 0.3: a miss.
+        let text = [&shared[..], &[b'y'; 300][..]].concat();
+        let miss = pick_cache_aware(&p, &text, &c, &mut t.clone(), true, &mut rng());
+        assert_eq!(miss.reason, Reason::Miss);
         // The absolute threshold makes it a hit.
-        p.match_abs_threshold = 10;
-        let hit = pick_cache_aware(&p, text, &c, &mut t.clone(), true, &mut rng());
+        p.match_abs_threshold = 100;
+        let hit = pick_cache_aware(&p, &text, &c, &mut t.clone(), true, &mut rng());
         assert_eq!(
             (hit.worker, hit.reason),
             (Some(WorkerId(0)), Reason::CacheHit)
         );
         // 0 disables the absolute threshold.
         p.match_abs_threshold = 0;
-        assert_eq!(
-            pick_cache_aware(&p, text, &c, &mut t.clone(), true, &mut rng()).reason,
-            Reason::Miss
-        );
+        let miss = pick_cache_aware(&p, &text, &c, &mut t.clone(), true, &mut rng());
+        assert_eq!(miss.reason, Reason::Miss);
         // Ratio reached.
         p.threshold = 0.25;
-        assert_eq!(
-            pick_cache_aware(&p, text, &c, &mut t, true, &mut rng()).reason,
-            Reason::CacheHit
+        let hit = pick_cache_aware(&p, &text, &c, &mut t, true, &mut rng());
+        assert_eq!(hit.reason, Reason::CacheHit);
+    }
+
+    #[test]
+    fn matches_shorter_than_a_block_are_misses() {
+        let mut t = RadixTree::new();
+        t.insert(
+            b"user: hello there, this is a long enough prompt to matter at all",
+            WorkerId(0),
         );
+        // "user: h" matches 7 of 9 bytes (0.78) but saves no KV block.
+        let r = pick_cache_aware(
+            &params(),
+            b"user: hi\n",
+            &cands(&[1, 0]),
+            &mut t,
+            true,
+            &mut rng(),
+        );
+        assert_eq!((r.worker, r.reason), (Some(WorkerId(1)), Reason::Miss));
     }
 
     #[test]
