@@ -589,6 +589,13 @@ impl Config {
     /// file and key), out-of-range value (naming the last file that set it, the key and
     /// the value), or an empty worker list.
     pub fn load(files: &[PathBuf]) -> Result<Config, ConfigError> {
+        Self::load_with(files, true)
+    }
+
+    /// As [`Config::load`]; with `require_workers` false an empty worker list is
+    /// accepted (SIGHUP reload: a controller may scale the pool to zero, and requests then
+    /// get 503 until workers come back).
+    pub fn load_with(files: &[PathBuf], require_workers: bool) -> Result<Config, ConfigError> {
         let mut docs = Vec::with_capacity(files.len());
         for f in files {
             let text = std::fs::read_to_string(f).map_err(|source| ConfigError::Read {
@@ -597,12 +604,22 @@ impl Config {
             })?;
             docs.push((f.clone(), text));
         }
-        Self::from_sources(docs.iter().map(|(f, t)| (f.as_path(), t.as_str())))
+        Self::from_sources_with(
+            docs.iter().map(|(f, t)| (f.as_path(), t.as_str())),
+            require_workers,
+        )
     }
 
     /// As [`Config::load`], from `(file name, YAML text)` pairs (a seam for tests).
     pub fn from_sources<'a>(
         sources: impl IntoIterator<Item = (&'a Path, &'a str)>,
+    ) -> Result<Config, ConfigError> {
+        Self::from_sources_with(sources, true)
+    }
+
+    fn from_sources_with<'a>(
+        sources: impl IntoIterator<Item = (&'a Path, &'a str)>,
+        require_workers: bool,
     ) -> Result<Config, ConfigError> {
         let mut layers = Vec::new();
         let mut merged = Value::Mapping(Mapping::new());
@@ -641,10 +658,14 @@ impl Config {
             file: layers.last().map(|l| l.file.clone()).unwrap_or_default(),
             message: e.to_string(),
         })?;
-        Self::from_raw(raw, &Checker { layers: &layers })
+        Self::from_raw(raw, &Checker { layers: &layers }, require_workers)
     }
 
-    fn from_raw(raw: RawConfig, ck: &Checker<'_>) -> Result<Config, ConfigError> {
+    fn from_raw(
+        raw: RawConfig,
+        ck: &Checker<'_>,
+        require_workers: bool,
+    ) -> Result<Config, ConfigError> {
         let s = raw.server;
         let max_body_bytes = s.max_body_bytes.unwrap_or(32 * 1024 * 1024);
         if max_body_bytes == 0 || max_body_bytes > (1 << 32) {
@@ -673,8 +694,11 @@ impl Config {
             )?,
         };
 
+        // An explicit `workers: []` may scale to zero on reload; a missing key never
+        // does (a half-written file must not take the pool away).
+        let missing = raw.workers.is_none();
         let raw_workers = raw.workers.unwrap_or_default();
-        if raw_workers.is_empty() {
+        if raw_workers.is_empty() && (require_workers || missing) {
             return Err(ck.err(
                 "workers",
                 "the worker list is empty: list at least one worker URL (e.g. `- url: http://127.0.0.1:8000`)",

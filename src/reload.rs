@@ -26,12 +26,15 @@ pub enum Outcome {
 
 /// Loads `files` and applies them to `router` if only `workers` changed.
 pub fn apply(router: &Router, files: &[PathBuf]) -> Outcome {
-    let next = match Config::load(files) {
+    let next = match Config::load_with(files, false) {
         Ok(c) => c,
         Err(e) => return Outcome::Invalid(e.to_string()),
     };
     if let Some(key) = router.config().non_worker_difference(&next) {
         return Outcome::Rejected { key };
+    }
+    if next.workers.is_empty() {
+        tracing::warn!("reload leaves no workers: every request gets 503 until workers are listed again");
     }
     router.replace_workers(&next.workers);
     Outcome::Applied {
