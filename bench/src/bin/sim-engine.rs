@@ -1,0 +1,109 @@
+//! `sim-engine`: one simulated vLLM replica (see `bench::engine`).
+//!
+//! Prints `sim-engine NAME listening on http://HOST:PORT` on stdout once bound
+//! (`--port 0` picks a free port), then serves until Ctrl-C or SIGTERM.
+
+use std::time::Duration;
+
+use bench::engine::{Engine, EngineConfig};
+use clap::Parser;
+use tokio::net::TcpListener;
+
+/// Simulated vLLM engine: OpenAI API, prefix cache with LRU, queueing model on timers.
+#[derive(Debug, Parser)]
+#[command(name = "sim-engine", version)]
+struct Cli {
+    /// Address to bind.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind (0 = any free port; the bound one is printed).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Replica name, returned in the `x-sim-engine` header.
+    #[arg(long, default_value = "sim")]
+    name: String,
+    /// Served model id.
+    #[arg(long, default_value = "m")]
+    model: String,
+    /// Prefix cache capacity, in blocks.
+    #[arg(long, default_value_t = 65_536)]
+    kv_blocks: usize,
+    /// Tokens per cache block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Fixed prefill cost per request, in simulated ms.
+    #[arg(long, default_value_t = 20.0)]
+    ttft_base_ms: f64,
+    /// Prefill cost per uncached prompt token, in simulated µs.
+    #[arg(long, default_value_t = 80.0)]
+    prefill_us_per_token: f64,
+    /// Inter-token latency while decoding, in simulated ms.
+    #[arg(long, default_value_t = 15.0)]
+    itl_ms: f64,
+    /// Multiplier on every simulated time (0.1 = ten times faster).
+    #[arg(long, default_value_t = 1.0)]
+    time_factor: f64,
+    /// Upper bound on generated tokens per request (tokens).
+    #[arg(long, default_value_t = 4096)]
+    max_output_tokens: u64,
+    /// Largest accepted request body, in bytes.
+    #[arg(long, default_value_t = 64 << 20)]
+    max_body_bytes: usize,
+}
+
+fn duration(value: f64, unit_s: f64, flag: &str) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(value * unit_s)
+        .map_err(|_| format!("{flag} must be a finite number >= 0"))
+}
+
+async fn shutdown_signal() {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{SignalKind, signal};
+        if let Ok(mut term) = signal(SignalKind::terminate()) {
+            tokio::select! {
+                _ = tokio::signal::ctrl_c() => {}
+                _ = term.recv() => {}
+            }
+            return;
+        }
+    }
+    let _ = tokio::signal::ctrl_c().await;
+}
+
+#[tokio::main]
+async fn main() -> std::process::ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("sim-engine: {e}");
+            std::process::ExitCode::from(2)
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<(), String> {
+    let cfg = EngineConfig {
+        name: cli.name.clone(),
+        model: cli.model,
+        kv_blocks: cli.kv_blocks,
+        block_size: cli.block_size,
+        ttft_base: duration(cli.ttft_base_ms, 1e-3, "--ttft-base-ms")?,
+        prefill_per_token: duration(cli.prefill_us_per_token, 1e-6, "--prefill-us-per-token")?,
+        itl: duration(cli.itl_ms, 1e-3, "--itl-ms")?,
+        time_factor: cli.time_factor,
+        max_output_tokens: cli.max_output_tokens,
+        max_body_bytes: cli.max_body_bytes,
+    };
+    let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
+    let listener = TcpListener::bind((cli.host.as_str(), cli.port))
+        .await
+        .map_err(|e| format!("cannot bind {}:{}: {e}", cli.host, cli.port))?;
+    let addr = listener.local_addr().map_err(|e| e.to_string())?;
+    println!("sim-engine {} listening on http://{addr}", cli.name);
+    engine
+        .serve_with_shutdown(listener, shutdown_signal())
+        .await;
+    Ok(())
+}

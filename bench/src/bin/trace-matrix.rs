@@ -1,0 +1,284 @@
+//! `trace-matrix`: the project's demo. For each contender (router policy, or
+//! `direct` without a router) it starts cold `sim-engine` replicas and the router,
+//! replays the Mooncake slice through it, stops everything and prints one
+//! markdown table. Exits non-zero if a contender had errors or could not start.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use bench::matrix::{self, Contender, EngineParams, MatrixConfig, MatrixError};
+use bench::prompts::read_trace;
+use bench::replay;
+use clap::Parser;
+use tokio::sync::watch;
+
+const SLICE: &str = "bench/data/mooncake_conversation_slice.jsonl";
+
+/// Compare routing policies on a Mooncake trace slice over simulated vLLM engines.
+#[derive(Debug, Parser)]
+#[command(name = "trace-matrix", version)]
+struct Cli {
+    /// Mooncake jsonl trace [default: bench/data/mooncake_conversation_slice.jsonl,
+    /// found from the working directory or the bench crate's source directory].
+    #[arg(long)]
+    trace: Option<PathBuf>,
+    /// Replay only the first N lines (0 = all lines of the trace).
+    #[arg(long, default_value_t = 0)]
+    limit: usize,
+    /// Multiplier on trace timestamps (0.07 = the slice's 11 min in 47 s).
+    #[arg(long, default_value_t = 0.07)]
+    time_scale: f64,
+    /// Multiplier on simulated engine times [default: same as --time-scale, so
+    /// engine load relative to arrivals is as at full scale].
+    #[arg(long)]
+    time_factor: Option<f64>,
+    /// Comma-separated contenders: router policies, and/or `direct`.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "cache_aware,round_robin,least_load"
+    )]
+    policies: Vec<String>,
+    /// Also run the `direct` contender (client-side round robin, no router).
+    #[arg(long)]
+    direct: bool,
+    /// Engines per contender.
+    #[arg(long, default_value_t = 4)]
+    engines: usize,
+    /// Prefix cache capacity per engine, in blocks (64,000 × 16 = 1.02 M tokens,
+    /// 2,000 Mooncake blocks).
+    #[arg(long, default_value_t = 64_000)]
+    kv_blocks: usize,
+    /// Tokens per cache block.
+    #[arg(long, default_value_t = 16)]
+    block_size: usize,
+    /// Fixed prefill cost per request, in simulated ms.
+    #[arg(long, default_value_t = 20.0)]
+    ttft_base_ms: f64,
+    /// Prefill cost per uncached prompt token, in simulated µs.
+    #[arg(long, default_value_t = 80.0)]
+    prefill_us_per_token: f64,
+    /// Inter-token latency, in simulated ms.
+    #[arg(long, default_value_t = 15.0)]
+    itl_ms: f64,
+    /// Generated tokens per request: min(trace output_length, this).
+    #[arg(long, default_value_t = 64)]
+    max_output_tokens: u64,
+    /// Most requests in flight during a replay.
+    #[arg(long, default_value_t = 512)]
+    concurrency: usize,
+    /// Model id.
+    #[arg(long, default_value = "m")]
+    model: String,
+    /// sim-engine executable [default: next to this executable].
+    #[arg(long)]
+    engine_bin: Option<PathBuf>,
+    /// cache-aware-router executable [default: next to this executable].
+    #[arg(long)]
+    router_bin: Option<PathBuf>,
+    /// Router on this port, engines on the next ones [default: free ports].
+    #[arg(long)]
+    base_port: Option<u16>,
+    /// Longest wait for engines to start and the router's /health to answer 200, in s.
+    #[arg(long, default_value_t = 30.0)]
+    startup_timeout_s: f64,
+    /// Per-request timeout, in s.
+    #[arg(long, default_value_t = 120.0)]
+    request_timeout_s: f64,
+    /// Write per-request results to DIR/CONTENDER.jsonl (e.g. cache_aware.jsonl).
+    #[arg(long)]
+    out_dir: Option<PathBuf>,
+    /// Progress line interval on stderr, in s (0 = none).
+    #[arg(long, default_value_t = 10.0)]
+    progress_s: f64,
+}
+
+fn secs(v: f64, flag: &str) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(v).map_err(|_| format!("{flag} must be a finite number >= 0"))
+}
+
+fn default_trace() -> PathBuf {
+    let here = PathBuf::from(SLICE);
+    if here.is_file() {
+        return here;
+    }
+    PathBuf::from(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/data/mooncake_conversation_slice.jsonl"
+    ))
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // Ctrl-C flips the flag; the running contender then kills and reaps its
+    // children and the loop stops. A second Ctrl-C exits at once (children are
+    // still killed: ChildProc is kill-on-drop).
+    let (tx, rx) = watch::channel(false);
+    tokio::select! {
+        code = run(cli, rx) => code,
+        () = async {
+            let _ = tokio::signal::ctrl_c().await;
+            eprintln!("trace-matrix: interrupted, stopping children (Ctrl-C again to force)");
+            let _ = tx.send(true);
+            let _ = tokio::signal::ctrl_c().await;
+        } => ExitCode::from(130),
+    }
+}
+
+async fn run(cli: Cli, interrupted: watch::Receiver<bool>) -> ExitCode {
+    match try_run(cli, interrupted).await {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("trace-matrix: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCode, String> {
+    let trace = cli.trace.clone().unwrap_or_else(default_trace);
+    let limit = (cli.limit > 0).then_some(cli.limit);
+    let records = read_trace(&trace, limit).map_err(|e| e.to_string())?;
+    if records.is_empty() {
+        return Err(format!("{} holds no requests", trace.display()));
+    }
+    let mut contenders: Vec<Contender> = Vec::new();
+    for p in cli
+        .policies
+        .iter()
+        .map(|p| p.trim())
+        .filter(|p| !p.is_empty())
+    {
+        let c = if p == "direct" {
+            Contender::Direct
+        } else {
+            Contender::Router(p.to_string())
+        };
+        if !contenders.contains(&c) {
+            contenders.push(c);
+        }
+    }
+    if cli.direct && !contenders.contains(&Contender::Direct) {
+        contenders.push(Contender::Direct);
+    }
+    if contenders.is_empty() {
+        return Err("no contender: give --policies and/or --direct".into());
+    }
+    if cli.engines == 0 {
+        return Err("--engines must be at least 1".into());
+    }
+    let time_factor = cli.time_factor.unwrap_or(cli.time_scale);
+    let cfg = MatrixConfig {
+        engine_bin: cli
+            .engine_bin
+            .clone()
+            .unwrap_or_else(|| matrix::sibling_binary("sim-engine")),
+        router_bin: cli
+            .router_bin
+            .clone()
+            .unwrap_or_else(|| matrix::sibling_binary("cache-aware-router")),
+        engines: cli.engines,
+        engine: EngineParams {
+            kv_blocks: cli.kv_blocks,
+            block_size: cli.block_size,
+            ttft_base_ms: cli.ttft_base_ms,
+            prefill_us_per_token: cli.prefill_us_per_token,
+            itl_ms: cli.itl_ms,
+            time_factor,
+            max_output_tokens: cli.max_output_tokens,
+            model: cli.model.clone(),
+        },
+        time_scale: cli.time_scale,
+        concurrency: cli.concurrency,
+        request_timeout: secs(cli.request_timeout_s, "--request-timeout-s")?,
+        startup_timeout: secs(cli.startup_timeout_s, "--startup-timeout-s")?,
+        base_port: cli.base_port,
+        out_dir: cli.out_dir.clone(),
+        progress_every: (cli.progress_s > 0.0)
+            .then(|| Duration::try_from_secs_f64(cli.progress_s).ok())
+            .flatten(),
+    };
+    let requests = replay::prepare(&records, &cli.model, cli.max_output_tokens, 0);
+    let span_s = records
+        .last()
+        .map_or(0, |r| r.timestamp)
+        .saturating_sub(records[0].timestamp) as f64
+        / 1000.0;
+    let prompt_tokens: u64 = records.iter().map(|r| r.input_tokens()).sum();
+    let params = format!(
+        "trace {} (first {} lines, {} prompt tokens, span {:.0} s) × time scale {} = {:.0} s per contender\n\
+         {} engines × {} KV blocks of {} tokens ({:.2} M tokens each); prefill {} ms + {} µs/token (FIFO), \
+         ITL {} ms, all × time factor {}; output tokens min(trace, {}); concurrency cap {}",
+        trace.display(),
+        records.len(),
+        prompt_tokens,
+        span_s,
+        cli.time_scale,
+        span_s * cli.time_scale,
+        cli.engines,
+        cli.kv_blocks,
+        cli.block_size,
+        (cli.kv_blocks * cli.block_size) as f64 / 1e6,
+        cli.ttft_base_ms,
+        cli.prefill_us_per_token,
+        cli.itl_ms,
+        time_factor,
+        cli.max_output_tokens,
+        cli.concurrency,
+    );
+    eprintln!("{params}");
+    let mut rows = Vec::new();
+    let mut failed = false;
+    for c in &contenders {
+        let label = c.label();
+        eprintln!(
+            "== {label}: starting {} engines{}",
+            cfg.engines,
+            if matches!(c, Contender::Router(_)) {
+                " + router"
+            } else {
+                ""
+            }
+        );
+        let t0 = Instant::now();
+        let mut flag = interrupted.clone();
+        let interrupt = async move {
+            if flag.wait_for(|&v| v).await.is_err() {
+                std::future::pending::<()>().await;
+            }
+        };
+        let row = matrix::run_contender(&cfg, c, &requests, interrupt).await;
+        if matches!(row, Err(MatrixError::Interrupted)) {
+            return Ok(ExitCode::from(130));
+        }
+        let row = row.map_err(|e| e.to_string());
+        match &row {
+            Ok(s) => {
+                eprintln!(
+                    "{s}\n== {label}: done in {:.0} s",
+                    t0.elapsed().as_secs_f64()
+                );
+                failed |= s.errors > 0;
+            }
+            Err(e) => {
+                eprintln!("== {label}: FAILED: {e}");
+                failed = true;
+            }
+        }
+        rows.push((label, row));
+    }
+    println!("{params}\n");
+    println!("{}", matrix::render_table(&rows));
+    println!(
+        "hit rate = Σ cached / Σ prompt tokens from the engines' usage; TTFT is wall-clock ms at \
+         time factor {time_factor} (÷ {time_factor} ≈ full-scale simulated ms); \
+         open loop, so throughput follows the offered load unless a pool falls behind."
+    );
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}

@@ -1,0 +1,21 @@
+//! Benchmark kit for cache-aware-router: a simulated vLLM engine, a Mooncake
+//! trace replayer and the policy comparison that drives both.
+//!
+//! ```text
+//! prompts  trace line (hash_ids) -> deterministic prompt text (port of expand_prompts.py)
+//! engine   simulated vLLM replica: OpenAI API, prefix cache of 16-token blocks, LRU,
+//!          FIFO prefill + concurrent decode on tokio timers, vLLM metrics
+//! replay   open-loop replay of a trace against one URL (or several, round robin)
+//! stats    per-request results -> summary (hit rate, TTFT percentiles, throughput)
+//! matrix   start engines + router per policy, replay, one markdown table
+//! ```
+//!
+//! Binaries: `sim-engine`, `replay`, `trace-matrix` (the demo).
+
+#![forbid(unsafe_code)]
+
+pub mod engine;
+pub mod matrix;
+pub mod prompts;
+pub mod replay;
+pub mod stats;
