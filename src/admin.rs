@@ -53,6 +53,22 @@ struct Workers {
     workers: Vec<WorkerView>,
 }
 
+/// `GET /metrics`: Prometheus text exposition (see `metrics.rs`).
+pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
+    use http_body_util::BodyExt;
+    let text = router.metrics().encode(&router.worker_set());
+    let mut resp = http::Response::new(
+        http_body_util::Full::new(bytes::Bytes::from(text))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+    );
+    resp
+}
+
 /// `GET /workers`: per-worker URL, in-flight count, health, breaker state and tree share.
 /// API keys are never shown.
 pub fn workers(router: &Router) -> http::Response<ProxyBody> {

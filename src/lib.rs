@@ -15,6 +15,11 @@
 //! policy       pure decision: candidates + tree -> Pick (worker, reason)
 //! tree         RadixTree: prefix -> workers, per-node LRU stamp
 //! workers      Worker (in-flight, health), WorkerSet snapshot, InFlightGuard
+//!   usage      engine token usage read from response bytes as they pass
+//! metrics      every metric name and label (prometheus-client)
+//! health       active health checks
+//! breaker      per-worker circuit breaker state machine
+//! tree::evict  LRU eviction and daily reset task
 //! admin        GET /health, GET /workers
 //! reload       SIGHUP: re-read files, swap workers
 //! error        ProxyError -> JSON response
@@ -40,6 +45,7 @@ pub mod breaker;
 pub mod config;
 pub mod error;
 pub mod health;
+pub mod metrics;
 pub mod policy;
 pub mod prompt;
 pub mod proxy;

@@ -34,7 +34,9 @@ pub fn apply(router: &Router, files: &[PathBuf]) -> Outcome {
         return Outcome::Rejected { key };
     }
     if next.workers.is_empty() {
-        tracing::warn!("reload leaves no workers: every request gets 503 until workers are listed again");
+        tracing::warn!(
+            "reload leaves no workers: every request gets 503 until workers are listed again"
+        );
     }
     router.replace_workers(&next.workers);
     Outcome::Applied {

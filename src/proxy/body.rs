@@ -1,6 +1,7 @@
 //! [`GuardedBody`]: the upstream response body, carrying the request's in-flight guard.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -9,9 +10,20 @@ use http_body::{Body, Frame, SizeHint};
 use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
-use super::BoxError;
+use super::usage::UsageScanner;
+use super::{AccessLog, BoxError};
 use crate::breaker::Outcome;
+use crate::metrics::Metrics;
 use crate::workers::InFlightGuard;
+
+/// What is recorded when a response body finishes: duration, engine usage, access log.
+#[derive(Debug)]
+pub struct BodyTap {
+    pub metrics: Arc<Metrics>,
+    /// Reads usage from the bytes as they pass; `None` for bodies it cannot read.
+    pub scanner: Option<UsageScanner>,
+    pub log: AccessLog,
+}
 
 /// Streams the upstream body to the client frame by frame (no buffering) and holds the
 /// [`InFlightGuard`] until the body ends, fails, or is dropped because the client left.
@@ -25,6 +37,7 @@ pub struct GuardedBody {
     guard: Option<InFlightGuard>,
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
+    tap: Option<BodyTap>,
 }
 
 /// The worker went silent mid-body for longer than `proxy.request_timeout_secs`.
@@ -33,21 +46,53 @@ pub struct GuardedBody {
 pub struct IdleTimeout(Duration);
 
 impl GuardedBody {
-    pub fn new(inner: Incoming, guard: InFlightGuard, idle_timeout: Duration) -> Self {
+    pub fn new(
+        inner: Incoming,
+        guard: InFlightGuard,
+        idle_timeout: Duration,
+        tap: BodyTap,
+    ) -> Self {
         GuardedBody {
             inner,
             guard: Some(guard),
             idle_timeout,
             idle: Box::pin(tokio::time::sleep(idle_timeout)),
+            tap: Some(tap),
         }
     }
 
-    fn finish(&mut self, outcome: Option<Outcome>) {
+    /// Releases the guard (recording `outcome` with the breaker, if any) and writes the
+    /// request's metrics and access line, once.
+    fn finish(&mut self, outcome: Option<Outcome>, how: &'static str) {
         if let Some(mut g) = self.guard.take()
             && let Some(o) = outcome
         {
             g.record(o);
         }
+        if let Some(tap) = self.tap.take() {
+            let worker = &tap.log.worker;
+            tap.metrics.finished(worker, tap.log.arrived.elapsed());
+            if how == "complete"
+                && let Some(u) = tap.scanner.and_then(UsageScanner::finish)
+            {
+                tap.metrics
+                    .engine_usage(worker, u.prompt_tokens, u.cached_tokens);
+            }
+            tap.log.write(how);
+        }
+    }
+}
+
+impl Drop for GuardedBody {
+    fn drop(&mut self) {
+        // Dropped before the end: the client went away mid-body (an empty body is
+        // complete without a single poll).
+        let how = if self.inner.is_end_stream() {
+            "complete"
+        } else {
+            "client_gone"
+        };
+        self.finish(None, how);
     }
 }
 
@@ -64,20 +109,29 @@ impl Body for GuardedBody {
             Poll::Ready(Some(Ok(frame))) => {
                 let deadline = Instant::now() + this.idle_timeout;
                 this.idle.as_mut().reset(deadline);
+                if let (Some(data), Some(tap)) = (frame.data_ref(), this.tap.as_mut())
+                    && let Some(scanner) = tap.scanner.as_mut()
+                {
+                    scanner.feed(data);
+                }
+                if this.inner.is_end_stream() {
+                    // A sized body's last frame: hyper will not poll for the end.
+                    this.finish(None, "complete");
+                }
                 Poll::Ready(Some(Ok(frame)))
             }
             Poll::Ready(Some(Err(e))) => {
                 // The worker broke the stream: the client sees the error, the breaker too.
-                this.finish(Some(Outcome::Failure));
+                this.finish(Some(Outcome::Failure), "upstream_error");
                 Poll::Ready(Some(Err(Box::new(e))))
             }
             Poll::Ready(None) => {
-                this.finish(None);
+                this.finish(None, "complete");
                 Poll::Ready(None)
             }
             Poll::Pending => {
                 if this.guard.is_some() && this.idle.as_mut().poll(cx).is_ready() {
-                    this.finish(Some(Outcome::Failure));
+                    this.finish(Some(Outcome::Failure), "upstream_idle_timeout");
                     return Poll::Ready(Some(Err(Box::new(IdleTimeout(this.idle_timeout)))));
                 }
                 Poll::Pending

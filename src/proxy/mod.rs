@@ -12,6 +12,7 @@ pub mod body;
 pub mod headers;
 pub mod models;
 pub mod upstream;
+pub mod usage;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -30,6 +31,7 @@ use crate::admin;
 use crate::breaker::Outcome;
 use crate::config::{Config, PolicyKind, RemoteMediaPolicy, WorkerConfig};
 use crate::error::ProxyError;
+use crate::metrics::Metrics;
 use crate::policy::{self, CacheParams, Candidate, Pick, Reason};
 use crate::prompt::{self, Endpoint, RouteContext};
 use crate::tree::WorkerMask;
@@ -46,6 +48,9 @@ pub struct Router {
     workers: ArcSwap<WorkerSet>,
     client: upstream::Upstream,
     params: CacheParams,
+    metrics: Arc<Metrics>,
+    /// Worker label of answers the router gave itself.
+    no_worker: Arc<str>,
 }
 
 impl Router {
@@ -63,8 +68,15 @@ impl Router {
             client: upstream::Upstream::new(&config.proxy),
             params: CacheParams::from(&config.cache),
             workers: ArcSwap::from_pointee(set),
+            metrics: Arc::new(Metrics::new()),
+            no_worker: Arc::from("none"),
             config,
         }
+    }
+
+    /// The metrics registry (also fed by reload and `/metrics`).
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
     }
 
     pub fn config(&self) -> &Config {
@@ -109,16 +121,32 @@ impl Router {
             match path {
                 "/health" => return admin::health(&self.worker_set()),
                 "/workers" => return admin::workers(&self),
+                "/metrics" => return admin::metrics(&self),
                 _ => {}
             }
         }
+        let label = endpoint_label(&method, path);
         let request_id = headers::request_id(req.headers());
         let result = if method == Method::GET && path == "/v1/models" {
             models::get(&self, req, &request_id).await
         } else {
-            self.proxy(req, &request_id).await
+            self.proxy(req, &request_id, label).await
         };
-        let mut resp = result.unwrap_or_else(ProxyError::into_response);
+        let mut resp = result.unwrap_or_else(|e| {
+            let status = e.status().as_u16();
+            self.metrics.request(label, &self.no_worker, status);
+            tracing::info!(
+                target: "cache_aware_router::access",
+                request_id = request_id.to_str().unwrap_or("-"),
+                endpoint = label,
+                worker = "-",
+                reason = if matches!(e, ProxyError::NoWorker(_)) { "no_worker" } else { "-" },
+                status,
+                error = %e,
+                "request"
+            );
+            e.into_response()
+        });
         resp.headers_mut()
             .insert(headers::REQUEST_ID.clone(), request_id);
         resp
@@ -129,7 +157,9 @@ impl Router {
         &self,
         req: Request<Incoming>,
         request_id: &HeaderValue,
+        label: &'static str,
     ) -> Result<Response<ProxyBody>, ProxyError> {
+        let arrived = Instant::now();
         let (parts, body) = req.into_parts();
         let body = read_body(&parts, body, self.config.server.max_body_bytes).await?;
         let endpoint = (parts.method == Method::POST)
@@ -147,8 +177,9 @@ impl Router {
         }
         let set = self.worker_set();
         let route = Route {
-            endpoint,
+            label,
             ctx: ctx.as_ref(),
+            arrived,
             started,
         };
         self.forward(&set, &parts, body.clone(), &route, request_id)
@@ -174,15 +205,7 @@ impl Router {
         let mut started = route.started;
         while attempt <= retries {
             let Some((pick, mut guard)) = self.pick(set, route, &tried) else {
-                log_decision(
-                    route,
-                    request_id,
-                    None,
-                    Reason::NoWorker,
-                    0.0,
-                    started,
-                    attempt,
-                );
+                self.metrics.decision(Reason::NoWorker, started.elapsed());
                 return Err(if attempt == 0 {
                     ProxyError::NoWorker("every worker is unhealthy, at max_load, or down")
                 } else {
@@ -190,15 +213,19 @@ impl Router {
                 });
             };
             let worker = Arc::clone(guard.worker());
-            log_decision(
-                route,
-                request_id,
-                Some(&worker),
-                pick.reason,
-                pick.matched_ratio(),
-                started,
+            let decision = Decision {
+                reason: pick.reason,
+                matched_ratio: pick.matched_ratio(),
+                decision_us: started.elapsed().as_micros() as u64,
                 attempt,
-            );
+            };
+            self.metrics.decision(pick.reason, started.elapsed());
+            if pick.reason == Reason::CacheHit {
+                self.metrics.estimated_saved(worker.label(), pick.matched);
+            }
+            if attempt > 0 {
+                self.metrics.retry();
+            }
             if let Some(id) = pick.worker {
                 tried.insert(id);
             }
@@ -226,7 +253,17 @@ impl Router {
                     );
                     last_error = ProxyError::Upstream(format!("worker answered {}", resp.status()));
                 }
-                Ok(resp) => return Ok(self.respond(resp, guard)),
+                Ok(resp) => {
+                    let log = AccessLog {
+                        request_id: request_id.clone(),
+                        endpoint: route.label,
+                        worker: Arc::clone(worker.label()),
+                        decision,
+                        status: resp.status().as_u16(),
+                        arrived: route.arrived,
+                    };
+                    return Ok(self.respond(resp, guard, log));
+                }
                 Err(e) => {
                     tracing::warn!(request_id = ?request_id, worker = %worker.url(), error = %e, "upstream attempt failed");
                     last_error = e;
@@ -318,7 +355,14 @@ impl Router {
 
     /// The client's response: upstream status and end-to-end headers, body streamed with
     /// the in-flight guard.
-    fn respond(&self, resp: Response<Incoming>, guard: InFlightGuard) -> Response<ProxyBody> {
+    fn respond(
+        &self,
+        resp: Response<Incoming>,
+        guard: InFlightGuard,
+        log: AccessLog,
+    ) -> Response<ProxyBody> {
+        self.metrics.request(log.endpoint, &log.worker, log.status);
+        self.metrics.first_byte(&log.worker, log.arrived.elapsed());
         let (mut parts, incoming) = resp.into_parts();
         if headers::strip_hop_by_hop(&mut parts.headers) {
             // Framing is hyper's job now; a length beside chunked framing is stale.
@@ -345,39 +389,78 @@ impl Router {
                 .entry("x-accel-buffering")
                 .or_insert(HeaderValue::from_static("no"));
         }
-        let body = GuardedBody::new(incoming, guard, self.config.proxy.request_timeout).boxed();
+        let tap = body::BodyTap {
+            metrics: Arc::clone(&self.metrics),
+            scanner: usage::UsageScanner::for_response(&parts.headers),
+            log,
+        };
+        let body =
+            GuardedBody::new(incoming, guard, self.config.proxy.request_timeout, tap).boxed();
         Response::from_parts(parts, body)
     }
 }
 
 /// What one request routes on.
 struct Route<'a> {
-    endpoint: Option<Endpoint>,
+    /// Endpoint label for logs and metrics.
+    label: &'static str,
     ctx: Option<&'a RouteContext<'a>>,
+    /// When the request arrived (for TTFB and duration).
+    arrived: Instant,
     /// When the decision started (for its latency).
     started: Instant,
 }
 
-fn log_decision(
-    route: &Route<'_>,
-    request_id: &HeaderValue,
-    worker: Option<&Arc<Worker>>,
-    reason: Reason,
-    matched_ratio: f64,
-    started: Instant,
-    attempt: u32,
-) {
-    tracing::info!(
-        target: "cache_aware_router::decision",
-        request_id = request_id.to_str().unwrap_or("-"),
-        endpoint = route.endpoint.map_or("other", Endpoint::as_str),
-        worker = worker.map(|w| w.url().to_string()).as_deref().unwrap_or("-"),
-        reason = reason.as_str(),
-        matched_ratio = format_args!("{matched_ratio:.3}"),
-        decision_us = started.elapsed().as_micros() as u64,
-        attempt,
-        "route"
-    );
+/// How a worker was chosen for one attempt.
+#[derive(Debug, Clone, Copy)]
+pub struct Decision {
+    pub reason: Reason,
+    pub matched_ratio: f64,
+    /// Extract + match + insert, in µs.
+    pub decision_us: u64,
+    /// 0 for the first try.
+    pub attempt: u32,
+}
+
+/// One request's access-log line, written when its response body ends.
+#[derive(Debug)]
+pub struct AccessLog {
+    pub request_id: HeaderValue,
+    pub endpoint: &'static str,
+    pub worker: Arc<str>,
+    pub decision: Decision,
+    pub status: u16,
+    pub arrived: Instant,
+}
+
+impl AccessLog {
+    /// Writes the line; `outcome` says how the body ended (`complete`, `client_gone`,
+    /// `upstream_error`).
+    pub fn write(&self, outcome: &'static str) {
+        tracing::info!(
+            target: "cache_aware_router::access",
+            request_id = self.request_id.to_str().unwrap_or("-"),
+            endpoint = self.endpoint,
+            worker = &*self.worker,
+            reason = self.decision.reason.as_str(),
+            matched_ratio = format_args!("{:.3}", self.decision.matched_ratio),
+            decision_us = self.decision.decision_us,
+            attempt = self.decision.attempt,
+            status = self.status,
+            duration_ms = format_args!("{:.1}", self.arrived.elapsed().as_secs_f64() * 1e3),
+            outcome,
+            "request"
+        );
+    }
+}
+
+/// Endpoint label of a request, for logs and metrics.
+fn endpoint_label(method: &Method, path: &str) -> &'static str {
+    match (method, path) {
+        (&Method::GET, "/v1/models") => "models",
+        (&Method::POST, p) => Endpoint::from_path(p).map_or("other", Endpoint::as_str),
+        _ => "other",
+    }
 }
 
 /// Reads a request body up to `limit` bytes. A declared `Content-Length` over the limit

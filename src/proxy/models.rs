@@ -56,10 +56,12 @@ pub(super) async fn get(
         return Ok(build(StatusCode::OK, c.content_type, c.body));
     }
     let (parts, _) = req.into_parts();
+    let now = Instant::now();
     let route = Route {
-        endpoint: None,
+        label: "models",
         ctx: None,
-        started: Instant::now(),
+        arrived: now,
+        started: now,
     };
     let resp = router
         .forward(&set, &parts, Bytes::new(), &route, request_id)

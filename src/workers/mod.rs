@@ -25,6 +25,8 @@ use crate::tree::{RadixTree, WorkerMask};
 #[derive(Debug)]
 pub struct Worker {
     config: WorkerConfig,
+    /// The normalised URL as a shared string: metric label and log field.
+    label: Arc<str>,
     /// Requests forwarded and not yet finished (body ended or dropped).
     in_flight: AtomicUsize,
     healthy: AtomicBool,
@@ -45,6 +47,7 @@ impl Worker {
     /// A worker that starts healthy, breaker closed, nothing in flight.
     pub fn new(config: WorkerConfig, breaker: &BreakerConfig) -> Self {
         Worker {
+            label: Arc::from(config.url.to_string()),
             config,
             in_flight: AtomicUsize::new(0),
             healthy: AtomicBool::new(true),
@@ -91,6 +94,11 @@ impl Worker {
 
     pub fn config(&self) -> &WorkerConfig {
         &self.config
+    }
+
+    /// The URL as a shared string (metric label).
+    pub fn label(&self) -> &Arc<str> {
+        &self.label
     }
 
     pub fn url(&self) -> &crate::config::WorkerUrl {

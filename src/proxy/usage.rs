@@ -1,0 +1,273 @@
+//! Reads the token usage an engine reports, from response bytes as they pass.
+//!
+//! vLLM and SGLang put `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens`
+//! in a JSON response, and in the final SSE chunk when `stream_options.include_usage` is
+//! set; Anthropic-style servers report `input_tokens` and `cache_read_input_tokens`
+//! (in `message_start` when streaming). The scanner only looks at bytes the proxy is
+//! already forwarding: it never holds a chunk back. JSON bodies are copied up to
+//! [`MAX_JSON_BYTES`]; SSE keeps only the current partial line. Compressed bodies are
+//! not scanned.
+
+use http::HeaderMap;
+use http::header;
+use serde::Deserialize;
+
+/// Largest JSON body copied for the usage scan, in bytes; past it, usage is not read.
+pub const MAX_JSON_BYTES: usize = 1 << 20;
+/// Longest SSE line kept while waiting for its end, in bytes.
+const MAX_LINE_BYTES: usize = 1 << 20;
+
+/// Tokens an engine reported for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+}
+
+/// Incremental usage reader for one response body.
+#[derive(Debug)]
+pub enum UsageScanner {
+    Json {
+        buf: Vec<u8>,
+        overflow: bool,
+    },
+    Sse {
+        line: Vec<u8>,
+        skipping: bool,
+        usage: Option<Usage>,
+    },
+}
+
+impl UsageScanner {
+    /// A scanner for a response with these headers, when it is uncompressed JSON or SSE.
+    pub fn for_response(headers: &HeaderMap) -> Option<Self> {
+        let encoded = headers
+            .get(header::CONTENT_ENCODING)
+            .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+        if encoded {
+            return None;
+        }
+        let ct = headers.get(header::CONTENT_TYPE)?.to_str().ok()?;
+        if ct.starts_with("text/event-stream") {
+            Some(UsageScanner::Sse {
+                line: Vec::new(),
+                skipping: false,
+                usage: None,
+            })
+        } else if ct.starts_with("application/json") {
+            Some(UsageScanner::Json {
+                buf: Vec::new(),
+                overflow: false,
+            })
+        } else {
+            None
+        }
+    }
+
+    /// Looks at one chunk of the body (already on its way to the client).
+    pub fn feed(&mut self, chunk: &[u8]) {
+        match self {
+            UsageScanner::Json { buf, overflow } => {
+                if *overflow {
+                    return;
+                }
+                if buf.len() + chunk.len() > MAX_JSON_BYTES {
+                    *overflow = true;
+                    buf.clear();
+                    buf.shrink_to_fit();
+                } else {
+                    buf.extend_from_slice(chunk);
+                }
+            }
+            UsageScanner::Sse {
+                line,
+                skipping,
+                usage,
+            } => {
+                let mut rest = chunk;
+                while let Some(nl) = rest.iter().position(|b| *b == b'\n') {
+                    if !*skipping {
+                        line.extend_from_slice(&rest[..nl]);
+                        if let Some(u) = sse_line_usage(line) {
+                            *usage = Some(u);
+                        }
+                    }
+                    line.clear();
+                    *skipping = false;
+                    rest = &rest[nl + 1..];
+                }
+                if !*skipping {
+                    if line.len() + rest.len() > MAX_LINE_BYTES {
+                        *skipping = true;
+                        line.clear();
+                    } else {
+                        line.extend_from_slice(rest);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The usage found, once the body has ended.
+    pub fn finish(self) -> Option<Usage> {
+        match self {
+            UsageScanner::Json { buf, overflow } => {
+                if overflow {
+                    return None;
+                }
+                serde_json::from_slice::<Envelope>(&buf).ok()?.usage()
+            }
+            UsageScanner::Sse { line, usage, .. } => usage.or_else(|| sse_line_usage(&line)),
+        }
+    }
+}
+
+fn sse_line_usage(line: &[u8]) -> Option<Usage> {
+    let data = line.strip_prefix(b"data:")?;
+    if !contains(data, b"\"usage\"") {
+        return None;
+    }
+    serde_json::from_slice::<Envelope>(data).ok()?.usage()
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+#[derive(Deserialize)]
+struct Envelope {
+    #[serde(default)]
+    usage: Option<RawUsage>,
+    /// Anthropic `message_start` carries usage inside `message`.
+    #[serde(default)]
+    message: Option<Message>,
+}
+
+#[derive(Deserialize)]
+struct Message {
+    #[serde(default)]
+    usage: Option<RawUsage>,
+}
+
+#[derive(Deserialize)]
+struct RawUsage {
+    prompt_tokens: Option<u64>,
+    prompt_tokens_details: Option<Details>,
+    input_tokens: Option<u64>,
+    cache_read_input_tokens: Option<u64>,
+    cache_creation_input_tokens: Option<u64>,
+}
+
+#[derive(Deserialize)]
+struct Details {
+    cached_tokens: Option<u64>,
+}
+
+impl Envelope {
+    fn usage(self) -> Option<Usage> {
+        let u = self.usage.or_else(|| self.message.and_then(|m| m.usage))?;
+        if let Some(prompt) = u.prompt_tokens {
+            return Some(Usage {
+                prompt_tokens: prompt,
+                cached_tokens: u
+                    .prompt_tokens_details
+                    .and_then(|d| d.cached_tokens)
+                    .unwrap_or(0),
+            });
+        }
+        // Anthropic: input_tokens excludes the cached part.
+        let input = u.input_tokens?;
+        let read = u.cache_read_input_tokens.unwrap_or(0);
+        Some(Usage {
+            prompt_tokens: input + read + u.cache_creation_input_tokens.unwrap_or(0),
+            cached_tokens: read,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn scanner(ct: &'static str) -> UsageScanner {
+        let mut h = HeaderMap::new();
+        h.insert(header::CONTENT_TYPE, HeaderValue::from_static(ct));
+        UsageScanner::for_response(&h).unwrap()
+    }
+
+    #[test]
+    fn json_usage_across_chunks() {
+        let body = br#"{"id":"x","choices":[],"usage":{"prompt_tokens":120,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":96}}}"#;
+        let mut s = scanner("application/json");
+        for c in body.chunks(7) {
+            s.feed(c);
+        }
+        assert_eq!(
+            s.finish(),
+            Some(Usage {
+                prompt_tokens: 120,
+                cached_tokens: 96
+            })
+        );
+    }
+
+    #[test]
+    fn sse_final_usage_chunk_split_anywhere() {
+        let stream = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":50,\"prompt_tokens_details\":{\"cached_tokens\":32}}}\n\ndata: [DONE]\n\n";
+        for split in 1..stream.len() {
+            let mut s = scanner("text/event-stream");
+            s.feed(&stream[..split]);
+            s.feed(&stream[split..]);
+            assert_eq!(
+                s.finish(),
+                Some(Usage {
+                    prompt_tokens: 50,
+                    cached_tokens: 32
+                }),
+                "split at {split}"
+            );
+        }
+    }
+
+    #[test]
+    fn anthropic_shapes() {
+        let mut s = scanner("application/json");
+        s.feed(br#"{"type":"message","usage":{"input_tokens":10,"cache_read_input_tokens":90,"output_tokens":3}}"#);
+        assert_eq!(
+            s.finish(),
+            Some(Usage {
+                prompt_tokens: 100,
+                cached_tokens: 90
+            })
+        );
+        let mut s = scanner("text/event-stream");
+        s.feed(b"event: message_start\ndata: {\"type\":\"message_start\",\"message\":{\"usage\":{\"input_tokens\":4,\"cache_read_input_tokens\":60}}}\n\n");
+        s.feed(b"event: message_delta\ndata: {\"type\":\"message_delta\",\"usage\":{\"output_tokens\":9}}\n\n");
+        assert_eq!(
+            s.finish(),
+            Some(Usage {
+                prompt_tokens: 64,
+                cached_tokens: 60
+            })
+        );
+    }
+
+    #[test]
+    fn no_usage_compressed_or_oversized() {
+        let mut s = scanner("text/event-stream");
+        s.feed(b"data: {\"choices\":[]}\n\n");
+        assert_eq!(s.finish(), None);
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        assert!(UsageScanner::for_response(&h).is_none());
+        let mut s = scanner("application/json");
+        s.feed(&vec![b' '; MAX_JSON_BYTES + 1]);
+        s.feed(br#"{"usage":{"prompt_tokens":1}}"#);
+        assert_eq!(s.finish(), None);
+    }
+}
