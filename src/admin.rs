@@ -3,7 +3,7 @@
 use http::StatusCode;
 use serde::Serialize;
 
-use crate::error::json_response;
+use crate::error::{ProxyError, json_response};
 use crate::proxy::{ProxyBody, Router};
 use crate::workers::WorkerSet;
 
@@ -108,4 +108,179 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
         StatusCode::OK,
         serde_json::to_string(&body).unwrap_or_default(),
     )
+}
+
+/// A mutating admin request, answered now or once its body is read.
+pub enum Mutation {
+    Done(http::Response<ProxyBody>),
+    /// `POST /workers`: the body holds the worker; see [`mutate_with_body`].
+    NeedsBody,
+}
+
+/// Largest `POST /workers` body, in bytes.
+const MAX_ADMIN_BODY: usize = 64 * 1024;
+
+/// Answers the admin API when `method` + path is one of its endpoints:
+/// `POST /workers`, `DELETE /workers?url=…`, `POST /cache/clear[?worker=…]`. They need
+/// `Authorization: Bearer <server.admin_token>`; without a configured token they answer
+/// 403 saying how to enable them. None of them blocks requests being served.
+pub fn mutation<B>(router: &Router, req: &http::Request<B>) -> Option<Mutation> {
+    let (method, path) = (req.method(), req.uri().path());
+    let is_admin = matches!(
+        (method, path),
+        (&http::Method::POST, "/workers")
+            | (&http::Method::DELETE, "/workers")
+            | (&http::Method::POST, "/cache/clear")
+    );
+    if !is_admin {
+        return None;
+    }
+    if let Err(e) = authorize(router, req.headers()) {
+        return Some(Mutation::Done(e.into_response()));
+    }
+    let query = query_param(req.uri(), if path == "/workers" { "url" } else { "worker" });
+    let resp = match (method, path) {
+        (&http::Method::POST, "/workers") => return Some(Mutation::NeedsBody),
+        (&http::Method::DELETE, "/workers") => remove_worker(router, query.as_deref()),
+        _ => clear_cache(router, query.as_deref()),
+    };
+    Some(Mutation::Done(
+        resp.unwrap_or_else(ProxyError::into_response),
+    ))
+}
+
+/// `POST /workers` with a JSON worker entry (the keys of one `workers:` item).
+pub async fn mutate_with_body(
+    router: &Router,
+    req: http::Request<hyper::body::Incoming>,
+) -> http::Response<ProxyBody> {
+    use http_body_util::BodyExt;
+    let body = match http_body_util::Limited::new(req.into_body(), MAX_ADMIN_BODY)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(e) => {
+            return ProxyError::BadRequest(format!("cannot read the body: {e}")).into_response();
+        }
+    };
+    let cfg = match crate::config::WorkerConfig::from_json(&body) {
+        Ok(c) => c,
+        Err(e) => return ProxyError::BadRequest(format!("invalid worker: {e}")).into_response(),
+    };
+    let url = cfg.url.to_string();
+    match router.add_worker(cfg) {
+        Ok(()) => {
+            tracing::info!(worker = %url, "worker added (admin API)");
+            let n = router.worker_set().workers().len();
+            json_response(
+                StatusCode::CREATED,
+                serde_json::json!({"added": url, "workers": n}).to_string(),
+            )
+        }
+        Err(m) => json_response(
+            StatusCode::CONFLICT,
+            serde_json::json!({"error": {"message": m, "type": "conflict", "code": 409}})
+                .to_string(),
+        ),
+    }
+}
+
+fn authorize(router: &Router, headers: &http::HeaderMap) -> Result<(), ProxyError> {
+    let Some(token) = &router.config().server.admin_token else {
+        return Err(ProxyError::Forbidden(
+            "the admin API is disabled: set server.admin_token in the config and send `Authorization: Bearer <token>`",
+        ));
+    };
+    let given = headers
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .unwrap_or("");
+    if constant_time_eq(given.as_bytes(), token.expose().as_bytes()) {
+        Ok(())
+    } else {
+        Err(ProxyError::Unauthorized(
+            "missing or wrong admin token (Authorization: Bearer <server.admin_token>)",
+        ))
+    }
+}
+
+/// Compares without an early exit, so the time taken does not reveal a prefix.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+fn query_param(uri: &http::Uri, key: &str) -> Option<String> {
+    form_urlencoded::parse(uri.query()?.as_bytes())
+        .find(|(k, _)| k == key)
+        .map(|(_, v)| v.into_owned())
+}
+
+fn parse_url(raw: Option<&str>, param: &str) -> Result<crate::config::WorkerUrl, ProxyError> {
+    let raw =
+        raw.ok_or_else(|| ProxyError::BadRequest(format!("missing query parameter `{param}`")))?;
+    crate::config::WorkerUrl::parse(raw)
+        .map_err(|e| ProxyError::BadRequest(format!("`{param}`: `{raw}`: {e}")))
+}
+
+fn not_found(what: String) -> http::Response<ProxyBody> {
+    json_response(
+        StatusCode::NOT_FOUND,
+        serde_json::json!({"error": {"message": what, "type": "not_found", "code": 404}})
+            .to_string(),
+    )
+}
+
+fn remove_worker(
+    router: &Router,
+    url: Option<&str>,
+) -> Result<http::Response<ProxyBody>, ProxyError> {
+    let url = parse_url(url, "url")?;
+    if !router.remove_worker(&url) {
+        return Ok(not_found(format!("no worker {url} in the pool")));
+    }
+    tracing::info!(worker = %url, "worker removed (admin API); its in-flight requests finish");
+    Ok(json_response(
+        StatusCode::OK,
+        serde_json::json!({"removed": url.to_string(), "workers": router.worker_set().workers().len()})
+            .to_string(),
+    ))
+}
+
+fn clear_cache(
+    router: &Router,
+    worker: Option<&str>,
+) -> Result<http::Response<ProxyBody>, ProxyError> {
+    let set = router.worker_set();
+    let body = match worker {
+        None => {
+            let removed = {
+                let mut tree = set.tree();
+                let n = tree.node_count();
+                tree.clear();
+                n
+            };
+            tracing::info!(nodes = removed, "route records cleared (admin API)");
+            serde_json::json!({"cleared": "all", "nodes_removed": removed})
+        }
+        Some(raw) => {
+            let url = parse_url(Some(raw), "worker")?;
+            let Some(id) = set
+                .ids()
+                .find(|id| set.get(*id).is_some_and(|w| w.url() == &url))
+            else {
+                return Ok(not_found(format!("no worker {url} in the pool")));
+            };
+            let removed = {
+                let mut tree = set.tree();
+                let before = tree.node_count();
+                tree.remove_worker(id);
+                before - tree.node_count()
+            };
+            tracing::info!(worker = %url, nodes = removed, "route records of one worker cleared (admin API)");
+            serde_json::json!({"cleared": url.to_string(), "nodes_removed": removed})
+        }
+    };
+    Ok(json_response(StatusCode::OK, body.to_string()))
 }

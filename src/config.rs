@@ -485,6 +485,42 @@ struct RawLog {
     level: Option<String>,
 }
 
+impl RawWorker {
+    /// Checks one worker entry; an error names the field and says what is wrong.
+    fn validate(self) -> Result<WorkerConfig, (&'static str, String)> {
+        let url =
+            WorkerUrl::parse(&self.url).map_err(|m| ("url", format!("`{}`: {m}", self.url)))?;
+        let max_load = match self.max_load {
+            None => None,
+            Some(0) => {
+                return Err((
+                    "max_load",
+                    "0 is out of range (≥ 1; leave it out for unbounded)".into(),
+                ));
+            }
+            Some(n) => NonZeroUsize::new(n as usize),
+        };
+        Ok(WorkerConfig {
+            url,
+            max_load,
+            load_penalty: self.load_penalty.unwrap_or(0),
+            cache_aware: self.cache_aware.unwrap_or(true),
+            api_key: Secret::from_config(self.api_key),
+        })
+    }
+}
+
+impl WorkerConfig {
+    /// A worker from a JSON object with the keys of one `workers:` entry (admin API):
+    /// `{"url": …, "max_load"?: n, "load_penalty"?: n, "cache_aware"?: bool,
+    /// "api_key"?: "…"}`. The error names the field and the bad value.
+    pub fn from_json(body: &[u8]) -> Result<WorkerConfig, String> {
+        let raw: RawWorker = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+        raw.validate()
+            .map_err(|(field, m)| format!("`{field}`: {m}"))
+    }
+}
+
 /// Merges `over` into `base`: mappings key by key (recursively), anything else replaces.
 fn merge(base: &mut Value, over: Value) {
     match (base, over) {
@@ -706,29 +742,14 @@ impl Config {
         }
         let mut workers: Vec<WorkerConfig> = Vec::with_capacity(raw_workers.len());
         for (i, w) in raw_workers.into_iter().enumerate() {
-            let url = WorkerUrl::parse(&w.url)
-                .map_err(|m| ck.err(&format!("workers[{i}].url"), format!("`{}`: {m}", w.url)))?;
-            let max_load = match w.max_load {
-                None => None,
-                Some(0) => {
-                    return Err(ck.err(
-                        &format!("workers[{i}].max_load"),
-                        "0 is out of range (≥ 1; leave it out for unbounded)",
-                    ));
-                }
-                Some(n) => NonZeroUsize::new(n as usize),
-            };
-            if workers.iter().any(|x| x.url == url) {
-                tracing::warn!(%url, "duplicate worker URL merged into its first entry");
+            let worker = w
+                .validate()
+                .map_err(|(field, m)| ck.err(&format!("workers[{i}].{field}"), m))?;
+            if workers.iter().any(|x| x.url == worker.url) {
+                tracing::warn!(url = %worker.url, "duplicate worker URL merged into its first entry");
                 continue;
             }
-            workers.push(WorkerConfig {
-                url,
-                max_load,
-                load_penalty: w.load_penalty.unwrap_or(0),
-                cache_aware: w.cache_aware.unwrap_or(true),
-                api_key: Secret::from_config(w.api_key),
-            });
+            workers.push(worker);
         }
 
         let c = raw.cache;

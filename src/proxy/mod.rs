@@ -51,6 +51,7 @@ pub struct Router {
     metrics: Arc<Metrics>,
     /// Worker label of answers the router gave itself.
     no_worker: Arc<str>,
+    membership: std::sync::Mutex<()>,
 }
 
 impl Router {
@@ -70,6 +71,7 @@ impl Router {
             workers: ArcSwap::from_pointee(set),
             metrics: Arc::new(Metrics::new()),
             no_worker: Arc::from("none"),
+            membership: std::sync::Mutex::new(()),
             config,
         }
     }
@@ -93,11 +95,12 @@ impl Router {
         self.workers.load_full()
     }
 
-    /// Swaps in a new worker list: workers whose config is unchanged keep their
-    /// `Arc<Worker>` (health, in-flight); the tree and the models cache start fresh.
-    /// Requests in flight keep the set they loaded.
+    /// Swaps in a new worker list (SIGHUP reload): workers whose config is unchanged
+    /// keep their `Arc<Worker>` (health, breaker, in-flight); the tree and the models
+    /// cache start fresh. Requests in flight keep the set they loaded.
     pub fn replace_workers(&self, workers: &[WorkerConfig]) {
-        let old = self.workers.load();
+        let _serial = self.lock_membership();
+        let old = self.workers.load_full();
         let next = workers
             .iter()
             .map(|cfg| {
@@ -113,6 +116,58 @@ impl Router {
         self.workers.store(Arc::new(WorkerSet::new(next)));
     }
 
+    /// Adds one worker (admin API), keeping the tree: existing workers keep their ids.
+    /// Errors when a worker with that URL is already in the pool.
+    pub fn add_worker(&self, cfg: WorkerConfig) -> Result<(), String> {
+        let _serial = self.lock_membership();
+        let old = self.workers.load_full();
+        if old.workers().iter().any(|w| w.url() == &cfg.url) {
+            return Err(format!("worker {} is already in the pool", cfg.url));
+        }
+        let mut next: Vec<Arc<Worker>> = old.workers().to_vec();
+        next.push(Arc::new(Worker::new(cfg, &self.config.circuit_breaker)));
+        let tree = std::mem::take(&mut *old.tree());
+        self.workers
+            .store(Arc::new(WorkerSet::with_tree(next, tree)));
+        Ok(())
+    }
+
+    /// Removes one worker by URL (admin API): it takes no new requests, its in-flight
+    /// requests finish, its tree records go and the others keep theirs. Returns false
+    /// when no worker has that URL.
+    pub fn remove_worker(&self, url: &crate::config::WorkerUrl) -> bool {
+        let _serial = self.lock_membership();
+        let old = self.workers.load_full();
+        let Some(gone) = old.workers().iter().position(|w| w.url() == url) else {
+            return false;
+        };
+        let next: Vec<Arc<Worker>> = old
+            .workers()
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| *i != gone)
+            .map(|(_, w)| Arc::clone(w))
+            .collect();
+        let map: Vec<Option<WorkerId>> = (0..old.workers().len())
+            .map(|i| match i.cmp(&gone) {
+                std::cmp::Ordering::Less => Some(WorkerId(i as u32)),
+                std::cmp::Ordering::Equal => None,
+                std::cmp::Ordering::Greater => Some(WorkerId(i as u32 - 1)),
+            })
+            .collect();
+        let mut tree = std::mem::take(&mut *old.tree());
+        tree.renumber(&map);
+        self.workers
+            .store(Arc::new(WorkerSet::with_tree(next, tree)));
+        true
+    }
+
+    /// Serialises changes of the worker list (reload, admin API) so none is lost; held
+    /// only while a new set is built, never across an `.await`.
+    fn lock_membership(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.membership.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     /// Answers one client request. Never fails: errors become JSON responses.
     pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
         let method = req.method().clone();
@@ -124,6 +179,12 @@ impl Router {
                 "/metrics" => return admin::metrics(&self),
                 _ => {}
             }
+        }
+        if let Some(resp) = admin::mutation(&self, &req) {
+            return match resp {
+                admin::Mutation::Done(r) => r,
+                admin::Mutation::NeedsBody => admin::mutate_with_body(&self, req).await,
+            };
         }
         let label = endpoint_label(&method, path);
         let request_id = headers::request_id(req.headers());

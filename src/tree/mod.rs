@@ -267,6 +267,48 @@ impl RadixTree {
         true
     }
 
+    /// Renumbers workers after the pool changed: `map[old id]` is the worker's new id, or
+    /// `None` when it left (its records are dropped). One pass over the tree.
+    pub fn renumber(&mut self, map: &[Option<WorkerId>]) {
+        let mut stack: Vec<NodeIdx> = self.nodes[ROOT as usize]
+            .children
+            .iter()
+            .map(|(_, c)| *c)
+            .collect();
+        while let Some(n) = stack.pop() {
+            let mask: WorkerMask = self.nodes[n as usize]
+                .workers
+                .iter()
+                .filter_map(|w| map.get(w.0 as usize).copied().flatten())
+                .collect();
+            if mask.is_empty() {
+                self.unlink(n);
+                self.free_subtree(n);
+                continue;
+            }
+            let node = &mut self.nodes[n as usize];
+            node.workers = mask;
+            stack.extend(node.children.iter().map(|(_, c)| *c));
+        }
+        self.recount_bytes();
+    }
+
+    fn recount_bytes(&mut self) {
+        self.worker_bytes.clear();
+        self.total_bytes = 0;
+        for n in self.nodes.iter().skip(1) {
+            let len = n.edge.len() as u64;
+            self.total_bytes += len;
+            for w in n.workers.iter() {
+                let i = w.0 as usize;
+                if self.worker_bytes.len() <= i {
+                    self.worker_bytes.resize(i + 1, 0);
+                }
+                self.worker_bytes[i] += len;
+            }
+        }
+    }
+
     /// Removes everything (a fresh tree keeps its allocation).
     pub fn clear(&mut self) {
         *self = RadixTree::new();
@@ -343,7 +385,7 @@ impl RadixTree {
     fn release(&mut self, node: NodeIdx) {
         let mut stack = vec![node];
         while let Some(n) = stack.pop() {
-            let slot = &mut self.nodes[n as usize];
+            let slot = &self.nodes[n as usize];
             stack.extend(slot.children.iter().map(|(_, c)| *c));
             let len = slot.edge.len() as u64;
             self.total_bytes -= len;
@@ -352,13 +394,25 @@ impl RadixTree {
                     *b -= len;
                 }
             }
-            *slot = Node {
-                edge: Box::default(),
-                children: Vec::new(),
-                parent: ROOT,
-                workers: WorkerMask::default(),
-                last_access: 0,
-            };
+        }
+        self.free_subtree(node);
+    }
+
+    /// Returns `node` and its subtree to the free list (no byte accounting).
+    fn free_subtree(&mut self, node: NodeIdx) {
+        let mut stack = vec![node];
+        while let Some(n) = stack.pop() {
+            let slot = std::mem::replace(
+                &mut self.nodes[n as usize],
+                Node {
+                    edge: Box::default(),
+                    children: Vec::new(),
+                    parent: ROOT,
+                    workers: WorkerMask::default(),
+                    last_access: 0,
+                },
+            );
+            stack.extend(slot.children.iter().map(|(_, c)| *c));
             self.free.push(n);
         }
     }
@@ -541,6 +595,28 @@ mod tests {
         let (stamp, node) = leaves[1];
         t.insert(b"system prompt / conversation two", B);
         assert!(!t.evict_leaf(node, stamp));
+    }
+
+    #[test]
+    fn renumber_keeps_survivors_and_drops_the_departed() {
+        let mut t = RadixTree::new();
+        t.insert(b"shared then A", A);
+        t.insert(b"shared then B", B);
+        t.insert(b"only C", C);
+        // A leaves; B becomes 0; C becomes 1.
+        let mut map = vec![None; 71];
+        map[1] = Some(WorkerId(0));
+        map[70] = Some(WorkerId(1));
+        t.renumber(&map);
+        let all: WorkerMask = [WorkerId(0), WorkerId(1)].into_iter().collect();
+        let m = t.longest_prefix(b"shared then B", &all);
+        assert_eq!((m.matched, m.workers), (13, only(WorkerId(0))));
+        assert_eq!(t.longest_prefix(b"shared then A", &all).matched, 12);
+        assert_eq!(t.longest_prefix(b"only C", &all).workers, only(WorkerId(1)));
+        assert_eq!(t.worker_bytes(WorkerId(0)), 13);
+        assert_eq!(t.worker_bytes(WorkerId(1)), 6);
+        assert_eq!(t.total_bytes(), 19);
+        assert_eq!(t.node_count(), 3);
     }
 
     #[test]

@@ -157,9 +157,14 @@ pub struct WorkerSet {
 impl WorkerSet {
     /// A set over `workers` (in order) with an empty tree.
     pub fn new(workers: Vec<Arc<Worker>>) -> Self {
+        Self::with_tree(workers, RadixTree::new())
+    }
+
+    /// A set over `workers` with a tree whose ids already match their order.
+    pub fn with_tree(workers: Vec<Arc<Worker>>, tree: RadixTree) -> Self {
         WorkerSet {
             workers,
-            tree: Mutex::new(RadixTree::new()),
+            tree: Mutex::new(tree),
             round_robin: AtomicUsize::new(0),
             evicting: AtomicBool::new(false),
             skipped_inserts: AtomicU64::new(0),
