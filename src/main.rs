@@ -26,7 +26,10 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_tracing(&config);
-    raise_fd_limit();
+    if let Err(e) = raise_fd_limit() {
+        eprintln!("cache-aware-router: {e}");
+        return ExitCode::FAILURE;
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -47,17 +50,43 @@ fn main() -> ExitCode {
     }
 }
 
+/// Environment variable naming the least open-file limit the router may start with
+/// (set by the container image; unset = only warn).
+const MIN_NOFILE_ENV: &str = "CACHE_AWARE_ROUTER_MIN_NOFILE";
+
 /// Each client and each upstream connection is a file descriptor: raise the soft limit to
-/// the hard one, and warn when that stays below 65535.
-fn raise_fd_limit() {
+/// the hard one, and warn when that stays below 65535. Refuses to start when it stays
+/// below `CACHE_AWARE_ROUTER_MIN_NOFILE`.
+fn raise_fd_limit() -> Result<(), String> {
     const WANTED: u64 = 65_535;
+    let required = match std::env::var(MIN_NOFILE_ENV) {
+        Ok(v) => Some(v.trim().parse::<u64>().map_err(|_| {
+            format!("{MIN_NOFILE_ENV}={v:?} is not a number of file descriptors")
+        })?),
+        Err(_) => None,
+    };
     match rlimit::increase_nofile_limit(u64::MAX) {
-        Ok(n) if n < WANTED => tracing::warn!(
-            limit = n,
-            "open-file limit is below {WANTED}; raise it (ulimit -n) or connections will fail under load"
-        ),
-        Ok(n) => tracing::debug!(limit = n, "open-file limit"),
-        Err(e) => tracing::warn!(error = %e, "cannot read or raise the open-file limit"),
+        Ok(n) if required.is_some_and(|r| n < r) => Err(format!(
+            "the open-file limit is {n}, below the {} this deployment requires ({MIN_NOFILE_ENV}): \
+             every client and upstream connection takes one; raise it (docker run --ulimit nofile=65535:65535, \
+             or the pod's/host's limits)",
+            required.unwrap_or(WANTED)
+        )),
+        Ok(n) if n < WANTED => {
+            tracing::warn!(
+                limit = n,
+                "open-file limit is below {WANTED}; raise it (ulimit -n) or connections will fail under load"
+            );
+            Ok(())
+        }
+        Ok(n) => {
+            tracing::debug!(limit = n, "open-file limit");
+            Ok(())
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read or raise the open-file limit");
+            Ok(())
+        }
     }
 }
 
