@@ -59,12 +59,13 @@ const MIN_NOFILE_ENV: &str = "CACHE_AWARE_ROUTER_MIN_NOFILE";
 /// below `CACHE_AWARE_ROUTER_MIN_NOFILE`.
 fn raise_fd_limit() -> Result<(), String> {
     const WANTED: u64 = 65_535;
-    let required = match std::env::var(MIN_NOFILE_ENV) {
-        Ok(v) => Some(v.trim().parse::<u64>().map_err(|_| {
-            format!("{MIN_NOFILE_ENV}={v:?} is not a number of file descriptors")
-        })?),
-        Err(_) => None,
-    };
+    let required =
+        match std::env::var(MIN_NOFILE_ENV) {
+            Ok(v) => Some(v.trim().parse::<u64>().map_err(|_| {
+                format!("{MIN_NOFILE_ENV}={v:?} is not a number of file descriptors")
+            })?),
+            Err(_) => None,
+        };
     match rlimit::increase_nofile_limit(u64::MAX) {
         Ok(n) if required.is_some_and(|r| n < r) => Err(format!(
             "the open-file limit is {n}, below the {} this deployment requires ({MIN_NOFILE_ENV}): \

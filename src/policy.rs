@@ -24,10 +24,10 @@ use rand::Rng;
 use crate::config::CacheConfig;
 use crate::tree::{RadixTree, WorkerId, WorkerMask};
 
-/// Shortest match that counts as a hit, in bytes: about one KV block (vLLM's default
-/// block is 16 tokens, ~4 bytes of English each). An engine reuses only whole blocks, so
-/// a shorter match saves nothing; without this floor every short prompt would "hit" on
-/// its role header (`user: `) alone.
+/// Shortest match that counts as a hit, in bytes (unless it is the whole prompt): about
+/// one KV block (vLLM's default block is 16 tokens, ~4 bytes of English each). An engine
+/// reuses only whole blocks, so a shorter partial match saves nothing; without this floor
+/// every short prompt would "hit" on its role header (`user: `) alone.
 pub const MIN_HIT_BYTES: usize = 64;
 
 /// Why a worker was chosen.
@@ -154,7 +154,8 @@ pub fn pick_cache_aware(
         .map(|c| c.id)
         .collect();
     let m = tree.longest_prefix(text, &eligible);
-    let is_hit = m.matched >= MIN_HIT_BYTES
+    // The floor never exceeds the prompt: an exact repeat of a short prompt still hits.
+    let is_hit = m.matched >= MIN_HIT_BYTES.min(text.len())
         && (m.matched as f64 >= params.threshold * text.len() as f64
             || (params.match_abs_threshold > 0 && m.matched >= params.match_abs_threshold));
     let cached = is_hit

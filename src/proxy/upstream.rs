@@ -18,6 +18,9 @@ use crate::workers::Worker;
 #[derive(Clone)]
 pub struct Upstream {
     client: Client<HttpConnector, Full<Bytes>>,
+    /// Same settings, no pooling: the resend after a stale pooled connection must not
+    /// pick up another socket the worker already closed.
+    fresh: Client<HttpConnector, Full<Bytes>>,
     request_timeout: std::time::Duration,
     api_key: Option<HeaderValue>,
 }
@@ -33,9 +36,13 @@ impl Upstream {
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(cfg.pool_idle_timeout)
+            .build(connector.clone());
+        let fresh = Client::builder(TokioExecutor::new())
+            .pool_max_idle_per_host(0)
             .build(connector);
         Upstream {
             client,
+            fresh,
             request_timeout: cfg.request_timeout,
             api_key: cfg.api_key.as_ref().and_then(|k| bearer(k.expose())),
         }
@@ -74,10 +81,10 @@ impl Upstream {
             match self.client.request(build()).await {
                 // A pooled connection the worker closed as we reused it (uvicorn drops
                 // idle keep-alive sockets after 5 s): nothing was answered, so send
-                // once more, on a fresh connection, to the same worker.
+                // once more, on a new connection, to the same worker.
                 Err(e) if is_stale_connection(&e) => {
                     tracing::debug!(worker = %worker.url(), error = %describe(&e), "stale pooled connection; resending once");
-                    self.client.request(build()).await
+                    self.fresh.request(build()).await
                 }
                 other => other,
             }
@@ -91,16 +98,28 @@ impl Upstream {
     }
 }
 
-/// Whether a request failed because a reused connection was closed under it before
-/// any response byte arrived (hyper: "connection closed before message completed").
+/// Whether a request failed because its connection was closed or reset under it before
+/// any response byte arrived (hyper: "connection closed before message completed", or
+/// a reset / broken pipe). A worker that crashed mid-request looks the same; the one
+/// resend then meets a refused connection and the request moves to another worker.
 fn is_stale_connection(e: &hyper_util::client::legacy::Error) -> bool {
     if e.is_connect() {
         return false;
     }
     let mut src = std::error::Error::source(e);
     while let Some(cause) = src {
-        if let Some(h) = cause.downcast_ref::<hyper::Error>() {
-            return h.is_incomplete_message() || h.is_canceled();
+        if let Some(h) = cause.downcast_ref::<hyper::Error>()
+            && (h.is_incomplete_message() || h.is_canceled())
+        {
+            return true;
+        }
+        if let Some(io) = cause.downcast_ref::<std::io::Error>() {
+            return matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionAborted
+            );
         }
         src = cause.source();
     }

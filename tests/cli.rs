@@ -1,0 +1,235 @@
+//! The binary's command line: `--version`, `--config-check`, error messages naming file,
+//! key and value, and layered `-c` files.
+
+mod support;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{SocketAddr, TcpStream};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use support::TempFile;
+
+const BIN: &str = env!("CARGO_BIN_EXE_cache-aware-router");
+
+fn run(args: &[&str]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .env_remove("RUST_LOG")
+        .output()
+        .expect("run the binary")
+}
+
+fn config_check(files: &[&Path]) -> Output {
+    let mut args = Vec::new();
+    for f in files {
+        args.push("-c".to_string());
+        args.push(f.display().to_string());
+    }
+    args.push("--config-check".into());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run(&args)
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+const VALID: &str = "workers:\n  - url: http://127.0.0.1:8001\n  - url: http://[::1]:8002/\n";
+
+#[test]
+fn version_flag_prints_the_package_version() {
+    let o = run(&["--version"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        out.contains("cache-aware-router") && out.contains(env!("CARGO_PKG_VERSION")),
+        "{out}"
+    );
+}
+
+#[test]
+fn config_check_accepts_a_valid_file() {
+    let f = TempFile::new("valid.yaml", VALID);
+    let o = config_check(&[&f.path]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(o.status.code(), Some(0));
+}
+
+/// `--config-check` on a base file plus `over`: fails, and the message names the file
+/// that holds the error, the key and (when given) the bad value.
+fn assert_refused(over: &str, key: &str, value: Option<&str>) {
+    let base = TempFile::new("base.yaml", VALID);
+    let f = TempFile::new("over.yaml", over);
+    let o = config_check(&[&base.path, &f.path]);
+    let err = stderr(&o);
+    assert!(!o.status.success(), "{over:?} should be refused");
+    assert!(
+        err.contains(&f.path.display().to_string()),
+        "{over:?}: names the file: {err}"
+    );
+    assert!(err.contains(key), "{over:?}: names `{key}`: {err}");
+    if let Some(v) = value {
+        assert!(err.contains(v), "{over:?}: names the value `{v}`: {err}");
+    }
+}
+
+#[test]
+fn config_check_refuses_an_unknown_key() {
+    assert_refused("cache:\n  treshold: 0.4\n", "treshold", None);
+}
+
+#[test]
+fn config_check_refuses_a_threshold_above_one() {
+    assert_refused("cache:\n  threshold: 1.5\n", "cache.threshold", Some("1.5"));
+}
+
+#[test]
+fn config_check_refuses_max_load_zero() {
+    assert_refused(
+        "workers:\n  - url: http://127.0.0.1:8001\n    max_load: 0\n",
+        "workers[0].max_load",
+        Some("0"),
+    );
+}
+
+#[test]
+fn config_check_refuses_an_unbracketed_ipv6_worker_url() {
+    assert_refused(
+        "workers:\n  - url: \"http://::1:1\"\n",
+        "workers[0].url",
+        Some("http://::1:1"),
+    );
+}
+
+#[test]
+fn empty_worker_list_is_refused_with_a_message_saying_so() {
+    let f = TempFile::new("empty-workers.yaml", "workers: []\n");
+    for extra in [&["--config-check"][..], &[][..]] {
+        let path = f.path.display().to_string();
+        let mut args = vec!["-c", path.as_str()];
+        args.extend_from_slice(extra);
+        let o = run(&args);
+        let err = stderr(&o);
+        assert!(!o.status.success(), "{args:?} should fail");
+        assert!(
+            err.contains("worker list is empty") && err.contains(&path),
+            "{args:?}: {err}"
+        );
+    }
+}
+
+/// A running binary, killed on drop.
+struct Running {
+    child: Child,
+    addr: SocketAddr,
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Starts the binary with `files` (which log JSON lines) and waits for the line
+/// announcing the listening address.
+fn serve(files: &[&Path]) -> Running {
+    let mut cmd = Command::new(BIN);
+    for f in files {
+        cmd.arg("-c").arg(f);
+    }
+    let child = cmd
+        .env_remove("RUST_LOG")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn the binary");
+    // Killed and reaped on drop, also when this function panics.
+    let mut running = Running {
+        child,
+        addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+    };
+    let (tx, rx) = mpsc::channel::<String>();
+    let out: Box<dyn Read + Send> = Box::new(running.child.stdout.take().unwrap());
+    let err: Box<dyn Read + Send> = Box::new(running.child.stderr.take().unwrap());
+    for pipe in [out, err] {
+        let tx = tx.clone();
+        std::thread::spawn(move || {
+            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+    }
+    let mut seen = Vec::new();
+    loop {
+        let Ok(line) = rx.recv_timeout(Duration::from_secs(5)) else {
+            panic!("no `listening` line from the binary; output: {seen:#?}")
+        };
+        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
+            && let Some(addr) = v["fields"]["addr"].as_str()
+        {
+            running.addr = addr.parse().expect("listening address");
+            return running;
+        }
+        seen.push(line);
+    }
+}
+
+/// `GET /workers` over a plain blocking socket.
+fn workers_of(addr: SocketAddr) -> serde_json::Value {
+    let mut s = TcpStream::connect(addr).expect("connect to the binary");
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        s,
+        "GET /workers HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut raw = Vec::new();
+    s.read_to_end(&mut raw).expect("read /workers");
+    let text = String::from_utf8_lossy(&raw);
+    let (head, body) = text.split_once("\r\n\r\n").expect("a response");
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
+}
+
+const BASE: &str = "policy: round_robin\nserver:\n  host: 127.0.0.1\n  port: 6999\nlog:\n  format: json\nworkers:\n  - url: http://127.0.0.1:9/\n";
+
+#[test]
+fn second_config_file_overrides_scalars_and_keeps_sibling_keys() {
+    let base = TempFile::new("base.yaml", BASE);
+    let over = TempFile::new("over.yaml", "policy: least_load\nserver:\n  port: 0\n");
+    let r = serve(&[&base.path, &over.path]);
+    assert_eq!(
+        r.addr.ip().to_string(),
+        "127.0.0.1",
+        "server.host kept from the first file"
+    );
+    assert_ne!(
+        r.addr.port(),
+        6999,
+        "server.port overridden by the second file"
+    );
+    let w = workers_of(r.addr);
+    assert_eq!(w["policy"], "least_load");
+    assert_eq!(w["workers"][0]["url"], "http://127.0.0.1:9");
+    assert_eq!(w["workers"].as_array().unwrap().len(), 1);
+}
+
+#[test]
+fn empty_second_config_file_changes_nothing() {
+    let base = TempFile::new("base.yaml", &BASE.replace("port: 6999", "port: 0"));
+    let empty = TempFile::new("empty.yaml", "");
+    let alone = config_check(&[&base.path]);
+    let layered = config_check(&[&base.path, &empty.path]);
+    assert!(layered.status.success(), "{}", stderr(&layered));
+    assert_eq!(alone.stdout, layered.stdout);
+
+    let r = serve(&[&base.path, &empty.path]);
+    assert_eq!(r.addr.ip().to_string(), "127.0.0.1");
+    let w = workers_of(r.addr);
+    assert_eq!(w["policy"], "round_robin");
+    assert_eq!(w["workers"][0]["url"], "http://127.0.0.1:9");
+}

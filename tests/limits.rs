@@ -1,0 +1,197 @@
+//! Request size limits and the answers the router gives itself: 413 past the body
+//! limit, 503 with no usable worker, and pass-through of paths it does not know.
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use support::*;
+
+const LIMIT: usize = 8 * 1024 * 1024;
+
+/// A chat body of exactly `len` bytes of plain ASCII.
+fn chat_body_of_len(len: usize) -> String {
+    let head = r#"{"model":"m","messages":[{"role":"user","content":""#;
+    let tail = r#""}]}"#;
+    let mut body = String::with_capacity(len);
+    body.push_str(head);
+    let words = "long context line of plain text. ";
+    while body.len() + tail.len() < len {
+        let room = len - tail.len() - body.len();
+        body.push_str(&words[..room.min(words.len())]);
+    }
+    body.push_str(tail);
+    assert_eq!(body.len(), len);
+    body
+}
+
+fn assert_413_naming_the_limit(resp: &Response) {
+    assert_eq!(resp.status, 413, "{}", resp.text());
+    let msg = resp.json()["error"]["message"]
+        .as_str()
+        .expect("error.message")
+        .to_string();
+    assert!(
+        msg.contains(&LIMIT.to_string()),
+        "the message names the limit: {msg}"
+    );
+}
+
+// C26 (1)–(3)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn body_limit_forwards_bodies_up_to_it_and_refuses_larger_ones_before_any_worker() {
+    let w = FakeWorker::start().await;
+    let router = start_router(&yaml_for(&[&w], "server:\n  max_body_bytes: 8388608\n")).await;
+
+    for len in [LIMIT - 1024, LIMIT] {
+        let body = chat_body_of_len(len);
+        let resp = post(router.addr, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(resp.status, 200, "{len} bytes: {}", resp.text());
+        assert!(
+            w.requests().pop().unwrap().body == body.as_bytes(),
+            "{len} bytes forwarded unchanged"
+        );
+    }
+    let forwarded = w.count();
+
+    let big = chat_body_of_len(9 * 1024 * 1024);
+    let (resp, _) =
+        send_while_reading(router.addr, &Req::post("/v1/chat/completions", big.clone())).await;
+    assert_413_naming_the_limit(&resp);
+    assert_eq!(in_flight(router.addr).await, [0]);
+
+    let (resp, _) = send_while_reading(
+        router.addr,
+        &Req::post("/v1/chat/completions", big).chunked(64 * 1024),
+    )
+    .await;
+    assert_413_naming_the_limit(&resp);
+
+    let (resp, _) = send_while_reading(
+        router.addr,
+        &Req::post("/v1/chat/completions", chat_body_of_len(LIMIT + 1)).chunked(64 * 1024),
+    )
+    .await;
+    assert_413_naming_the_limit(&resp);
+
+    assert_eq!(w.count(), forwarded, "refused bodies never reach a worker");
+    assert_eq!(in_flight(router.addr).await, [0]);
+    router.shutdown().await;
+}
+
+// C26 (4)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn default_body_limit_forwards_a_long_context_request_with_an_image() {
+    let w = FakeWorker::start().await;
+    let router = start_router(&yaml_for(&[&w], "")).await;
+    let text = "a long context line of plain text. ".repeat(10 * 1024 * 1024 / 35);
+    let image = "QUJD".repeat(2 * 1024 * 1024 / 4);
+    let body = serde_json::json!({
+        "model": "m",
+        "messages": [{"role": "user", "content": [
+            {"type": "text", "text": text},
+            {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{image}")}},
+        ]}],
+    })
+    .to_string();
+    assert!(body.len() >= 12 * 1024 * 1024);
+    let resp = post(router.addr, "/v1/chat/completions", body.clone()).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    assert!(w.requests()[0].body == body.as_bytes());
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_reachable_worker_answers_503_json_and_admin_still_answers() {
+    let urls = [closed_port_url(), closed_port_url()];
+    let router = start_router(&yaml_for_urls(&urls, "")).await;
+    for body in [
+        chat_body("anyone there?", false),
+        chat_body("anyone there?", true),
+    ] {
+        let started = Instant::now();
+        let resp = post(router.addr, "/v1/chat/completions", body).await;
+        assert_eq!(resp.status, 503, "{}", resp.text());
+        assert!(
+            resp.header("content-type")
+                .is_some_and(|v| v.contains("json"))
+        );
+        let msg = &resp.json()["error"]["message"];
+        assert!(
+            msg.as_str().is_some_and(|m| !m.is_empty()),
+            "{}",
+            resp.text()
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "answered in {:?}",
+            started.elapsed()
+        );
+    }
+    let workers = get_workers(router.addr).await;
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 2);
+    assert_eq!(in_flight(router.addr).await, [0, 0]);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_paths_pass_through_to_a_worker_unchanged() {
+    let w = FakeWorker::start_with(|_| {
+        Reply::status(202)
+            .header("X-Custom", "yes")
+            .body(b"accepted-custom".to_vec())
+    })
+    .await;
+    let router = start_router(&yaml_for(&[&w], "")).await;
+    let cases = [
+        Req::new("PUT", "/internal/custom/path?x=1&y=two%20words")
+            .header("Content-Type", "application/octet-stream")
+            .body(b"raw \x00\x01\xff bytes".to_vec()),
+        Req::new("DELETE", "/v1/files/abc?force=1"),
+        Req::get("/v1/custom/state?verbose=true&n=3"),
+        Req::post("/tokenize?model=m", r#"{"prompt":"count my tokens"}"#),
+    ];
+    for (i, req) in cases.iter().enumerate() {
+        let resp = send(router.addr, req).await;
+        assert_eq!(resp.status, 202, "case {i}: {}", resp.text());
+        assert_eq!(resp.text(), "accepted-custom");
+        assert_eq!(resp.header("x-custom"), Some("yes"));
+        let rec = w.requests().pop().unwrap();
+        assert_eq!(rec.method, req.method, "case {i}");
+        assert_eq!(rec.target, req.target, "case {i}");
+        assert_eq!(rec.body, req.body, "case {i}");
+        for (k, v) in &req.headers {
+            assert_eq!(rec.header(k), Some(v.as_str()), "case {i}: header {k}");
+        }
+    }
+    assert_eq!(w.count(), cases.len());
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_silent_past_the_request_timeout_answers_504_json() {
+    let w = FakeWorker::start_with(|_| {
+        Reply::raw(vec![
+            Step::Sleep(Duration::from_millis(1500)),
+            Step::Write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}".to_vec()),
+        ])
+    })
+    .await;
+    let router = start_router(&yaml_for(&[&w], "proxy:\n  request_timeout_secs: 0.2\n")).await;
+    let started = Instant::now();
+    let resp = post(
+        router.addr,
+        "/v1/chat/completions",
+        chat_body("slow", false),
+    )
+    .await;
+    assert_eq!(resp.status, 504, "{}", resp.text());
+    assert!(resp.json()["error"]["message"].is_string());
+    assert!(
+        started.elapsed() < Duration::from_secs(1),
+        "answered after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(in_flight(router.addr).await, [0]);
+    router.shutdown().await;
+}

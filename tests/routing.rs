@@ -1,0 +1,344 @@
+//! Which worker gets a request: prefix affinity, spreading, round robin, and the load
+//! guard that overrides affinity.
+
+mod support;
+
+use std::time::Duration;
+
+use support::*;
+
+async fn workers(n: usize) -> Vec<FakeWorker> {
+    let mut v = Vec::new();
+    for _ in 0..n {
+        v.push(FakeWorker::start().await);
+    }
+    v
+}
+
+fn long_prompt(topic: &str) -> String {
+    let mut p = format!("{topic}. ");
+    while p.len() < 10 * 1024 {
+        p.push_str("You are a careful assistant; answer with sources and keep it short. ");
+    }
+    p.push_str("Question: what changed?");
+    p
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn same_long_prompt_lands_on_the_same_worker() {
+    let pool = workers(3).await;
+    let ws: Vec<&FakeWorker> = pool.iter().collect();
+    let router = start_router(&yaml_for(&ws, "")).await;
+    let body = chat_body(&long_prompt("Quarterly report"), false);
+    assert!(body.len() > 8 * 1024);
+    let mut served = Vec::new();
+    for _ in 0..5 {
+        let (resp, w) = send_tagged(
+            router.addr,
+            &ws,
+            Req::post("/v1/chat/completions", body.clone()),
+        )
+        .await;
+        assert_eq!(resp.status, 200);
+        served.push(w);
+    }
+    assert!(
+        served.iter().all(|w| *w == served[0]),
+        "the same prompt should stick to one worker: {served:?}"
+    );
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn distinct_prompts_spread_over_every_worker() {
+    let pool = workers(3).await;
+    let ws: Vec<&FakeWorker> = pool.iter().collect();
+    let router = start_router(&yaml_for(&ws, "")).await;
+    let topics = [
+        "apples",
+        "bridges",
+        "comets",
+        "dunes",
+        "engines",
+        "ferns",
+        "glaciers",
+        "harbors",
+        "islands",
+        "jungles",
+        "kites",
+        "lanterns",
+        "meadows",
+        "nebulae",
+        "orchards",
+        "prisms",
+        "quarries",
+        "rivers",
+        "sonnets",
+        "tundras",
+        "volcanoes",
+        "wharves",
+        "yachts",
+        "zithers",
+        "anvils",
+        "beacons",
+        "canyons",
+        "deltas",
+        "estuaries",
+        "fjords",
+    ];
+    let mut per_worker = [0usize; 3];
+    for t in topics {
+        let prompt = format!("{t}: write three sentences about {t} for a school report on {t}.");
+        let (resp, w) = send_tagged(
+            router.addr,
+            &ws,
+            Req::post("/v1/chat/completions", chat_body(&prompt, false)),
+        )
+        .await;
+        assert_eq!(resp.status, 200);
+        per_worker[w] += 1;
+    }
+    // Unrelated prompts are cache misses that go to a least-loaded worker chosen at
+    // random among ties; a worker left out of 30 picks has probability ~1e-5.
+    assert!(
+        per_worker.iter().all(|n| *n > 0),
+        "30 unrelated prompts should reach every worker: {per_worker:?}"
+    );
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn round_robin_policy_takes_workers_in_turn() {
+    let pool = workers(3).await;
+    let ws: Vec<&FakeWorker> = pool.iter().collect();
+    let router = start_router(&yaml_for(&ws, "policy: round_robin")).await;
+    let body = chat_body(&long_prompt("Same prompt every time"), false);
+    let mut served = Vec::new();
+    for _ in 0..9 {
+        let (resp, w) = send_tagged(
+            router.addr,
+            &ws,
+            Req::post("/v1/chat/completions", body.clone()),
+        )
+        .await;
+        assert_eq!(resp.status, 200);
+        served.push(w);
+    }
+    let first: Vec<usize> = served[..3].to_vec();
+    let mut sorted = first.clone();
+    sorted.sort();
+    assert_eq!(
+        sorted,
+        [0, 1, 2],
+        "one turn visits each worker once: {served:?}"
+    );
+    for (i, w) in served.iter().enumerate() {
+        assert_eq!(
+            *w,
+            first[i % 3],
+            "round robin repeats the same order: {served:?}"
+        );
+    }
+    assert_eq!(
+        get_workers(router.addr).await["policy"],
+        "round_robin",
+        "/workers names the policy"
+    );
+    router.shutdown().await;
+}
+
+/// Opens a streamed request and waits for its first event, so that it is in flight.
+async fn open_stream(addr: std::net::SocketAddr, body: &str, tag: &str) -> Conn {
+    let mut conn = Conn::connect(addr).await;
+    conn.send(&Req::post("/v1/chat/completions", body.to_string()).header("x-test-tag", tag))
+        .await
+        .expect("send");
+    let head = conn.read_head().await;
+    assert_eq!(head.status, 200);
+    assert!(conn.next_piece().await.is_some(), "first event");
+    conn
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn imbalanced_load_picks_least_in_flight() {
+    let gate = Gate::new();
+    let mut pool = Vec::new();
+    for _ in 0..2 {
+        let gate = gate.clone();
+        pool.push(
+            FakeWorker::start_with(move |req| {
+                if req.body_str().contains(r#""stream":true"#) {
+                    Reply::status(200)
+                        .header("Content-Type", "text/event-stream")
+                        .chunked(vec![
+                            Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
+                            Step::Wait(gate.clone()),
+                            Step::Write(b"data: [DONE]\n\n".to_vec()),
+                        ])
+                } else {
+                    Reply::ok()
+                }
+            })
+            .await,
+        );
+    }
+    let ws: Vec<&FakeWorker> = pool.iter().collect();
+    // Defaults: balance_abs_threshold 2, balance_rel_threshold 1.5.
+    let router = start_router(&yaml_for(&ws, "")).await;
+    let prompt = long_prompt("Pinned conversation");
+    let plain = chat_body(&prompt, false);
+    let streamed = chat_body(&prompt, true);
+
+    let (_, x) = send_tagged(
+        router.addr,
+        &ws,
+        Req::post("/v1/chat/completions", plain.clone()),
+    )
+    .await;
+    let y = 1 - x;
+
+    let mut streams = Vec::new();
+    for n in 1..=3 {
+        let tag = new_tag();
+        streams.push(open_stream(router.addr, &streamed, &tag).await);
+        assert_eq!(
+            served_by(&ws, &tag),
+            x,
+            "stream {n} follows the prefix to worker {x}"
+        );
+        let loads = in_flight(router.addr).await;
+        assert_eq!(
+            loads[x], n as u64,
+            "in_flight of the pinned worker: {loads:?}"
+        );
+        assert_eq!(loads[y], 0, "{loads:?}");
+        let (resp, w) = send_tagged(
+            router.addr,
+            &ws,
+            Req::post("/v1/chat/completions", plain.clone()),
+        )
+        .await;
+        assert_eq!(resp.status, 200);
+        if n <= 2 {
+            // 2 in flight vs 0 is within balance_abs_threshold: affinity wins.
+            assert_eq!(w, x, "with {n} in flight the prefix still wins");
+        } else {
+            // 3 vs 0 exceeds both margins: the least-loaded worker gets it.
+            assert_eq!(
+                w, y,
+                "with {n} in flight on the cached worker, the idle one is picked"
+            );
+        }
+    }
+    gate.open();
+    for mut s in streams {
+        while s.next_piece().await.is_some() {}
+    }
+    wait_all_idle(router.addr, Duration::from_secs(1)).await;
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_at_max_load_is_skipped_even_when_it_holds_the_prefix() {
+    let gate = Gate::new();
+    let g = gate.clone();
+    let answer = move |req: &Recorded| {
+        if req.body_str().contains(r#""stream":true"#) {
+            Reply::status(200)
+                .header("Content-Type", "text/event-stream")
+                .chunked(vec![
+                    Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
+                    Step::Wait(g.clone()),
+                ])
+        } else {
+            Reply::ok()
+        }
+    };
+    let a = FakeWorker::start_with(answer.clone()).await;
+    let b = FakeWorker::start_with(answer).await;
+    let yaml = format!(
+        "workers:\n  - url: {}\n    max_load: 1\n  - url: {}\n    max_load: 1\n",
+        a.url(),
+        b.url()
+    );
+    let router = start_router(&yaml).await;
+    let ws = [&a, &b];
+    let prompt = long_prompt("Capped worker");
+    let (_, x) = send_tagged(
+        router.addr,
+        &ws,
+        Req::post("/v1/chat/completions", chat_body(&prompt, false)),
+    )
+    .await;
+    let tag = new_tag();
+    let _s1 = open_stream(router.addr, &chat_body(&prompt, true), &tag).await;
+    assert_eq!(served_by(&ws, &tag), x, "follows the prefix");
+    // The cached worker is full: the same prefix goes to the other one.
+    let tag = new_tag();
+    let _s2 = open_stream(router.addr, &chat_body(&prompt, true), &tag).await;
+    assert_eq!(served_by(&ws, &tag), 1 - x, "a full worker is not usable");
+    // Both full: 503 with a JSON error, nothing forwarded.
+    let before = a.count() + b.count();
+    let resp = post(
+        router.addr,
+        "/v1/chat/completions",
+        chat_body(&prompt, false),
+    )
+    .await;
+    assert_eq!(resp.status, 503, "{}", resp.text());
+    assert!(resp.json()["error"]["message"].is_string());
+    assert_eq!(a.count() + b.count(), before);
+    gate.open();
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tree_is_evicted_down_to_its_node_ceiling() {
+    let pool = workers(2).await;
+    let ws: Vec<&FakeWorker> = pool.iter().collect();
+    let router = start_router(&yaml_for(
+        &ws,
+        "cache:\n  max_tree_size: 20\n  eviction_interval_secs: 0.05\n",
+    ))
+    .await;
+    for i in 0..60 {
+        let prompt = format!("{i:03} unrelated question number {i} about a topic of its own");
+        let r = post(
+            router.addr,
+            "/v1/chat/completions",
+            chat_body(&prompt, false),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+    }
+    wait_until(
+        "tree back under 20 nodes",
+        Duration::from_secs(2),
+        || async {
+            get_workers(router.addr).await["tree_nodes"]
+                .as_u64()
+                .unwrap()
+                <= 20
+        },
+    )
+    .await;
+    // Recent prompts still route by prefix.
+    let prompt = long_prompt("After eviction");
+    let body = chat_body(&prompt, false);
+    let (_, first) = send_tagged(
+        router.addr,
+        &ws,
+        Req::post("/v1/chat/completions", body.clone()),
+    )
+    .await;
+    for _ in 0..3 {
+        let (_, w) = send_tagged(
+            router.addr,
+            &ws,
+            Req::post("/v1/chat/completions", body.clone()),
+        )
+        .await;
+        assert_eq!(w, first);
+    }
+    router.shutdown().await;
+}
