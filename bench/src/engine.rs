@@ -18,7 +18,8 @@
 //! - **prefill**: one request at a time per engine, FIFO; costs
 //!   `ttft_base + uncached_tokens × prefill_per_token`. **decode**: concurrent,
 //!   first token at the end of prefill, then one token per `itl`. Every simulated
-//!   duration is multiplied by `time_factor`.
+//!   duration is multiplied by `time_factor`; at 0 the engine answers at once (no
+//!   timer is armed for a deadline already reached).
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (streamed SSE or
 //! not, vLLM response shapes), `GET /health`, `GET /v1/models`, `GET /metrics`
@@ -641,7 +642,7 @@ impl Engine {
             let n = sim.max_tokens;
             let decode = self.inner.cfg.itl.as_secs_f64() * n.saturating_sub(1) as f64;
             let last = pre.end + self.scaled_secs(decode);
-            tokio::time::sleep_until(last).await;
+            wait_until(last).await;
             self.finish(&work, n);
             json_response(StatusCode::OK, &shape.full_response(&work, &pre.cached, n))
         }
@@ -676,7 +677,7 @@ impl Engine {
         let start = arrival.max(*last_end);
         let end = start + cost;
         *last_end = end;
-        tokio::time::sleep_until(end).await;
+        wait_until(end).await;
         drop(last_end);
         (Prefilled { end, cached }, running)
     }
@@ -710,7 +711,7 @@ impl Engine {
         }
         let mut due = pre.end;
         for k in 0..n {
-            tokio::time::sleep_until(due).await;
+            wait_until(due).await;
             let last = k + 1 == n;
             for i in 0..work.len() {
                 if tx.send(shape.token_chunk(i, k, last)).await.is_err() {
@@ -726,6 +727,17 @@ impl Engine {
                 .await;
         }
         let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+    }
+}
+
+/// Sleeps until `deadline`, or not at all when it has passed. tokio's timer
+/// rounds deadlines up to the next millisecond tick, so sleeping until "now" would
+/// cost up to a millisecond per call: at `time_factor` 0 that would turn an instant
+/// answer into a ~1 ms one, and make the prefill lock (held across the sleep) a
+/// one-request-per-tick queue.
+async fn wait_until(deadline: Instant) {
+    if deadline > Instant::now() {
+        tokio::time::sleep_until(deadline).await;
     }
 }
 

@@ -8,14 +8,19 @@
 //! replay   open-loop replay of a trace against one URL (or several, round robin)
 //! stats    per-request results -> summary (hit rate, TTFT percentiles, throughput)
 //! matrix   start engines + router per policy, replay, one markdown table
+//! procs    child processes (engines, router): start, wait ready, stop; /proc usage
+//! load     closed-loop HTTP load (one keep-alive connection per worker), bursts
 //! ```
 //!
-//! Binaries: `sim-engine`, `replay`, `trace-matrix` (the demo).
+//! Binaries: `sim-engine`, `replay`, `trace-matrix` (the demo), `overhead` (what the
+//! router costs: added latency, saturation, 5,000 streams, tree memory).
 
 #![forbid(unsafe_code)]
 
 pub mod engine;
+pub mod load;
 pub mod matrix;
+pub mod procs;
 pub mod prompts;
 pub mod replay;
 pub mod stats;

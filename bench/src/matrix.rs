@@ -6,26 +6,17 @@
 //! Every contender starts from cold caches: new `sim-engine` processes, a new
 //! router process with a generated config, free ports on 127.0.0.1.
 //!
-//! Child processes are owned by [`ChildProc`] values: stopped explicitly on the
-//! normal and error paths, and killed on drop (`kill_on_drop`) if the future is
+//! Child processes are started and owned through [`crate::procs`]: stopped
+//! explicitly on the normal and error paths, and killed on drop if the future is
 //! cancelled (Ctrl-C) or panics.
 
 use std::fmt::Write as _;
 use std::future::Future;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http_body_util::Empty;
-use hyper::Uri;
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
-use tokio::io::{AsyncBufReadExt, BufReader};
-use tokio::process::{Child, Command};
-use tokio::time::Instant;
-
+use crate::procs::{self, ScratchDir, free_port, io_err, start_engine, start_router, tail};
+pub use crate::procs::{ChildProc, EngineParams, ProcError, sibling_binary};
 use crate::replay::{self, PreparedRequest, ReplayConfig, ReplayError, RequestResult};
 use crate::stats::{Summary, summarize};
 
@@ -52,55 +43,6 @@ impl Contender {
 }
 
 /// Engine settings shared by every replica of every contender.
-#[derive(Debug, Clone, PartialEq)]
-pub struct EngineParams {
-    /// Prefix cache capacity per engine, in blocks.
-    pub kv_blocks: usize,
-    /// Tokens per block.
-    pub block_size: usize,
-    /// Fixed prefill cost, in simulated ms.
-    pub ttft_base_ms: f64,
-    /// Prefill cost per uncached token, in simulated µs.
-    pub prefill_us_per_token: f64,
-    /// Inter-token latency, in simulated ms.
-    pub itl_ms: f64,
-    /// Multiplier on every simulated time.
-    pub time_factor: f64,
-    /// Cap on generated tokens per request.
-    pub max_output_tokens: u64,
-    /// Served model id.
-    pub model: String,
-}
-
-impl EngineParams {
-    fn args(&self, name: &str, port: u16) -> Vec<String> {
-        let mut a: Vec<String> = vec![
-            "--host".into(),
-            "127.0.0.1".into(),
-            "--port".into(),
-            port.to_string(),
-            "--name".into(),
-            name.into(),
-        ];
-        for (k, v) in [
-            ("--kv-blocks", self.kv_blocks.to_string()),
-            ("--block-size", self.block_size.to_string()),
-            ("--ttft-base-ms", self.ttft_base_ms.to_string()),
-            (
-                "--prefill-us-per-token",
-                self.prefill_us_per_token.to_string(),
-            ),
-            ("--itl-ms", self.itl_ms.to_string()),
-            ("--time-factor", self.time_factor.to_string()),
-            ("--max-output-tokens", self.max_output_tokens.to_string()),
-            ("--model", self.model.clone()),
-        ] {
-            a.push(k.into());
-            a.push(v);
-        }
-        a
-    }
-}
 
 /// Everything a matrix run needs besides the prepared requests.
 #[derive(Debug, Clone)]
@@ -131,39 +73,13 @@ pub struct MatrixConfig {
 }
 
 /// Why a contender could not be run to the end.
+
+/// Why a contender could not be run to the end.
 #[derive(Debug, thiserror::Error)]
 pub enum MatrixError {
-    /// An executable is missing.
-    #[error("{what} not found at {path} ({hint})")]
-    MissingBinary {
-        /// `sim-engine` or `cache-aware-router`.
-        what: &'static str,
-        /// Where it was looked for.
-        path: String,
-        /// How to get it.
-        hint: &'static str,
-    },
-    /// A process could not be started.
-    #[error("cannot start {path}: {source}")]
-    Spawn {
-        /// The executable.
-        path: String,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A child did not become ready.
-    #[error("{0}")]
-    NotReady(String),
-    /// Files or ports could not be set up.
-    #[error("{what}: {source}")]
-    Io {
-        /// What was being done.
-        what: String,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
+    /// A child process could not be started, or files or ports set up.
+    #[error(transparent)]
+    Proc(#[from] ProcError),
     /// The replay could not start.
     #[error(transparent)]
     Replay(#[from] ReplayError),
@@ -172,126 +88,9 @@ pub enum MatrixError {
     Interrupted,
 }
 
-fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> MatrixError {
-    let what = what.into();
-    move |source| MatrixError::Io { what, source }
-}
-
-/// A started child process; [`ChildProc::stop`] kills and reaps it, and dropping
-/// it kills it too.
-#[derive(Debug)]
-pub struct ChildProc {
-    name: String,
-    child: Child,
-}
-
-impl ChildProc {
-    /// Kills the process and waits for it to exit.
-    pub async fn stop(mut self) {
-        let _ = self.child.start_kill();
-        if tokio::time::timeout(Duration::from_secs(5), self.child.wait())
-            .await
-            .is_err()
-        {
-            eprintln!("warning: {} did not exit within 5 s of SIGKILL", self.name);
-        }
-    }
-}
-
-/// A scratch directory removed on drop.
-#[derive(Debug)]
-struct ScratchDir(PathBuf);
-
-impl ScratchDir {
-    fn new(label: &str) -> Result<Self, MatrixError> {
-        let safe: String = label
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-            .collect();
-        let dir = std::env::temp_dir().join(format!("trace-matrix-{}-{safe}", std::process::id()));
-        std::fs::create_dir_all(&dir).map_err(io_err(format!("create {}", dir.display())))?;
-        Ok(Self(dir))
-    }
-}
-
-impl Drop for ScratchDir {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
-/// `name` next to the running executable (`sim-engine`, `cache-aware-router`).
-pub fn sibling_binary(name: &str) -> PathBuf {
-    let file = format!("{name}{}", std::env::consts::EXE_SUFFIX);
-    std::env::current_exe()
-        .ok()
-        .and_then(|p| p.parent().map(|d| d.join(&file)))
-        .unwrap_or_else(|| PathBuf::from(file))
-}
-
 /// Names of the engines of a contender: `e0`, `e1`, ...
 pub fn engine_names(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("e{i}")).collect()
-}
-
-/// A port that was free a moment ago on 127.0.0.1 (bind :0, read, release).
-fn free_port() -> Result<u16, MatrixError> {
-    let l = std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(io_err("bind 127.0.0.1:0"))?;
-    let port = l.local_addr().map_err(io_err("read bound port"))?.port();
-    Ok(port)
-}
-
-async fn start_engine(
-    cfg: &MatrixConfig,
-    name: &str,
-    port: u16,
-    procs: &mut Vec<ChildProc>,
-) -> Result<String, MatrixError> {
-    let mut cmd = Command::new(&cfg.engine_bin);
-    cmd.args(cfg.engine.args(name, port))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .kill_on_drop(true);
-    let mut child = cmd.spawn().map_err(|source| MatrixError::Spawn {
-        path: cfg.engine_bin.display().to_string(),
-        source,
-    })?;
-    let stdout = child.stdout.take();
-    procs.push(ChildProc {
-        name: format!("sim-engine {name}"),
-        child,
-    });
-    let Some(stdout) = stdout else {
-        return Err(MatrixError::NotReady(format!(
-            "sim-engine {name}: no stdout"
-        )));
-    };
-    let mut lines = BufReader::new(stdout).lines();
-    let first = tokio::time::timeout(cfg.startup_timeout, lines.next_line()).await;
-    let line = match first {
-        Ok(Ok(Some(line))) => line,
-        Ok(_) => {
-            return Err(MatrixError::NotReady(format!(
-                "sim-engine {name} exited before announcing its address"
-            )));
-        }
-        Err(_) => {
-            return Err(MatrixError::NotReady(format!(
-                "sim-engine {name} did not announce its address within {:?}",
-                cfg.startup_timeout
-            )));
-        }
-    };
-    let url = line
-        .split_once("listening on ")
-        .map(|(_, u)| u.trim().to_string())
-        .ok_or_else(|| {
-            MatrixError::NotReady(format!("sim-engine {name}: unexpected first line {line:?}"))
-        })?;
-    // Keep draining stdout so the child never blocks on a full pipe.
-    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-    Ok(url)
 }
 
 /// The router config the demo writes (keys per the design doc).
@@ -303,80 +102,6 @@ pub fn router_config(policy: &str, port: u16, workers: &[String]) -> String {
     }
     y.push_str("log: { level: warn }\n");
     y
-}
-
-fn tail(path: &Path, lines: usize) -> String {
-    let text = std::fs::read_to_string(path).unwrap_or_default();
-    let all: Vec<&str> = text.lines().collect();
-    let from = all.len().saturating_sub(lines);
-    all[from..].join("\n")
-}
-
-async fn start_router(
-    cfg: &MatrixConfig,
-    policy: &str,
-    port: u16,
-    workers: &[String],
-    dir: &ScratchDir,
-    procs: &mut Vec<ChildProc>,
-) -> Result<String, MatrixError> {
-    let config_path = dir.0.join("config.yaml");
-    let yaml = router_config(policy, port, workers);
-    std::fs::write(&config_path, &yaml)
-        .map_err(io_err(format!("write {}", config_path.display())))?;
-    let log_path = dir.0.join("router.log");
-    let log = std::fs::File::create(&log_path)
-        .map_err(io_err(format!("create {}", log_path.display())))?;
-    let log2 = log.try_clone().map_err(io_err("dup router log"))?;
-    let mut cmd = Command::new(&cfg.router_bin);
-    cmd.arg("-c")
-        .arg(&config_path)
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(log))
-        .stderr(Stdio::from(log2))
-        .kill_on_drop(true);
-    let child = cmd.spawn().map_err(|source| MatrixError::Spawn {
-        path: cfg.router_bin.display().to_string(),
-        source,
-    })?;
-    procs.push(ChildProc {
-        name: "cache-aware-router".into(),
-        child,
-    });
-    let url = format!("http://127.0.0.1:{port}");
-    let health: Uri = format!("{url}/health")
-        .parse()
-        .map_err(|e| MatrixError::NotReady(format!("bad health URL: {e}")))?;
-    let client: Client<HttpConnector, Empty<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let deadline = Instant::now() + cfg.startup_timeout;
-    loop {
-        if let Some(router) = procs.last_mut()
-            && let Ok(Some(status)) = router.child.try_wait()
-        {
-            return Err(MatrixError::NotReady(format!(
-                "router exited ({status}) before answering GET /health\n\
-                 --- its config ---\n{yaml}--- its log (last 20 lines) ---\n{}",
-                tail(&log_path, 20)
-            )));
-        }
-        let last =
-            match tokio::time::timeout(Duration::from_secs(1), client.get(health.clone())).await {
-                Ok(Ok(resp)) if resp.status().is_success() => return Ok(url),
-                Ok(Ok(resp)) => format!("GET /health answered {}", resp.status()),
-                Ok(Err(e)) => format!("GET /health failed: {e}"),
-                Err(_) => "GET /health took over 1 s".to_string(),
-            };
-        if Instant::now() >= deadline {
-            return Err(MatrixError::NotReady(format!(
-                "router not healthy within {:?} ({last})\n\
-                 --- its config ---\n{yaml}--- its log (last 20 lines) ---\n{}",
-                cfg.startup_timeout,
-                tail(&log_path, 20)
-            )));
-        }
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
 }
 
 /// Runs one contender from cold start to teardown and returns its summary.
@@ -393,9 +118,7 @@ pub async fn run_contender(
         r = run_contender_inner(cfg, contender, requests, &mut procs) => r,
         () = interrupt => Err(MatrixError::Interrupted),
     };
-    for p in procs.into_iter().rev() {
-        p.stop().await;
-    }
+    procs::stop_all(procs).await;
     result
 }
 
@@ -405,27 +128,35 @@ async fn run_contender_inner(
     requests: &[PreparedRequest],
     procs: &mut Vec<ChildProc>,
 ) -> Result<Summary, MatrixError> {
-    if !cfg.engine_bin.is_file() {
-        return Err(MatrixError::MissingBinary {
-            what: "sim-engine",
-            path: cfg.engine_bin.display().to_string(),
-            hint: "build it with `cargo build --release -p bench` or pass --engine-bin",
-        });
-    }
-    if matches!(contender, Contender::Router(_)) && !cfg.router_bin.is_file() {
-        return Err(MatrixError::MissingBinary {
-            what: "cache-aware-router",
-            path: cfg.router_bin.display().to_string(),
-            hint: "build it with `cargo build --release --workspace` or pass --router-bin",
-        });
+    procs::require_binary(
+        &cfg.engine_bin,
+        "sim-engine",
+        "build it with `cargo build --release -p bench` or pass --engine-bin",
+    )?;
+    if matches!(contender, Contender::Router(_)) {
+        procs::require_binary(
+            &cfg.router_bin,
+            "cache-aware-router",
+            "build it with `cargo build --release --workspace` or pass --router-bin",
+        )?;
     }
     let label = contender.label();
-    let dir = ScratchDir::new(&label)?;
+    let dir = ScratchDir::new("trace-matrix", &label)?;
     let names = engine_names(cfg.engines);
     let mut urls = Vec::with_capacity(names.len());
     for (i, name) in names.iter().enumerate() {
         let port = cfg.base_port.map_or(0, |b| b.saturating_add(1 + i as u16));
-        urls.push(start_engine(cfg, name, port, procs).await?);
+        urls.push(
+            start_engine(
+                &cfg.engine_bin,
+                &cfg.engine,
+                name,
+                port,
+                cfg.startup_timeout,
+                procs,
+            )
+            .await?,
+        );
     }
     let targets = match contender {
         Contender::Direct => urls.clone(),
@@ -434,7 +165,18 @@ async fn run_contender_inner(
                 Some(p) => p,
                 None => free_port()?,
             };
-            vec![start_router(cfg, policy, port, &urls, &dir, procs).await?]
+            let yaml = router_config(policy, port, &urls);
+            vec![
+                start_router(
+                    &cfg.router_bin,
+                    &yaml,
+                    port,
+                    &dir,
+                    cfg.startup_timeout,
+                    procs,
+                )
+                .await?,
+            ]
         }
     };
     let replay_cfg = ReplayConfig {
@@ -452,7 +194,7 @@ async fn run_contender_inner(
     if summary.errors > 0 && matches!(contender, Contender::Router(_)) {
         eprintln!(
             "router log tail ({label}):\n{}",
-            tail(&dir.0.join("router.log"), 20)
+            tail(&dir.path().join("router.log"), 20)
         );
     }
     Ok(summary)
@@ -481,7 +223,8 @@ pub fn write_results(
         text.push_str(&serde_json::to_string(r).unwrap_or_default());
         text.push('\n');
     }
-    std::fs::write(&path, text).map_err(io_err(format!("write {}", path.display())))
+    std::fs::write(&path, text).map_err(io_err(format!("write {}", path.display())))?;
+    Ok(())
 }
 
 /// The comparison table (markdown), one row per contender.

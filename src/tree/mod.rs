@@ -45,6 +45,19 @@ struct Node {
     last_access: u64,
 }
 
+impl Node {
+    /// The root, or a free slot.
+    fn empty() -> Node {
+        Node {
+            edge: Box::default(),
+            children: Vec::new(),
+            parent: ROOT,
+            workers: WorkerMask::default(),
+            last_access: 0,
+        }
+    }
+}
+
 /// The result of a prefix match.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PrefixMatch {
@@ -77,13 +90,7 @@ impl RadixTree {
     /// An empty tree (just the root).
     pub fn new() -> Self {
         RadixTree {
-            nodes: vec![Node {
-                edge: Box::default(),
-                children: Vec::new(),
-                parent: ROOT,
-                workers: WorkerMask::default(),
-                last_access: 0,
-            }],
+            nodes: vec![Node::empty()],
             free: Vec::new(),
             worker_bytes: Vec::new(),
             total_bytes: 0,
@@ -120,6 +127,14 @@ impl RadixTree {
             .get(worker.0 as usize)
             .copied()
             .unwrap_or(0)
+    }
+
+    fn children_of(&self, node: NodeIdx) -> Vec<NodeIdx> {
+        self.nodes[node as usize]
+            .children
+            .iter()
+            .map(|(_, c)| *c)
+            .collect()
     }
 
     fn child(&self, node: NodeIdx, first: u8) -> Option<NodeIdx> {
@@ -206,11 +221,7 @@ impl RadixTree {
     /// whole subtree is then empty too, by the subset invariant). Cost: one pass over
     /// the nodes that worker holds.
     pub fn remove_worker(&mut self, worker: WorkerId) {
-        let mut stack: Vec<NodeIdx> = self.nodes[ROOT as usize]
-            .children
-            .iter()
-            .map(|(_, c)| *c)
-            .collect();
+        let mut stack = self.children_of(ROOT);
         while let Some(n) = stack.pop() {
             let node = &mut self.nodes[n as usize];
             if !node.workers.remove(worker) {
@@ -270,11 +281,7 @@ impl RadixTree {
     /// Renumbers workers after the pool changed: `map[old id]` is the worker's new id, or
     /// `None` when it left (its records are dropped). One pass over the tree.
     pub fn renumber(&mut self, map: &[Option<WorkerId>]) {
-        let mut stack: Vec<NodeIdx> = self.nodes[ROOT as usize]
-            .children
-            .iter()
-            .map(|(_, c)| *c)
-            .collect();
+        let mut stack = self.children_of(ROOT);
         while let Some(n) = stack.pop() {
             let mask: WorkerMask = self.nodes[n as usize]
                 .workers
@@ -402,16 +409,7 @@ impl RadixTree {
     fn free_subtree(&mut self, node: NodeIdx) {
         let mut stack = vec![node];
         while let Some(n) = stack.pop() {
-            let slot = std::mem::replace(
-                &mut self.nodes[n as usize],
-                Node {
-                    edge: Box::default(),
-                    children: Vec::new(),
-                    parent: ROOT,
-                    workers: WorkerMask::default(),
-                    last_access: 0,
-                },
-            );
+            let slot = std::mem::replace(&mut self.nodes[n as usize], Node::empty());
             stack.extend(slot.children.iter().map(|(_, c)| *c));
             self.free.push(n);
         }
