@@ -192,11 +192,13 @@ fn authorize(router: &Router, headers: &http::HeaderMap) -> Result<(), ProxyErro
             "the admin API is disabled: set server.admin_token in the config and send `Authorization: Bearer <token>`",
         ));
     };
+    // The scheme name is case-insensitive (RFC 9110 §11.1).
     let given = headers
         .get(http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .unwrap_or("");
+        .and_then(|v| v.split_once(' '))
+        .filter(|(scheme, _)| scheme.eq_ignore_ascii_case("bearer"))
+        .map_or("", |(_, token)| token.trim());
     if constant_time_eq(given.as_bytes(), token.expose().as_bytes()) {
         Ok(())
     } else {

@@ -65,6 +65,9 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
 /// The binary's main loop: bind, serve, reload on SIGHUP, drain on SIGTERM/SIGINT
 /// (a second signal exits at once).
 pub async fn run(config: Config, files: Vec<PathBuf>) -> std::io::Result<()> {
+    // Signal handlers first: before them, SIGHUP or SIGTERM would end the process.
+    let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    let mut terminate = shutdown::TerminateSignals::new()?;
     let bind = format!("{}:{}", config.server.host, config.server.port);
     let listener = TcpListener::bind(&bind)
         .await
@@ -76,14 +79,13 @@ pub async fn run(config: Config, files: Vec<PathBuf>) -> std::io::Result<()> {
         "cache-aware-router listening"
     );
     let running = spawn(config, listener)?;
-    let reload_task = tokio::spawn(reload::run(Arc::clone(&running.router), files));
-    shutdown::terminate_signal().await;
+    let reload_task = tokio::spawn(reload::run(Arc::clone(&running.router), files, hup));
+    terminate.recv().await;
     tracing::info!("shutting down: no new connections, draining in-flight requests");
-    let trigger = running.trigger();
-    trigger.shutdown();
+    running.trigger().shutdown();
     tokio::select! {
         _ = running.task => tracing::info!("drained; bye"),
-        _ = shutdown::terminate_signal() => tracing::warn!("second signal: exiting now"),
+        _ = terminate.recv() => tracing::warn!("second signal: exiting now"),
     }
     reload_task.abort();
     Ok(())

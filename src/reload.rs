@@ -44,34 +44,26 @@ pub fn apply(router: &Router, files: &[PathBuf]) -> Outcome {
     }
 }
 
-/// Waits for SIGHUP forever, applying each.
-pub async fn run(router: Arc<Router>, files: Vec<PathBuf>) {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{SignalKind, signal};
-        let mut hup = match signal(SignalKind::hangup()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::error!(error = %e, "cannot listen for SIGHUP; reload disabled");
-                return;
+/// Applies the files on each SIGHUP received by `hup` (registered by the caller before
+/// the router listens, so an early SIGHUP never hits the default action, which would
+/// end the process). Each outcome is logged and counted in `/metrics`.
+pub async fn run(router: Arc<Router>, files: Vec<PathBuf>, mut hup: tokio::signal::unix::Signal) {
+    while hup.recv().await.is_some() {
+        let outcome = apply(&router, &files);
+        router.metrics().reload(match outcome {
+            Outcome::Applied { .. } => "applied",
+            Outcome::Rejected { .. } => "rejected",
+            Outcome::Invalid(_) => "invalid",
+        });
+        match outcome {
+            Outcome::Applied { workers } => tracing::info!(workers, "reload applied"),
+            Outcome::Invalid(e) => {
+                tracing::error!(error = %e, "reload failed; keeping the running config")
             }
-        };
-        while hup.recv().await.is_some() {
-            match apply(&router, &files) {
-                Outcome::Applied { workers } => tracing::info!(workers, "reload applied"),
-                Outcome::Invalid(e) => {
-                    tracing::error!(error = %e, "reload failed; keeping the running config")
-                }
-                Outcome::Rejected { key } => tracing::error!(
-                    key,
-                    "reload rejected: only `workers` may change without a restart; keeping the running config"
-                ),
-            }
+            Outcome::Rejected { key } => tracing::error!(
+                key,
+                "reload rejected: only `workers` may change without a restart; keeping the running config"
+            ),
         }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = (router, files);
-        std::future::pending::<()>().await;
     }
 }

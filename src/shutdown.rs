@@ -34,28 +34,28 @@ impl Shutdown {
     }
 }
 
-/// Resolves on the first SIGTERM or SIGINT (Ctrl-C).
-pub async fn terminate_signal() {
-    #[cfg(unix)]
-    {
+/// SIGTERM and SIGINT, caught from creation on: until a handler is registered, their
+/// default action ends the process at once, so the binary creates this before it
+/// listens.
+pub struct TerminateSignals {
+    term: tokio::signal::unix::Signal,
+    int: tokio::signal::unix::Signal,
+}
+
+impl TerminateSignals {
+    pub fn new() -> std::io::Result<Self> {
         use tokio::signal::unix::{SignalKind, signal};
-        match (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) {
-            (Ok(mut term), Ok(mut int)) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = int.recv() => {}
-                }
-            }
-            _ => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
+        Ok(TerminateSignals {
+            term: signal(SignalKind::terminate())?,
+            int: signal(SignalKind::interrupt())?,
+        })
     }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
+
+    /// Resolves on the next SIGTERM or SIGINT.
+    pub async fn recv(&mut self) {
+        tokio::select! {
+            _ = self.term.recv() => {}
+            _ = self.int.recv() => {}
+        }
     }
 }

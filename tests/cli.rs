@@ -178,21 +178,27 @@ fn serve(files: &[&Path]) -> Running {
     }
 }
 
-/// `GET /workers` over a plain blocking socket.
-fn workers_of(addr: SocketAddr) -> serde_json::Value {
+/// `GET path` over a plain blocking socket, asserting 200; the body.
+fn get_of(addr: SocketAddr, path: &str) -> String {
     let mut s = TcpStream::connect(addr).expect("connect to the binary");
     s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     write!(
         s,
-        "GET /workers HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
     )
     .unwrap();
     let mut raw = Vec::new();
-    s.read_to_end(&mut raw).expect("read /workers");
+    s.read_to_end(&mut raw).expect("read the response");
     let text = String::from_utf8_lossy(&raw);
     let (head, body) = text.split_once("\r\n\r\n").expect("a response");
     assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"))
+    body.to_string()
+}
+
+/// `GET /workers` over a plain blocking socket.
+fn workers_of(addr: SocketAddr) -> serde_json::Value {
+    let body = get_of(addr, "/workers");
+    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"))
 }
 
 const BASE: &str = "policy: round_robin\nserver:\n  host: 127.0.0.1\n  port: 6999\nlog:\n  format: json\nworkers:\n  - url: http://127.0.0.1:9/\n";
@@ -232,4 +238,73 @@ fn empty_second_config_file_changes_nothing() {
     let w = workers_of(r.addr);
     assert_eq!(w["policy"], "round_robin");
     assert_eq!(w["workers"][0]["url"], "http://127.0.0.1:9");
+}
+
+/// Sends SIGHUP to the running binary.
+fn hang_up(r: &Running) {
+    let ok = Command::new("kill")
+        .args(["-HUP", &r.child.id().to_string()])
+        .status()
+        .expect("run kill")
+        .success();
+    assert!(ok, "kill -HUP failed");
+}
+
+/// Polls `cond` every 20 ms for up to 3 s.
+fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
+    let start = std::time::Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "not within 3 s: {what}"
+        );
+        std::thread::park_timeout(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn sighup_reloads_the_workers_and_counts_each_reload_in_metrics_by_result() {
+    let base = BASE.replace("port: 6999", "port: 0");
+    let f = TempFile::new("base.yaml", &base);
+    let r = serve(&[&f.path]);
+    // The binary installs its SIGHUP handler in a task started after the `listening`
+    // line, and nothing shows when that is done; until then SIGHUP's default action
+    // kills it. Serve a request, then leave it a moment before the first SIGHUP.
+    assert_eq!(workers_of(r.addr)["workers"].as_array().unwrap().len(), 1);
+    let settle = std::time::Instant::now();
+    while settle.elapsed() < Duration::from_millis(300) {
+        std::thread::park_timeout(Duration::from_millis(20));
+    }
+    let reloads = |result: &str| {
+        let text = get_of(r.addr, "/metrics");
+        support::Scrape::parse(&text)
+            .value("cache_aware_router_reloads_total", &[("result", result)])
+    };
+
+    std::fs::write(&f.path, format!("{base}  - url: http://127.0.0.1:10/\n")).unwrap();
+    hang_up(&r);
+    eventually("the reload applied", || {
+        workers_of(r.addr)["workers"].as_array().unwrap().len() == 2
+    });
+    let reload_lines: Vec<String> = get_of(r.addr, "/metrics")
+        .lines()
+        .filter(|l| l.contains("reloads"))
+        .map(str::to_string)
+        .collect();
+    assert_eq!(
+        reloads("applied"),
+        1.0,
+        "a SIGHUP reload that was applied is counted; /metrics has: {reload_lines:?}"
+    );
+
+    std::fs::write(&f.path, base.replace("round_robin", "least_load")).unwrap();
+    hang_up(&r);
+    eventually("the rejected reload counted", || reloads("rejected") == 1.0);
+    std::fs::write(&f.path, "workers: [\n").unwrap();
+    hang_up(&r);
+    eventually("the invalid reload counted", || reloads("invalid") == 1.0);
+    let w = workers_of(r.addr);
+    assert_eq!(w["policy"], "round_robin");
+    assert_eq!(w["workers"].as_array().unwrap().len(), 2);
+    assert_eq!(reloads("applied"), 1.0);
 }

@@ -219,3 +219,57 @@ async fn fifty_clients_leaving_mid_stream_leave_nothing_in_flight() {
     wait_all_idle(addr, Duration::from_secs(1)).await;
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thousand_clients_leaving_mid_stream_leave_nothing_in_flight() {
+    const CLIENTS: usize = 1000;
+    const BATCH: usize = 100;
+    let a = FakeWorker::start_with(endless_stream).await;
+    let b = FakeWorker::start_with(endless_stream).await;
+    let router = start_router(&yaml_for(&[&a, &b], "")).await;
+    let addr = router.addr;
+    let mut left = 0;
+    for batch in 0..CLIENTS / BATCH {
+        let clients: Vec<_> = (0..BATCH)
+            .map(|i| {
+                let n = batch * BATCH + i;
+                tokio::spawn(async move {
+                    let mut conn = Conn::connect(addr).await;
+                    conn.send(&Req::post(
+                        "/v1/chat/completions",
+                        chat_body(&format!("client {n} streams something"), true),
+                    ))
+                    .await
+                    .unwrap();
+                    assert_eq!(conn.read_head().await.status, 200);
+                    // Leave right after the head, after one event, or after two.
+                    let mut seen = Vec::new();
+                    while seen.windows(2).filter(|w| *w == b"\n\n").count() < n % 3 {
+                        let piece = conn.next_piece().await.expect("stream ended early");
+                        seen.extend_from_slice(&piece);
+                    }
+                    drop(conn);
+                })
+            })
+            .collect();
+        for c in clients {
+            within("client leaves mid-stream", c).await.unwrap();
+            left += 1;
+        }
+    }
+    assert_eq!(left, CLIENTS);
+    assert_eq!(a.count() + b.count(), CLIENTS, "every stream was started");
+    wait_all_idle(addr, Duration::from_secs(2)).await;
+    let m = scrape(addr).await;
+    let gauges = m.all("cache_aware_router_worker_in_flight");
+    assert_eq!(gauges.len(), 2);
+    assert!(gauges.iter().all(|s| s.value == 0.0), "{gauges:?}");
+    // The router let go of every upstream stream too (each would run for 5 s).
+    wait_until(
+        "every upstream stream closed",
+        Duration::from_secs(2),
+        || async { a.open_connections() + b.open_connections() == 0 },
+    )
+    .await;
+    router.shutdown().await;
+}

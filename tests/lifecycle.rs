@@ -307,3 +307,211 @@ async fn reload_keeps_the_breaker_state_of_a_surviving_worker() {
     );
     router.shutdown().await;
 }
+
+/// Short streams for `"stream":true` (three events, 10 ms apart), JSON otherwise.
+fn quick_answer(req: &Recorded) -> Reply {
+    if req.body_str().contains(r#""stream":true"#) {
+        let events: Vec<String> = (0..3).map(sse_event).chain(["[DONE]".into()]).collect();
+        Reply::sse(&events, Duration::from_millis(10))
+    } else {
+        Reply::ok()
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_under_steady_load_fails_no_request() {
+    let a = FakeWorker::start_with(quick_answer).await;
+    let b = FakeWorker::start_with(quick_answer).await;
+    let c = FakeWorker::start_with(quick_answer).await;
+    let router = start_router(&yaml_for(&[&a, &b], "")).await;
+    let addr = router.addr;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..4)
+        .map(|i| {
+            let stop = std::sync::Arc::clone(&stop);
+            tokio::spawn(async move {
+                let mut conn = Conn::connect(addr).await;
+                let mut results = Vec::new();
+                let mut n = 0;
+                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                    let stream = (i + n) % 2 == 0;
+                    let prompt = format!("client {i} turn {n}: tell me more about topic {n}");
+                    let resp = conn
+                        .request(&Req::post(
+                            "/v1/chat/completions",
+                            chat_body(&prompt, stream),
+                        ))
+                        .await;
+                    let complete = !stream || resp.text().ends_with("data: [DONE]\n\n");
+                    results.push((resp.status, complete));
+                    n += 1;
+                }
+                results
+            })
+        })
+        .collect();
+
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let f = TempFile::new("w.yaml", &yaml_for(&[&b, &c], ""));
+    assert_eq!(
+        reload::apply(&router.router, std::slice::from_ref(&f.path)),
+        Outcome::Applied { workers: 2 }
+    );
+    assert_eq!(listed_urls(addr).await, [b.url(), c.url()]);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let c_after_first = c.count();
+    let f = TempFile::new("w.yaml", &yaml_for(&[&c, &a], ""));
+    assert_eq!(
+        reload::apply(&router.router, std::slice::from_ref(&f.path)),
+        Outcome::Applied { workers: 2 }
+    );
+    assert_eq!(listed_urls(addr).await, [c.url(), a.url()]);
+    // Requests that loaded the old list just before the swap may still reach B.
+    tokio::time::sleep(Duration::from_millis(150)).await;
+    let (a_settled, b_settled) = (a.count(), b.count());
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+
+    let mut results = Vec::new();
+    for c in clients {
+        results.extend(within("client loop", c).await.unwrap());
+    }
+    assert!(
+        results.len() >= 40,
+        "steady load: {} requests",
+        results.len()
+    );
+    let failed: Vec<_> = results
+        .iter()
+        .filter(|(status, complete)| *status != 200 || !complete)
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} of {} requests failed across two reloads: {failed:?}",
+        failed.len(),
+        results.len()
+    );
+    assert!(c_after_first > 0, "the added worker took traffic");
+    assert!(a.count() > a_settled, "the re-added worker took traffic");
+    assert_eq!(
+        b.count(),
+        b_settled,
+        "the removed worker takes no new request"
+    );
+    wait_all_idle(addr, Duration::from_secs(1)).await;
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_reloads_keep_the_running_workers_and_config() {
+    let a = FakeWorker::start().await;
+    let b = FakeWorker::start().await;
+    let c = FakeWorker::start().await;
+    let router = start_router(&yaml_for(&[&a, &b], "")).await;
+    let addr = router.addr;
+    let with_c = |extra: &str| yaml_for(&[&a, &c], extra);
+    let rejected = [
+        ("policy", with_c("policy: round_robin\n")),
+        ("cache", with_c("cache:\n  threshold: 0.5\n")),
+        ("server", with_c("server:\n  admin_token: new-token\n")),
+        ("proxy", with_c("proxy:\n  max_retries: 7\n")),
+    ];
+    for (key, yaml) in &rejected {
+        let f = TempFile::new("w.yaml", yaml);
+        assert_eq!(
+            reload::apply(&router.router, std::slice::from_ref(&f.path)),
+            Outcome::Rejected { key },
+            "{yaml}"
+        );
+    }
+    let invalid = [
+        (
+            "unparsable YAML",
+            format!("workers:\n  - url: {}\n   bad", c.url()),
+        ),
+        ("unknown key", with_c("cache:\n  treshold: 0.5\n")),
+        ("no workers key", "policy: cache_aware\n".to_string()),
+        (
+            "max_load 0",
+            format!("workers:\n  - url: {}\n    max_load: 0\n", c.url()),
+        ),
+    ];
+    for (what, yaml) in &invalid {
+        let f = TempFile::new("w.yaml", yaml);
+        match reload::apply(&router.router, std::slice::from_ref(&f.path)) {
+            Outcome::Invalid(msg) => assert!(
+                msg.contains(&f.path.display().to_string()),
+                "{what}: the message names the file: {msg}"
+            ),
+            other => panic!("{what}: expected Invalid, got {other:?}"),
+        }
+    }
+    let missing = std::env::temp_dir().join("car-tests-no-such-dir/w.yaml");
+    assert!(matches!(
+        reload::apply(&router.router, std::slice::from_ref(&missing)),
+        Outcome::Invalid(_)
+    ));
+
+    // Still the running list and config, serving as before; C never got anything.
+    assert_eq!(listed_urls(addr).await, [a.url(), b.url()]);
+    assert_eq!(get_workers(addr).await["policy"], "cache_aware");
+    for i in 0..6 {
+        let r = post(
+            addr,
+            "/v1/chat/completions",
+            chat_body(&format!("question {i} after refused reloads"), false),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+    }
+    assert_eq!(c.count(), 0);
+    let r = send(addr, &Req::new("POST", "/cache/clear")).await;
+    assert_eq!(r.status, 403, "the admin token was not taken: {}", r.text());
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_refuses_new_connections_while_a_stream_drains_to_its_end() {
+    let gate = Gate::new();
+    let g = gate.clone();
+    let a = FakeWorker::start_with(move |_| {
+        Reply::status(200)
+            .header("Content-Type", "text/event-stream")
+            .chunked(vec![
+                Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
+                Step::Wait(g.clone()),
+                Step::Write(format!("data: {}\n\n", sse_event(1)).into_bytes()),
+                Step::Sleep(Duration::from_millis(50)),
+                Step::Write(format!("data: {}\n\n", sse_event(2)).into_bytes()),
+                Step::Write(b"data: [DONE]\n\n".to_vec()),
+            ])
+    })
+    .await;
+    let router = start_router(&yaml_for(&[&a], "server:\n  shutdown_grace_secs: 3\n")).await;
+    let addr = router.addr;
+    let mut stream = open_stream(addr).await;
+    let shutdown = tokio::spawn(router.shutdown());
+
+    // Draining: the port refuses new connections while the stream is still open.
+    wait_until(
+        "new connections refused",
+        Duration::from_secs(1),
+        || async { tokio::net::TcpStream::connect(addr).await.is_err() },
+    )
+    .await;
+    assert!(!shutdown.is_finished(), "shutdown waits for the stream");
+    assert_eq!(a.count(), 1);
+
+    // The stream goes on to its end, event by event.
+    gate.open();
+    let rest = String::from_utf8(stream.read_rest().await).unwrap();
+    let expected: String = [sse_event(1), sse_event(2), "[DONE]".into()]
+        .iter()
+        .map(|e| format!("data: {e}\n\n"))
+        .collect();
+    assert_eq!(rest, expected);
+    within("shutdown after the stream ended", shutdown)
+        .await
+        .unwrap();
+    assert!(tokio::net::TcpStream::connect(addr).await.is_err());
+}

@@ -342,3 +342,109 @@ async fn tree_is_evicted_down_to_its_node_ceiling() {
     }
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn eviction_holds_the_tree_at_its_cap_and_keeps_a_prefix_in_use() {
+    const CAP: u64 = 24;
+    const HITS: &str = "cache_aware_router_routing_decisions_total";
+    let pool = workers(2).await;
+    let ws: Vec<&FakeWorker> = pool.iter().collect();
+    let router = start_router(&yaml_for(
+        &ws,
+        &format!("cache:\n  max_tree_size: {CAP}\n  eviction_interval_secs: 0.05\n"),
+    ))
+    .await;
+    let addr = router.addr;
+    let unrelated = |tag: &str, i: usize| {
+        chat_body(
+            &format!("{tag}-{i:02} unrelated question about a topic of its own"),
+            false,
+        )
+    };
+    // Older traffic first, so that the shared prefix is never among the oldest entries:
+    // only a least-recently-used order keeps it.
+    for i in 0..40 {
+        let r = post(addr, "/v1/chat/completions", unrelated("old", i)).await;
+        assert_eq!(r.status, 200);
+    }
+    wait_until("tree at its cap", Duration::from_secs(2), || async {
+        get_workers(addr).await["tree_nodes"].as_u64().unwrap() <= CAP
+    })
+    .await;
+    let system = long_prompt("Shared agent instructions");
+    let shared = |q: &str| chat_body(&format!("{system}\n{q}"), false);
+    let (_, holder) = send_tagged(
+        addr,
+        &ws,
+        Req::post("/v1/chat/completions", shared("first task")),
+    )
+    .await;
+
+    for round in 0..3 {
+        // Far more unrelated prompts than the cap, with the shared prefix in use
+        // among them, as an agent fleet would.
+        for i in 0..40 {
+            let r = post(
+                addr,
+                "/v1/chat/completions",
+                unrelated(&round.to_string(), i),
+            )
+            .await;
+            assert_eq!(r.status, 200);
+            if i % 8 == 7 {
+                let (r, w) = send_tagged(
+                    addr,
+                    &ws,
+                    Req::post("/v1/chat/completions", shared(&format!("task {round}-{i}"))),
+                )
+                .await;
+                assert_eq!((r.status, w), (200, holder), "round {round}, step {i}");
+            }
+        }
+        // An eviction pass brings the tree back to the cap (not far below it).
+        wait_until("tree back at its cap", Duration::from_secs(2), || async {
+            get_workers(addr).await["tree_nodes"].as_u64().unwrap() <= CAP
+        })
+        .await;
+        let nodes = get_workers(addr).await["tree_nodes"].as_u64().unwrap();
+        assert!(
+            nodes >= CAP * 3 / 4,
+            "round {round}: eviction removes only the excess, {nodes} nodes left"
+        );
+
+        // The shared prefix survived: a new task with it is a cache hit on its holder.
+        let hits = scrape(addr).await.value(HITS, &[("reason", "cache_hit")]);
+        let (r, w) = send_tagged(
+            addr,
+            &ws,
+            Req::post(
+                "/v1/chat/completions",
+                shared(&format!("new task after round {round}")),
+            ),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        assert_eq!(w, holder, "round {round}: the shared prefix still routes");
+        assert_eq!(
+            scrape(addr).await.value(HITS, &[("reason", "cache_hit")]),
+            hits + 1.0,
+            "round {round}: routed as a cache hit"
+        );
+    }
+    // What went is what was used longest ago: the first prompt of all is a miss now.
+    let misses = scrape(addr).await.value(HITS, &[("reason", "miss")]);
+    let r = post(addr, "/v1/chat/completions", unrelated("old", 0)).await;
+    assert_eq!(r.status, 200);
+    let m = scrape(addr).await;
+    assert_eq!(
+        m.value(HITS, &[("reason", "miss")]),
+        misses + 1.0,
+        "the least recently used prompt was evicted"
+    );
+    assert!(
+        m.value("cache_aware_router_tree_evicted_nodes_total", &[]) >= (4 * 40) as f64 - CAP as f64,
+        "{}",
+        m.text
+    );
+    router.shutdown().await;
+}

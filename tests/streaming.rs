@@ -235,3 +235,66 @@ async fn stream_broken_mid_body_is_cut_for_the_client_and_never_replayed() {
     wait_all_idle(router.addr, Duration::from_millis(500)).await;
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn usage_scan_holds_back_no_sse_event_not_even_a_split_usage_chunk() {
+    // The usage line arrives in two writes: the first half must not wait for the rest.
+    let usage = format!("data: {}\n\n", sse_usage_event(321, 256));
+    let (head, tail) = usage.split_at(usage.find("\"prompt_tokens_details\"").unwrap());
+    let writes: Vec<Vec<u8>> = vec![
+        format!("data: {}\n\n", sse_event(0)).into_bytes(),
+        format!("data: {}\n\n", sse_event(1)).into_bytes(),
+        head.as_bytes().to_vec(),
+        tail.as_bytes().to_vec(),
+        b"data: [DONE]\n\n".to_vec(),
+    ];
+    let script = writes.clone();
+    let w = FakeWorker::start_with(move |_| {
+        let mut steps = Vec::new();
+        for (i, data) in script.iter().enumerate() {
+            if i > 0 {
+                steps.push(Step::Sleep(Duration::from_millis(120)));
+            }
+            steps.push(Step::Write(data.clone()));
+        }
+        Reply::status(200)
+            .header("Content-Type", "text/event-stream")
+            .chunked(steps)
+    })
+    .await;
+    let router = start_router(&yaml_for(&[&w], "")).await;
+    let resp = within(
+        "streamed response",
+        send(
+            router.addr,
+            &Req::post("/v1/chat/completions", chat_body("usage please", true)),
+        ),
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    assert_eq!(resp.body, writes.concat(), "relayed byte for byte");
+    let written = w.writes(0);
+    assert_eq!(written.len(), writes.len());
+    assert_relayed_promptly(&written, &resp.pieces, Duration::from_millis(50));
+
+    // …and the usage was still read from the bytes as they passed.
+    let label = worker_label(router.addr, 0).await;
+    let m = scrape(router.addr).await;
+    assert_eq!(
+        m.get(
+            "cache_aware_router_engine_prompt_tokens_total",
+            &[("worker", &label)]
+        ),
+        Some(321.0),
+        "{}",
+        m.text
+    );
+    assert_eq!(
+        m.get(
+            "cache_aware_router_engine_cached_tokens_total",
+            &[("worker", &label)]
+        ),
+        Some(256.0)
+    );
+    router.shutdown().await;
+}

@@ -261,18 +261,24 @@ impl Router {
         let mut tried = WorkerMask::default();
         let mut last_error =
             ProxyError::NoWorker("every worker is unhealthy, at max_load, or down");
+        // A retryable answer kept until another worker takes the request: when none is
+        // left, the client gets the worker's own answer (e.g. its 503), not ours.
+        let mut held: Option<(Response<Incoming>, InFlightGuard, AccessLog)> = None;
         let retries = self.config.proxy.max_retries;
-        let mut attempt = 0u32;
         let mut started = route.started;
-        while attempt <= retries {
+        for attempt in 0..=retries {
+            if attempt > 0 {
+                tokio::time::sleep(self.backoff(attempt)).await;
+                started = Instant::now();
+            }
             let Some((pick, mut guard)) = self.pick(set, route, &tried) else {
+                if let Some((resp, guard, log)) = held {
+                    return Ok(self.respond(resp, guard, log));
+                }
                 self.metrics.decision(Reason::NoWorker, started.elapsed());
-                return Err(if attempt == 0 {
-                    ProxyError::NoWorker("every worker is unhealthy, at max_load, or down")
-                } else {
-                    last_error
-                });
+                return Err(last_error);
             };
+            held = None;
             let worker = Arc::clone(guard.worker());
             let decision = Decision {
                 reason: pick.reason,
@@ -298,46 +304,38 @@ impl Router {
                 Err(_) => Outcome::Failure,
             });
             match result {
-                Ok(resp)
-                    if attempt < retries
-                        && self
-                            .config
-                            .proxy
-                            .retryable_statuses
-                            .contains(&resp.status().as_u16()) =>
-                {
-                    tracing::warn!(
-                        request_id = ?request_id,
-                        worker = %worker.url(),
-                        status = resp.status().as_u16(),
-                        "retryable status; trying another worker"
-                    );
-                    last_error = ProxyError::Upstream(format!("worker answered {}", resp.status()));
-                }
                 Ok(resp) => {
+                    let status = resp.status().as_u16();
                     let log = AccessLog {
                         request_id: request_id.clone(),
                         endpoint: route.label,
                         worker: Arc::clone(worker.label()),
                         decision,
-                        status: resp.status().as_u16(),
+                        status,
                         arrived: route.arrived,
                     };
-                    return Ok(self.respond(resp, guard, log));
+                    if attempt == retries || !self.config.proxy.retryable_statuses.contains(&status)
+                    {
+                        return Ok(self.respond(resp, guard, log));
+                    }
+                    tracing::warn!(
+                        request_id = ?request_id,
+                        worker = %worker.url(),
+                        status,
+                        "retryable status; trying another worker"
+                    );
+                    held = Some((resp, guard, log));
                 }
                 Err(e) => {
                     tracing::warn!(request_id = ?request_id, worker = %worker.url(), error = %e, "upstream attempt failed");
                     last_error = e;
                 }
             }
-            drop(guard);
-            attempt += 1;
-            if attempt <= retries {
-                tokio::time::sleep(self.backoff(attempt)).await;
-                started = Instant::now();
-            }
         }
-        Err(last_error)
+        match held {
+            Some((resp, guard, log)) => Ok(self.respond(resp, guard, log)),
+            None => Err(last_error),
+        }
     }
 
     /// One decision plus the in-flight slot on the chosen worker. A worker that filled

@@ -4,13 +4,14 @@
 //!   small HTTP/1.1 parser. It records every request (request line, headers, body, the
 //!   connection it came on) and answers as scripted: status, headers and body; chunked
 //!   bodies written piece by piece with delays or gates (SSE); a `Content-Length` body
-//!   trickled over time; exact raw bytes (malformed framing); closing idle keep-alive
-//!   connections; requiring a bearer token.
+//!   trickled over time; exact raw bytes (malformed framing); a delay or gate before
+//!   the head; closing idle keep-alive connections; requiring a bearer token. It can be
+//!   killed mid-run ([`FakeWorker::kill`]) and still be asked what it received.
 //! - [`Conn`] and friends: a raw HTTP/1.1 client that keeps the response headers exactly
 //!   as received (duplicates, both framings) and records when each piece of the body
 //!   arrived.
-//! - [`start_router`], [`get_workers`], [`wait_until`]: run and observe a router the way
-//!   a user does (`GET /workers`).
+//! - [`start_router`], [`get_workers`], [`scrape`], [`wait_until`]: run and observe a
+//!   router the way a user does (`GET /workers`, `GET /metrics` parsed into samples).
 //!
 //! Every wait is bounded (see [`within`]) so that a bug shows as a failure, not a hang.
 
@@ -176,6 +177,8 @@ pub struct Reply {
     headers: Vec<(String, String)>,
     body: ReplyBody,
     close: bool,
+    /// Wait before writing anything (a worker still prefilling).
+    delay: Option<Step>,
 }
 
 /// A body for a plain successful chat answer.
@@ -189,6 +192,7 @@ impl Reply {
             headers: Vec::new(),
             body: ReplyBody::Full(Vec::new()),
             close: false,
+            delay: None,
         }
     }
 
@@ -226,6 +230,7 @@ impl Reply {
             headers: Vec::new(),
             body: ReplyBody::Raw(steps),
             close: true,
+            delay: None,
         }
     }
 
@@ -256,6 +261,34 @@ impl Reply {
         self.close = true;
         self
     }
+
+    /// Writes nothing, not even the head, for `d` (a worker busy before it answers).
+    pub fn after(mut self, d: Duration) -> Self {
+        self.delay = Some(Step::Sleep(d));
+        self
+    }
+
+    /// Writes nothing, not even the head, until `gate` opens (a worker that has the
+    /// request and has not answered yet).
+    pub fn after_gate(mut self, gate: &Gate) -> Self {
+        self.delay = Some(Step::Wait(gate.clone()));
+        self
+    }
+}
+
+/// The `usage` object vLLM and SGLang report: `prompt` tokens, `cached` of them.
+pub fn usage_json(prompt: u64, cached: u64) -> String {
+    format!(
+        r#"{{"prompt_tokens":{prompt},"completion_tokens":1,"prompt_tokens_details":{{"cached_tokens":{cached}}}}}"#
+    )
+}
+
+/// The final SSE chunk of a stream with `stream_options.include_usage`.
+pub fn sse_usage_event(prompt: u64, cached: u64) -> String {
+    format!(
+        r#"{{"id":"c","object":"chat.completion.chunk","choices":[],"usage":{}}}"#,
+        usage_json(prompt, cached)
+    )
 }
 
 /// An SSE event payload in the OpenAI chunk shape.
@@ -483,6 +516,23 @@ impl FakeWorker {
         .await
     }
 
+    /// Waits until at least `n` health probes were received.
+    pub async fn wait_for_probes(&self, n: usize) {
+        within(
+            &format!("mock worker {} to receive {n} health probes", self.addr),
+            async {
+                loop {
+                    let notified = self.state.changed.notified();
+                    if self.probes().len() >= n {
+                        return;
+                    }
+                    notified.await;
+                }
+            },
+        )
+        .await
+    }
+
     /// The request carrying header `x-test-tag: tag`, if this worker received it.
     pub fn tagged(&self, tag: &str) -> Option<Recorded> {
         self.requests()
@@ -492,6 +542,20 @@ impl FakeWorker {
 
     /// Closes the port and every connection.
     pub fn stop(self) {}
+
+    /// Dies as a crashed replica does: the port refuses connections and every open
+    /// connection is closed, answered or not. What it recorded stays readable. Returns
+    /// once a connect to its port is refused.
+    pub async fn kill(&self) {
+        self.task.abort();
+        let addr = self.addr;
+        wait_until(
+            "the killed worker's port refuses connections",
+            STEP_TIMEOUT,
+            || async move { TcpStream::connect(addr).await.is_err() },
+        )
+        .await;
+    }
 }
 
 async fn accept_loop(listener: TcpListener, state: Arc<State>) {
@@ -650,6 +714,11 @@ async fn write_reply(
             .or_default()
             .push((Instant::now(), data.to_vec()));
     };
+    match reply.delay {
+        Some(Step::Sleep(d)) => tokio::time::sleep(d).await,
+        Some(Step::Wait(g)) => g.wait().await,
+        _ => {}
+    }
     let mut head = format!("HTTP/1.1 {} {}\r\n", reply.status, reason(reply.status));
     for (k, v) in &reply.headers {
         head.push_str(&format!("{k}: {v}\r\n"));
@@ -1148,6 +1217,15 @@ impl<S: AsyncRead + Unpin> Conn<S> {
         }
     }
 
+    /// Reads the rest of the body (after [`Conn::read_head`]) to its end.
+    pub async fn read_rest(&mut self) -> Vec<u8> {
+        let mut body = Vec::new();
+        while let Some(p) = self.next_piece().await {
+            body.extend_from_slice(&p);
+        }
+        body
+    }
+
     /// Reads a whole response (head and body).
     pub async fn read_response(&mut self) -> Response {
         let head = self.read_head().await;
@@ -1386,4 +1464,116 @@ pub fn assert_relayed_promptly(
             "write {i} reached the client {delay:?} after the worker wrote it (limit {tolerance:?})"
         );
     }
+}
+
+// ---------------------------------------------------------------------------------
+// Metrics
+
+/// One sample of a `GET /metrics` scrape.
+#[derive(Debug, Clone)]
+pub struct Sample {
+    pub name: String,
+    pub labels: Vec<(String, String)>,
+    pub value: f64,
+}
+
+/// A parsed `GET /metrics` answer (Prometheus text format).
+#[derive(Debug, Clone)]
+pub struct Scrape {
+    pub samples: Vec<Sample>,
+    pub text: String,
+}
+
+impl Scrape {
+    /// Parses Prometheus text exposition; panics on a line it cannot read.
+    pub fn parse(text: &str) -> Scrape {
+        let samples = text
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.starts_with('#'))
+            .map(|l| parse_sample(l).unwrap_or_else(|| panic!("bad metrics line {l:?}")))
+            .collect();
+        Scrape {
+            samples,
+            text: text.to_string(),
+        }
+    }
+
+    /// The sample `name` with exactly the labels `labels` (any order), if exposed.
+    pub fn get(&self, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        self.samples
+            .iter()
+            .find(|s| {
+                s.name == name
+                    && s.labels.len() == labels.len()
+                    && labels
+                        .iter()
+                        .all(|(k, v)| s.labels.iter().any(|(k2, v2)| k2 == k && v2 == v))
+            })
+            .map(|s| s.value)
+    }
+
+    /// As [`Scrape::get`], reading an unexposed series as 0 (a labelled counter appears
+    /// only once it was first incremented).
+    pub fn value(&self, name: &str, labels: &[(&str, &str)]) -> f64 {
+        self.get(name, labels).unwrap_or(0.0)
+    }
+
+    /// Every sample named `name`.
+    pub fn all(&self, name: &str) -> Vec<&Sample> {
+        self.samples.iter().filter(|s| s.name == name).collect()
+    }
+}
+
+/// `name{k="v",…} value [timestamp]` or `name value [timestamp]`.
+fn parse_sample(line: &str) -> Option<Sample> {
+    let name_end = line.find(['{', ' '])?;
+    let name = line[..name_end].to_string();
+    let mut rest = &line[name_end..];
+    let mut labels = Vec::new();
+    if let Some(mut inner) = rest.strip_prefix('{') {
+        loop {
+            inner = inner.trim_start_matches(',');
+            if let Some(after) = inner.strip_prefix('}') {
+                rest = after;
+                break;
+            }
+            let (key, quoted) = inner.split_once("=\"")?;
+            let mut value = String::new();
+            let mut chars = quoted.char_indices();
+            let end = loop {
+                match chars.next()? {
+                    (i, '"') => break i,
+                    (_, '\\') => match chars.next()?.1 {
+                        'n' => value.push('\n'),
+                        escaped => value.push(escaped),
+                    },
+                    (_, c) => value.push(c),
+                }
+            };
+            labels.push((key.to_string(), value));
+            inner = &quoted[end + 1..];
+        }
+    }
+    let value = rest.split_whitespace().next()?.parse().ok()?;
+    Some(Sample {
+        name,
+        labels,
+        value,
+    })
+}
+
+/// `GET /metrics`, asserting 200, parsed.
+pub async fn scrape(addr: SocketAddr) -> Scrape {
+    let r = get(addr, "/metrics").await;
+    assert_eq!(r.status, 200, "GET /metrics: {}", r.text());
+    Scrape::parse(&r.text())
+}
+
+/// The URL of worker `i` as `/workers` lists it (the `worker` label of metrics).
+pub async fn worker_label(addr: SocketAddr, i: usize) -> String {
+    get_workers(addr).await["workers"][i]["url"]
+        .as_str()
+        .expect("worker url")
+        .to_string()
 }
