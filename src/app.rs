@@ -69,7 +69,7 @@ pub async fn run(config: Config, files: Vec<PathBuf>) -> std::io::Result<()> {
     let hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     let mut terminate = shutdown::TerminateSignals::new()?;
     let bind = format!("{}:{}", config.server.host, config.server.port);
-    let listener = TcpListener::bind(&bind)
+    let listener = listen(&bind)
         .await
         .map_err(|e| std::io::Error::new(e.kind(), format!("cannot listen on {bind}: {e}")))?;
     tracing::info!(
@@ -89,6 +89,26 @@ pub async fn run(config: Config, files: Vec<PathBuf>) -> std::io::Result<()> {
     }
     reload_task.abort();
     Ok(())
+}
+
+/// Accept-queue length asked of the kernel (capped by `net.core.somaxconn`). tokio's
+/// default of 128 makes a burst of hundreds of connects wait 1–2 s on SYN retries.
+const LISTEN_BACKLOG: u32 = 4096;
+
+/// Binds `addr` (host:port; `localhost` resolved) with [`LISTEN_BACKLOG`].
+async fn listen(addr: &str) -> std::io::Result<TcpListener> {
+    let addr = tokio::net::lookup_host(addr)
+        .await?
+        .next()
+        .ok_or_else(|| std::io::Error::new(std::io::ErrorKind::NotFound, "no address"))?;
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(LISTEN_BACKLOG)
 }
 
 async fn serve(

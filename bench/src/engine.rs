@@ -1084,10 +1084,36 @@ pub enum StartError {
     Bind(#[from] std::io::Error),
 }
 
+/// Listen backlog of [`bind`]: uvicorn's default (vLLM's HTTP server). tokio's
+/// `TcpListener::bind` uses 128, which a burst of a few hundred connects overflows:
+/// the kernel then drops SYNs and the client retries after 1 s.
+pub const LISTEN_BACKLOG: u32 = 2048;
+
+/// Binds `addr` with SO_REUSEADDR and a [`LISTEN_BACKLOG`] backlog (the kernel caps
+/// it at `net.core.somaxconn`); the first address that works wins.
+pub async fn bind(addr: impl tokio::net::ToSocketAddrs) -> std::io::Result<TcpListener> {
+    let mut last = None;
+    for a in tokio::net::lookup_host(addr).await? {
+        let socket = if a.is_ipv4() {
+            tokio::net::TcpSocket::new_v4()?
+        } else {
+            tokio::net::TcpSocket::new_v6()?
+        };
+        socket.set_reuseaddr(true)?;
+        match socket.bind(a).and_then(|()| socket.listen(LISTEN_BACKLOG)) {
+            Ok(l) => return Ok(l),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::AddrNotAvailable, "no address to bind")
+    }))
+}
+
 /// Binds 127.0.0.1:0 and serves `cfg` on a spawned task (needs a tokio runtime).
 pub async fn start(cfg: EngineConfig) -> Result<RunningEngine, StartError> {
     let engine = Engine::new(cfg)?;
-    let listener = TcpListener::bind(("127.0.0.1", 0)).await?;
+    let listener = bind(("127.0.0.1", 0)).await?;
     let addr = listener.local_addr()?;
     let task = tokio::spawn(
         engine

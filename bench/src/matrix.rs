@@ -42,8 +42,6 @@ impl Contender {
     }
 }
 
-/// Engine settings shared by every replica of every contender.
-
 /// Everything a matrix run needs besides the prepared requests.
 #[derive(Debug, Clone)]
 pub struct MatrixConfig {
@@ -71,8 +69,6 @@ pub struct MatrixConfig {
     /// Progress line interval during replays (`None`: silent).
     pub progress_every: Option<Duration>,
 }
-
-/// Why a contender could not be run to the end.
 
 /// Why a contender could not be run to the end.
 #[derive(Debug, thiserror::Error)]

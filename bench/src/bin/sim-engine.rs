@@ -7,7 +7,6 @@ use std::time::Duration;
 
 use bench::engine::{Engine, EngineConfig};
 use clap::Parser;
-use tokio::net::TcpListener;
 
 /// Simulated vLLM engine: OpenAI API, prefix cache with LRU, queueing model on timers.
 #[derive(Debug, Parser)]
@@ -97,7 +96,7 @@ async fn run(cli: Cli) -> Result<(), String> {
         max_body_bytes: cli.max_body_bytes,
     };
     let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
-    let listener = TcpListener::bind((cli.host.as_str(), cli.port))
+    let listener = bench::engine::bind((cli.host.as_str(), cli.port))
         .await
         .map_err(|e| format!("cannot bind {}:{}: {e}", cli.host, cli.port))?;
     let addr = listener.local_addr().map_err(|e| e.to_string())?;

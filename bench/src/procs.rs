@@ -1,0 +1,506 @@
+//! Child processes of the benchmark binaries: `sim-engine` replicas and the router,
+//! started on 127.0.0.1, waited for until ready, and killed on every exit path;
+//! plus what `/proc` says about them (CPU time, resident memory).
+//!
+//! Child processes are owned by [`ChildProc`] values: stopped explicitly on the
+//! normal and error paths, and killed on drop (`kill_on_drop`) if the future is
+//! cancelled (Ctrl-C) or panics.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Empty;
+use hyper::Uri;
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::rt::TokioExecutor;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::process::{Child, Command};
+use tokio::time::Instant;
+
+/// Why a child could not be started or inspected.
+#[derive(Debug, thiserror::Error)]
+pub enum ProcError {
+    /// An executable is missing.
+    #[error("{what} not found at {path} ({hint})")]
+    MissingBinary {
+        /// `sim-engine` or `cache-aware-router`.
+        what: &'static str,
+        /// Where it was looked for.
+        path: String,
+        /// How to get it.
+        hint: &'static str,
+    },
+    /// A process could not be started.
+    #[error("cannot start {path}: {source}")]
+    Spawn {
+        /// The executable.
+        path: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A child did not become ready.
+    #[error("{0}")]
+    NotReady(String),
+    /// Files or ports could not be set up.
+    #[error("{what}: {source}")]
+    Io {
+        /// What was being done.
+        what: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// Maps an I/O error to [`ProcError::Io`] saying what was being done.
+pub fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ProcError {
+    let what = what.into();
+    move |source| ProcError::Io { what, source }
+}
+
+/// A started child process; [`ChildProc::stop`] kills and reaps it, and dropping
+/// it kills it too.
+#[derive(Debug)]
+pub struct ChildProc {
+    name: String,
+    child: Child,
+}
+
+impl ChildProc {
+    /// The OS process id (`None` once reaped).
+    pub fn pid(&self) -> Option<u32> {
+        self.child.id()
+    }
+
+    /// The name given at start (`sim-engine e0`, `cache-aware-router`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Kills the process and waits for it to exit.
+    pub async fn stop(mut self) {
+        let _ = self.child.start_kill();
+        if tokio::time::timeout(Duration::from_secs(5), self.child.wait())
+            .await
+            .is_err()
+        {
+            eprintln!("warning: {} did not exit within 5 s of SIGKILL", self.name);
+        }
+    }
+}
+
+/// Stops every child, last started first.
+pub async fn stop_all(procs: Vec<ChildProc>) {
+    for p in procs.into_iter().rev() {
+        p.stop().await;
+    }
+}
+
+/// A scratch directory removed on drop.
+#[derive(Debug)]
+pub struct ScratchDir(PathBuf);
+
+impl ScratchDir {
+    /// Creates `$TMPDIR/<prefix>-<pid>-<label>` (label reduced to `[A-Za-z0-9_]`).
+    pub fn new(prefix: &str, label: &str) -> Result<Self, ProcError> {
+        let safe: String = label
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        let dir = std::env::temp_dir().join(format!("{prefix}-{}-{safe}", std::process::id()));
+        std::fs::create_dir_all(&dir).map_err(io_err(format!("create {}", dir.display())))?;
+        Ok(Self(dir))
+    }
+
+    /// The directory.
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// `name` next to the running executable (`sim-engine`, `cache-aware-router`).
+pub fn sibling_binary(name: &str) -> PathBuf {
+    let file = format!("{name}{}", std::env::consts::EXE_SUFFIX);
+    std::env::current_exe()
+        .ok()
+        .and_then(|p| p.parent().map(|d| d.join(&file)))
+        .unwrap_or_else(|| PathBuf::from(file))
+}
+
+/// Fails with [`ProcError::MissingBinary`] unless `path` is a file.
+pub fn require_binary(
+    path: &Path,
+    what: &'static str,
+    hint: &'static str,
+) -> Result<(), ProcError> {
+    if path.is_file() {
+        Ok(())
+    } else {
+        Err(ProcError::MissingBinary {
+            what,
+            path: path.display().to_string(),
+            hint,
+        })
+    }
+}
+
+/// A port that was free a moment ago on 127.0.0.1 (bind :0, read, release).
+pub fn free_port() -> Result<u16, ProcError> {
+    let l = std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(io_err("bind 127.0.0.1:0"))?;
+    let port = l.local_addr().map_err(io_err("read bound port"))?.port();
+    Ok(port)
+}
+
+/// `sim-engine` settings (its command-line flags).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineParams {
+    /// Prefix cache capacity per engine, in blocks.
+    pub kv_blocks: usize,
+    /// Tokens per block.
+    pub block_size: usize,
+    /// Fixed prefill cost, in simulated ms.
+    pub ttft_base_ms: f64,
+    /// Prefill cost per uncached token, in simulated µs.
+    pub prefill_us_per_token: f64,
+    /// Inter-token latency, in simulated ms.
+    pub itl_ms: f64,
+    /// Multiplier on every simulated time.
+    pub time_factor: f64,
+    /// Cap on generated tokens per request.
+    pub max_output_tokens: u64,
+    /// Served model id.
+    pub model: String,
+}
+
+impl EngineParams {
+    /// The `sim-engine` arguments for replica `name` on 127.0.0.1:`port` (0 = any).
+    pub fn args(&self, name: &str, port: u16) -> Vec<String> {
+        let mut a: Vec<String> = vec![
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            port.to_string(),
+            "--name".into(),
+            name.into(),
+        ];
+        for (k, v) in [
+            ("--kv-blocks", self.kv_blocks.to_string()),
+            ("--block-size", self.block_size.to_string()),
+            ("--ttft-base-ms", self.ttft_base_ms.to_string()),
+            (
+                "--prefill-us-per-token",
+                self.prefill_us_per_token.to_string(),
+            ),
+            ("--itl-ms", self.itl_ms.to_string()),
+            ("--time-factor", self.time_factor.to_string()),
+            ("--max-output-tokens", self.max_output_tokens.to_string()),
+            ("--model", self.model.clone()),
+        ] {
+            a.push(k.into());
+            a.push(v);
+        }
+        a
+    }
+}
+
+/// Starts `sim-engine` replica `name` on `port` (0 = any free port), waits for the
+/// line announcing its address, and returns its base URL. The child is pushed onto
+/// `procs` before waiting, so it is stopped with the others on failure.
+pub async fn start_engine(
+    engine_bin: &Path,
+    params: &EngineParams,
+    name: &str,
+    port: u16,
+    startup_timeout: Duration,
+    procs: &mut Vec<ChildProc>,
+) -> Result<String, ProcError> {
+    let mut cmd = Command::new(engine_bin);
+    cmd.args(params.args(name, port))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .kill_on_drop(true);
+    let mut child = cmd.spawn().map_err(|source| ProcError::Spawn {
+        path: engine_bin.display().to_string(),
+        source,
+    })?;
+    let stdout = child.stdout.take();
+    procs.push(ChildProc {
+        name: format!("sim-engine {name}"),
+        child,
+    });
+    let Some(stdout) = stdout else {
+        return Err(ProcError::NotReady(format!("sim-engine {name}: no stdout")));
+    };
+    let mut lines = BufReader::new(stdout).lines();
+    let first = tokio::time::timeout(startup_timeout, lines.next_line()).await;
+    let line = match first {
+        Ok(Ok(Some(line))) => line,
+        Ok(_) => {
+            return Err(ProcError::NotReady(format!(
+                "sim-engine {name} exited before announcing its address"
+            )));
+        }
+        Err(_) => {
+            return Err(ProcError::NotReady(format!(
+                "sim-engine {name} did not announce its address within {startup_timeout:?}"
+            )));
+        }
+    };
+    let url = line
+        .split_once("listening on ")
+        .map(|(_, u)| u.trim().to_string())
+        .ok_or_else(|| {
+            ProcError::NotReady(format!("sim-engine {name}: unexpected first line {line:?}"))
+        })?;
+    // Keep draining stdout so the child never blocks on a full pipe.
+    tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+    Ok(url)
+}
+
+/// The last `lines` lines of a text file (empty if unreadable).
+pub fn tail(path: &Path, lines: usize) -> String {
+    let text = std::fs::read_to_string(path).unwrap_or_default();
+    let all: Vec<&str> = text.lines().collect();
+    let from = all.len().saturating_sub(lines);
+    all[from..].join("\n")
+}
+
+/// Writes `yaml` to `dir/config.yaml`, starts the router on it (output to
+/// `dir/router.log`) and waits until `GET http://127.0.0.1:port/health` answers a
+/// 2xx. Returns the router's base URL. The child is pushed onto `procs` first.
+pub async fn start_router(
+    router_bin: &Path,
+    yaml: &str,
+    port: u16,
+    dir: &ScratchDir,
+    startup_timeout: Duration,
+    procs: &mut Vec<ChildProc>,
+) -> Result<String, ProcError> {
+    let config_path = dir.0.join("config.yaml");
+    std::fs::write(&config_path, yaml)
+        .map_err(io_err(format!("write {}", config_path.display())))?;
+    let log_path = dir.0.join("router.log");
+    let log = std::fs::File::create(&log_path)
+        .map_err(io_err(format!("create {}", log_path.display())))?;
+    let log2 = log.try_clone().map_err(io_err("dup router log"))?;
+    let mut cmd = Command::new(router_bin);
+    cmd.arg("-c")
+        .arg(&config_path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log2))
+        .kill_on_drop(true);
+    let child = cmd.spawn().map_err(|source| ProcError::Spawn {
+        path: router_bin.display().to_string(),
+        source,
+    })?;
+    procs.push(ChildProc {
+        name: "cache-aware-router".into(),
+        child,
+    });
+    let url = format!("http://127.0.0.1:{port}");
+    let health: Uri = format!("{url}/health")
+        .parse()
+        .map_err(|e| ProcError::NotReady(format!("bad health URL: {e}")))?;
+    let client: Client<HttpConnector, Empty<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let deadline = Instant::now() + startup_timeout;
+    loop {
+        if let Some(router) = procs.last_mut()
+            && let Ok(Some(status)) = router.child.try_wait()
+        {
+            return Err(ProcError::NotReady(format!(
+                "router exited ({status}) before answering GET /health\n\
+                 --- its config ---\n{yaml}--- its log (last 20 lines) ---\n{}",
+                tail(&log_path, 20)
+            )));
+        }
+        let last =
+            match tokio::time::timeout(Duration::from_secs(1), client.get(health.clone())).await {
+                Ok(Ok(resp)) if resp.status().is_success() => return Ok(url),
+                Ok(Ok(resp)) => format!("GET /health answered {}", resp.status()),
+                Ok(Err(e)) => format!("GET /health failed: {e}"),
+                Err(_) => "GET /health took over 1 s".to_string(),
+            };
+        if Instant::now() >= deadline {
+            return Err(ProcError::NotReady(format!(
+                "router not healthy within {startup_timeout:?} ({last})\n\
+                 --- its config ---\n{yaml}--- its log (last 20 lines) ---\n{}",
+                tail(&log_path, 20)
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// CPU time and memory of one process, from `/proc/<pid>/stat` and `/status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ProcUsage {
+    /// `utime + stime`, in clock ticks (see [`clock_ticks_per_sec`]).
+    pub cpu_ticks: u64,
+    /// `VmRSS`: resident set now, in KiB.
+    pub rss_kib: u64,
+    /// `VmHWM`: peak resident set since start or the last [`reset_peak_rss`], in KiB.
+    pub hwm_kib: u64,
+}
+
+/// `utime + stime` (fields 14 and 15) of a `/proc/<pid>/stat` line. The command
+/// name (field 2) may hold spaces and parentheses, so fields are counted after the
+/// last `)`.
+pub fn parse_stat_cpu_ticks(stat: &str) -> Option<u64> {
+    let rest = &stat[stat.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state): utime is field 14 → index 11.
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some(utime + stime)
+}
+
+/// The value in KiB of a `Key:   1234 kB` line of `/proc/<pid>/status`.
+pub fn parse_status_kib(status: &str, key: &str) -> Option<u64> {
+    status.lines().find_map(|l| {
+        let v = l.strip_prefix(key)?.strip_prefix(':')?;
+        v.split_whitespace().next()?.parse().ok()
+    })
+}
+
+/// Reads [`ProcUsage`] of `pid` (Linux only).
+pub fn proc_usage(pid: u32) -> std::io::Result<ProcUsage> {
+    let bad = |what: &str| std::io::Error::new(std::io::ErrorKind::InvalidData, what.to_string());
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"))?;
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    Ok(ProcUsage {
+        cpu_ticks: parse_stat_cpu_ticks(&stat).ok_or_else(|| bad("unreadable /proc/PID/stat"))?,
+        rss_kib: parse_status_kib(&status, "VmRSS").ok_or_else(|| bad("no VmRSS"))?,
+        hwm_kib: parse_status_kib(&status, "VmHWM").ok_or_else(|| bad("no VmHWM"))?,
+    })
+}
+
+/// Resets `VmHWM` of `pid` to its current RSS (writes `5` to `/proc/<pid>/clear_refs`,
+/// Linux ≥ 4.0; needs to own the process).
+pub fn reset_peak_rss(pid: u32) -> std::io::Result<()> {
+    std::fs::write(format!("/proc/{pid}/clear_refs"), "5")
+}
+
+/// Read and write system calls made so far by `pid` (`syscr`, `syscw` of
+/// `/proc/<pid>/io`); `None` if unreadable.
+pub fn proc_syscalls(pid: u32) -> Option<(u64, u64)> {
+    let io = std::fs::read_to_string(format!("/proc/{pid}/io")).ok()?;
+    let field = |k: &str| {
+        io.lines()
+            .find_map(|l| l.strip_prefix(k)?.strip_prefix(':')?.trim().parse().ok())
+    };
+    Some((field("syscr")?, field("syscw")?))
+}
+
+/// Busy CPU time of the whole machine (all CPUs), in clock ticks, from the `cpu`
+/// line of `/proc/stat`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MachineBusy {
+    /// user + nice + system + steal: time charged to processes (guest time is
+    /// already inside user and nice).
+    pub tasks: u64,
+    /// irq + softirq: interrupt work, e.g. loopback TCP delivery, charged to no
+    /// process.
+    pub interrupts: u64,
+}
+
+/// [`MachineBusy`] now; `None` if unreadable.
+pub fn machine_busy_ticks() -> Option<MachineBusy> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    parse_proc_stat_busy(stat.lines().next()?)
+}
+
+/// [`MachineBusy`] of a `/proc/stat` `cpu` line.
+pub fn parse_proc_stat_busy(line: &str) -> Option<MachineBusy> {
+    let mut f = line.split_whitespace();
+    if f.next()? != "cpu" {
+        return None;
+    }
+    let v: Vec<u64> = f.take(8).map(|x| x.parse().ok()).collect::<Option<_>>()?;
+    let [user, nice, system, _idle, _iowait, irq, softirq, steal] = v[..] else {
+        return None;
+    };
+    Some(MachineBusy {
+        tasks: user + nice + system + steal,
+        interrupts: irq + softirq,
+    })
+}
+
+/// `getconf CLK_TCK` (the unit of `/proc/<pid>/stat` times), 100 if unavailable.
+pub fn clock_ticks_per_sec() -> u64 {
+    std::process::Command::new("getconf")
+        .arg("CLK_TCK")
+        .output()
+        .ok()
+        .and_then(|o| String::from_utf8(o.stdout).ok())
+        .and_then(|s| s.trim().parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or(100)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stat_fields_are_counted_after_the_command_name() {
+        let stat = "4242 (tokio (rt) x) S 1 4242 4242 0 -1 4194304 100 0 0 0 \
+                    250 37 0 0 20 0 3 0 12345 1000000 500 18446744073709551615";
+        assert_eq!(parse_stat_cpu_ticks(stat), Some(287));
+        assert_eq!(parse_stat_cpu_ticks("garbage"), None);
+    }
+
+    #[test]
+    fn machine_busy_leaves_out_idle_and_iowait() {
+        let line = "cpu  100 5 50 9000 40 3 2 1 0 0";
+        assert_eq!(
+            parse_proc_stat_busy(line),
+            Some(MachineBusy {
+                tasks: 156,
+                interrupts: 5
+            })
+        );
+        assert_eq!(parse_proc_stat_busy("cpu0 1 2 3 4 5 6 7 8"), None);
+    }
+
+    #[test]
+    fn status_values_are_read_in_kib() {
+        let status = "Name:\tx\nVmHWM:\t  20480 kB\nVmRSS:\t   10240 kB\n";
+        assert_eq!(parse_status_kib(status, "VmRSS"), Some(10_240));
+        assert_eq!(parse_status_kib(status, "VmHWM"), Some(20_480));
+        assert_eq!(parse_status_kib(status, "VmSwap"), None);
+    }
+
+    #[test]
+    fn engine_args_carry_every_setting() {
+        let p = EngineParams {
+            kv_blocks: 10,
+            block_size: 16,
+            ttft_base_ms: 0.0,
+            prefill_us_per_token: 0.0,
+            itl_ms: 100.0,
+            time_factor: 0.0,
+            max_output_tokens: 20,
+            model: "m".into(),
+        };
+        let a = p.args("e0", 0);
+        assert_eq!(
+            &a[..6],
+            ["--host", "127.0.0.1", "--port", "0", "--name", "e0"]
+        );
+        let at = a.iter().position(|x| x == "--time-factor").unwrap();
+        assert_eq!(a[at + 1], "0");
+    }
+}
