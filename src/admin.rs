@@ -257,12 +257,10 @@ fn clear_cache(
     let set = router.worker_set();
     let body = match worker {
         None => {
-            let removed = {
-                let mut tree = set.tree();
-                let n = tree.node_count();
-                tree.clear();
-                n
-            };
+            // Swap under the lock, free the old nodes after releasing it.
+            let old = std::mem::take(&mut *set.tree());
+            let removed = old.node_count();
+            drop(old);
             tracing::info!(nodes = removed, "route records cleared (admin API)");
             serde_json::json!({"cleared": "all", "nodes_removed": removed})
         }

@@ -49,7 +49,12 @@ pub fn apply(router: &Router, files: &[PathBuf]) -> Outcome {
 /// end the process). Each outcome is logged and counted in `/metrics`.
 pub async fn run(router: Arc<Router>, files: Vec<PathBuf>, mut hup: tokio::signal::unix::Signal) {
     while hup.recv().await.is_some() {
-        let outcome = apply(&router, &files);
+        // Reading and parsing the files is blocking I/O: off the async workers.
+        let (r, f) = (Arc::clone(&router), files.clone());
+        let outcome = match tokio::task::spawn_blocking(move || apply(&r, &f)).await {
+            Ok(o) => o,
+            Err(e) => Outcome::Invalid(format!("reload task failed: {e}")),
+        };
         router.metrics().reload(match outcome {
             Outcome::Applied { .. } => "applied",
             Outcome::Rejected { .. } => "rejected",

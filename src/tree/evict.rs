@@ -102,7 +102,9 @@ pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
             let (now_hour, day) = utc_hour_and_day(SystemTime::now());
             if now_hour == hour && last_reset_day != Some(day) {
                 last_reset_day = Some(day);
-                set.tree().clear();
+                // Swap under the lock, free the old nodes after releasing it.
+                let old = std::mem::take(&mut *set.tree());
+                drop(old);
                 tracing::info!(hour, "daily tree reset");
             }
         }

@@ -320,11 +320,6 @@ impl RadixTree {
         }
     }
 
-    /// Removes everything (a fresh tree keeps its allocation).
-    pub fn clear(&mut self) {
-        *self = RadixTree::new();
-    }
-
     fn hold(&mut self, node: NodeIdx, worker: WorkerId, now: u64) {
         let n = &mut self.nodes[node as usize];
         n.last_access = now;
