@@ -28,10 +28,6 @@ impl Shutdown {
     pub async fn wait(&mut self) {
         let _ = self.0.wait_for(|stop| *stop).await;
     }
-
-    pub fn is_triggered(&self) -> bool {
-        *self.0.borrow()
-    }
 }
 
 /// SIGTERM and SIGINT, caught from creation on: until a handler is registered, their

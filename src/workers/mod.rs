@@ -18,8 +18,8 @@ pub(crate) use load::now;
 
 use crate::breaker::{self, Admission, CircuitBreaker, Outcome};
 use crate::config::{BreakerConfig, WorkerConfig};
+use crate::tree::RadixTree;
 pub use crate::tree::WorkerId;
-use crate::tree::{RadixTree, WorkerMask};
 
 /// One upstream inference server.
 #[derive(Debug)]
@@ -210,12 +210,5 @@ impl WorkerSet {
     /// Workers that are healthy now.
     pub fn healthy_count(&self) -> usize {
         self.workers.iter().filter(|w| w.is_healthy()).count()
-    }
-
-    /// Ids of the workers that take prefix affinity.
-    pub fn cache_aware_mask(&self) -> WorkerMask {
-        self.ids()
-            .filter(|id| self.workers[id.0 as usize].config.cache_aware)
-            .collect()
     }
 }
