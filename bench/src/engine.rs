@@ -22,9 +22,15 @@
 //!   timer is armed for a deadline already reached).
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (streamed SSE or
-//! not, vLLM response shapes), `GET /health`, `GET /v1/models`, `GET /metrics`
-//! (Prometheus text with vLLM's metric names). Every response carries
-//! `x-sim-engine: NAME`. Bad requests get a 400 JSON error, never a panic.
+//! not, vLLM response shapes), `POST /v1/messages` (Anthropic Messages API as vLLM
+//! serves it: converted to a chat conversation, so it shares the prefix cache and the
+//! timing model with chat; JSON or Anthropic SSE events) and
+//! `POST /v1/messages/count_tokens`; `POST /tokenize`, `POST /detokenize`,
+//! `POST /v1/chat/completions/render`, `POST /v1/completions/render` (vLLM's
+//! tokenizer endpoints, answered at once: see [`token_id`]); `GET /health`,
+//! `GET /v1/models`, `GET /metrics` (Prometheus text with vLLM's metric names). Every
+//! response carries `x-sim-engine: NAME`. Bad requests get a 400 JSON error, never a
+//! panic.
 //!
 //! Library use (e.g. from a router's integration tests):
 //!
@@ -72,6 +78,78 @@ pub const ENGINE_HEADER: &str = "x-sim-engine";
 
 /// Seed of the first block's hash chain (any constant; equal across engines).
 const ROOT_HASH: u64 = 0x6361_6368_6521_0001;
+
+/// Size of the simulated vocabulary (Qwen2.5's): every token id is below it.
+pub const VOCAB_SIZE: u32 = 151_936;
+
+/// Context length reported by `/v1/models` and `/tokenize`, in tokens.
+pub const MAX_MODEL_LEN: u64 = 131_072;
+
+/// The chat template's role markers, which get fixed ids right after [`WORDS`].
+const TEMPLATE_WORDS: [&str; 5] = [
+    "<|im_start|>system",
+    "<|im_start|>user",
+    "<|im_start|>assistant",
+    "<|im_start|>tool",
+    "<|im_end|>",
+];
+
+/// First id of the hashed part of the vocabulary; ids below it are fixed words.
+const HASHED_IDS_START: u32 = 1024;
+
+/// The token id of one whitespace-separated word (the engine's tokenizer, see the
+/// module docs): the prompt words of the traces (`prompts::WORDS`) are ids 0–255 in
+/// that order, the chat template's role markers 256–260, a word written `<|tok_N|>`
+/// is id `N` (what [`token_word`] makes of an id it cannot spell), and any other word
+/// is xxh3 of its bytes mapped into `1024..VOCAB_SIZE`. Stable across engines, runs
+/// and machines.
+pub fn token_id(word: &str) -> u32 {
+    static FIXED: std::sync::OnceLock<std::collections::HashMap<&'static str, u32>> =
+        std::sync::OnceLock::new();
+    let fixed = FIXED.get_or_init(|| {
+        WORDS
+            .iter()
+            .chain(TEMPLATE_WORDS.iter())
+            .enumerate()
+            .map(|(i, w)| (*w, i as u32))
+            .collect()
+    });
+    if let Some(&id) = fixed.get(word) {
+        return id;
+    }
+    if let Some(n) = word
+        .strip_prefix("<|tok_")
+        .and_then(|r| r.strip_suffix("|>"))
+        .and_then(|n| n.parse::<u32>().ok())
+        .filter(|&n| n < VOCAB_SIZE)
+    {
+        return n;
+    }
+    let span = u64::from(VOCAB_SIZE - HASHED_IDS_START);
+    HASHED_IDS_START + (xxhash_rust::xxh3::xxh3_64(word.as_bytes()) % span) as u32
+}
+
+/// The word of a token id: a fixed word for ids below 261, `<|tok_N|>` for any
+/// other id of the vocabulary (hashed ids cannot be inverted; [`token_id`] maps that
+/// spelling back to `N`), `None` past [`VOCAB_SIZE`].
+pub fn token_word(id: u64) -> Option<String> {
+    if id >= u64::from(VOCAB_SIZE) {
+        return None;
+    }
+    let i = id as usize;
+    Some(if i < WORDS.len() {
+        WORDS[i].to_owned()
+    } else if i < WORDS.len() + TEMPLATE_WORDS.len() {
+        TEMPLATE_WORDS[i - WORDS.len()].to_owned()
+    } else {
+        format!("<|tok_{id}|>")
+    })
+}
+
+/// Token ids of a prompt text (one per whitespace-separated word).
+pub fn tokenize_text(text: &str) -> Vec<u32> {
+    text.split_whitespace().map(token_id).collect()
+}
 
 /// Settings of one simulated engine. Durations are simulated time, scaled by
 /// `time_factor` before any timer is armed.
@@ -320,11 +398,13 @@ struct Inner {
 /// Response body of every handler.
 pub type RespBody = BoxBody<Bytes, Infallible>;
 
-/// Which OpenAI endpoint a generation request came in on.
+/// Which endpoint a generation request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Endpoint {
     Chat,
     Completions,
+    /// Anthropic Messages (`/v1/messages`).
+    Messages,
 }
 
 /// A generation request after validation.
@@ -455,8 +535,18 @@ impl Engine {
             ),
             (Method::POST, "/v1/chat/completions") => self.generate(Endpoint::Chat, req).await,
             (Method::POST, "/v1/completions") => self.generate(Endpoint::Completions, req).await,
+            (Method::POST, "/v1/messages") => self.generate(Endpoint::Messages, req).await,
+            (Method::POST, "/v1/messages/count_tokens") => self.count_tokens(req).await,
+            (Method::POST, "/tokenize") => self.tokenize(req).await,
+            (Method::POST, "/detokenize") => self.detokenize(req).await,
+            (Method::POST, "/v1/chat/completions/render") => self.render(Endpoint::Chat, req).await,
+            (Method::POST, "/v1/completions/render") => {
+                self.render(Endpoint::Completions, req).await
+            }
             (_, "/health" | "/v1/models" | "/metrics")
-            | (_, "/v1/chat/completions" | "/v1/completions") => error_response(
+            | (_, "/v1/chat/completions" | "/v1/completions" | "/v1/messages")
+            | (_, "/v1/messages/count_tokens" | "/tokenize" | "/detokenize")
+            | (_, "/v1/chat/completions/render" | "/v1/completions/render") => error_response(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method not allowed",
                 "invalid_request_error",
@@ -501,7 +591,7 @@ impl Engine {
                 "owned_by": "vllm",
                 "root": cfg.model,
                 "parent": null,
-                "max_model_len": 131_072,
+                "max_model_len": MAX_MODEL_LEN,
             }],
         });
         json_response(StatusCode::OK, &body)
@@ -574,31 +664,36 @@ impl Engine {
         out
     }
 
+    /// The whole request body, or the error answer (413 past `max_body_bytes`).
+    async fn read_body(&self, req: Request<Incoming>) -> Result<Bytes, (StatusCode, String)> {
+        let limit = self.inner.cfg.max_body_bytes;
+        match Limited::new(req.into_body(), limit).collect().await {
+            Ok(collected) => Ok(collected.to_bytes()),
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => Err((
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body exceeds {limit} bytes"),
+            )),
+            Err(e) => Err((
+                StatusCode::BAD_REQUEST,
+                format!("cannot read request body: {e}"),
+            )),
+        }
+    }
+
     async fn generate(&self, endpoint: Endpoint, req: Request<Incoming>) -> Response<RespBody> {
         let arrival = Instant::now();
-        let limit = self.inner.cfg.max_body_bytes;
-        let body = match Limited::new(req.into_body(), limit).collect().await {
-            Ok(collected) => collected.to_bytes(),
-            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-                return error_response(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    &format!("request body exceeds {limit} bytes"),
-                    "invalid_request_error",
-                );
-            }
-            Err(e) => {
-                return error_response(
-                    StatusCode::BAD_REQUEST,
-                    &format!("cannot read request body: {e}"),
-                    "invalid_request_error",
-                );
-            }
+        // Anthropic clients get Anthropic's error shape.
+        let fail = |status: StatusCode, msg: &str| match endpoint {
+            Endpoint::Messages => anthropic_error(status, msg),
+            _ => error_response(status, msg, "invalid_request_error"),
+        };
+        let body = match self.read_body(req).await {
+            Ok(body) => body,
+            Err((status, msg)) => return fail(status, &msg),
         };
         let sim = match parse_request(endpoint, &body, self.inner.cfg.max_output_tokens) {
             Ok(sim) => sim,
-            Err(msg) => {
-                return error_response(StatusCode::BAD_REQUEST, &msg, "invalid_request_error");
-            }
+            Err(msg) => return fail(StatusCode::BAD_REQUEST, &msg),
         };
         let work: Vec<PromptWork> = sim
             .prompts
@@ -611,12 +706,13 @@ impl Engine {
             .collect();
         let id_num = self.inner.counters.next_id.fetch_add(1, Ordering::Relaxed);
         let prefix = match endpoint {
-            Endpoint::Chat => "chatcmpl",
-            Endpoint::Completions => "cmpl",
+            Endpoint::Chat => "chatcmpl-",
+            Endpoint::Completions => "cmpl-",
+            Endpoint::Messages => "msg_",
         };
         let shape = Shape {
             endpoint,
-            id: format!("{prefix}-{}-{id_num}", self.inner.cfg.name),
+            id: format!("{prefix}{}-{id_num}", self.inner.cfg.name),
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
@@ -702,6 +798,9 @@ impl Engine {
         let (pre, _running) = self.prefill(work, arrival).await;
         let itl = self.scaled_secs(self.inner.cfg.itl.as_secs_f64());
         let n = sim.max_tokens;
+        if shape.endpoint == Endpoint::Messages {
+            return self.stream_messages(shape, work, &pre, n, itl, tx).await;
+        }
         if shape.endpoint == Endpoint::Chat {
             for i in 0..work.len() {
                 if tx.send(shape.role_chunk(i)).await.is_err() {
@@ -728,6 +827,301 @@ impl Engine {
         }
         let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
     }
+}
+
+impl Engine {
+    /// The Anthropic event stream after prefill: `message_start`,
+    /// `content_block_start`, one `content_block_delta` (`text_delta`) per token on
+    /// the decode clock, `content_block_stop`, `message_delta` (stop reason and
+    /// usage), `message_stop`. Returns early when the client has gone.
+    async fn stream_messages(
+        &self,
+        shape: &Shape,
+        work: &[PromptWork],
+        pre: &Prefilled,
+        n: u64,
+        itl: Duration,
+        tx: &mpsc::Sender<Bytes>,
+    ) {
+        let usage = work_usage(work, &pre.cached, n);
+        let head = [
+            shape.message_start(&Usage {
+                completion_tokens: 0,
+                ..usage
+            }),
+            Shape::event(
+                "content_block_start",
+                &json!({"type": "content_block_start", "index": 0,
+                        "content_block": {"type": "text", "text": ""}}),
+            ),
+        ];
+        for ev in head {
+            if tx.send(ev).await.is_err() {
+                return;
+            }
+        }
+        let mut due = pre.end;
+        for k in 0..n {
+            wait_until(due).await;
+            let delta = Shape::event(
+                "content_block_delta",
+                &json!({"type": "content_block_delta", "index": 0,
+                        "delta": {"type": "text_delta", "text": format!(" {}", output_word(k))}}),
+            );
+            if tx.send(delta).await.is_err() {
+                return;
+            }
+            due += itl;
+        }
+        self.finish(work, n);
+        let tail = [
+            Shape::event(
+                "content_block_stop",
+                &json!({"type": "content_block_stop", "index": 0}),
+            ),
+            Shape::event(
+                "message_delta",
+                &json!({"type": "message_delta",
+                        "delta": {"stop_reason": "max_tokens", "stop_sequence": null},
+                        "usage": anthropic_usage(&usage)}),
+            ),
+            Shape::event("message_stop", &json!({"type": "message_stop"})),
+        ];
+        for ev in tail {
+            if tx.send(ev).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// The JSON object of a request body, or the 4xx status and message.
+fn json_object(
+    body: Result<Bytes, (StatusCode, String)>,
+) -> Result<Map<String, Value>, (StatusCode, String)> {
+    match serde_json::from_slice::<Value>(&body?) {
+        Ok(Value::Object(obj)) => Ok(obj),
+        Ok(_) => Err((
+            StatusCode::BAD_REQUEST,
+            "request body must be a JSON object".into(),
+        )),
+        Err(e) => Err((
+            StatusCode::BAD_REQUEST,
+            format!("body is not valid JSON: {e}"),
+        )),
+    }
+}
+
+/// vLLM's `GenerateRequest` (what its render endpoints answer) for one prompt.
+fn generate_request(
+    id: String,
+    token_ids: Vec<u32>,
+    req: &Map<String, Value>,
+    model: &str,
+) -> Value {
+    let present = |k: &str| req.get(k).filter(|v| !v.is_null()).cloned();
+    json!({
+        "request_id": id,
+        "token_ids": token_ids,
+        "features": null,
+        "sampling_params": {
+            "max_tokens": present("max_completion_tokens").or_else(|| present("max_tokens")),
+            "temperature": present("temperature"),
+        },
+        "model": present("model").unwrap_or_else(|| json!(model)),
+        "stream": present("stream").unwrap_or(json!(false)),
+        "stream_options": present("stream_options"),
+        "cache_salt": present("cache_salt"),
+        "priority": present("priority").unwrap_or(json!(0)),
+        "kv_transfer_params": null,
+    })
+}
+
+/// The tokenizer endpoints: no simulated time, no cache lookup.
+impl Engine {
+    /// `POST /tokenize`: `{"prompt": "…"}` or `{"messages": […]}` (chat template,
+    /// `add_generation_prompt` default true) → `{"count","max_model_len","tokens",
+    /// "token_strs"}` (`token_strs` only with `return_token_strs`). `count` equals the
+    /// `prompt_tokens` a generation request with the same prompt reports.
+    async fn tokenize(&self, req: Request<Incoming>) -> Response<RespBody> {
+        let obj = match json_object(self.read_body(req).await) {
+            Ok(obj) => obj,
+            Err((status, msg)) => {
+                return error_response(status, &msg, "invalid_request_error");
+            }
+        };
+        let text = if obj.contains_key("messages") {
+            let add = obj
+                .get("add_generation_prompt")
+                .and_then(Value::as_bool)
+                .unwrap_or(true);
+            chat_template_with(obj.get("messages"), add)
+        } else {
+            match obj.get("prompt") {
+                Some(Value::String(s)) => Ok(s.clone()),
+                _ => Err("prompt must be a string (or send messages)".to_string()),
+            }
+        };
+        let text = match text {
+            Ok(t) => t,
+            Err(msg) => {
+                return error_response(StatusCode::BAD_REQUEST, &msg, "invalid_request_error");
+            }
+        };
+        let words: Vec<&str> = text.split_whitespace().collect();
+        let tokens: Vec<u32> = words.iter().map(|w| token_id(w)).collect();
+        let strs = obj
+            .get("return_token_strs")
+            .and_then(Value::as_bool)
+            .unwrap_or(false)
+            .then(|| json!(words));
+        json_response(
+            StatusCode::OK,
+            &json!({"count": tokens.len(), "max_model_len": MAX_MODEL_LEN,
+                    "tokens": tokens, "token_strs": strs}),
+        )
+    }
+
+    /// `POST /detokenize`: `{"tokens": [ids…]}` → `{"prompt": " w1 w2 …"}` (each word
+    /// with a leading space, as the trace prompts are written; see [`token_word`]).
+    async fn detokenize(&self, req: Request<Incoming>) -> Response<RespBody> {
+        let obj = match json_object(self.read_body(req).await) {
+            Ok(obj) => obj,
+            Err((status, msg)) => {
+                return error_response(status, &msg, "invalid_request_error");
+            }
+        };
+        let words: Option<Vec<String>> =
+            obj.get("tokens").and_then(Value::as_array).and_then(|ids| {
+                ids.iter()
+                    .map(|x| x.as_u64().and_then(token_word))
+                    .collect()
+            });
+        match words {
+            Some(words) => {
+                let prompt: String = words.iter().map(|w| format!(" {w}")).collect();
+                json_response(StatusCode::OK, &json!({ "prompt": prompt }))
+            }
+            None => error_response(
+                StatusCode::BAD_REQUEST,
+                &format!("tokens must be an array of token ids below {VOCAB_SIZE}"),
+                "invalid_request_error",
+            ),
+        }
+    }
+
+    /// `POST /v1/messages/count_tokens` → `{"input_tokens": n}`: the prompt tokens
+    /// the same `/v1/messages` request would have.
+    async fn count_tokens(&self, req: Request<Incoming>) -> Response<RespBody> {
+        let body = match self.read_body(req).await {
+            Ok(body) => body,
+            Err((status, msg)) => return anthropic_error(status, &msg),
+        };
+        let text = serde_json::from_slice::<Value>(&body)
+            .map_err(|e| format!("body is not valid JSON: {e}"))
+            .and_then(|v| {
+                let obj = v.as_object().ok_or("request body must be a JSON object")?;
+                chat_template(Some(&anthropic_to_chat(obj)?))
+            });
+        match text {
+            Ok(t) => json_response(
+                StatusCode::OK,
+                &json!({"input_tokens": t.split_whitespace().count()}),
+            ),
+            Err(msg) => anthropic_error(StatusCode::BAD_REQUEST, &msg),
+        }
+    }
+
+    /// `POST /v1/chat/completions/render` (one `GenerateRequest`) and
+    /// `POST /v1/completions/render` (a list, one per prompt; token-id prompts are
+    /// passed through): vLLM's render endpoints, which llm-d's precise prefix-cache
+    /// scorer calls to get the token ids it hashes into KV blocks.
+    async fn render(&self, endpoint: Endpoint, req: Request<Incoming>) -> Response<RespBody> {
+        let obj = match json_object(self.read_body(req).await) {
+            Ok(obj) => obj,
+            Err((status, msg)) => {
+                return error_response(status, &msg, "invalid_request_error");
+            }
+        };
+        let model = &self.inner.cfg.model;
+        let next_id = || {
+            let n = self.inner.counters.next_id.fetch_add(1, Ordering::Relaxed);
+            format!("render-{}-{n}", self.inner.cfg.name)
+        };
+        if endpoint == Endpoint::Chat {
+            return match chat_template(obj.get("messages")) {
+                Ok(text) => json_response(
+                    StatusCode::OK,
+                    &generate_request(next_id(), tokenize_text(&text), &obj, model),
+                ),
+                Err(msg) => error_response(StatusCode::BAD_REQUEST, &msg, "invalid_request_error"),
+            };
+        }
+        let prompt = obj.get("prompt");
+        let ids = |a: &[Value]| -> Option<Vec<u32>> {
+            a.iter()
+                .map(|x| {
+                    x.as_u64()
+                        .filter(|&n| n < u64::from(VOCAB_SIZE))
+                        .map(|n| n as u32)
+                })
+                .collect()
+        };
+        // Token ids (one list or a list of lists) pass through; text is tokenized.
+        let token_lists: Option<Vec<Vec<u32>>> = match prompt {
+            Some(Value::Array(items)) if items.first().is_some_and(Value::is_number) => {
+                ids(items).map(|v| vec![v])
+            }
+            Some(Value::Array(items)) if items.first().is_some_and(Value::is_array) => items
+                .iter()
+                .map(|x| x.as_array().and_then(|a| ids(a)))
+                .collect(),
+            _ => completion_prompts(prompt)
+                .ok()
+                .map(|ps| ps.iter().map(|p| tokenize_text(p)).collect()),
+        };
+        match token_lists {
+            Some(lists) => {
+                let items: Vec<Value> = lists
+                    .into_iter()
+                    .map(|t| generate_request(next_id(), t, &obj, model))
+                    .collect();
+                json_response(StatusCode::OK, &Value::Array(items))
+            }
+            None => error_response(
+                StatusCode::BAD_REQUEST,
+                "prompt must be a string, an array of strings, an array of token ids \
+                 or an array of token-id arrays (ids below the vocabulary size)",
+                "invalid_request_error",
+            ),
+        }
+    }
+}
+
+/// Anthropic `usage`: `input_tokens` excludes the cached part, which is
+/// `cache_read_input_tokens` (Anthropic's meaning, and what the router's usage reader
+/// adds back up); nothing is reported as written to the cache.
+fn anthropic_usage(u: &Usage) -> Value {
+    let cached = u.prompt_tokens_details.map_or(0, |d| d.cached_tokens);
+    json!({
+        "input_tokens": u.prompt_tokens - cached,
+        "output_tokens": u.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+    })
+}
+
+/// `{"type":"error","error":{"type","message"}}`, Anthropic's error body.
+fn anthropic_error(status: StatusCode, message: &str) -> Response<RespBody> {
+    let kind = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
+        StatusCode::NOT_FOUND => "not_found_error",
+        _ => "invalid_request_error",
+    };
+    json_response(
+        status,
+        &json!({"type": "error", "error": {"type": kind, "message": message}}),
+    )
 }
 
 /// Sleeps until `deadline`, or not at all when it has passed. tokio's timer
@@ -764,12 +1158,34 @@ impl Shape {
     fn object_chunk(&self) -> &'static str {
         match self.endpoint {
             Endpoint::Chat => "chat.completion.chunk",
-            Endpoint::Completions => "text_completion",
+            Endpoint::Completions | Endpoint::Messages => "text_completion",
         }
     }
 
     fn sse(value: &Value) -> Bytes {
         Bytes::from(format!("data: {value}\n\n"))
+    }
+
+    /// One Anthropic SSE event: `event: NAME` then its `data:` line.
+    fn event(name: &str, value: &Value) -> Bytes {
+        Bytes::from(format!("event: {name}\ndata: {value}\n\n"))
+    }
+
+    /// An Anthropic message with `content` and `stop_reason` (null while streaming).
+    fn message(&self, content: Value, stop_reason: Value, usage: &Usage) -> Value {
+        json!({
+            "id": self.id, "type": "message", "role": "assistant", "content": content,
+            "model": self.model, "stop_reason": stop_reason, "stop_sequence": null,
+            "usage": anthropic_usage(usage),
+        })
+    }
+
+    fn message_start(&self, usage: &Usage) -> Bytes {
+        Self::event(
+            "message_start",
+            &json!({"type": "message_start",
+                    "message": self.message(json!([]), Value::Null, usage)}),
+        )
     }
 
     fn role_chunk(&self, index: usize) -> Bytes {
@@ -784,8 +1200,10 @@ impl Shape {
         let text = format!(" {}", output_word(k));
         let finish = if last { json!("length") } else { Value::Null };
         let choice = match self.endpoint {
-            Endpoint::Chat => json!({"index": index, "delta": {"content": text},
-                                     "logprobs": null, "finish_reason": finish}),
+            Endpoint::Chat | Endpoint::Messages => {
+                json!({"index": index, "delta": {"content": text},
+                                     "logprobs": null, "finish_reason": finish})
+            }
             Endpoint::Completions => json!({"index": index, "text": text, "logprobs": null,
                                             "finish_reason": finish, "stop_reason": null}),
         };
@@ -805,9 +1223,16 @@ impl Shape {
 
     fn full_response(&self, work: &[PromptWork], cached: &[u64], n: u64) -> Value {
         let text: String = (0..n).map(|k| format!(" {}", output_word(k))).collect();
+        if self.endpoint == Endpoint::Messages {
+            return self.message(
+                json!([{"type": "text", "text": text}]),
+                json!("max_tokens"),
+                &work_usage(work, cached, n),
+            );
+        }
         let choices: Vec<Value> = (0..work.len())
             .map(|i| match self.endpoint {
-                Endpoint::Chat => json!({
+                Endpoint::Chat | Endpoint::Messages => json!({
                     "index": i,
                     "message": {"role": "assistant", "content": text, "tool_calls": []},
                     "logprobs": null, "finish_reason": "length", "stop_reason": null,
@@ -819,7 +1244,7 @@ impl Shape {
             })
             .collect();
         let object = match self.endpoint {
-            Endpoint::Chat => "chat.completion",
+            Endpoint::Chat | Endpoint::Messages => "chat.completion",
             Endpoint::Completions => "text_completion",
         };
         json!({
@@ -838,9 +1263,12 @@ fn parse_request(endpoint: Endpoint, body: &[u8], max_output: u64) -> Result<Sim
     let prompts = match endpoint {
         Endpoint::Chat => vec![chat_template(obj.get("messages"))?],
         Endpoint::Completions => completion_prompts(obj.get("prompt"))?,
+        Endpoint::Messages => vec![chat_template(Some(&anthropic_to_chat(obj)?))?],
     };
     let present = |k: &str| obj.get(k).filter(|v| !v.is_null());
     let max_tokens = match present("max_completion_tokens").or_else(|| present("max_tokens")) {
+        // Anthropic requires max_tokens.
+        None if endpoint == Endpoint::Messages => return Err("max_tokens is required".into()),
         None => 16,
         Some(v) => v
             .as_u64()
@@ -870,6 +1298,15 @@ fn parse_request(endpoint: Endpoint, body: &[u8], max_output: u64) -> Result<Sim
 /// or an array of parts (text parts in order; other parts become `<TYPE>`); tool
 /// calls add their function name and arguments.
 pub fn chat_template(messages: Option<&Value>) -> Result<String, String> {
+    chat_template_with(messages, true)
+}
+
+/// [`chat_template`], with the trailing generation prompt only when
+/// `add_generation_prompt` (vLLM's `/tokenize` option of that name).
+pub fn chat_template_with(
+    messages: Option<&Value>,
+    add_generation_prompt: bool,
+) -> Result<String, String> {
     let list = messages
         .and_then(Value::as_array)
         .ok_or("messages must be an array of messages")?;
@@ -891,8 +1328,137 @@ pub fn chat_template(messages: Option<&Value>) -> Result<String, String> {
         push_content(&mut out, m, i)?;
         out.push_str("\n<|im_end|>\n");
     }
-    out.push_str("<|im_start|>assistant\n");
+    if add_generation_prompt {
+        out.push_str("<|im_start|>assistant\n");
+    }
     Ok(out)
+}
+
+/// Text of an Anthropic `system` field or `system`-role content: a string, or the
+/// text blocks of an array, concatenated.
+fn anthropic_text(value: &Value, what: &str) -> Result<String, String> {
+    match value {
+        Value::Null => Ok(String::new()),
+        Value::String(s) => Ok(s.clone()),
+        Value::Array(blocks) => Ok(blocks
+            .iter()
+            .filter(|b| b.get("type").and_then(Value::as_str) == Some("text"))
+            .filter_map(|b| b.get("text").and_then(Value::as_str))
+            .collect()),
+        _ => Err(format!(
+            "{what} must be a string or an array of content blocks"
+        )),
+    }
+}
+
+/// An Anthropic Messages request as the OpenAI chat `messages` vLLM turns it into
+/// (`vllm/entrypoints/anthropic`): `system` (a string or text blocks) and any
+/// `system`-role messages become one leading system message; text blocks become text
+/// parts (a lone one plain content), images `image_url` parts, `tool_use` blocks tool
+/// calls (name + JSON arguments), a user's `tool_result` blocks `tool` messages (an
+/// assistant's become "Tool result: …" text); thinking blocks are dropped.
+pub fn anthropic_to_chat(req: &Map<String, Value>) -> Result<Value, String> {
+    let list = req
+        .get("messages")
+        .and_then(Value::as_array)
+        .ok_or("messages must be an array of messages")?;
+    if list.is_empty() {
+        return Err("messages must contain at least one item".into());
+    }
+    let mut system = anthropic_text(req.get("system").unwrap_or(&Value::Null), "system")?;
+    let mut out: Vec<Value> = Vec::new();
+    for (i, m) in list.iter().enumerate() {
+        let m = m
+            .as_object()
+            .ok_or_else(|| format!("messages[{i}] must be an object"))?;
+        let role = match m.get("role").and_then(Value::as_str) {
+            Some(r @ ("user" | "assistant" | "system")) => r,
+            // Claude Code's non-standard roles, mapped as vLLM does.
+            Some("ctx" | "msg") => "user",
+            _ => {
+                return Err(format!(
+                    "messages[{i}].role must be \"user\", \"assistant\" or \"system\""
+                ));
+            }
+        };
+        let content = m.get("content").unwrap_or(&Value::Null);
+        if role == "system" {
+            system.push_str(&anthropic_text(content, &format!("messages[{i}].content"))?);
+            continue;
+        }
+        let blocks = match content {
+            Value::String(s) => {
+                out.push(json!({"role": role, "content": s}));
+                continue;
+            }
+            Value::Array(blocks) if !blocks.is_empty() => blocks,
+            Value::Array(_) => return Err(format!("messages[{i}].content must not be empty")),
+            _ => {
+                return Err(format!(
+                    "messages[{i}].content must be a string or an array of content blocks"
+                ));
+            }
+        };
+        let mut parts: Vec<Value> = Vec::new();
+        let mut calls: Vec<Value> = Vec::new();
+        for (j, b) in blocks.iter().enumerate() {
+            let kind = b.get("type").and_then(Value::as_str).ok_or_else(|| {
+                format!("messages[{i}].content[{j}] must be a content block with a type")
+            })?;
+            match kind {
+                "text" => {
+                    if let Some(t) = b.get("text").and_then(Value::as_str).filter(|t| !t.is_empty())
+                    {
+                        parts.push(json!({"type": "text", "text": t}));
+                    }
+                }
+                "image" => parts.push(json!({"type": "image_url", "image_url": {"url": ""}})),
+                "tool_use" => calls.push(json!({
+                    "id": b.get("id").cloned().unwrap_or(Value::Null),
+                    "type": "function",
+                    "function": {
+                        "name": b.get("name").and_then(Value::as_str).unwrap_or(""),
+                        "arguments": b.get("input").cloned().unwrap_or_else(|| json!({})).to_string(),
+                    },
+                })),
+                "tool_result" => {
+                    let text = match b.get("content") {
+                        Some(Value::Array(items)) => items
+                            .iter()
+                            .filter_map(|x| x.get("text").and_then(Value::as_str))
+                            .collect::<Vec<_>>()
+                            .join("\n"),
+                        Some(c) => anthropic_text(c, "tool_result.content")?,
+                        None => String::new(),
+                    };
+                    if role == "user" {
+                        out.push(json!({"role": "tool", "content": text,
+                                        "tool_call_id": b.get("tool_use_id").cloned().unwrap_or(Value::Null)}));
+                    } else {
+                        parts.push(json!({"type": "text", "text": format!("Tool result: {text}")}));
+                    }
+                }
+                _ => {} // thinking, redacted_thinking, document, …: not part of the prompt here
+            }
+        }
+        let mut msg = json!({"role": role});
+        if !calls.is_empty() {
+            msg["tool_calls"] = Value::Array(calls);
+        }
+        match parts.len() {
+            0 => {}
+            1 if parts[0]["type"] == "text" => msg["content"] = parts[0]["text"].clone(),
+            _ => msg["content"] = Value::Array(parts),
+        }
+        // A user turn holding only tool results is replaced by its tool messages.
+        if !(role == "user" && msg.get("content").is_none() && msg.get("tool_calls").is_none()) {
+            out.push(msg);
+        }
+    }
+    if !system.is_empty() {
+        out.insert(0, json!({"role": "system", "content": system}));
+    }
+    Ok(Value::Array(out))
 }
 
 fn push_content(out: &mut String, m: &Map<String, Value>, i: usize) -> Result<(), String> {
