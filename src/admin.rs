@@ -42,6 +42,51 @@ struct WorkerView {
     cache_aware: bool,
     /// Fraction of the tree's bytes this worker holds (0–1).
     tree_share: f64,
+    /// Its KV-event feed (precise mode), when configured.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    kv_events: Option<FeedView>,
+}
+
+/// One worker's KV-event feed in `/workers`.
+#[derive(Serialize)]
+struct FeedView {
+    endpoint: String,
+    topic: String,
+    replay_endpoint: Option<String>,
+    /// `live` (scored), `replaying` or `stale` (neutral).
+    state: &'static str,
+    connected: bool,
+    last_seq: Option<u64>,
+    /// Seconds since the last message; `null` before the first.
+    seconds_since_event: Option<f64>,
+    /// Engine blocks the worker holds according to its events.
+    blocks: usize,
+    messages: u64,
+    malformed: u64,
+    skipped_events: u64,
+    stored: u64,
+    removed: u64,
+    cleared: u64,
+    unknown_parent: u64,
+    ignored: u64,
+    gaps: u64,
+    restarts: u64,
+    replays: u64,
+    replays_complete: u64,
+    replays_failed: u64,
+    reconnects: u64,
+}
+
+/// Precise mode's index and decisions in `/workers`.
+#[derive(Serialize)]
+struct PreciseView {
+    block_size: usize,
+    max_blocks: usize,
+    /// Distinct blocks indexed (speculative ones included).
+    blocks: usize,
+    evicted: u64,
+    /// `precise` and, per fallback cause, decisions so far.
+    decisions: std::collections::BTreeMap<&'static str, u64>,
 }
 
 #[derive(Serialize)]
@@ -50,13 +95,17 @@ struct Workers {
     tree_nodes: usize,
     /// Bytes of routing text stored in the tree.
     tree_bytes: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    precise: Option<PreciseView>,
     workers: Vec<WorkerView>,
 }
 
 /// `GET /metrics`: Prometheus text exposition (see `metrics.rs`).
 pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
     use http_body_util::BodyExt;
-    let text = router.metrics().encode(&router.worker_set());
+    let precise = (router.config().policy == crate::config::PolicyKind::PreciseCacheAware)
+        .then(|| &**router.precise());
+    let text = router.metrics().encode(&router.worker_set(), precise);
     let mut resp = http::Response::new(
         http_body_util::Full::new(bytes::Bytes::from(text))
             .map_err(|never| match never {})
@@ -69,8 +118,9 @@ pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
     resp
 }
 
-/// `GET /workers`: per-worker URL, in-flight count, health, breaker state and tree share.
-/// API keys are never shown.
+/// `GET /workers`: per-worker URL, in-flight count, health, breaker state and tree share;
+/// in precise mode also the index and, per worker with `kv_events`, its feed. API keys
+/// are never shown.
 pub fn workers(router: &Router) -> http::Response<ProxyBody> {
     let set = router.worker_set();
     // Copy what is needed under the lock, format after releasing it.
@@ -83,11 +133,25 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
         )
     };
     let now = crate::workers::now();
+    let precise = router.precise();
+    let is_precise = router.config().policy == crate::config::PolicyKind::PreciseCacheAware;
+    let (index_blocks, evicted, held): (usize, u64, Vec<usize>) = {
+        let index = precise.index();
+        (
+            index.len(),
+            index.evicted(),
+            set.workers()
+                .iter()
+                .map(|w| w.feed().map_or(0, |f| index.source_blocks(f.source())))
+                .collect(),
+        )
+    };
     let workers = set
         .workers()
         .iter()
         .zip(shares)
-        .map(|(w, tree_share)| WorkerView {
+        .zip(held)
+        .map(|((w, tree_share), blocks)| WorkerView {
             url: w.url().to_string(),
             in_flight: w.in_flight(),
             healthy: w.is_healthy(),
@@ -96,18 +160,67 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
             load_penalty: w.config().load_penalty,
             cache_aware: w.config().cache_aware,
             tree_share,
+            kv_events: w
+                .feed()
+                .filter(|_| is_precise)
+                .map(|f| feed_view(f, blocks, now, precise.config().stale)),
         })
         .collect();
     let body = Workers {
         policy: router.config().policy.as_str(),
         tree_nodes: nodes,
         tree_bytes: bytes,
+        precise: is_precise.then(|| PreciseView {
+            block_size: precise.config().block_size,
+            max_blocks: precise.config().max_blocks.get(),
+            blocks: index_blocks,
+            evicted,
+            decisions: precise
+                .decisions()
+                .into_iter()
+                .map(|(path, cause, n)| (if path == "precise" { path } else { cause }, n))
+                .collect(),
+        }),
         workers,
     };
     json_response(
         StatusCode::OK,
         serde_json::to_string(&body).unwrap_or_default(),
     )
+}
+
+fn feed_view(
+    f: &crate::precise::feed::Feed,
+    blocks: usize,
+    now: std::time::Instant,
+    stale: std::time::Duration,
+) -> FeedView {
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    let s = &f.stats;
+    FeedView {
+        endpoint: f.config().endpoint.clone(),
+        topic: f.config().topic.clone(),
+        replay_endpoint: f.config().replay_endpoint.clone(),
+        state: f.state(now, stale).as_str(),
+        connected: f.is_connected(),
+        last_seq: f.last_seq(),
+        seconds_since_event: f.seconds_since_message(now),
+        blocks,
+        messages: n(&s.messages),
+        malformed: n(&s.malformed),
+        skipped_events: n(&s.skipped_events),
+        stored: n(&s.stored),
+        removed: n(&s.removed),
+        cleared: n(&s.cleared),
+        unknown_parent: n(&s.unknown_parent),
+        ignored: n(&s.ignored),
+        gaps: n(&s.gaps),
+        restarts: n(&s.restarts),
+        replays: n(&s.replays),
+        replays_complete: n(&s.replays_complete),
+        replays_failed: n(&s.replays_failed),
+        reconnects: n(&s.reconnects),
+    }
 }
 
 /// A mutating admin request, answered now or once its body is read.

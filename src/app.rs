@@ -15,8 +15,9 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::config::Config;
+use crate::config::{Config, PolicyKind};
 use crate::health;
+use crate::precise;
 use crate::proxy::Router;
 use crate::reload;
 use crate::shutdown::{self, Shutdown, Trigger};
@@ -53,6 +54,10 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
     let (trigger, shutdown) = shutdown::channel();
     tokio::spawn(health::run(Arc::clone(&router), shutdown.clone()));
     tokio::spawn(evict::run(Arc::clone(&router), shutdown.clone()));
+    if router.config().policy == PolicyKind::PreciseCacheAware {
+        // Starts and stops one KV-event consumer per worker with `kv_events`.
+        tokio::spawn(precise::run(Arc::clone(&router), shutdown.clone()));
+    }
     let task = tokio::spawn(serve(Arc::clone(&router), listener, shutdown, grace));
     Ok(RunningRouter {
         addr,

@@ -41,6 +41,10 @@ pub enum PolicyKind {
     Random,
     /// Baseline: the usable worker with the fewest in-flight requests (+ penalty).
     LeastLoad,
+    /// Prefix match on the blocks the engines report holding (vLLM KV-cache events,
+    /// `precise:` and per-worker `kv_events:`), falling back to the approximate tree
+    /// when a request carries no token ids or no worker's event feed is usable.
+    PreciseCacheAware,
 }
 
 impl PolicyKind {
@@ -51,6 +55,7 @@ impl PolicyKind {
             PolicyKind::RoundRobin => "round_robin",
             PolicyKind::Random => "random",
             PolicyKind::LeastLoad => "least_load",
+            PolicyKind::PreciseCacheAware => "precise_cache_aware",
         }
     }
 }
@@ -67,6 +72,7 @@ pub struct Config {
     pub circuit_breaker: BreakerConfig,
     pub proxy: ProxyConfig,
     pub log: LogConfig,
+    pub precise: PreciseConfig,
 }
 
 /// `server:` — the client-facing listener.
@@ -98,6 +104,39 @@ pub struct WorkerConfig {
     pub cache_aware: bool,
     /// Bearer token sent to this worker, overriding `proxy.api_key`.
     pub api_key: Option<Secret>,
+    /// Where this worker's engine publishes its KV-cache events (precise mode).
+    pub kv_events: Option<KvEventsConfig>,
+}
+
+/// `workers[i].kv_events:` — one vLLM KV-event publisher (spec
+/// `shared/docs/vllm-kv-events.md`, sections 1–3 and 7).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct KvEventsConfig {
+    /// The engine's PUB socket as the router dials it, `tcp://host:port` (the engine
+    /// binds `tcp://*:5557`; give the address the router reaches it at).
+    pub endpoint: String,
+    /// Topic prefix subscribed to (the engine's `topic`; default `""` = every message).
+    pub topic: String,
+    /// The engine's replay ROUTER socket, `tcp://host:port`; `None` = no replay, so a
+    /// sequence gap drops this worker's entries.
+    pub replay_endpoint: Option<String>,
+}
+
+/// `precise:` — the block index of precise mode.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreciseConfig {
+    /// Tokens per KV block; must equal the engines' `--block-size` (default 16, vLLM's
+    /// CUDA default). Events with another block size are skipped and counted.
+    pub block_size: usize,
+    /// Most distinct blocks (prefix keys) the index keeps; least recently used ones go
+    /// first (default 1,000,000).
+    pub max_blocks: NonZeroUsize,
+    /// A worker whose feed sent nothing for this long while requests were routed to it
+    /// scores neutral (default 30 s).
+    pub stale: Duration,
+    /// How long a routed request's blocks count as held by the chosen worker before the
+    /// engine's own events confirm them (default 2 s).
+    pub speculative_ttl: Duration,
 }
 
 /// A credential from the config: compared and used, never printed (`Debug` shows `***`).
@@ -408,6 +447,8 @@ struct RawConfig {
     proxy: RawProxy,
     #[serde(default)]
     log: RawLog,
+    #[serde(default)]
+    precise: RawPrecise,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -428,6 +469,25 @@ struct RawWorker {
     load_penalty: Option<u32>,
     cache_aware: Option<bool>,
     api_key: Option<String>,
+    kv_events: Option<RawKvEvents>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKvEvents {
+    endpoint: String,
+    topic: Option<String>,
+    replay_endpoint: Option<String>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPrecise {
+    block_size: Option<u64>,
+    max_blocks: Option<u64>,
+    stale_secs: Option<f64>,
+    speculative_ttl_secs: Option<f64>,
+    tokenizer: Option<String>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -500,13 +560,75 @@ impl RawWorker {
             }
             Some(n) => NonZeroUsize::new(n as usize),
         };
+        let kv_events = match self.kv_events {
+            None => None,
+            Some(k) => {
+                let endpoint = zmq_endpoint(&k.endpoint)
+                    .map_err(|m| ("kv_events.endpoint", format!("`{}`: {m}", k.endpoint)))?;
+                let replay_endpoint = match k.replay_endpoint {
+                    None => None,
+                    Some(r) => Some(
+                        zmq_endpoint(&r)
+                            .map_err(|m| ("kv_events.replay_endpoint", format!("`{r}`: {m}")))?,
+                    ),
+                };
+                if replay_endpoint.as_ref() == Some(&endpoint) {
+                    return Err((
+                        "kv_events.replay_endpoint",
+                        format!(
+                            "`{endpoint}` is also the event endpoint; the replay socket has its own port"
+                        ),
+                    ));
+                }
+                Some(KvEventsConfig {
+                    endpoint,
+                    topic: k.topic.unwrap_or_default(),
+                    replay_endpoint,
+                })
+            }
+        };
         Ok(WorkerConfig {
             url,
             max_load,
             load_penalty: self.load_penalty.unwrap_or(0),
             cache_aware: self.cache_aware.unwrap_or(true),
             api_key: Secret::from_config(self.api_key),
+            kv_events,
         })
+    }
+}
+
+/// Checks a ZeroMQ endpoint the router dials: `tcp://host:port` with a concrete host
+/// (an IP, a bracketed IPv6 address or a DNS name) and a port from 1 to 65535. Returns
+/// it trimmed. vLLM's bind forms (`tcp://*:5557`, `tcp://0.0.0.0:5557`) are refused
+/// with a hint: they name the engine's side, not an address to reach it at.
+fn zmq_endpoint(raw: &str) -> Result<String, String> {
+    let raw = raw.trim();
+    let Some(rest) = raw.strip_prefix("tcp://") else {
+        return Err("expected tcp://host:port (other ZeroMQ transports are not supported)".into());
+    };
+    let (host, port) = rest
+        .rsplit_once(':')
+        .ok_or_else(|| "missing `:port`".to_string())?;
+    let unspecified = host
+        .trim_matches(['[', ']'])
+        .parse::<std::net::IpAddr>()
+        .is_ok_and(|ip| ip.is_unspecified());
+    if host == "*" || unspecified {
+        return Err("that is the engine's bind address; give the address the router dials, e.g. tcp://10.0.0.7:5557".into());
+    }
+    if host.is_empty() {
+        return Err("missing host".into());
+    }
+    match port.parse::<u16>() {
+        Ok(p) if p > 0 => {}
+        _ => return Err(format!("invalid port `{port}`")),
+    }
+    // Final check with the parser the event consumer connects with.
+    match raw.parse::<zeromq::Endpoint>() {
+        Ok(zeromq::Endpoint::Tcp(..)) => Ok(raw.to_string()),
+        Ok(_) => Err("not a tcp:// endpoint".into()),
+        Err(e) => Err(format!("not a ZeroMQ endpoint: {e}")),
     }
 }
 
@@ -924,8 +1046,69 @@ impl Config {
             level,
         };
 
+        let policy = raw.policy.unwrap_or(PolicyKind::CacheAware);
+        let pr = raw.precise;
+        if let Some(t) = pr.tokenizer {
+            return Err(ck.err(
+                "precise.tokenizer",
+                format!("`{t}`: in-router tokenization is not implemented yet; send token ids in the `x-token-ids` header (requests without it use the approximate tree)"),
+            ));
+        }
+        let block_size = pr.block_size.unwrap_or(16);
+        if !(1..=4096).contains(&block_size) {
+            return Err(ck.err(
+                "precise.block_size",
+                format!("{block_size} is out of range (tokens, 1 to 4096; must equal the engines' --block-size)"),
+            ));
+        }
+        let max_blocks = pr.max_blocks.unwrap_or(1_000_000);
+        let max_blocks = NonZeroUsize::new(max_blocks as usize)
+            .filter(|_| max_blocks <= 1 << 32)
+            .ok_or_else(|| {
+                ck.err(
+                    "precise.max_blocks",
+                    format!("{max_blocks} is out of range (blocks, 1 to 2^32)"),
+                )
+            })?;
+        let precise = PreciseConfig {
+            block_size: block_size as usize,
+            max_blocks,
+            stale: ck.secs("precise.stale_secs", pr.stale_secs, 30.0, false)?,
+            speculative_ttl: ck.secs(
+                "precise.speculative_ttl_secs",
+                pr.speculative_ttl_secs,
+                2.0,
+                true,
+            )?,
+        };
+        if policy == PolicyKind::PreciseCacheAware
+            && !workers.is_empty()
+            && workers.iter().all(|w| w.kv_events.is_none())
+        {
+            return Err(ck.err(
+                "workers",
+                "policy precise_cache_aware needs `kv_events: {endpoint: tcp://host:port}` on at least one worker",
+            ));
+        }
+        for (i, w) in workers.iter().enumerate() {
+            let Some(k) = &w.kv_events else { continue };
+            let clash = workers[..i]
+                .iter()
+                .filter_map(|o| o.kv_events.as_ref())
+                .any(|o| {
+                    o.endpoint == k.endpoint
+                        || (o.replay_endpoint.is_some() && o.replay_endpoint == k.replay_endpoint)
+                });
+            if clash {
+                return Err(ck.err(
+                    &format!("workers[{i}].kv_events"),
+                    format!("`{}`: another worker already uses this event or replay endpoint (one publisher per worker)", k.endpoint),
+                ));
+            }
+        }
+
         Ok(Config {
-            policy: raw.policy.unwrap_or(PolicyKind::CacheAware),
+            policy,
             server,
             workers,
             cache,
@@ -933,6 +1116,7 @@ impl Config {
             circuit_breaker,
             proxy,
             log,
+            precise,
         })
     }
 
@@ -959,6 +1143,9 @@ impl Config {
         }
         if self.log != other.log {
             return Some("log");
+        }
+        if self.precise != other.precise {
+            return Some("precise");
         }
         None
     }
@@ -1182,6 +1369,105 @@ mod tests {
             c.workers[0].api_key.as_ref().map(Secret::expose),
             Some("sk-worker-1")
         );
+    }
+
+    #[test]
+    fn precise_mode_keys_are_read_with_defaults() {
+        let doc = "policy: precise_cache_aware\nworkers:\n  - url: http://a:1\n    kv_events:\n      endpoint: tcp://10.0.0.7:5557\n      topic: kv-events\n      replay_endpoint: tcp://10.0.0.7:5558\n  - url: http://b:1\n";
+        let c = load(&[("p.yaml", doc)]).unwrap();
+        assert_eq!(c.policy, PolicyKind::PreciseCacheAware);
+        let k = c.workers[0].kv_events.as_ref().unwrap();
+        assert_eq!(
+            (
+                k.endpoint.as_str(),
+                k.topic.as_str(),
+                k.replay_endpoint.as_deref()
+            ),
+            (
+                "tcp://10.0.0.7:5557",
+                "kv-events",
+                Some("tcp://10.0.0.7:5558")
+            )
+        );
+        assert_eq!(c.workers[1].kv_events, None);
+        assert_eq!(c.precise.block_size, 16);
+        assert_eq!(c.precise.max_blocks.get(), 1_000_000);
+        assert_eq!(c.precise.stale, Duration::from_secs(30));
+        assert_eq!(c.precise.speculative_ttl, Duration::from_secs(2));
+        let c = load(&[
+            ("p.yaml", doc),
+            ("q.yaml", "precise:\n  block_size: 32\n  max_blocks: 10\n  stale_secs: 0.5\n  speculative_ttl_secs: 0\n"),
+        ])
+        .unwrap();
+        assert_eq!((c.precise.block_size, c.precise.max_blocks.get()), (32, 10));
+        assert_eq!(c.precise.stale, Duration::from_millis(500));
+        assert!(c.precise.speculative_ttl.is_zero());
+        // kv_events through the admin API's JSON form too.
+        let w = WorkerConfig::from_json(
+            br#"{"url":"http://c:1","kv_events":{"endpoint":"tcp://c:5557"}}"#,
+        )
+        .unwrap();
+        assert_eq!(w.kv_events.unwrap().topic, "");
+    }
+
+    #[test]
+    fn precise_mode_errors_name_the_key() {
+        let base = "workers:\n  - url: http://a:1\n";
+        let e = err(&[
+            ("p.yaml", "policy: precise_cache_aware\n"),
+            ("w.yaml", base),
+        ]);
+        assert!(
+            e.contains("kv_events") && e.contains("precise_cache_aware"),
+            "{e}"
+        );
+        for (endpoint, why) in [
+            ("tcp://*:5557", "bind address"),
+            ("tcp://0.0.0.0:5557", "bind address"),
+            ("ipc:///tmp/kv", "tcp://host:port"),
+            ("tcp://h:0", "invalid port"),
+            ("tcp://h", "missing `:port`"),
+            ("tcp://:5557", "missing host"),
+        ] {
+            let doc = format!(
+                "workers:\n  - url: http://a:1\n    kv_events:\n      endpoint: \"{endpoint}\"\n"
+            );
+            let e = err(&[("k.yaml", &doc)]);
+            assert!(
+                e.contains("k.yaml")
+                    && e.contains("workers[0].kv_events.endpoint")
+                    && e.contains(endpoint)
+                    && e.contains(why),
+                "{endpoint}: {e}"
+            );
+        }
+        let dup = "workers:\n  - url: http://a:1\n    kv_events: {endpoint: \"tcp://h:1\"}\n  - url: http://b:1\n    kv_events: {endpoint: \"tcp://h:1\"}\n";
+        let e = err(&[("d.yaml", dup)]);
+        assert!(
+            e.contains("workers[1].kv_events") && e.contains("another worker"),
+            "{e}"
+        );
+        let same = "workers:\n  - url: http://a:1\n    kv_events: {endpoint: \"tcp://h:1\", replay_endpoint: \"tcp://h:1\"}\n";
+        assert!(err(&[("s.yaml", same)]).contains("replay_endpoint"));
+        let unknown =
+            "workers:\n  - url: http://a:1\n    kv_events: {endpoint: \"tcp://h:1\", topik: x}\n";
+        assert!(err(&[("u.yaml", unknown)]).contains("topik"));
+        for (over, key, value) in [
+            ("precise:\n  block_size: 0\n", "precise.block_size", "0"),
+            ("precise:\n  max_blocks: 0\n", "precise.max_blocks", "0"),
+            ("precise:\n  stale_secs: 0\n", "precise.stale_secs", "0"),
+            (
+                "precise:\n  tokenizer: Qwen/Qwen3-8B\n",
+                "precise.tokenizer",
+                "not implemented",
+            ),
+        ] {
+            let e = err(&[("base.yaml", base), ("over.yaml", over)]);
+            assert!(
+                e.contains("over.yaml") && e.contains(key) && e.contains(value),
+                "{over:?} gave {e}"
+            );
+        }
     }
 
     #[test]

@@ -14,6 +14,13 @@
 //! prompt       request body -> RouteContext (routing text, length, digest)
 //! policy       pure decision: candidates + tree -> Pick (worker, reason)
 //! tree         RadixTree: prefix -> workers, per-node LRU stamp
+//! precise      precise mode: vLLM KV events -> BlockIndex -> precise pick
+//!   events     ZeroMQ frames + msgpack -> typed batches (pure)
+//!   sequence   gaps, restarts, replay (pure)
+//!   index      BlockIndex: router block key -> workers, LRU (pure)
+//!   score      matched blocks -> uncached tokens -> Pick (pure)
+//!   feed       per-worker feed state and counters
+//!   consumer   per-worker ZMQ task (SUB + DEALER for replay)
 //! workers      Worker (in-flight, health), WorkerSet snapshot, InFlightGuard
 //!   usage      engine token usage read from response bytes as they pass
 //! metrics      every metric name and label (prometheus-client)
@@ -47,6 +54,7 @@ pub mod error;
 pub mod health;
 pub mod metrics;
 pub mod policy;
+pub mod precise;
 pub mod prompt;
 pub mod proxy;
 pub mod reload;

@@ -24,6 +24,8 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::policy::Reason;
+use crate::precise::Precise;
+use crate::precise::feed::{Feed, FeedState};
 use crate::workers::WorkerSet;
 
 /// Content type of [`Metrics::encode`]'s output (Prometheus text format 0.0.4).
@@ -57,6 +59,51 @@ struct ResultLabels {
     result: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerKindLabels {
+    worker: Arc<str>,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerResultLabels {
+    worker: Arc<str>,
+    result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerStateLabels {
+    worker: Arc<str>,
+    state: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DecisionLabels {
+    path: &'static str,
+    cause: &'static str,
+}
+
+/// Precise mode: KV-event feeds and the block index. Every value is read from the
+/// feeds' and the index's own counters at scrape time (counters are monotonic per
+/// feed; a worker whose config changes starts a new feed at 0).
+#[derive(Debug, Default)]
+struct PreciseFamilies {
+    messages: Family<WorkerLabels, Counter>,
+    malformed: Family<WorkerLabels, Counter>,
+    events: Family<WorkerKindLabels, Counter>,
+    gaps: Family<WorkerLabels, Counter>,
+    restarts: Family<WorkerLabels, Counter>,
+    replays: Family<WorkerResultLabels, Counter>,
+    reconnects: Family<WorkerLabels, Counter>,
+    since_message: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+    connected: Family<WorkerLabels, Gauge>,
+    state: Family<WorkerStateLabels, Gauge>,
+    worker_blocks: Family<WorkerLabels, Gauge>,
+    blocks: Gauge,
+    evicted: Counter,
+    decisions: Family<DecisionLabels, Counter>,
+}
+
 fn latency_histogram() -> Histogram {
     // 100 µs … ~100 s.
     Histogram::new(exponential_buckets(0.0001, 2.0, 21))
@@ -88,6 +135,7 @@ pub struct Metrics {
     skipped_inserts: Counter,
     retries: Counter,
     reloads: Family<ResultLabels, Counter>,
+    precise: PreciseFamilies,
     /// Set-level totals already added to `evicted`/`skipped_inserts` (they live in
     /// each `WorkerSet` and restart at 0 with a new set).
     seen_evicted: AtomicU64,
@@ -122,6 +170,7 @@ impl Metrics {
             skipped_inserts: Counter::default(),
             retries: Counter::default(),
             reloads: Family::default(),
+            precise: PreciseFamilies::default(),
             seen_evicted: AtomicU64::new(0),
             seen_skipped: AtomicU64::new(0),
             registry: Registry::default(),
@@ -214,6 +263,78 @@ impl Metrics {
             "SIGHUP reloads by result (applied, rejected, invalid)",
             m.reloads.clone(),
         );
+        let p = &m.precise;
+        r.register(
+            "kv_event_messages",
+            "KV-event messages (batches) received per worker, well-formed or not",
+            p.messages.clone(),
+        );
+        r.register(
+            "kv_event_malformed",
+            "KV-event messages that did not decode (frames or msgpack), skipped",
+            p.malformed.clone(),
+        );
+        r.register(
+            "kv_events",
+            "KV events per worker by kind: block_stored, block_removed, all_blocks_cleared, unknown_parent (not indexed), ignored (other tier, group or block size), skipped (unknown tag or bad field)",
+            p.events.clone(),
+        );
+        r.register(
+            "kv_event_gaps",
+            "Sequence gaps in a worker's KV-event stream",
+            p.gaps.clone(),
+        );
+        r.register(
+            "kv_event_restarts",
+            "Publisher restarts seen in a worker's KV-event stream",
+            p.restarts.clone(),
+        );
+        r.register(
+            "kv_event_replays",
+            "Replays per worker by result: requested, complete (gap closed), failed (blocks cleared)",
+            p.replays.clone(),
+        );
+        r.register(
+            "kv_event_reconnects",
+            "Connections to a worker's KV-event publisher re-established",
+            p.reconnects.clone(),
+        );
+        r.register_with_unit(
+            "kv_event_since_last",
+            "Seconds since the last KV-event message from the worker (absent before the first)",
+            Unit::Seconds,
+            p.since_message.clone(),
+        );
+        r.register(
+            "kv_event_connected",
+            "1 while connected to the worker's KV-event publisher",
+            p.connected.clone(),
+        );
+        r.register(
+            "kv_event_feed_state",
+            "1 for the feed's state: live (scored), replaying or stale (neutral)",
+            p.state.clone(),
+        );
+        r.register(
+            "precise_index_worker_blocks",
+            "Engine blocks a worker holds according to its events",
+            p.worker_blocks.clone(),
+        );
+        r.register(
+            "precise_index_blocks",
+            "Distinct blocks in the precise index (speculative ones included)",
+            p.blocks.clone(),
+        );
+        r.register(
+            "precise_index_evicted",
+            "Blocks dropped from the precise index to stay within precise.max_blocks",
+            p.evicted.clone(),
+        );
+        r.register(
+            "precise_decisions",
+            "Precise-mode decisions: path precise (cause scored) or fallback to the approximate tree (cause no_tokens, bad_tokens, short_prompt, no_fresh_worker)",
+            p.decisions.clone(),
+        );
         Metrics { registry: r, ..m }
     }
 
@@ -229,14 +350,15 @@ impl Metrics {
         }
     }
 
-    /// Prefix bytes matched on the chosen worker for a hit, recorded as tokens (÷ 4).
-    pub fn estimated_saved(&self, worker: &Arc<str>, matched_bytes: usize) {
-        if matched_bytes >= 4 {
+    /// Prefix tokens the chosen worker is expected to reuse on a hit
+    /// ([`crate::policy::Pick::saved_tokens`]).
+    pub fn estimated_saved(&self, worker: &Arc<str>, tokens: u64) {
+        if tokens > 0 {
             self.estimated_saved
                 .get_or_create(&WorkerLabels {
                     worker: Arc::clone(worker),
                 })
-                .inc_by(matched_bytes as u64 / 4);
+                .inc_by(tokens);
         }
     }
 
@@ -291,8 +413,12 @@ impl Metrics {
         self.reloads.get_or_create(&ResultLabels { result }).inc();
     }
 
-    /// Prometheus text exposition, with gauges read from `set` now.
-    pub fn encode(&self, set: &WorkerSet) -> String {
+    /// Prometheus text exposition, with gauges read from `set` now, and precise mode's
+    /// families from `precise` when given.
+    pub fn encode(&self, set: &WorkerSet, precise: Option<&Precise>) -> String {
+        if let Some(p) = precise {
+            self.encode_precise(set, p);
+        }
         let now = crate::workers::now();
         self.in_flight.clear();
         self.healthy.clear();
@@ -336,6 +462,103 @@ impl Metrics {
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
         out
+    }
+
+    /// Copies the feeds' and the index's counters into the precise families.
+    fn encode_precise(&self, set: &WorkerSet, precise: &Precise) {
+        let f = &self.precise;
+        f.messages.clear();
+        f.malformed.clear();
+        f.events.clear();
+        f.gaps.clear();
+        f.restarts.clear();
+        f.replays.clear();
+        f.reconnects.clear();
+        f.since_message.clear();
+        f.connected.clear();
+        f.state.clear();
+        f.worker_blocks.clear();
+        f.decisions.clear();
+        let now = crate::workers::now();
+        let stale = precise.config().stale;
+        let feeds: Vec<(&Arc<str>, &Arc<Feed>)> = set
+            .workers()
+            .iter()
+            .filter_map(|w| w.feed().map(|feed| (w.label(), feed)))
+            .collect();
+        let (blocks, evicted, per_worker): (usize, u64, Vec<usize>) = {
+            let index = precise.index();
+            (
+                index.len(),
+                index.evicted(),
+                feeds
+                    .iter()
+                    .map(|(_, feed)| index.source_blocks(feed.source()))
+                    .collect(),
+            )
+        };
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        for ((label, feed), held) in feeds.iter().zip(per_worker) {
+            let w = || WorkerLabels {
+                worker: Arc::clone(label),
+            };
+            let kind = |kind| WorkerKindLabels {
+                worker: Arc::clone(label),
+                kind,
+            };
+            let s = &feed.stats;
+            f.messages.get_or_create(&w()).inc_by(load(&s.messages));
+            f.malformed.get_or_create(&w()).inc_by(load(&s.malformed));
+            for (k, c) in [
+                ("block_stored", &s.stored),
+                ("block_removed", &s.removed),
+                ("all_blocks_cleared", &s.cleared),
+                ("unknown_parent", &s.unknown_parent),
+                ("ignored", &s.ignored),
+                ("skipped", &s.skipped_events),
+            ] {
+                f.events.get_or_create(&kind(k)).inc_by(load(c));
+            }
+            f.gaps.get_or_create(&w()).inc_by(load(&s.gaps));
+            f.restarts.get_or_create(&w()).inc_by(load(&s.restarts));
+            f.reconnects.get_or_create(&w()).inc_by(load(&s.reconnects));
+            for (result, c) in [
+                ("requested", &s.replays),
+                ("complete", &s.replays_complete),
+                ("failed", &s.replays_failed),
+            ] {
+                f.replays
+                    .get_or_create(&WorkerResultLabels {
+                        worker: Arc::clone(label),
+                        result,
+                    })
+                    .inc_by(load(c));
+            }
+            if let Some(secs) = feed.seconds_since_message(now) {
+                f.since_message.get_or_create(&w()).set(secs);
+            }
+            f.connected
+                .get_or_create(&w())
+                .set(i64::from(feed.is_connected()));
+            let state = feed.state(now, stale);
+            for st in [FeedState::Live, FeedState::Replaying, FeedState::Stale] {
+                f.state
+                    .get_or_create(&WorkerStateLabels {
+                        worker: Arc::clone(label),
+                        state: st.as_str(),
+                    })
+                    .set(i64::from(st == state));
+            }
+            f.worker_blocks.get_or_create(&w()).set(held as i64);
+        }
+        f.blocks.set(blocks as i64);
+        let before = f.evicted.get();
+        f.evicted.inc_by(evicted.saturating_sub(before));
+        for (path, cause, n) in precise.decisions() {
+            f.decisions
+                .get_or_create(&DecisionLabels { path, cause })
+                .inc_by(n);
+        }
     }
 }
 

@@ -76,10 +76,22 @@ pub struct Pick {
     /// The chosen worker; `None` only with [`Reason::NoWorker`].
     pub worker: Option<WorkerId>,
     pub reason: Reason,
-    /// Bytes of the routing text matched in the tree (0 for load-only policies).
+    /// Prefix matched on the chosen side: bytes of routing text in the tree (0 for
+    /// load-only policies), or prompt tokens in precise mode (see `unit`).
     pub matched: usize,
-    /// Bytes of routing text considered.
+    /// Length of what was matched against, in the same unit.
     pub text_len: usize,
+    /// What `matched` and `text_len` count.
+    pub unit: MatchUnit,
+}
+
+/// The unit of [`Pick::matched`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatchUnit {
+    /// Bytes of routing text (the approximate tree).
+    Bytes,
+    /// Prompt tokens in whole KV blocks (precise mode).
+    Tokens,
 }
 
 impl Pick {
@@ -89,6 +101,15 @@ impl Pick {
             0.0
         } else {
             self.matched as f64 / self.text_len as f64
+        }
+    }
+
+    /// Prefix tokens the chosen worker is expected to reuse: exact in precise mode,
+    /// matched bytes / 4 (about 4 bytes of English per token) for the tree.
+    pub fn saved_tokens(&self) -> u64 {
+        match self.unit {
+            MatchUnit::Bytes => self.matched as u64 / 4,
+            MatchUnit::Tokens => self.matched as u64,
         }
     }
 
@@ -102,6 +123,7 @@ impl Pick {
             },
             matched: 0,
             text_len,
+            unit: MatchUnit::Bytes,
         }
     }
 }
@@ -146,6 +168,7 @@ pub fn pick_cache_aware(
             reason: Reason::EmptyText,
             matched: 0,
             text_len: 0,
+            unit: MatchUnit::Bytes,
         };
     }
     let eligible: WorkerMask = candidates
@@ -181,17 +204,18 @@ pub fn pick_cache_aware(
         reason,
         matched: m.matched,
         text_len: text.len(),
+        unit: MatchUnit::Bytes,
     }
 }
 
 /// Step 5: whether `cached` load is too far above the least `load` to follow affinity.
-fn is_overloaded(p: &CacheParams, cached: usize, least: usize) -> bool {
+pub(crate) fn is_overloaded(p: &CacheParams, cached: usize, least: usize) -> bool {
     cached > least + p.balance_abs_threshold
         && cached as f64 > least as f64 * p.balance_rel_threshold
 }
 
 /// Least-loaded of `candidates`, uniformly random among ties.
-fn least_loaded<'a>(
+pub(crate) fn least_loaded<'a>(
     candidates: impl Iterator<Item = &'a Candidate>,
     rng: &mut impl Rng,
 ) -> Option<&'a Candidate> {

@@ -33,6 +33,7 @@ use crate::config::{Config, PolicyKind, RemoteMediaPolicy, WorkerConfig};
 use crate::error::ProxyError;
 use crate::metrics::Metrics;
 use crate::policy::{self, CacheParams, Candidate, Pick, Reason};
+use crate::precise::{self, Precise};
 use crate::prompt::{self, Endpoint, RouteContext};
 use crate::tree::WorkerMask;
 use crate::workers::{InFlightGuard, Worker, WorkerId, WorkerSet};
@@ -52,6 +53,8 @@ pub struct Router {
     /// Worker label of answers the router gave itself.
     no_worker: Arc<str>,
     membership: std::sync::Mutex<()>,
+    /// Precise mode's block index (empty unless `policy: precise_cache_aware`).
+    precise: Arc<Precise>,
 }
 
 impl Router {
@@ -72,6 +75,7 @@ impl Router {
             metrics: Arc::new(Metrics::new()),
             no_worker: Arc::from("none"),
             membership: std::sync::Mutex::new(()),
+            precise: Arc::new(Precise::new(&config.precise)),
             config,
         }
     }
@@ -83,6 +87,11 @@ impl Router {
 
     pub fn config(&self) -> &Config {
         &self.config
+    }
+
+    /// Precise mode's shared state (index, decision counters).
+    pub fn precise(&self) -> &Arc<Precise> {
+        &self.precise
     }
 
     /// The pooled upstream client (shared with health probes).
@@ -240,6 +249,9 @@ impl Router {
         let route = Route {
             label,
             ctx: ctx.as_ref(),
+            // Precise mode: the request's token ids (x-token-ids), keyed once.
+            lookup: (self.config.policy == PolicyKind::PreciseCacheAware)
+                .then(|| self.precise.lookup(&parts.headers)),
             arrived,
             started,
         };
@@ -288,7 +300,8 @@ impl Router {
             };
             self.metrics.decision(pick.reason, started.elapsed());
             if pick.reason == Reason::CacheHit {
-                self.metrics.estimated_saved(worker.label(), pick.matched);
+                self.metrics
+                    .estimated_saved(worker.label(), pick.saved_tokens());
             }
             if attempt > 0 {
                 self.metrics.retry();
@@ -381,15 +394,24 @@ impl Router {
                         &mut rand::rng(),
                     )
                 }
+                // Precise mode (src/precise): engine-reported blocks, tree as fallback.
+                (PolicyKind::PreciseCacheAware, Some(ctx)) => self.precise.pick(
+                    set,
+                    &self.params,
+                    route.lookup.as_ref(),
+                    &ctx.text,
+                    &candidates,
+                ),
                 (PolicyKind::RoundRobin, _) => {
                     policy::pick_round_robin(&candidates, text_len, set.next_ticket())
                 }
                 (PolicyKind::Random, _) => {
                     policy::pick_random(&candidates, text_len, &mut rand::rng())
                 }
-                (PolicyKind::LeastLoad | PolicyKind::CacheAware, _) => {
-                    policy::pick_least_load(&candidates, text_len, &mut rand::rng())
-                }
+                (
+                    PolicyKind::LeastLoad | PolicyKind::CacheAware | PolicyKind::PreciseCacheAware,
+                    _,
+                ) => policy::pick_least_load(&candidates, text_len, &mut rand::rng()),
             };
             let id = pick.worker?;
             let worker = set.get(id)?;
@@ -464,6 +486,8 @@ struct Route<'a> {
     /// Endpoint label for logs and metrics.
     label: &'static str,
     ctx: Option<&'a RouteContext<'a>>,
+    /// Precise mode: the prompt's blocks, or why precise scoring is neutral.
+    lookup: Option<precise::Lookup>,
     /// When the request arrived (for TTFB and duration).
     arrived: Instant,
     /// When the decision started (for its latency).

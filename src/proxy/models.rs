@@ -60,6 +60,7 @@ pub(super) async fn get(
     let route = Route {
         label: "models",
         ctx: None,
+        lookup: None,
         arrived: now,
         started: now,
     };

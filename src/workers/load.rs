@@ -90,6 +90,7 @@ mod tests {
                 load_penalty: 0,
                 cache_aware: true,
                 api_key: None,
+                kv_events: None,
             },
             &crate::config::BreakerConfig {
                 failure_threshold: 1,

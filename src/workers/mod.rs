@@ -18,6 +18,7 @@ pub(crate) use load::now;
 
 use crate::breaker::{self, Admission, CircuitBreaker, Outcome};
 use crate::config::{BreakerConfig, WorkerConfig};
+use crate::precise::feed::Feed;
 use crate::tree::RadixTree;
 pub use crate::tree::WorkerId;
 
@@ -34,6 +35,8 @@ pub struct Worker {
     breaker: Mutex<CircuitBreaker>,
     /// Consecutive probe results, owned by the health-check task.
     probes: Mutex<ProbeRun>,
+    /// Its KV-event feed (precise mode), when `kv_events` is configured.
+    feed: Option<Arc<Feed>>,
 }
 
 /// Consecutive health-probe results of one worker.
@@ -46,8 +49,13 @@ pub struct ProbeRun {
 impl Worker {
     /// A worker that starts healthy, breaker closed, nothing in flight.
     pub fn new(config: WorkerConfig, breaker: &BreakerConfig) -> Self {
+        let feed = config
+            .kv_events
+            .clone()
+            .map(|k| Arc::new(Feed::new(&config.url, k, now())));
         Worker {
             label: Arc::from(config.url.to_string()),
+            feed,
             config,
             in_flight: AtomicUsize::new(0),
             healthy: AtomicBool::new(true),
@@ -90,6 +98,11 @@ impl Worker {
     /// The health-probe counters (health-check task only).
     pub fn probe_run(&self) -> MutexGuard<'_, ProbeRun> {
         self.probes.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The worker's KV-event feed, when it has `kv_events`.
+    pub fn feed(&self) -> Option<&Arc<Feed>> {
+        self.feed.as_ref()
     }
 
     pub fn config(&self) -> &WorkerConfig {

@@ -1,0 +1,381 @@
+//! Precise mode (`policy: precise_cache_aware`): route on the KV blocks the engines
+//! report holding, from vLLM's KV-cache events (spec `shared/docs/vllm-kv-events.md`),
+//! instead of on what this router sent where.
+//!
+//! ```text
+//! events     ZeroMQ frames + msgpack -> Batch / Event            (pure)
+//! sequence   Sequencer: order, gaps, restarts, replay steps     (pure)
+//! index      BlockIndex: router key -> workers, LRU-bounded      (pure)
+//! score      matched blocks -> uncached tokens -> Pick           (pure)
+//! feed       Feed: one worker's feed state and counters          (atomics)
+//! consumer   one task per worker: SUB (+ DEALER for replay) -> index
+//! mod        Precise (index + decision counters), the request-path hook, and the
+//!            supervisor task that starts and stops consumers with the worker set
+//! ```
+//!
+//! A request is scored precisely when it carries its prompt's token ids in the
+//! `x-token-ids` header (comma-separated unsigned integers, as the engine will see them)
+//! and at least one usable cache-aware worker has a scorable feed; otherwise the
+//! approximate tree decides, exactly as in `cache_aware` mode ("fallback"). Precise
+//! decisions also record the prompt in the tree, so a fallback later finds it warm.
+//!
+//! Locking: the index is one `std::sync::Mutex`, held for one lookup + speculative
+//! insert on the request path or one event in a consumer, never across an `.await`; it
+//! is never held together with the tree's lock.
+
+pub mod consumer;
+pub mod events;
+pub mod feed;
+pub mod index;
+pub mod score;
+pub mod sequence;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use rand::Rng;
+use tokio::task::JoinHandle;
+use tokio::time::MissedTickBehavior;
+
+use crate::config::PreciseConfig;
+use crate::policy::{self, CacheParams, Candidate, Pick};
+use crate::proxy::Router;
+use crate::shutdown::Shutdown;
+use crate::workers::WorkerSet;
+use feed::Feed;
+use index::{BlockIndex, SourceId};
+
+/// Request header carrying the prompt's token ids: `x-token-ids: 151644,8948,198,…`.
+pub const TOKEN_IDS_HEADER: &str = "x-token-ids";
+
+/// What a request brings to the precise pick, worked out once per request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Lookup {
+    /// Router keys of the prompt's full blocks, and its length in tokens.
+    Blocks { keys: Vec<u64>, tokens: usize },
+    /// Precise scoring is neutral for this request.
+    Fallback(Fallback),
+}
+
+/// Why a request was routed by the approximate tree in precise mode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fallback {
+    /// No `x-token-ids` header.
+    NoTokens,
+    /// The header is not a comma-separated list of unsigned 32-bit integers.
+    BadTokens,
+    /// Fewer tokens than one block: nothing an engine could reuse.
+    ShortPrompt,
+    /// No usable cache-aware worker has a scorable feed (replaying, stale, or none).
+    NoFreshWorker,
+}
+
+impl Fallback {
+    const ALL: [Fallback; 4] = [
+        Fallback::NoTokens,
+        Fallback::BadTokens,
+        Fallback::ShortPrompt,
+        Fallback::NoFreshWorker,
+    ];
+
+    /// Label used in metrics and `/workers`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Fallback::NoTokens => "no_tokens",
+            Fallback::BadTokens => "bad_tokens",
+            Fallback::ShortPrompt => "short_prompt",
+            Fallback::NoFreshWorker => "no_fresh_worker",
+        }
+    }
+}
+
+/// Parses the `x-token-ids` value: unsigned 32-bit integers separated by commas, with
+/// optional spaces around them. `None` for anything else (including an empty list).
+pub fn parse_token_ids(value: &[u8]) -> Option<Vec<u32>> {
+    let text = std::str::from_utf8(value).ok()?;
+    let ids = text
+        .split(',')
+        .map(|t| t.trim().parse::<u32>().ok())
+        .collect::<Option<Vec<u32>>>()?;
+    (!ids.is_empty()).then_some(ids)
+}
+
+/// The precise mode's shared state: the block index and the decision counters. One per
+/// router; consumers and the request path share it.
+#[derive(Debug)]
+pub struct Precise {
+    config: PreciseConfig,
+    index: Mutex<BlockIndex>,
+    /// Decisions scored precisely.
+    precise_decisions: AtomicU64,
+    /// Fallback decisions, by [`Fallback::ALL`] position.
+    fallback_decisions: [AtomicU64; 4],
+}
+
+impl Precise {
+    /// An empty index sized by `config` (nothing allocated up front).
+    pub fn new(config: &PreciseConfig) -> Self {
+        Precise {
+            index: Mutex::new(BlockIndex::new(config.block_size, config.max_blocks.get())),
+            config: config.clone(),
+            precise_decisions: AtomicU64::new(0),
+            fallback_decisions: Default::default(),
+        }
+    }
+
+    pub fn config(&self) -> &PreciseConfig {
+        &self.config
+    }
+
+    /// Locks the index: one lookup or one event, never across an `.await`. A poisoned
+    /// lock is recovered: the index is a cache, valid between operations.
+    pub fn index(&self) -> MutexGuard<'_, BlockIndex> {
+        self.index.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The request's tokens from its headers (only `x-token-ids` for now; in-router
+    /// tokenization comes later), as router keys of its full blocks.
+    pub fn lookup(&self, headers: &http::HeaderMap) -> Lookup {
+        let Some(value) = headers.get(TOKEN_IDS_HEADER) else {
+            return Lookup::Fallback(Fallback::NoTokens);
+        };
+        let Some(tokens) = parse_token_ids(value.as_bytes()) else {
+            return Lookup::Fallback(Fallback::BadTokens);
+        };
+        let keys = index::chain_keys(index::root_key(None), &tokens, self.config.block_size, &[]);
+        if keys.is_empty() {
+            return Lookup::Fallback(Fallback::ShortPrompt);
+        }
+        Lookup::Blocks {
+            keys,
+            tokens: tokens.len(),
+        }
+    }
+
+    /// The precise pick for one attempt (see [`score`]), or the approximate one when
+    /// precise scoring is neutral. `text` is the routing text for the tree. Records the
+    /// prompt in the tree (unless an eviction pass runs) and, for a precise decision,
+    /// the prompt's blocks as speculatively held by the chosen worker.
+    pub fn pick(
+        &self,
+        set: &WorkerSet,
+        params: &CacheParams,
+        lookup: Option<&Lookup>,
+        text: &[u8],
+        candidates: &[Candidate],
+    ) -> Pick {
+        let now = crate::workers::now();
+        let mut rng = rand::rng();
+        let feeds: Vec<Option<&Arc<Feed>>> = candidates
+            .iter()
+            .map(|c| set.get(c.id).and_then(|w| w.feed()))
+            .collect();
+        let result = match lookup {
+            Some(Lookup::Blocks { keys, tokens }) => {
+                self.score(candidates, &feeds, keys, *tokens, params, now, &mut rng)
+            }
+            Some(Lookup::Fallback(why)) => Err(*why),
+            None => Err(Fallback::NoTokens),
+        };
+        let record = !set.is_evicting();
+        if !record {
+            set.skipped_inserts.fetch_add(1, Ordering::Relaxed);
+        }
+        // Relaxed: independent counters, read at scrape time.
+        let pick = match result {
+            Ok(pick) => {
+                self.precise_decisions.fetch_add(1, Ordering::Relaxed);
+                if let Some(id) = pick.worker
+                    && record
+                    && !text.is_empty()
+                    && candidates.iter().any(|c| c.id == id && c.cache_aware)
+                {
+                    set.tree().insert(text, id);
+                }
+                pick
+            }
+            Err(why) => {
+                let i = Fallback::ALL.iter().position(|f| *f == why).unwrap_or(0);
+                self.fallback_decisions[i].fetch_add(1, Ordering::Relaxed);
+                let mut tree = set.tree();
+                policy::pick_cache_aware(params, text, candidates, &mut tree, record, &mut rng)
+            }
+        };
+        if let Some(feed) = pick
+            .worker
+            .and_then(|id| candidates.iter().position(|c| c.id == id))
+            .and_then(|i| feeds[i])
+        {
+            feed.note_routed(now);
+        }
+        pick
+    }
+
+    /// Scores the candidates on the index; `Err` when no feed is scorable.
+    #[allow(clippy::too_many_arguments)]
+    fn score(
+        &self,
+        candidates: &[Candidate],
+        feeds: &[Option<&Arc<Feed>>],
+        keys: &[u64],
+        tokens: usize,
+        params: &CacheParams,
+        now: std::time::Instant,
+        rng: &mut impl Rng,
+    ) -> Result<Pick, Fallback> {
+        let scorable: Vec<(usize, SourceId)> = candidates
+            .iter()
+            .zip(feeds)
+            .enumerate()
+            .filter_map(|(i, (c, f))| {
+                let f = (*f)?;
+                let live = f.state(now, self.config.stale) == feed::FeedState::Live;
+                (c.usable && c.cache_aware && live).then_some((i, f.source()))
+            })
+            .collect();
+        if scorable.is_empty() {
+            return Err(Fallback::NoFreshWorker);
+        }
+        let sources: Vec<SourceId> = scorable.iter().map(|(_, s)| *s).collect();
+        let mut index = self.index();
+        let matched = index.match_prefix(keys, &sources, now);
+        let mut per_candidate = vec![None; candidates.len()];
+        for ((i, _), m) in scorable.iter().zip(matched) {
+            per_candidate[*i] = Some(m);
+        }
+        let pick = score::pick_precise(
+            params,
+            candidates,
+            &per_candidate,
+            tokens,
+            self.config.block_size,
+            rng,
+        );
+        if let Some(feed) = pick
+            .worker
+            .and_then(|id| candidates.iter().position(|c| c.id == id && c.cache_aware))
+            .and_then(|i| feeds[i])
+            && !self.config.speculative_ttl.is_zero()
+        {
+            index.speculate(keys, feed.source(), now + self.config.speculative_ttl);
+        }
+        Ok(pick)
+    }
+
+    /// Decisions so far: `("precise", "scored", n)` and `("fallback", cause, n)`.
+    pub fn decisions(&self) -> Vec<(&'static str, &'static str, u64)> {
+        let mut out = vec![(
+            "precise",
+            "scored",
+            self.precise_decisions.load(Ordering::Relaxed),
+        )];
+        for (f, n) in Fallback::ALL.iter().zip(&self.fallback_decisions) {
+            out.push(("fallback", f.as_str(), n.load(Ordering::Relaxed)));
+        }
+        out
+    }
+}
+
+/// How often the supervisor compares the running consumers with the worker set.
+const SUPERVISE_EVERY: Duration = Duration::from_millis(500);
+
+/// Starts a consumer task per worker with `kv_events` and keeps that set in step with
+/// the worker set (SIGHUP reload, admin API): a worker that leaves has its consumer
+/// stopped and its blocks dropped. Runs until `shutdown`. Like the health checker with
+/// its probes, it owns the tasks it starts.
+pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
+    let precise = Arc::clone(router.precise());
+    let mut running: HashMap<SourceId, (Arc<Feed>, JoinHandle<()>)> = HashMap::new();
+    let mut tick = tokio::time::interval(SUPERVISE_EVERY);
+    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.wait() => break,
+        }
+        let set = router.worker_set();
+        let current: Vec<Arc<Feed>> = set
+            .workers()
+            .iter()
+            .filter_map(|w| w.feed().cloned())
+            .collect();
+        let gone: Vec<SourceId> = running
+            .iter()
+            .filter(|(_, (feed, _))| !current.iter().any(|f| Arc::ptr_eq(f, feed)))
+            .map(|(id, _)| *id)
+            .collect();
+        for id in gone {
+            if let Some((feed, task)) = running.remove(&id) {
+                task.abort();
+                let _ = task.await;
+                precise.index().clear_source(id);
+                tracing::info!(endpoint = %feed.config().endpoint, "kv-events: worker left the pool; consumer stopped");
+            }
+        }
+        for feed in current {
+            running.entry(feed.source()).or_insert_with(|| {
+                let task = tokio::spawn(consumer::run(
+                    Arc::clone(&feed),
+                    Arc::clone(&precise),
+                    shutdown.clone(),
+                ));
+                (feed, task)
+            });
+        }
+    }
+    for (_, (_, task)) in running {
+        let _ = task.await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn token_header_parses_strictly() {
+        assert_eq!(
+            parse_token_ids(b"1,2, 3 ,4294967295"),
+            Some(vec![1, 2, 3, u32::MAX])
+        );
+        for bad in [
+            &b""[..],
+            b"1,,2",
+            b"1,-2",
+            b"1;2",
+            b"4294967296",
+            b"a",
+            b"1,2,",
+            b"\xff",
+        ] {
+            assert_eq!(parse_token_ids(bad), None, "{bad:?}");
+        }
+    }
+
+    fn config() -> PreciseConfig {
+        PreciseConfig {
+            block_size: 4,
+            max_blocks: std::num::NonZeroUsize::new(100).unwrap(),
+            stale: Duration::from_secs(30),
+            speculative_ttl: Duration::from_secs(2),
+        }
+    }
+
+    #[test]
+    fn lookup_keys_full_blocks_only() {
+        let p = Precise::new(&config());
+        let mut h = http::HeaderMap::new();
+        assert_eq!(p.lookup(&h), Lookup::Fallback(Fallback::NoTokens));
+        h.insert(TOKEN_IDS_HEADER, "1,2,3".parse().unwrap());
+        assert_eq!(p.lookup(&h), Lookup::Fallback(Fallback::ShortPrompt));
+        h.insert(TOKEN_IDS_HEADER, "1,2,x".parse().unwrap());
+        assert_eq!(p.lookup(&h), Lookup::Fallback(Fallback::BadTokens));
+        h.insert(TOKEN_IDS_HEADER, "1,2,3,4,5,6,7,8,9".parse().unwrap());
+        let Lookup::Blocks { keys, tokens } = p.lookup(&h) else {
+            panic!()
+        };
+        assert_eq!((keys.len(), tokens), (2, 9));
+    }
+}

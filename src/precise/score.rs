@@ -1,0 +1,178 @@
+//! The precise pick: matched KV blocks per worker -> uncached prefill tokens -> a
+//! worker. Pure: no I/O, no clock, randomness passed in.
+//!
+//! 1. usable workers as in the approximate pick (none ⇒ [`Reason::NoWorker`]); the
+//!    least-loaded one by `in_flight + load_penalty`, random among ties;
+//! 2. each usable cache-aware worker with a scorable feed has a matched run of the
+//!    request's full blocks; a worker without one (no feed, replaying, stale) scores
+//!    neutral: nothing matched, no preference either way;
+//! 3. its cost is the prompt's uncached prefill: `prompt_tokens - matched_blocks ×
+//!    block_size`; the lowest cost wins, ties to the least loaded, then at random;
+//! 4. the same balance guard as the approximate mode: the winner's load may exceed the
+//!    least-loaded worker's by at most `balance_abs_threshold` or
+//!    `balance_rel_threshold` times, else least-loaded ([`Reason::HitOverloaded`]);
+//! 5. no block matched anywhere ⇒ least-loaded ([`Reason::Miss`]).
+//!
+//! One whole block is the smallest saving an engine can make, so any match counts
+//! (the approximate mode's `threshold` and `match_abs_threshold` guess at that from
+//! bytes; here it is known).
+
+use rand::Rng;
+
+use crate::policy::{CacheParams, Candidate, MatchUnit, Pick, Reason, is_overloaded, least_loaded};
+
+/// Picks a worker; `matched_blocks[i]` is candidate i's matched run (`None` =
+/// neutral). `prompt_tokens` counts every token of the request, `block_size` is tokens
+/// per block.
+pub fn pick_precise(
+    params: &CacheParams,
+    candidates: &[Candidate],
+    matched_blocks: &[Option<usize>],
+    prompt_tokens: usize,
+    block_size: usize,
+    rng: &mut impl Rng,
+) -> Pick {
+    let pick = |worker: Option<&Candidate>, reason, matched_tokens| Pick {
+        worker: worker.map(|c| c.id),
+        reason,
+        matched: matched_tokens,
+        text_len: prompt_tokens,
+        unit: MatchUnit::Tokens,
+    };
+    let Some(least) = least_loaded(candidates.iter().filter(|c| c.usable), rng) else {
+        return pick(None, Reason::NoWorker, 0);
+    };
+    let matched = |i: usize| matched_blocks.get(i).copied().flatten().unwrap_or(0);
+    let scored = || {
+        candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.usable && c.cache_aware)
+    };
+    let best = scored().map(|(i, _)| matched(i)).max().unwrap_or(0);
+    if best == 0 {
+        return pick(Some(least), Reason::Miss, 0);
+    }
+    let matched_tokens = (best * block_size).min(prompt_tokens);
+    let cached = least_loaded(
+        scored()
+            .filter(|(i, _)| matched(*i) == best)
+            .map(|(_, c)| c),
+        rng,
+    );
+    match cached {
+        Some(c) if is_overloaded(params, c.load, least.load) => {
+            pick(Some(least), Reason::HitOverloaded, matched_tokens)
+        }
+        Some(c) => pick(Some(c), Reason::CacheHit, matched_tokens),
+        None => pick(Some(least), Reason::Miss, 0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tree::WorkerId;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    fn params() -> CacheParams {
+        CacheParams {
+            threshold: 0.3,
+            match_abs_threshold: 8192,
+            balance_abs_threshold: 2,
+            balance_rel_threshold: 1.5,
+        }
+    }
+
+    fn cands(loads: &[usize]) -> Vec<Candidate> {
+        loads
+            .iter()
+            .enumerate()
+            .map(|(i, &load)| Candidate {
+                id: WorkerId(i as u32),
+                load,
+                usable: true,
+                cache_aware: true,
+            })
+            .collect()
+    }
+
+    fn pick(loads: &[usize], matched: &[Option<usize>]) -> Pick {
+        pick_precise(
+            &params(),
+            &cands(loads),
+            matched,
+            100,
+            16,
+            &mut StdRng::seed_from_u64(3),
+        )
+    }
+
+    #[test]
+    fn most_matched_blocks_win_and_report_tokens() {
+        let p = pick(&[0, 1, 0], &[Some(1), Some(4), Some(2)]);
+        assert_eq!((p.worker, p.reason), (Some(WorkerId(1)), Reason::CacheHit));
+        assert_eq!((p.matched, p.text_len, p.saved_tokens()), (64, 100, 64));
+    }
+
+    #[test]
+    fn nothing_matched_or_all_neutral_goes_least_loaded() {
+        let p = pick(&[2, 1, 3], &[Some(0), None, Some(0)]);
+        assert_eq!((p.worker, p.reason), (Some(WorkerId(1)), Reason::Miss));
+        let p = pick(&[2, 1, 3], &[None, None, None]);
+        assert_eq!(p.reason, Reason::Miss);
+    }
+
+    #[test]
+    fn the_balance_guard_overrides_a_hit() {
+        let p = pick(&[3, 0], &[Some(5), Some(0)]);
+        assert_eq!(
+            (p.worker, p.reason),
+            (Some(WorkerId(1)), Reason::HitOverloaded)
+        );
+        let p = pick(&[2, 0], &[Some(5), Some(0)]);
+        assert_eq!((p.worker, p.reason), (Some(WorkerId(0)), Reason::CacheHit));
+    }
+
+    #[test]
+    fn equal_costs_go_to_the_less_loaded_then_at_random() {
+        let p = pick(&[2, 1, 0], &[Some(3), Some(3), Some(1)]);
+        assert_eq!(p.worker, Some(WorkerId(1)));
+        let mut seen = [0; 2];
+        let mut rng = StdRng::seed_from_u64(9);
+        for _ in 0..200 {
+            let p = pick_precise(
+                &params(),
+                &cands(&[1, 1]),
+                &[Some(2), Some(2)],
+                100,
+                16,
+                &mut rng,
+            );
+            seen[p.worker.unwrap().0 as usize] += 1;
+        }
+        assert!(seen[0] > 50 && seen[1] > 50, "{seen:?}");
+    }
+
+    #[test]
+    fn unusable_and_non_cache_aware_workers_are_not_followed() {
+        let mut c = cands(&[0, 0, 0]);
+        c[0].usable = false;
+        c[1].cache_aware = false;
+        let p = pick_precise(
+            &params(),
+            &c,
+            &[Some(9), Some(9), Some(1)],
+            100,
+            16,
+            &mut StdRng::seed_from_u64(1),
+        );
+        assert_eq!((p.worker, p.reason), (Some(WorkerId(2)), Reason::CacheHit));
+        for x in &mut c {
+            x.usable = false;
+        }
+        let p = pick_precise(&params(), &c, &[], 100, 16, &mut StdRng::seed_from_u64(1));
+        assert_eq!((p.worker, p.reason), (None, Reason::NoWorker));
+    }
+}
