@@ -13,7 +13,7 @@
 //! ```
 //!
 //! Binaries: `sim-engine`, `replay`, `trace-matrix` (the demo), `overhead` (what the
-//! router costs: added latency, saturation, 5,000 streams, tree memory).
+//! Binaries: `sim-engine`, `replay`, `trace-matrix` (the demo; also the peer routers), `overhead` (what the
 
 #![forbid(unsafe_code)]
 

@@ -38,6 +38,35 @@ use crate::stats::Percentiles;
 /// Builds the body of request number `i` (numbered from 0 within a run).
 pub type BodyFn = Arc<dyn Fn(u64) -> Bytes + Send + Sync>;
 
+/// System prompt shared by every small request (~100 bytes).
+pub const SMALL_SYSTEM: &str = "You are a concise assistant answering questions for the router \
+                                overhead benchmark. Reply in one short sentence.";
+
+/// One small chat request body per index (256 distinct user messages, so a
+/// router's prefix tree stays small): the shared system prompt, model `m`,
+/// `max_tokens`, `ignore_eos`; streamed ones ask for the usage chunk.
+pub fn small_chat_bodies(max_tokens: u64, stream: bool) -> BodyFn {
+    let bodies: Vec<Bytes> = (0..256)
+        .map(|k| {
+            let mut v = serde_json::json!({
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": SMALL_SYSTEM},
+                    {"role": "user", "content": format!("Question {k}: which river flows through city number {k}?")},
+                ],
+                "max_tokens": max_tokens,
+                "ignore_eos": true,
+            });
+            if stream {
+                v["stream"] = serde_json::json!(true);
+                v["stream_options"] = serde_json::json!({"include_usage": true});
+            }
+            Bytes::from(v.to_string())
+        })
+        .collect();
+    Arc::new(move |i| bodies[(i % bodies.len() as u64) as usize].clone())
+}
+
 /// One closed-loop run.
 #[derive(Clone)]
 pub struct LoadSpec {

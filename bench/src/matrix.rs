@@ -1,10 +1,14 @@
 //! The policy comparison: for each contender start fresh engines (and a router),
 //! replay the same trace slice through it, stop everything, and tabulate.
 //!
-//! A contender is a router policy (`cache_aware`, `round_robin`, `least_load`, ...)
-//! or `direct` (client-side round robin straight to the engines, no router).
+//! A contender is a router policy of ours (`cache_aware`, `round_robin`,
+//! `least_load`, ...), a peer router with one of its policies (`sglang:cache_aware`:
+//! sglang-router; `vllm:cache_aware`: vllm-router; both run from their PyPI
+//! packages, see [`Peer`]), `direct` (client-side round robin straight to the
+//! engines, no router) or `ideal` (everything straight to ONE engine whose KV cache
+//! holds the whole slice: the hit rate no routing over bounded caches can beat).
 //! Every contender starts from cold caches: new `sim-engine` processes, a new
-//! router process with a generated config, free ports on 127.0.0.1.
+//! router process, free ports on 127.0.0.1.
 //!
 //! Child processes are started and owned through [`crate::procs`]: stopped
 //! explicitly on the normal and error paths, and killed on drop if the future is
@@ -15,7 +19,11 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use crate::procs::{self, ScratchDir, free_port, io_err, start_engine, start_router, tail};
+use bytes::Bytes;
+
+use crate::procs::{
+    self, RouterCommand, ScratchDir, free_port, io_err, start_engine, start_router_command, tail,
+};
 pub use crate::procs::{ChildProc, EngineParams, ProcError, sibling_binary};
 use crate::replay::{self, PreparedRequest, ReplayConfig, ReplayError, RequestResult};
 use crate::stats::{Summary, summarize};
@@ -23,21 +31,403 @@ use crate::stats::{Summary, summarize};
 /// Router policies the demo compares by default, in table order.
 pub const DEFAULT_POLICIES: [&str; 3] = ["cache_aware", "round_robin", "least_load"];
 
+/// A peer router, run from its PyPI package (a Python entry point around a Rust
+/// extension; the router runs inside that Python process).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Peer {
+    /// `sglang-router` (PyPI 0.3.2): `smg launch --worker-urls ... --policy P`.
+    Sglang,
+    /// `vllm-router` (PyPI 0.1.17): `vllm-router --worker-urls ... --policy P`.
+    Vllm,
+}
+
+impl Peer {
+    /// Both peers, in table order.
+    pub const ALL: [Peer; 2] = [Peer::Sglang, Peer::Vllm];
+
+    /// Package name: `sglang-router`, `vllm-router`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Peer::Sglang => "sglang-router",
+            Peer::Vllm => "vllm-router",
+        }
+    }
+
+    /// Short key used in contender lists: `sglang`, `vllm`.
+    pub fn key(self) -> &'static str {
+        match self {
+            Peer::Sglang => "sglang",
+            Peer::Vllm => "vllm",
+        }
+    }
+
+    /// The peer named `key` (`sglang`, `sglang-router`, `vllm`, `vllm-router`).
+    pub fn from_key(key: &str) -> Option<Peer> {
+        Peer::ALL
+            .into_iter()
+            .find(|p| key == p.key() || key == p.name())
+    }
+
+    /// Its executable inside a virtualenv: `VENV/bin/smg`, `VENV/bin/vllm-router`.
+    pub fn bin_in(self, venv: &Path) -> PathBuf {
+        venv.join("bin").join(match self {
+            Peer::Sglang => "smg",
+            Peer::Vllm => "vllm-router",
+        })
+    }
+
+    /// Its `--log-level` value for `level` (`warn` is `warning` for vllm-router).
+    fn log_level(self, level: &str) -> String {
+        match (self, level) {
+            (Peer::Vllm, "warn") => "warning".into(),
+            (Peer::Sglang, "warning") => "warn".into(),
+            _ => level.into(),
+        }
+    }
+
+    /// Its balance thresholds when left at their defaults, as its `--help` and the
+    /// startup log say: (cache_threshold, balance_abs_threshold, balance_rel_threshold).
+    pub fn default_thresholds(self) -> (f64, u32, f64) {
+        (0.3, 64, 1.5)
+    }
+
+    /// Its command line: only what it needs to run here (address, workers,
+    /// policy) plus, when `log_level` is given, that log level; every other
+    /// setting is the package's default. The environment points any Hugging Face
+    /// hub access at a closed loopback port (sglang-router tries to fetch a
+    /// tokenizer for the served model name; there is no network here anyway).
+    pub fn command(
+        self,
+        program: &Path,
+        policy: &str,
+        port: u16,
+        workers: &[String],
+        log_level: Option<&str>,
+    ) -> RouterCommand {
+        let mut args: Vec<String> = Vec::new();
+        if self == Peer::Sglang {
+            args.push("launch".into());
+        }
+        args.extend([
+            "--host".into(),
+            "127.0.0.1".into(),
+            "--port".into(),
+            port.to_string(),
+            "--policy".into(),
+            policy.into(),
+        ]);
+        if let Some(level) = log_level {
+            args.push("--log-level".into());
+            args.push(self.log_level(level));
+        }
+        args.push("--worker-urls".into());
+        args.extend(workers.iter().cloned());
+        RouterCommand {
+            name: self.name().into(),
+            program: program.to_path_buf(),
+            args,
+            env: vec![
+                ("HF_ENDPOINT".into(), "http://127.0.0.1:9".into()),
+                ("HF_HUB_OFFLINE".into(), "1".into()),
+            ],
+            context: String::new(),
+        }
+    }
+}
+
+/// Where the peer routers are and how they are run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PeerSetup {
+    /// `smg` of sglang-router.
+    pub sglang_bin: PathBuf,
+    /// `vllm-router`.
+    pub vllm_bin: PathBuf,
+    /// `--log-level` given to the peers (`None`: their default, `info`).
+    pub log_level: Option<String>,
+}
+
+impl PeerSetup {
+    /// Both peers from the virtualenv `venv` (see `bench/peers/run.sh`).
+    pub fn from_venv(venv: &Path, log_level: Option<String>) -> Self {
+        Self {
+            sglang_bin: Peer::Sglang.bin_in(venv),
+            vllm_bin: Peer::Vllm.bin_in(venv),
+            log_level,
+        }
+    }
+
+    /// The executable of `peer`.
+    pub fn bin(&self, peer: Peer) -> &Path {
+        match peer {
+            Peer::Sglang => &self.sglang_bin,
+            Peer::Vllm => &self.vllm_bin,
+        }
+    }
+}
+
+/// Which router serves a contender.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RouterKind {
+    /// cache-aware-router (this project).
+    Ours,
+    /// A peer router.
+    Peer(Peer),
+}
+
+impl RouterKind {
+    /// `cache-aware-router`, `sglang-router`, `vllm-router`.
+    pub fn name(self) -> &'static str {
+        match self {
+            RouterKind::Ours => "cache-aware-router",
+            RouterKind::Peer(p) => p.name(),
+        }
+    }
+}
+
+/// A router process started by [`start_any_router`].
+#[derive(Debug)]
+pub struct StartedRouter {
+    /// Base URL on 127.0.0.1.
+    pub url: String,
+    /// OS process id.
+    pub pid: u32,
+    /// How it was run (command line; for ours also the config).
+    pub how: String,
+    /// Holds its log (and config); removed on drop.
+    pub dir: ScratchDir,
+}
+
+impl StartedRouter {
+    /// The last lines of its log.
+    pub fn log_tail(&self, lines: usize) -> String {
+        tail(&self.dir.path().join("router.log"), lines)
+    }
+}
+
+/// The 1-token chat request used to tell that a router routes (see
+/// [`procs::start_router_command`]): too short to fill one KV block.
+pub fn probe_body(model: &str) -> Bytes {
+    Bytes::from(
+        serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "ping"}],
+            "max_tokens": 1,
+        })
+        .to_string(),
+    )
+}
+
+/// Starts `kind` with `policy` in front of `workers` on 127.0.0.1:`port` and waits
+/// until it answers `GET /health` and a probe chat request ([`probe_body`]) with
+/// 2xx. Ours gets [`router_config`] plus `extra_yaml`; a peer gets
+/// [`Peer::command`]. The child is pushed onto `procs`.
+#[allow(clippy::too_many_arguments)]
+pub async fn start_any_router(
+    kind: RouterKind,
+    policy: &str,
+    router_bin: &Path,
+    peers: &PeerSetup,
+    workers: &[String],
+    port: u16,
+    extra_yaml: &str,
+    model: &str,
+    startup_timeout: Duration,
+    procs: &mut Vec<ChildProc>,
+) -> Result<StartedRouter, ProcError> {
+    let dir = ScratchDir::new("router", &format!("{}-{policy}", kind.name()))?;
+    let (spec, how) = match kind {
+        RouterKind::Ours => {
+            procs::require_binary(
+                router_bin,
+                "cache-aware-router",
+                "build it with `cargo build --release --workspace` or pass --router-bin",
+            )?;
+            let mut yaml = router_config(policy, port, workers);
+            yaml.push_str(extra_yaml);
+            let config_path = dir.path().join("config.yaml");
+            std::fs::write(&config_path, &yaml)
+                .map_err(io_err(format!("write {}", config_path.display())))?;
+            let spec = RouterCommand {
+                name: kind.name().into(),
+                program: router_bin.to_path_buf(),
+                args: vec!["-c".into(), config_path.display().to_string()],
+                env: Vec::new(),
+                context: format!("--- its config ---\n{yaml}"),
+            };
+            let how = format!(
+                "`{} -c config.yaml` with config `{}`",
+                router_bin.display(),
+                yaml.trim_end()
+                    .replace("\n  - url: ", " ")
+                    .replace('\n', "; ")
+            );
+            (spec, how)
+        }
+        RouterKind::Peer(peer) => {
+            let bin = peers.bin(peer);
+            procs::require_binary(
+                bin,
+                peer.name(),
+                "install the peers with `bench/peers/run.sh` (or pass --peer-venv / --sglang-bin / --vllm-bin)",
+            )?;
+            let spec = peer.command(bin, policy, port, workers, peers.log_level.as_deref());
+            let how = format!("`{}`", spec.display_line());
+            (spec, how)
+        }
+    };
+    let url = start_router_command(
+        &spec,
+        port,
+        &dir,
+        startup_timeout,
+        Some(probe_body(model)),
+        procs,
+    )
+    .await?;
+    let pid = procs.last().and_then(ChildProc::pid).ok_or_else(|| {
+        ProcError::NotReady(format!("{} exited right after starting", kind.name()))
+    })?;
+    Ok(StartedRouter { url, pid, how, dir })
+}
+
+/// Our router's `routing_decisions_total` by reason, from `GET /metrics`
+/// (`cache_hit 1200, hit_overloaded 40, miss 760`); `None` if unreadable.
+pub async fn routing_decisions(router_url: &str) -> Option<String> {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::TokioExecutor;
+    let uri: hyper::Uri = format!("{router_url}/metrics").parse().ok()?;
+    let client: Client<HttpConnector, Empty<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let call = async {
+        let resp = client.get(uri).await.ok()?;
+        resp.into_body().collect().await.ok().map(|b| b.to_bytes())
+    };
+    let body = tokio::time::timeout(Duration::from_secs(5), call)
+        .await
+        .ok()??;
+    let text = String::from_utf8_lossy(&body);
+    let parts: Vec<String> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("cache_aware_router_routing_decisions_total{")?;
+            let (labels, value) = rest.split_once("} ")?;
+            let reason = labels
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("reason=\""))?
+                .trim_end_matches('"');
+            Some(format!("{reason} {}", value.trim()))
+        })
+        .collect();
+    (!parts.is_empty()).then(|| parts.join(", "))
+}
+
+/// Whether the engine at `engine_url` answers vLLM's render endpoint
+/// (`POST /v1/chat/completions/render` with `token_ids`), which vllm-router's
+/// `cache_aware` policy calls on every worker for every request to get the token
+/// ids it matches on; without it vllm-router routes without a prefix match.
+/// A short phrase for reports.
+pub async fn render_status(engine_url: &str) -> String {
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::TokioExecutor;
+    let Ok(uri) = format!("{engine_url}/v1/chat/completions/render").parse::<hyper::Uri>() else {
+        return "render endpoint: bad engine URL".into();
+    };
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let body =
+        Bytes::from_static(br#"{"model":"m","messages":[{"role":"user","content":"a b c"}]}"#);
+    let Ok(req) = hyper::Request::post(uri)
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+    else {
+        return "render endpoint: cannot build the request".into();
+    };
+    let call = async {
+        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let bytes = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        Ok::<_, String>((status, bytes))
+    };
+    match tokio::time::timeout(Duration::from_secs(5), call).await {
+        Ok(Ok((status, bytes))) if status.is_success() => {
+            let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+            if v["token_ids"].as_array().is_some_and(|a| !a.is_empty()) {
+                "engines answer POST /v1/chat/completions/render with token_ids".into()
+            } else {
+                "engines answer POST /v1/chat/completions/render WITHOUT token_ids: \
+                 vllm-router's cache_aware cannot match prefixes"
+                    .into()
+            }
+        }
+        Ok(Ok((status, _))) => format!(
+            "engines answer POST /v1/chat/completions/render with {status}: \
+             vllm-router's cache_aware cannot match prefixes"
+        ),
+        Ok(Err(e)) => format!("render probe failed: {e}"),
+        Err(_) => "render probe took over 5 s".into(),
+    }
+}
+
 /// One column of the comparison.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Contender {
-    /// The router with this `policy:` value.
+    /// Our router with this `policy:` value.
     Router(String),
+    /// A peer router with this `--policy` value.
+    Peer(Peer, String),
     /// No router: the replayer round-robins over the engines itself.
     Direct,
+    /// No router, ONE engine whose cache holds the whole slice.
+    Ideal,
 }
 
 impl Contender {
-    /// Table label: the policy name, or `direct (no router)`.
+    /// Parses one entry of a contender list: `direct`, `ideal`, `sglang:POLICY`,
+    /// `vllm:POLICY`, or one of our policies.
+    pub fn parse(s: &str) -> Result<Contender, String> {
+        let s = s.trim();
+        match s {
+            "" => Err("empty contender".into()),
+            "direct" => Ok(Contender::Direct),
+            "ideal" => Ok(Contender::Ideal),
+            _ => match s.split_once(':') {
+                Some((peer, policy)) => match Peer::from_key(peer) {
+                    Some(p) if !policy.is_empty() => Ok(Contender::Peer(p, policy.into())),
+                    _ => Err(format!(
+                        "unknown contender {s:?}: use sglang:POLICY or vllm:POLICY"
+                    )),
+                },
+                None => Ok(Contender::Router(s.into())),
+            },
+        }
+    }
+
+    /// Table label: the policy name, `sglang-router POLICY`, `direct (no router)`,
+    /// `ideal (1 engine, unbounded KV)`.
     pub fn label(&self) -> String {
         match self {
             Contender::Router(p) => p.clone(),
+            Contender::Peer(peer, p) => format!("{} {p}", peer.name()),
             Contender::Direct => "direct (no router)".into(),
+            Contender::Ideal => "ideal (1 engine, unbounded KV)".into(),
+        }
+    }
+
+    /// The router serving it and its policy (`None`: no router).
+    pub fn router(&self) -> Option<(RouterKind, &str)> {
+        match self {
+            Contender::Router(p) => Some((RouterKind::Ours, p)),
+            Contender::Peer(peer, p) => Some((RouterKind::Peer(*peer), p)),
+            Contender::Direct | Contender::Ideal => None,
         }
     }
 }
@@ -68,6 +458,39 @@ pub struct MatrixConfig {
     pub out_dir: Option<PathBuf>,
     /// Progress line interval during replays (`None`: silent).
     pub progress_every: Option<Duration>,
+    /// Peer routers (for `Contender::Peer`).
+    pub peers: PeerSetup,
+    /// KV blocks of the `ideal` contender's one engine.
+    pub ideal_kv_blocks: usize,
+    /// Time factor of the `ideal` contender's engine (0 = it answers at once: one
+    /// engine cannot keep up with the pool's load, and only its hit rate is used).
+    pub ideal_time_factor: f64,
+    /// YAML appended to our router's generated config (e.g. `cache: {...}`).
+    pub router_extra_yaml: String,
+}
+
+/// What the router process of a contender used, from `/proc` (its process tree).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct RouterUsage {
+    /// RSS once ready, before the replay, in KiB.
+    pub idle_rss_kib: u64,
+    /// Peak RSS (`VmHWM`) at the end of the replay, in KiB.
+    pub peak_rss_kib: u64,
+    /// CPU time (user + system) during the replay, in s.
+    pub cpu_s: f64,
+}
+
+/// One contender's outcome.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ContenderRun {
+    /// The replay summary.
+    pub summary: Summary,
+    /// Router usage (`None` without a router).
+    pub router: Option<RouterUsage>,
+    /// How it was run: router command line or config, engine layout.
+    pub how: String,
+    /// CPU time other processes on the machine used during the replay.
+    pub other_cpu: Option<procs::OtherCpu>,
 }
 
 /// Why a contender could not be run to the end.
@@ -109,6 +532,19 @@ pub async fn run_contender(
     requests: &[PreparedRequest],
     interrupt: impl Future<Output = ()>,
 ) -> Result<Summary, MatrixError> {
+    run_contender_measured(cfg, contender, requests, interrupt)
+        .await
+        .map(|r| r.summary)
+}
+
+/// [`run_contender`], also returning the router's CPU and memory and how the
+/// contender was run.
+pub async fn run_contender_measured(
+    cfg: &MatrixConfig,
+    contender: &Contender,
+    requests: &[PreparedRequest],
+    interrupt: impl Future<Output = ()>,
+) -> Result<ContenderRun, MatrixError> {
     let mut procs = Vec::new();
     let result = tokio::select! {
         r = run_contender_inner(cfg, contender, requests, &mut procs) => r,
@@ -123,29 +559,30 @@ async fn run_contender_inner(
     contender: &Contender,
     requests: &[PreparedRequest],
     procs: &mut Vec<ChildProc>,
-) -> Result<Summary, MatrixError> {
+) -> Result<ContenderRun, MatrixError> {
     procs::require_binary(
         &cfg.engine_bin,
         "sim-engine",
         "build it with `cargo build --release -p bench` or pass --engine-bin",
     )?;
-    if matches!(contender, Contender::Router(_)) {
-        procs::require_binary(
-            &cfg.router_bin,
-            "cache-aware-router",
-            "build it with `cargo build --release --workspace` or pass --router-bin",
-        )?;
-    }
     let label = contender.label();
-    let dir = ScratchDir::new("trace-matrix", &label)?;
-    let names = engine_names(cfg.engines);
+    let (names, engine) = if *contender == Contender::Ideal {
+        let engine = EngineParams {
+            kv_blocks: cfg.ideal_kv_blocks,
+            time_factor: cfg.ideal_time_factor,
+            ..cfg.engine.clone()
+        };
+        (vec!["ideal".to_string()], engine)
+    } else {
+        (engine_names(cfg.engines), cfg.engine.clone())
+    };
     let mut urls = Vec::with_capacity(names.len());
     for (i, name) in names.iter().enumerate() {
         let port = cfg.base_port.map_or(0, |b| b.saturating_add(1 + i as u16));
         urls.push(
             start_engine(
                 &cfg.engine_bin,
-                &cfg.engine,
+                &engine,
                 name,
                 port,
                 cfg.startup_timeout,
@@ -154,26 +591,49 @@ async fn run_contender_inner(
             .await?,
         );
     }
-    let targets = match contender {
-        Contender::Direct => urls.clone(),
-        Contender::Router(policy) => {
+    let engines_how = format!(
+        "{} engine{} × {} KV blocks, time factor {}",
+        names.len(),
+        if names.len() == 1 { "" } else { "s" },
+        engine.kv_blocks,
+        engine.time_factor
+    );
+    let (targets, router) = match contender.router() {
+        None => (urls.clone(), None),
+        Some((kind, policy)) => {
             let port = match cfg.base_port {
                 Some(p) => p,
                 None => free_port()?,
             };
-            let yaml = router_config(policy, port, &urls);
-            vec![
-                start_router(
-                    &cfg.router_bin,
-                    &yaml,
-                    port,
-                    &dir,
-                    cfg.startup_timeout,
-                    procs,
-                )
-                .await?,
-            ]
+            let r = start_any_router(
+                kind,
+                policy,
+                &cfg.router_bin,
+                &cfg.peers,
+                &urls,
+                port,
+                &cfg.router_extra_yaml,
+                &cfg.engine.model,
+                cfg.startup_timeout,
+                procs,
+            )
+            .await?;
+            (vec![r.url.clone()], Some(r))
         }
+    };
+    let how = match &router {
+        Some(r) if matches!(contender, Contender::Peer(Peer::Vllm, _)) => {
+            format!(
+                "{}; {engines_how}; {}",
+                r.how,
+                render_status(&urls[0]).await
+            )
+        }
+        Some(r) => format!("{}; {engines_how}", r.how),
+        None if *contender == Contender::Ideal => {
+            format!("no router, every request to the one engine; {engines_how}")
+        }
+        None => format!("no router, client round robin; {engines_how}"),
     };
     let replay_cfg = ReplayConfig {
         urls: targets,
@@ -182,18 +642,47 @@ async fn run_contender_inner(
         request_timeout: cfg.request_timeout,
         progress_every: cfg.progress_every,
     };
+    let before = router
+        .as_ref()
+        .map(|r| procs::tree_usage(r.pid).unwrap_or_default());
+    let watch = procs::Disturbance::start(procs.iter().filter_map(ChildProc::pid).collect());
     let results = replay::run(requests, &replay_cfg).await?;
+    let other_cpu = watch.finish();
+    let decisions = match (&router, contender.router()) {
+        (Some(r), Some((RouterKind::Ours, _))) => routing_decisions(&r.url).await,
+        _ => None,
+    };
+    let usage = match (&router, before) {
+        (Some(r), Some(b)) => {
+            let a = procs::tree_usage(r.pid).unwrap_or_default();
+            let tick = procs::clock_ticks_per_sec() as f64;
+            Some(RouterUsage {
+                idle_rss_kib: b.rss_kib,
+                peak_rss_kib: a.hwm_kib,
+                cpu_s: a.cpu_ticks.saturating_sub(b.cpu_ticks) as f64 / tick,
+            })
+        }
+        _ => None,
+    };
+    let how = match decisions {
+        Some(d) => format!("{how}; routing decisions (its /metrics): {d}"),
+        None => how,
+    };
     if let Some(out) = &cfg.out_dir {
         write_results(out, &label, &results)?;
     }
     let summary = summarize(&results, &names);
-    if summary.errors > 0 && matches!(contender, Contender::Router(_)) {
-        eprintln!(
-            "router log tail ({label}):\n{}",
-            tail(&dir.path().join("router.log"), 20)
-        );
+    if summary.errors > 0
+        && let Some(r) = &router
+    {
+        eprintln!("router log tail ({label}):\n{}", r.log_tail(20));
     }
-    Ok(summary)
+    Ok(ContenderRun {
+        summary,
+        router: usage,
+        how,
+        other_cpu,
+    })
 }
 
 /// Writes one JSON line per request to `dir/<label>.jsonl`.
@@ -223,40 +712,170 @@ pub fn write_results(
     Ok(())
 }
 
-/// The comparison table (markdown), one row per contender.
-pub fn render_table(rows: &[(String, Result<Summary, String>)]) -> String {
+/// The comparison table (markdown), one row per contender. Hit rates are also
+/// shown as a share of the `ideal` row's, when there is one.
+pub fn render_table(rows: &[(String, Result<ContenderRun, String>)]) -> String {
+    let ideal_label = Contender::Ideal.label();
+    let ideal = rows.iter().find_map(|(l, r)| match r {
+        Ok(run) if *l == ideal_label && run.summary.hit_rate > 0.0 => Some(run.summary.hit_rate),
+        _ => None,
+    });
     let mut t = String::from(
-        "| policy | requests | errors | hit rate | TTFT p50 / p99 (ms) | throughput (req/s, out tok/s) | max/mean req per worker |\n\
-         | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+        "| contender | requests | errors | hit rate | of ideal | TTFT p50 / p99 (ms) | end-to-end p50 / p99 (ms) | throughput (req/s, out tok/s) | max/mean req per worker | router peak RSS | router CPU s |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
     );
     for (label, row) in rows {
         match row {
-            Ok(s) => {
+            Ok(run) => {
+                let s = &run.summary;
+                let of_ideal = ideal.map_or("–".to_string(), |i| {
+                    format!("{:.0} %", 100.0 * s.hit_rate / i)
+                });
+                let timing = if *label == ideal_label {
+                    "(reference) | (reference) | (reference)".to_string()
+                } else {
+                    format!(
+                        "{:.0} / {:.0} | {:.0} / {:.0} | {:.1} req/s, {:.0} tok/s",
+                        s.ttft_ms.p50,
+                        s.ttft_ms.p99,
+                        s.latency_ms.p50,
+                        s.latency_ms.p99,
+                        s.req_per_s,
+                        s.out_tok_per_s,
+                    )
+                };
+                let (rss, cpu) = match &run.router {
+                    Some(u) => (
+                        format!("{:.0} MiB", u.peak_rss_kib as f64 / 1024.0),
+                        format!("{:.1}", u.cpu_s),
+                    ),
+                    None => ("–".into(), "–".into()),
+                };
+                let spread = if s.per_engine.len() > 1 {
+                    format!("{:.2}", s.max_over_mean)
+                } else {
+                    "–".into()
+                };
                 let _ = writeln!(
                     t,
-                    "| {label} | {} | {} | {:.3} | {:.0} / {:.0} | {:.1} req/s, {:.0} tok/s | {:.2} |",
-                    s.requests,
-                    s.errors,
-                    s.hit_rate,
-                    s.ttft_ms.p50,
-                    s.ttft_ms.p99,
-                    s.req_per_s,
-                    s.out_tok_per_s,
-                    s.max_over_mean
+                    "| {label} | {} | {} | {:.3} | {of_ideal} | {timing} | {spread} | {rss} | {cpu} |",
+                    s.requests, s.errors, s.hit_rate,
                 );
             }
             Err(e) => {
                 let first = e.lines().next().unwrap_or("");
-                let _ = writeln!(t, "| {label} | – | – | – | – | – | failed: {first} |");
+                let _ = writeln!(
+                    t,
+                    "| {label} | – | – | – | – | – | – | – | – | – | failed: {first} |"
+                );
             }
         }
     }
     t
 }
 
+/// The replay targets, checked for our `cache_aware` row against the peers'
+/// rows and the `ideal` row: hit rate ≥ the best peer's, ≥ 90 % of the ideal's,
+/// max/mean requests per worker ≤ 1.2. One line per target; empty when the rows
+/// needed are missing.
+pub fn check_targets(rows: &[(String, Result<ContenderRun, String>)], ours: &str) -> String {
+    let ok = |label: &str| {
+        rows.iter().find_map(|(l, r)| match r {
+            Ok(run) if l == label => Some(&run.summary),
+            _ => None,
+        })
+    };
+    let Some(us) = ok(ours) else {
+        return String::new();
+    };
+    let mut out = String::new();
+    let mark = |met: bool| if met { "met" } else { "**MISSED**" };
+    let best_peer = rows
+        .iter()
+        .filter(|(l, _)| Peer::ALL.iter().any(|p| l.starts_with(p.name())))
+        .filter_map(|(l, r)| r.as_ref().ok().map(|run| (l, run.summary.hit_rate)))
+        .max_by(|a, b| a.1.total_cmp(&b.1));
+    if let Some((l, h)) = best_peer {
+        let _ = writeln!(
+            out,
+            "- hit rate ≥ best peer's: {:.3} vs {:.3} ({l}): {}",
+            us.hit_rate,
+            h,
+            mark(us.hit_rate >= h)
+        );
+    }
+    if let Some(ideal) = ok(&Contender::Ideal.label()) {
+        let share = if ideal.hit_rate > 0.0 {
+            us.hit_rate / ideal.hit_rate
+        } else {
+            0.0
+        };
+        let _ = writeln!(
+            out,
+            "- hit rate ≥ 90 % of the ideal's: {:.3} = {:.0} % of {:.3}: {}",
+            us.hit_rate,
+            share * 100.0,
+            ideal.hit_rate,
+            mark(share >= 0.9)
+        );
+    }
+    let _ = writeln!(
+        out,
+        "- max/mean requests per worker ≤ 1.2: {:.2}: {}",
+        us.max_over_mean,
+        mark(us.max_over_mean <= 1.2)
+    );
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn contenders_parse() {
+        assert_eq!(Contender::parse("direct"), Ok(Contender::Direct));
+        assert_eq!(Contender::parse(" ideal "), Ok(Contender::Ideal));
+        assert_eq!(
+            Contender::parse("sglang:cache_aware"),
+            Ok(Contender::Peer(Peer::Sglang, "cache_aware".into()))
+        );
+        assert_eq!(
+            Contender::parse("vllm-router:round_robin"),
+            Ok(Contender::Peer(Peer::Vllm, "round_robin".into()))
+        );
+        assert_eq!(
+            Contender::parse("least_load"),
+            Ok(Contender::Router("least_load".into()))
+        );
+        assert!(Contender::parse("nginx:x").is_err());
+        assert!(Contender::parse("vllm:").is_err());
+    }
+
+    #[test]
+    fn peer_commands_carry_only_what_they_need() {
+        let w = [
+            "http://127.0.0.1:1".to_string(),
+            "http://127.0.0.1:2".into(),
+        ];
+        let s = Peer::Sglang.command(Path::new("/v/bin/smg"), "cache_aware", 7, &w, Some("warn"));
+        assert_eq!(
+            s.args.join(" "),
+            "launch --host 127.0.0.1 --port 7 --policy cache_aware --log-level warn \
+             --worker-urls http://127.0.0.1:1 http://127.0.0.1:2"
+        );
+        let v = Peer::Vllm.command(Path::new("/v/bin/vllm-router"), "cache_aware", 7, &w, None);
+        assert_eq!(
+            v.args.join(" "),
+            "--host 127.0.0.1 --port 7 --policy cache_aware \
+             --worker-urls http://127.0.0.1:1 http://127.0.0.1:2"
+        );
+        let v = Peer::Vllm.command(Path::new("/v/bin/vllm-router"), "x", 7, &w, Some("warn"));
+        assert!(v.args.join(" ").contains("--log-level warning"));
+        assert!(v.display_line().starts_with(
+            "HF_ENDPOINT=http://127.0.0.1:9 HF_HUB_OFFLINE=1 /v/bin/vllm-router --host"
+        ));
+    }
 
     #[test]
     fn router_config_lists_workers_in_order() {

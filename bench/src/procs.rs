@@ -11,7 +11,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http_body_util::Empty;
+use http_body_util::{BodyExt, Full};
 use hyper::Uri;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
@@ -290,54 +290,158 @@ pub async fn start_router(
     let config_path = dir.0.join("config.yaml");
     std::fs::write(&config_path, yaml)
         .map_err(io_err(format!("write {}", config_path.display())))?;
+    let spec = RouterCommand {
+        name: "cache-aware-router".into(),
+        program: router_bin.to_path_buf(),
+        args: vec!["-c".into(), config_path.display().to_string()],
+        env: Vec::new(),
+        context: format!("--- its config ---\n{yaml}"),
+    };
+    start_router_command(&spec, port, dir, startup_timeout, None, procs).await
+}
+
+/// A router process described by its command line (ours, or a peer router such
+/// as sglang-router or vllm-router).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RouterCommand {
+    /// Process name for messages (`cache-aware-router`, `sglang-router`, ...).
+    pub name: String,
+    /// The executable.
+    pub program: PathBuf,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// Extra environment variables.
+    pub env: Vec<(String, String)>,
+    /// Shown with a start failure (e.g. the config file), may be empty.
+    pub context: String,
+}
+
+impl RouterCommand {
+    /// The command as one shell-like line (environment first), for reports.
+    pub fn display_line(&self) -> String {
+        let mut parts: Vec<String> = self
+            .env
+            .iter()
+            .map(|(k, v)| format!("{k}={}", shell_quote(v)))
+            .collect();
+        parts.push(shell_quote(&self.program.display().to_string()));
+        parts.extend(self.args.iter().map(|a| shell_quote(a)));
+        parts.join(" ")
+    }
+}
+
+/// `s` quoted for a POSIX shell when it holds anything but plain characters.
+pub fn shell_quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_./=,:+@%".contains(c))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
+}
+
+/// Starts `spec` (stdout and stderr to `dir/router.log`) and waits until it is
+/// ready on 127.0.0.1:`port`: `GET /health` answers a 2xx and, when `probe` is
+/// given, `POST /v1/chat/completions` with that body answers a 2xx too (a router
+/// may report healthy before it has registered its workers). Returns the base
+/// URL. The child is pushed onto `procs` first, so it is stopped with the others
+/// on failure.
+pub async fn start_router_command(
+    spec: &RouterCommand,
+    port: u16,
+    dir: &ScratchDir,
+    startup_timeout: Duration,
+    probe: Option<Bytes>,
+    procs: &mut Vec<ChildProc>,
+) -> Result<String, ProcError> {
     let log_path = dir.0.join("router.log");
     let log = std::fs::File::create(&log_path)
         .map_err(io_err(format!("create {}", log_path.display())))?;
     let log2 = log.try_clone().map_err(io_err("dup router log"))?;
-    let mut cmd = Command::new(router_bin);
-    cmd.arg("-c")
-        .arg(&config_path)
+    let mut cmd = Command::new(&spec.program);
+    cmd.args(&spec.args)
+        .envs(spec.env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
         .stdout(Stdio::from(log))
         .stderr(Stdio::from(log2))
         .kill_on_drop(true);
     let child = cmd.spawn().map_err(|source| ProcError::Spawn {
-        path: router_bin.display().to_string(),
+        path: spec.program.display().to_string(),
         source,
     })?;
     procs.push(ChildProc {
-        name: "cache-aware-router".into(),
+        name: spec.name.clone(),
         child,
     });
     let url = format!("http://127.0.0.1:{port}");
-    let health: Uri = format!("{url}/health")
-        .parse()
-        .map_err(|e| ProcError::NotReady(format!("bad health URL: {e}")))?;
-    let client: Client<HttpConnector, Empty<Bytes>> =
+    let bad = |e: hyper::http::uri::InvalidUri| ProcError::NotReady(format!("bad URL: {e}"));
+    let health: Uri = format!("{url}/health").parse().map_err(bad)?;
+    let chat: Uri = format!("{url}/v1/chat/completions").parse().map_err(bad)?;
+    let client: Client<HttpConnector, Full<Bytes>> =
         Client::builder(TokioExecutor::new()).build(HttpConnector::new());
     let deadline = Instant::now() + startup_timeout;
+    let name = &spec.name;
+    let failure = |what: String| {
+        ProcError::NotReady(format!(
+            "{what}\n{}--- its log (last 20 lines) ---\n{}",
+            if spec.context.is_empty() {
+                String::new()
+            } else {
+                format!("{}\n", spec.context.trim_end())
+            },
+            tail(&log_path, 20)
+        ))
+    };
+    let mut healthy = false;
     loop {
         if let Some(router) = procs.last_mut()
             && let Ok(Some(status)) = router.child.try_wait()
         {
-            return Err(ProcError::NotReady(format!(
-                "router exited ({status}) before answering GET /health\n\
-                 --- its config ---\n{yaml}--- its log (last 20 lines) ---\n{}",
-                tail(&log_path, 20)
+            return Err(failure(format!(
+                "{name} exited ({status}) before it was ready"
             )));
         }
-        let last =
-            match tokio::time::timeout(Duration::from_secs(1), client.get(health.clone())).await {
-                Ok(Ok(resp)) if resp.status().is_success() => return Ok(url),
+        let last = if healthy {
+            let req = hyper::Request::post(chat.clone())
+                .header(hyper::header::CONTENT_TYPE, "application/json")
+                .body(Full::new(probe.clone().unwrap_or_default()))
+                .map_err(|e| ProcError::NotReady(format!("cannot build the probe: {e}")))?;
+            match tokio::time::timeout(Duration::from_secs(5), async {
+                let resp = client.request(req).await?;
+                let status = resp.status();
+                // Read the body to its end so the probe is over before the run starts.
+                resp.into_body().collect().await?;
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(status)
+            })
+            .await
+            {
+                Ok(Ok(s)) if s.is_success() => return Ok(url),
+                Ok(Ok(s)) => format!("the probe request answered {s}"),
+                Ok(Err(e)) => format!("the probe request failed: {e}"),
+                Err(_) => "the probe request took over 5 s".to_string(),
+            }
+        } else {
+            let req = hyper::Request::get(health.clone())
+                .body(Full::new(Bytes::new()))
+                .map_err(|e| ProcError::NotReady(format!("cannot build GET /health: {e}")))?;
+            match tokio::time::timeout(Duration::from_secs(1), client.request(req)).await {
+                Ok(Ok(resp)) if resp.status().is_success() => {
+                    if probe.is_none() {
+                        return Ok(url);
+                    }
+                    healthy = true;
+                    continue;
+                }
                 Ok(Ok(resp)) => format!("GET /health answered {}", resp.status()),
                 Ok(Err(e)) => format!("GET /health failed: {e}"),
                 Err(_) => "GET /health took over 1 s".to_string(),
-            };
+            }
+        };
         if Instant::now() >= deadline {
-            return Err(ProcError::NotReady(format!(
-                "router not healthy within {startup_timeout:?} ({last})\n\
-                 --- its config ---\n{yaml}--- its log (last 20 lines) ---\n{}",
-                tail(&log_path, 20)
+            return Err(failure(format!(
+                "{name} not ready within {startup_timeout:?} ({last})"
             )));
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -385,6 +489,53 @@ pub fn proc_usage(pid: u32) -> std::io::Result<ProcUsage> {
         rss_kib: parse_status_kib(&status, "VmRSS").ok_or_else(|| bad("no VmRSS"))?,
         hwm_kib: parse_status_kib(&status, "VmHWM").ok_or_else(|| bad("no VmHWM"))?,
     })
+}
+
+/// `pid` and all its descendants (children, their children, ...), from the
+/// parent pids in `/proc/*/stat`; just `[pid]` where `/proc` cannot be listed.
+pub fn process_tree(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return vec![pid];
+    };
+    let parents: Vec<(u32, u32)> = entries
+        .filter_map(|e| {
+            let p: u32 = e.ok()?.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{p}/stat")).ok()?;
+            let rest = &stat[stat.rfind(')')? + 1..];
+            // rest: " state ppid ..."
+            let ppid: u32 = rest.split_whitespace().nth(1)?.parse().ok()?;
+            Some((p, ppid))
+        })
+        .collect();
+    let mut tree = vec![pid];
+    let mut i = 0;
+    while i < tree.len() {
+        let parent = tree[i];
+        tree.extend(
+            parents
+                .iter()
+                .filter(|&&(p, pp)| pp == parent && !tree.contains(&p))
+                .map(|&(p, _)| p)
+                .collect::<Vec<_>>(),
+        );
+        i += 1;
+    }
+    tree
+}
+
+/// [`ProcUsage`] of `pid` plus its descendants (see [`process_tree`]): CPU ticks
+/// and RSS add up; `hwm_kib` is the sum of each process's own peak (an upper
+/// bound of the tree's peak). Fails only if `pid` itself cannot be read.
+pub fn tree_usage(pid: u32) -> std::io::Result<ProcUsage> {
+    let mut total = proc_usage(pid)?;
+    for p in process_tree(pid).into_iter().skip(1) {
+        if let Ok(u) = proc_usage(p) {
+            total.cpu_ticks += u.cpu_ticks;
+            total.rss_kib += u.rss_kib;
+            total.hwm_kib += u.hwm_kib;
+        }
+    }
+    Ok(total)
 }
 
 /// Resets `VmHWM` of `pid` to its current RSS (writes `5` to `/proc/<pid>/clear_refs`,
@@ -436,6 +587,73 @@ pub fn parse_proc_stat_busy(line: &str) -> Option<MachineBusy> {
         tasks: user + nice + system + steal,
         interrupts: irq + softirq,
     })
+}
+
+/// CPU time used on the machine by processes outside a benchmark over an
+/// interval, to tell a run disturbed by unrelated load: machine busy time
+/// (`/proc/stat`) minus that of the given processes, their descendants and this
+/// process.
+#[derive(Debug, Clone)]
+pub struct Disturbance {
+    pids: Vec<u32>,
+    busy0: Option<MachineBusy>,
+    ours0: u64,
+    t0: std::time::Instant,
+}
+
+/// What [`Disturbance::finish`] measured, in CPU seconds.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct OtherCpu {
+    /// CPU time of every other process.
+    pub other_s: f64,
+    /// Wall time × CPUs: what the machine had.
+    pub capacity_s: f64,
+}
+
+impl std::fmt::Display for OtherCpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{:.1} CPU s ({:.0} % of the machine)",
+            self.other_s,
+            100.0 * self.other_s / self.capacity_s.max(1e-9)
+        )
+    }
+}
+
+impl Disturbance {
+    fn ours(pids: &[u32]) -> u64 {
+        pids.iter()
+            .chain([&std::process::id()])
+            .filter_map(|&p| tree_usage(p).ok())
+            .map(|u| u.cpu_ticks)
+            .sum()
+    }
+
+    /// Starts watching; `pids` are the benchmark's own processes (this one is
+    /// always counted as the benchmark's).
+    pub fn start(pids: Vec<u32>) -> Self {
+        Self {
+            busy0: machine_busy_ticks(),
+            ours0: Self::ours(&pids),
+            pids,
+            t0: std::time::Instant::now(),
+        }
+    }
+
+    /// Other processes' CPU time since [`Disturbance::start`]; `None` if
+    /// `/proc/stat` is unreadable.
+    pub fn finish(&self) -> Option<OtherCpu> {
+        let busy1 = machine_busy_ticks()?;
+        let busy0 = self.busy0?;
+        let ours = Self::ours(&self.pids).saturating_sub(self.ours0);
+        let tick = clock_ticks_per_sec() as f64;
+        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+        Some(OtherCpu {
+            other_s: busy1.tasks.saturating_sub(busy0.tasks).saturating_sub(ours) as f64 / tick,
+            capacity_s: self.t0.elapsed().as_secs_f64() * cpus,
+        })
+    }
 }
 
 /// `getconf CLK_TCK` (the unit of `/proc/<pid>/stat` times), 100 if unavailable.

@@ -56,8 +56,7 @@ use tokio::time::Instant;
 const CHAT: &str = "/v1/chat/completions";
 
 /// Shared by every small request and every tree prompt (~100 bytes).
-const SYSTEM: &str = "You are a concise assistant answering questions for the router \
-                      overhead benchmark. Reply in one short sentence.";
+const SYSTEM: &str = load::SMALL_SYSTEM;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Section {
@@ -377,28 +376,9 @@ fn in_flight(workers: &Value) -> Vec<u64> {
         .unwrap_or_default()
 }
 
-/// One small chat request body per index (256 distinct user messages, so the tree
-/// stays small): shared system prompt, `max_tokens`, streamed or not.
+/// One small chat request body per index: [`load::small_chat_bodies`].
 fn small_bodies(max_tokens: u64, stream: bool) -> BodyFn {
-    let bodies: Vec<Bytes> = (0..256)
-        .map(|k| {
-            let mut v = json!({
-                "model": "m",
-                "messages": [
-                    {"role": "system", "content": SYSTEM},
-                    {"role": "user", "content": format!("Question {k}: which river flows through city number {k}?")},
-                ],
-                "max_tokens": max_tokens,
-                "ignore_eos": true,
-            });
-            if stream {
-                v["stream"] = json!(true);
-                v["stream_options"] = json!({"include_usage": true});
-            }
-            Bytes::from(v.to_string())
-        })
-        .collect();
-    Arc::new(move |i| bodies[(i % bodies.len() as u64) as usize].clone())
+    load::small_chat_bodies(max_tokens, stream)
 }
 
 /// Distinct prompts for the tree fill: the shared system prompt, then a user

@@ -1,13 +1,16 @@
-//! `trace-matrix`: the project's demo. For each contender (router policy, or
-//! `direct` without a router) it starts cold `sim-engine` replicas and the router,
-//! replays the Mooncake slice through it, stops everything and prints one
-//! markdown table. Exits non-zero if a contender had errors or could not start.
+//! `trace-matrix`: the project's demo. For each contender (one of our router's
+//! policies, a peer router — `sglang:POLICY`, `vllm:POLICY` — `direct` without a
+//! router, or `ideal`: one engine with an unbounded KV cache) it starts cold
+//! `sim-engine` replicas and the router, replays the Mooncake slice through it,
+//! stops everything and prints one markdown table. Exits non-zero if a contender
+//! had errors or could not start. `bench/peers/run.sh` installs the peers and runs
+//! the comparison against them.
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use bench::matrix::{self, Contender, EngineParams, MatrixConfig, MatrixError};
+use bench::matrix::{self, Contender, EngineParams, MatrixConfig, MatrixError, PeerSetup};
 use bench::prompts::read_trace;
 use bench::replay;
 use clap::Parser;
@@ -33,7 +36,9 @@ struct Cli {
     /// engine load relative to arrivals is as at full scale].
     #[arg(long)]
     time_factor: Option<f64>,
-    /// Comma-separated contenders: router policies, and/or `direct`.
+    /// Comma-separated contenders: our router's policies; `sglang:POLICY` and
+    /// `vllm:POLICY` (peer routers, see --peer-venv); `direct` (client round robin,
+    /// no router); `ideal` (one engine with an unbounded KV cache, no router).
     #[arg(
         long,
         value_delimiter = ',',
@@ -77,6 +82,32 @@ struct Cli {
     /// cache-aware-router executable [default: next to this executable].
     #[arg(long)]
     router_bin: Option<PathBuf>,
+    /// Virtualenv holding the peer routers (`bin/smg`, `bin/vllm-router`), as
+    /// `bench/peers/run.sh` creates it.
+    #[arg(long, default_value = "/tmp/peers-venv")]
+    peer_venv: PathBuf,
+    /// sglang-router's `smg` [default: PEER_VENV/bin/smg].
+    #[arg(long)]
+    sglang_bin: Option<PathBuf>,
+    /// vllm-router's executable [default: PEER_VENV/bin/vllm-router].
+    #[arg(long)]
+    vllm_bin: Option<PathBuf>,
+    /// `--log-level` given to the peer routers (`warn`: as ours runs here, no line
+    /// per request; `default`: leave theirs, `info`).
+    #[arg(long, default_value = "warn")]
+    peer_log_level: String,
+    /// KV blocks of the `ideal` engine (0 = enough for every prompt token of the
+    /// slice, so it never evicts).
+    #[arg(long, default_value_t = 0)]
+    ideal_kv_blocks: usize,
+    /// Time factor of the `ideal` engine (0 = it answers at once: one engine cannot
+    /// keep up with four engines' load, and only its hit rate is a reference).
+    #[arg(long, default_value_t = 0.0)]
+    ideal_time_factor: f64,
+    /// YAML appended to our router's generated config, e.g.
+    /// `cache: {balance_abs_threshold: 64}` (experiments; default none).
+    #[arg(long, default_value = "")]
+    router_yaml: String,
     /// Router on this port, engines on the next ones [default: free ports].
     #[arg(long)]
     base_port: Option<u16>,
@@ -151,11 +182,7 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         .map(|p| p.trim())
         .filter(|p| !p.is_empty())
     {
-        let c = if p == "direct" {
-            Contender::Direct
-        } else {
-            Contender::Router(p.to_string())
-        };
+        let c = Contender::parse(p)?;
         if !contenders.contains(&c) {
             contenders.push(c);
         }
@@ -170,6 +197,24 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         return Err("--engines must be at least 1".into());
     }
     let time_factor = cli.time_factor.unwrap_or(cli.time_scale);
+    let mut peers = PeerSetup::from_venv(
+        &cli.peer_venv,
+        (cli.peer_log_level != "default").then(|| cli.peer_log_level.clone()),
+    );
+    if let Some(b) = &cli.sglang_bin {
+        peers.sglang_bin = b.clone();
+    }
+    if let Some(b) = &cli.vllm_bin {
+        peers.vllm_bin = b.clone();
+    }
+    let prompt_tokens: u64 = records.iter().map(|r| r.input_tokens()).sum();
+    // Every full block of every prompt, plus the chat template's few tokens per
+    // request: the ideal engine never evicts.
+    let ideal_kv_blocks = if cli.ideal_kv_blocks > 0 {
+        cli.ideal_kv_blocks
+    } else {
+        (prompt_tokens as usize + 64 * records.len()) / cli.block_size.max(1) + 1024
+    };
     let cfg = MatrixConfig {
         engine_bin: cli
             .engine_bin
@@ -199,6 +244,14 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         progress_every: (cli.progress_s > 0.0)
             .then(|| Duration::try_from_secs_f64(cli.progress_s).ok())
             .flatten(),
+        peers,
+        ideal_kv_blocks,
+        ideal_time_factor: cli.ideal_time_factor,
+        router_extra_yaml: if cli.router_yaml.is_empty() || cli.router_yaml.ends_with('\n') {
+            cli.router_yaml.clone()
+        } else {
+            format!("{}\n", cli.router_yaml)
+        },
     };
     let requests = replay::prepare(&records, &cli.model, cli.max_output_tokens, 0);
     let span_s = records
@@ -206,7 +259,6 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         .map_or(0, |r| r.timestamp)
         .saturating_sub(records[0].timestamp) as f64
         / 1000.0;
-    let prompt_tokens: u64 = records.iter().map(|r| r.input_tokens()).sum();
     let params = format!(
         "trace {} (first {} lines, {} prompt tokens, span {:.0} s) × time scale {} = {:.0} s per contender\n\
          {} engines × {} KV blocks of {} tokens ({:.2} M tokens each); prefill {} ms + {} µs/token (FIFO), \
@@ -234,12 +286,15 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     for c in &contenders {
         let label = c.label();
         eprintln!(
-            "== {label}: starting {} engines{}",
-            cfg.engines,
-            if matches!(c, Contender::Router(_)) {
-                " + router"
+            "== {label}: starting {}{}",
+            if *c == Contender::Ideal {
+                "1 engine".to_string()
             } else {
-                ""
+                format!("{} engines", cfg.engines)
+            },
+            match c.router() {
+                Some((kind, _)) => format!(" + {}", kind.name()),
+                None => String::new(),
             }
         );
         let t0 = Instant::now();
@@ -249,18 +304,19 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
                 std::future::pending::<()>().await;
             }
         };
-        let row = matrix::run_contender(&cfg, c, &requests, interrupt).await;
+        let row = matrix::run_contender_measured(&cfg, c, &requests, interrupt).await;
         if matches!(row, Err(MatrixError::Interrupted)) {
             return Ok(ExitCode::from(130));
         }
         let row = row.map_err(|e| e.to_string());
         match &row {
-            Ok(s) => {
+            Ok(run) => {
                 eprintln!(
-                    "{s}\n== {label}: done in {:.0} s",
+                    "{}\n== {label}: done in {:.0} s",
+                    run.summary,
                     t0.elapsed().as_secs_f64()
                 );
-                failed |= s.errors > 0;
+                failed |= run.summary.errors > 0;
             }
             Err(e) => {
                 eprintln!("== {label}: FAILED: {e}");
@@ -272,10 +328,47 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     println!("{params}\n");
     println!("{}", matrix::render_table(&rows));
     println!(
-        "hit rate = Σ cached / Σ prompt tokens from the engines' usage; TTFT is wall-clock ms at \
-         time factor {time_factor} (÷ {time_factor} ≈ full-scale simulated ms); \
-         open loop, so throughput follows the offered load unless a pool falls behind."
+        "hit rate = Σ cached / Σ prompt tokens from the engines' usage; TTFT and end-to-end are \
+         wall-clock ms at time factor {time_factor} (÷ {time_factor} ≈ full-scale simulated ms); \
+         open loop, so throughput follows the offered load unless a pool falls behind. Router \
+         peak RSS is VmHWM of the router process at the end of the replay, router CPU s its \
+         utime+stime during the replay (/proc). Routers are ready when GET /health and a \
+         1-token chat request answer 2xx."
     );
+    if contenders.contains(&Contender::Ideal) {
+        println!(
+            "ideal: ONE engine with {} KV blocks (the whole slice) at time factor {}, every \
+             request sent to it: the best hit rate the slice allows; its timings are not \
+             comparable (one engine, not four).",
+            cfg.ideal_kv_blocks, cfg.ideal_time_factor
+        );
+    }
+    println!("\nHow each contender ran:\n");
+    for (c, (label, row)) in contenders.iter().zip(&rows) {
+        match row {
+            Ok(run) => {
+                println!("- {label}: {}", run.how);
+                if let Some(o) = run.other_cpu {
+                    println!("  (other processes on the machine during the replay: {o})");
+                }
+            }
+            Err(_) => println!("- {label}: failed (see above)"),
+        }
+        if let Contender::Peer(p, _) = c {
+            let (t, a, r) = p.default_thresholds();
+            println!(
+                "  ({} defaults: cache_threshold {t}, balance_abs_threshold {a}, \
+                 balance_rel_threshold {r}; ours by default: 0.3, 2, 1.5)",
+                p.name()
+            );
+        }
+    }
+    if contenders.iter().any(|c| matches!(c, Contender::Peer(..))) {
+        let targets = matrix::check_targets(&rows, "cache_aware");
+        if !targets.is_empty() {
+            println!("\nTargets (our cache_aware):\n\n{targets}");
+        }
+    }
     Ok(if failed {
         ExitCode::FAILURE
     } else {

@@ -1,0 +1,774 @@
+//! `peer-overhead`: what each router costs per request, ours against the peer
+//! routers (sglang-router, vllm-router), measured against `sim-engine` replicas on
+//! 127.0.0.1 that answer at once, printed as markdown tables.
+//!
+//! For each engine count (`--engines`, default 1 and 2) the engines are started
+//! once; then each router in turn (`--routers`, each with `--policy`, default
+//! `cache_aware`) is started in front of them, and for each mode (non-streamed,
+//! streamed) and concurrency (`--concurrency`, default 1, 64, 512) a cell runs:
+//! warm-up, then half the direct time straight to the engines (client round
+//! robin), the router time through the router, the other half direct again, so
+//! drift cancels. added = through the router − direct, per percentile. The router
+//! is stopped before the next one starts. Load is closed-loop ([`bench::load`]):
+//! one keep-alive connection per concurrent client, small chat requests
+//! (`max_tokens` 8); every cell is bounded in time and count.
+//!
+//! Peers run from their PyPI packages in a virtualenv (`bench/peers/run.sh` makes
+//! it) with only what they need to run: address, worker URLs, policy, and the same
+//! log level as ours (`--peer-log-level`, default `warn`).
+//!
+//! Usage: `cargo build --release --workspace`, then `target/release/peer-overhead`
+//! (about 4 minutes on 2 cores).
+
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use bench::load::{self, LoadResult, LoadSpec};
+use bench::matrix::{self, Peer, PeerSetup, RouterKind, StartedRouter};
+use bench::procs::{self, ChildProc, EngineParams, ProcUsage};
+use bench::stats::Percentiles;
+use clap::{Parser, ValueEnum};
+use tokio::time::Instant;
+
+const CHAT: &str = "/v1/chat/completions";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+enum RouterArg {
+    /// cache-aware-router (this project).
+    Ours,
+    /// sglang-router.
+    Sglang,
+    /// vllm-router.
+    Vllm,
+}
+
+impl RouterArg {
+    fn kind(self) -> RouterKind {
+        match self {
+            RouterArg::Ours => RouterKind::Ours,
+            RouterArg::Sglang => RouterKind::Peer(Peer::Sglang),
+            RouterArg::Vllm => RouterKind::Peer(Peer::Vllm),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+enum Mode {
+    /// Non-streamed: one JSON answer.
+    Plain,
+    /// Streamed (SSE), timed to the end of the stream and to the first byte.
+    Stream,
+}
+
+/// Added latency and requests/s of cache-aware-router, sglang-router and
+/// vllm-router over simulated engines on 127.0.0.1.
+#[derive(Debug, Parser)]
+#[command(name = "peer-overhead", version)]
+struct Cli {
+    /// Routers, comma-separated: ours, sglang, vllm.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "ours,sglang,vllm"
+    )]
+    routers: Vec<RouterArg>,
+    /// Routing policy given to every router.
+    #[arg(long, default_value = "cache_aware")]
+    policy: String,
+    /// Engine counts behind each router, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,2")]
+    engines: Vec<usize>,
+    /// Concurrent clients (= connections), comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "1,64,512")]
+    concurrency: Vec<usize>,
+    /// Modes, comma-separated: plain (non-streamed), stream.
+    #[arg(
+        long,
+        value_enum,
+        value_delimiter = ',',
+        default_value = "plain,stream"
+    )]
+    modes: Vec<Mode>,
+    /// Time through the router per cell, in s (direct gets the same, in two halves).
+    #[arg(long, default_value_t = 2.0)]
+    cell_s: f64,
+    /// Warm-up per cell and target, in s (not measured).
+    #[arg(long, default_value_t = 0.5)]
+    warm_s: f64,
+    /// Most requests per measured run.
+    #[arg(long, default_value_t = 500_000)]
+    cell_max_requests: u64,
+    /// max_tokens of the small chat requests.
+    #[arg(long, default_value_t = 8)]
+    max_tokens: u64,
+    /// Virtualenv holding the peer routers (`bin/smg`, `bin/vllm-router`).
+    #[arg(long, default_value = "/tmp/peers-venv")]
+    peer_venv: PathBuf,
+    /// sglang-router's `smg` [default: PEER_VENV/bin/smg].
+    #[arg(long)]
+    sglang_bin: Option<PathBuf>,
+    /// vllm-router's executable [default: PEER_VENV/bin/vllm-router].
+    #[arg(long)]
+    vllm_bin: Option<PathBuf>,
+    /// `--log-level` given to the peers (`warn`: as ours runs here, no line per
+    /// request; `default`: leave theirs, `info`, where sglang-router logs two lines
+    /// per request).
+    #[arg(long, default_value = "warn")]
+    peer_log_level: String,
+    /// sim-engine executable [default: next to this executable].
+    #[arg(long)]
+    engine_bin: Option<PathBuf>,
+    /// cache-aware-router executable [default: next to this executable].
+    #[arg(long)]
+    router_bin: Option<PathBuf>,
+    /// Longest wait for engines and a router to be ready, in s.
+    #[arg(long, default_value_t = 60.0)]
+    startup_timeout_s: f64,
+    /// Limit per request, in s.
+    #[arg(long, default_value_t = 30.0)]
+    request_timeout_s: f64,
+}
+
+fn secs(v: f64, flag: &str) -> Result<Duration, String> {
+    Duration::try_from_secs_f64(v).map_err(|_| format!("{flag} must be a finite number >= 0"))
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    // 512 client connections plus the routers' own: raise the soft fd limit.
+    let _ = rlimit::increase_nofile_limit(u64::MAX);
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("peer-overhead: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    // Ctrl-C drops the run, whose children are kill-on-drop.
+    rt.block_on(async {
+        tokio::select! {
+            code = run(cli) => code,
+            _ = tokio::signal::ctrl_c() => {
+                eprintln!("peer-overhead: interrupted");
+                ExitCode::from(130)
+            }
+        }
+    })
+}
+
+async fn run(cli: Cli) -> ExitCode {
+    match try_run(cli).await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("peer-overhead: {e}");
+            ExitCode::from(2)
+        }
+    }
+}
+
+/// One measured cell.
+struct Cell {
+    router: RouterKind,
+    engines: usize,
+    mode: Mode,
+    c: usize,
+    direct: LoadResult,
+    via: LoadResult,
+    router_cpu_us_per_req: f64,
+}
+
+impl Cell {
+    fn added(&self, p: fn(&Percentiles) -> f64, ttfb: bool) -> f64 {
+        let (d, v) = if ttfb {
+            (self.direct.ttfb_us(), self.via.ttfb_us())
+        } else {
+            (self.direct.latency_us(), self.via.latency_us())
+        };
+        p(&v) - p(&d)
+    }
+
+    fn errors(&self) -> u64 {
+        self.direct.errors + self.via.errors
+    }
+}
+
+/// What one router process used over all its cells.
+struct RouterRun {
+    router: RouterKind,
+    engines: usize,
+    how: String,
+    idle: ProcUsage,
+    end: ProcUsage,
+    other: Option<procs::OtherCpu>,
+    error: Option<String>,
+}
+
+fn addr_of(url: &str) -> Result<SocketAddr, String> {
+    url.trim_start_matches("http://")
+        .trim_end_matches('/')
+        .parse()
+        .map_err(|e| format!("cannot read an address from {url:?}: {e}"))
+}
+
+fn machine_facts() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let cpuinfo = read("/proc/cpuinfo");
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|v| v.trim_start_matches([' ', '\t', ':']))
+        })
+        .unwrap_or("unknown")
+        .to_string();
+    let mem = procs::parse_status_kib(&read("/proc/meminfo"), "MemTotal").unwrap_or(0);
+    let nproc = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!(
+        "machine: nproc {nproc}, {model}, {:.1} GiB RAM, Linux {}; load generator, routers and \
+         engines on the same machine over 127.0.0.1",
+        mem as f64 / (1024.0 * 1024.0),
+        read("/proc/sys/kernel/osrelease").trim()
+    )
+}
+
+struct Ctx {
+    cli: Cli,
+    engine_bin: PathBuf,
+    router_bin: PathBuf,
+    peers: PeerSetup,
+    startup: Duration,
+    request_timeout: Duration,
+    cell: Duration,
+    warm: Duration,
+    clk_tck: f64,
+}
+
+impl Ctx {
+    fn spec(&self, targets: Vec<SocketAddr>, c: usize, d: Duration, stream: bool) -> LoadSpec {
+        LoadSpec {
+            targets,
+            path: CHAT.into(),
+            concurrency: c,
+            max_requests: self.cli.cell_max_requests,
+            max_duration: d,
+            request_timeout: self.request_timeout,
+            stream,
+            body: load::small_chat_bodies(self.cli.max_tokens, stream),
+            stop: None,
+            progress: None,
+        }
+    }
+}
+
+async fn try_run(cli: Cli) -> Result<bool, String> {
+    if cli.engines.contains(&0) {
+        return Err("--engines values must be at least 1".into());
+    }
+    let mut peers = PeerSetup::from_venv(
+        &cli.peer_venv,
+        (cli.peer_log_level != "default").then(|| cli.peer_log_level.clone()),
+    );
+    if let Some(b) = &cli.sglang_bin {
+        peers.sglang_bin = b.clone();
+    }
+    if let Some(b) = &cli.vllm_bin {
+        peers.vllm_bin = b.clone();
+    }
+    let ctx = Ctx {
+        engine_bin: cli
+            .engine_bin
+            .clone()
+            .unwrap_or_else(|| procs::sibling_binary("sim-engine")),
+        router_bin: cli
+            .router_bin
+            .clone()
+            .unwrap_or_else(|| procs::sibling_binary("cache-aware-router")),
+        peers,
+        startup: secs(cli.startup_timeout_s, "--startup-timeout-s")?,
+        request_timeout: secs(cli.request_timeout_s, "--request-timeout-s")?,
+        cell: secs(cli.cell_s, "--cell-s")?,
+        warm: secs(cli.warm_s, "--warm-s")?,
+        clk_tck: procs::clock_ticks_per_sec() as f64,
+        cli,
+    };
+    procs::require_binary(
+        &ctx.engine_bin,
+        "sim-engine",
+        "build it with `cargo build --release --workspace` or pass --engine-bin",
+    )
+    .map_err(|e| e.to_string())?;
+    let command: Vec<String> = std::env::args().map(|a| procs::shell_quote(&a)).collect();
+    println!("# Router overhead: ours vs the peer routers\n");
+    println!("command: `{}`  ", command.join(" "));
+    println!("{}\n", machine_facts());
+    let t0 = Instant::now();
+    let mut cells: Vec<Cell> = Vec::new();
+    let mut runs: Vec<RouterRun> = Vec::new();
+    for &n in &ctx.cli.engines {
+        let mut procs_engines = Vec::new();
+        let r = engines_round(&ctx, n, &mut procs_engines, &mut cells, &mut runs).await;
+        procs::stop_all(procs_engines).await;
+        r?;
+    }
+    let text = report(&ctx, &cells, &runs, t0.elapsed());
+    println!("{text}");
+    let ok = cells.iter().all(|c| c.errors() == 0) && runs.iter().all(|r| r.error.is_none());
+    Ok(ok)
+}
+
+/// Starts `n` engines, then each router in front of them in turn.
+async fn engines_round(
+    ctx: &Ctx,
+    n: usize,
+    procs_engines: &mut Vec<ChildProc>,
+    cells: &mut Vec<Cell>,
+    runs: &mut Vec<RouterRun>,
+) -> Result<(), String> {
+    let params = EngineParams {
+        kv_blocks: 65_536,
+        block_size: 16,
+        ttft_base_ms: 20.0,
+        prefill_us_per_token: 80.0,
+        itl_ms: 15.0,
+        time_factor: 0.0,
+        max_output_tokens: 4096,
+        model: "m".into(),
+    };
+    let mut urls = Vec::with_capacity(n);
+    for i in 0..n {
+        urls.push(
+            procs::start_engine(
+                &ctx.engine_bin,
+                &params,
+                &format!("e{i}"),
+                0,
+                ctx.startup,
+                procs_engines,
+            )
+            .await
+            .map_err(|e| e.to_string())?,
+        );
+    }
+    let direct: Vec<SocketAddr> = urls.iter().map(|u| addr_of(u)).collect::<Result<_, _>>()?;
+    let render = if ctx.cli.routers.contains(&RouterArg::Vllm) {
+        Some(matrix::render_status(&urls[0]).await)
+    } else {
+        None
+    };
+    for &r in &ctx.cli.routers {
+        let kind = r.kind();
+        eprintln!("== {} in front of {n} engine(s)", kind.name());
+        let mut procs_router = Vec::new();
+        let started = start(ctx, kind, &urls, &mut procs_router).await;
+        let run = match started {
+            Ok(router) => {
+                let mut how = router.how.clone();
+                if let (RouterArg::Vllm, Some(note)) = (r, &render) {
+                    let _ = write!(how, "; {note}");
+                }
+                let idle = procs::tree_usage(router.pid).unwrap_or_default();
+                let watch = procs::Disturbance::start(
+                    procs_engines
+                        .iter()
+                        .chain(procs_router.iter())
+                        .filter_map(ChildProc::pid)
+                        .collect(),
+                );
+                let res = measure_router(ctx, kind, n, &direct, &router, cells).await;
+                let other = watch.finish();
+                let end = procs::tree_usage(router.pid).unwrap_or_default();
+                if res.is_err() {
+                    eprintln!("router log tail:\n{}", router.log_tail(20));
+                }
+                RouterRun {
+                    router: kind,
+                    engines: n,
+                    how,
+                    idle,
+                    end,
+                    other,
+                    error: res.err(),
+                }
+            }
+            Err(e) => RouterRun {
+                router: kind,
+                engines: n,
+                how: String::new(),
+                idle: ProcUsage::default(),
+                end: ProcUsage::default(),
+                other: None,
+                error: Some(e),
+            },
+        };
+        if let Some(e) = &run.error {
+            eprintln!("   FAILED: {e}");
+        }
+        runs.push(run);
+        procs::stop_all(procs_router).await;
+    }
+    Ok(())
+}
+
+async fn start(
+    ctx: &Ctx,
+    kind: RouterKind,
+    urls: &[String],
+    procs_router: &mut Vec<ChildProc>,
+) -> Result<StartedRouter, String> {
+    let port = procs::free_port().map_err(|e| e.to_string())?;
+    matrix::start_any_router(
+        kind,
+        &ctx.cli.policy,
+        &ctx.router_bin,
+        &ctx.peers,
+        urls,
+        port,
+        "",
+        "m",
+        ctx.startup,
+        procs_router,
+    )
+    .await
+    .map_err(|e| e.to_string())
+}
+
+/// Every (mode, concurrency) cell for one router.
+async fn measure_router(
+    ctx: &Ctx,
+    kind: RouterKind,
+    n: usize,
+    direct: &[SocketAddr],
+    router: &StartedRouter,
+    cells: &mut Vec<Cell>,
+) -> Result<(), String> {
+    let via = vec![addr_of(&router.url)?];
+    let half = ctx.cell / 2;
+    for &mode in &ctx.cli.modes {
+        let stream = mode == Mode::Stream;
+        for &c in &ctx.cli.concurrency {
+            eprintln!("   {mode:?} c={c}");
+            for t in [direct.to_vec(), via.clone()] {
+                load::run(&ctx.spec(t, c, ctx.warm, stream)).await;
+            }
+            let mut d = load::run(&ctx.spec(direct.to_vec(), c, half, stream)).await;
+            let u0 = procs::tree_usage(router.pid).map_err(|e| format!("router gone: {e}"))?;
+            let v = load::run(&ctx.spec(via.clone(), c, ctx.cell, stream)).await;
+            let u1 = procs::tree_usage(router.pid).map_err(|e| format!("router gone: {e}"))?;
+            d.merge(load::run(&ctx.spec(direct.to_vec(), c, half, stream)).await);
+            // Both direct halves ran for `half` each: their wall time adds up.
+            for (r, what) in [(&d, "direct"), (&v, "router")] {
+                if let Some(e) = &r.first_error {
+                    eprintln!("   {what}: {} errors, first: {e}", r.errors);
+                }
+            }
+            let cpu_s = u1.cpu_ticks.saturating_sub(u0.cpu_ticks) as f64 / ctx.clk_tck;
+            cells.push(Cell {
+                router: kind,
+                engines: n,
+                mode,
+                c,
+                router_cpu_us_per_req: cpu_s * 1e6 / v.samples.len().max(1) as f64,
+                direct: d,
+                via: v,
+            });
+        }
+    }
+    Ok(())
+}
+
+fn mib(kib: u64) -> String {
+    format!("{:.0} MiB", kib as f64 / 1024.0)
+}
+
+fn report(ctx: &Ctx, cells: &[Cell], runs: &[RouterRun], took: Duration) -> String {
+    let mut t = String::new();
+    let cli = &ctx.cli;
+    let _ = writeln!(
+        t,
+        "Engines answer at once (time factor 0). Small chat requests ({} bytes of JSON, \
+         max_tokens {}), closed loop, one keep-alive connection per client; per cell: warm-up \
+         {:.1} s to each target, then direct {:.1} s (client round robin over the engines), \
+         router {:.1} s, direct {:.1} s. µs; added = router − direct per percentile. Router CPU \
+         µs/req = its utime+stime (/proc) over the router run / requests. Policy \
+         `{}` for every router. Took {:.0} s.\n",
+        load::small_chat_bodies(cli.max_tokens, false)(0).len(),
+        cli.max_tokens,
+        cli.warm_s,
+        cli.cell_s / 2.0,
+        cli.cell_s,
+        cli.cell_s / 2.0,
+        cli.policy,
+        took.as_secs_f64()
+    );
+    for &mode in &cli.modes {
+        let stream = mode == Mode::Stream;
+        let _ = writeln!(
+            t,
+            "### {}\n",
+            if stream {
+                "Streamed (latency to the end of the stream; TTFB to the first body byte)"
+            } else {
+                "Non-streamed"
+            }
+        );
+        t.push_str("| router | engines | c | direct p50 / p99 | via router p50 / p99 | **added p50 / p99** |");
+        if stream {
+            t.push_str(" added TTFB p50 / p99 |");
+        }
+        t.push_str(" req/s via router (direct) | router CPU µs/req | errors |\n| --- | ---: | ---: | ---: | ---: | ---: |");
+        if stream {
+            t.push_str(" ---: |");
+        }
+        t.push_str(" ---: | ---: | ---: |\n");
+        for cell in cells.iter().filter(|c| c.mode == mode) {
+            let (d, v) = (cell.direct.latency_us(), cell.via.latency_us());
+            let _ = write!(
+                t,
+                "| {} | {} | {} | {:.0} / {:.0} | {:.0} / {:.0} | **{:+.0} / {:+.0}** |",
+                cell.router.name(),
+                cell.engines,
+                cell.c,
+                d.p50,
+                d.p99,
+                v.p50,
+                v.p99,
+                cell.added(|p| p.p50, false),
+                cell.added(|p| p.p99, false),
+            );
+            if stream {
+                let _ = write!(
+                    t,
+                    " {:+.0} / {:+.0} |",
+                    cell.added(|p| p.p50, true),
+                    cell.added(|p| p.p99, true)
+                );
+            }
+            let _ = writeln!(
+                t,
+                " {:.0} ({:.0}) | {:.0} | {} / {} |",
+                cell.via.req_per_s(),
+                cell.direct.req_per_s(),
+                cell.router_cpu_us_per_req,
+                cell.direct.errors,
+                cell.via.errors
+            );
+        }
+        t.push('\n');
+    }
+    t.push_str(&compact(cli, cells));
+    // Peak requests/s per router and engine count.
+    t.push_str(
+        "### Most requests/s through each router (best cell), and its memory\n\n\
+         | router | engines | max req/s non-streamed (at c) | max req/s streamed (at c) | router RSS idle / peak | router CPU s in all | other processes' CPU meanwhile |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+    );
+    let best = |k: RouterKind, n: usize, m: Mode| {
+        cells
+            .iter()
+            .filter(|c| c.router == k && c.engines == n && c.mode == m)
+            .map(|c| (c.via.req_per_s(), c.c))
+            .max_by(|a, b| a.0.total_cmp(&b.0))
+    };
+    let cell_str =
+        |b: Option<(f64, usize)>| b.map_or("–".into(), |(r, c)| format!("{r:.0} ({c})"));
+    for r in runs {
+        if let Some(e) = &r.error {
+            let _ = writeln!(
+                t,
+                "| {} | {} | failed: {} | | | | |",
+                r.router.name(),
+                r.engines,
+                e.lines().next().unwrap_or("")
+            );
+            continue;
+        }
+        let _ = writeln!(
+            t,
+            "| {} | {} | {} | {} | {} / {} | {:.1} | {} |",
+            r.router.name(),
+            r.engines,
+            cell_str(best(r.router, r.engines, Mode::Plain)),
+            cell_str(best(r.router, r.engines, Mode::Stream)),
+            mib(r.idle.rss_kib),
+            mib(r.end.hwm_kib),
+            r.end.cpu_ticks.saturating_sub(r.idle.cpu_ticks) as f64 / ctx.clk_tck,
+            r.other.map_or("–".into(), |o| o.to_string()),
+        );
+    }
+    t.push_str("\nHow each router ran:\n\n");
+    let mut seen = Vec::new();
+    for r in runs {
+        if seen.contains(&(r.router, r.engines)) || r.how.is_empty() {
+            continue;
+        }
+        seen.push((r.router, r.engines));
+        let _ = writeln!(
+            t,
+            "- {} ({} engine{}): {}",
+            r.router.name(),
+            r.engines,
+            if r.engines == 1 { "" } else { "s" },
+            r.how
+        );
+    }
+    t.push('\n');
+    t.push_str(&targets(cells, runs));
+    t
+}
+
+/// One row per router, engine count and mode; one column per concurrency:
+/// added p50 / p99 and requests/s through the router.
+fn compact(cli: &Cli, cells: &[Cell]) -> String {
+    let mut t = String::from(
+        "### Summary: added latency p50 / p99 (µs) and requests/s through the router\n\n\
+         | router | engines | mode |",
+    );
+    for c in &cli.concurrency {
+        let _ = write!(t, " c={c} |");
+    }
+    t.push_str("\n| --- | ---: | --- |");
+    t.push_str(&" ---: |".repeat(cli.concurrency.len()));
+    t.push('\n');
+    let mut keys: Vec<(RouterKind, usize, Mode)> = Vec::new();
+    for cell in cells {
+        let k = (cell.router, cell.engines, cell.mode);
+        if !keys.contains(&k) {
+            keys.push(k);
+        }
+    }
+    // Ours first, then the peers, each by engines then mode (cells run engines-major).
+    keys.sort_by_key(|&(r, n, m)| (n, m == Mode::Stream, r != RouterKind::Ours));
+    for (r, n, m) in keys {
+        let _ = write!(
+            t,
+            "| {} | {n} | {} |",
+            r.name(),
+            if m == Mode::Stream {
+                "streamed"
+            } else {
+                "non-streamed"
+            }
+        );
+        for &c in &cli.concurrency {
+            match cells
+                .iter()
+                .find(|x| x.router == r && x.engines == n && x.mode == m && x.c == c)
+            {
+                Some(x) => {
+                    let _ = write!(
+                        t,
+                        " {:+.0} / {:+.0}, {:.1}k/s |",
+                        x.added(|p| p.p50, false),
+                        x.added(|p| p.p99, false),
+                        x.via.req_per_s() / 1000.0
+                    );
+                }
+                None => t.push_str(" – |"),
+            }
+        }
+        t.push('\n');
+    }
+    t.push('\n');
+    t
+}
+
+/// Our router against the best peer: added p50 per cell, and best requests/s.
+fn targets(cells: &[Cell], runs: &[RouterRun]) -> String {
+    let mut t = String::new();
+    let peers: Vec<RouterKind> = runs
+        .iter()
+        .map(|r| r.router)
+        .filter(|&k| k != RouterKind::Ours)
+        .fold(Vec::new(), |mut v, k| {
+            if !v.contains(&k) {
+                v.push(k);
+            }
+            v
+        });
+    if peers.is_empty() || !runs.iter().any(|r| r.router == RouterKind::Ours) {
+        return t;
+    }
+    t.push_str("Targets (ours against the best peer in the same cell):\n\n");
+    let mut met = 0;
+    let mut missed = Vec::new();
+    for ours in cells.iter().filter(|c| c.router == RouterKind::Ours) {
+        let best_peer = cells
+            .iter()
+            .filter(|c| {
+                c.router != RouterKind::Ours
+                    && c.engines == ours.engines
+                    && c.mode == ours.mode
+                    && c.c == ours.c
+            })
+            .map(|c| (c.added(|p| p.p50, false), c.router))
+            .min_by(|a, b| a.0.total_cmp(&b.0));
+        let Some((peer_added, peer)) = best_peer else {
+            continue;
+        };
+        let us = ours.added(|p| p.p50, false);
+        if us <= peer_added {
+            met += 1;
+        } else {
+            missed.push(format!(
+                "{:?} c={} {} engine(s): ours {us:+.0} µs vs {} {peer_added:+.0} µs",
+                ours.mode,
+                ours.c,
+                ours.engines,
+                peer.name()
+            ));
+        }
+    }
+    let _ = writeln!(
+        t,
+        "- added latency p50 ≤ the best peer's: met in {met} of {} cells{}",
+        met + missed.len(),
+        if missed.is_empty() {
+            String::new()
+        } else {
+            format!("; **MISSED** in: {}", missed.join("; "))
+        }
+    );
+    let engines: Vec<usize> = runs.iter().map(|r| r.engines).fold(Vec::new(), |mut v, n| {
+        if !v.contains(&n) {
+            v.push(n);
+        }
+        v
+    });
+    for n in engines {
+        let best = |k: RouterKind| {
+            cells
+                .iter()
+                .filter(|c| c.router == k && c.engines == n && c.mode == Mode::Plain)
+                .map(|c| c.via.req_per_s())
+                .fold(0.0, f64::max)
+        };
+        let ours = best(RouterKind::Ours);
+        let Some((peer, peer_rps)) = peers
+            .iter()
+            .map(|&k| (k, best(k)))
+            .max_by(|a, b| a.1.total_cmp(&b.1))
+        else {
+            continue;
+        };
+        if peer_rps <= 0.0 {
+            continue;
+        }
+        let ratio = ours / peer_rps;
+        let _ = writeln!(
+            t,
+            "- requests/s ≥ 1.5 × the best peer's ({n} engine(s), non-streamed, best cell): \
+             {ours:.0} vs {peer_rps:.0} ({}) = {ratio:.2}×: {}",
+            peer.name(),
+            if ratio >= 1.5 { "met" } else { "**MISSED**" }
+        );
+    }
+    t
+}
