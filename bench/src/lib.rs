@@ -12,8 +12,10 @@
 //! load     closed-loop HTTP load (one keep-alive connection per worker), bursts
 //! ```
 //!
-//! Binaries: `sim-engine`, `replay`, `trace-matrix` (the demo), `overhead` (what the
-//! Binaries: `sim-engine`, `replay`, `trace-matrix` (the demo; also the peer routers), `overhead` (what the
+//! Binaries: `sim-engine`, `replay`, `trace-matrix` (the demo; also runs the peer
+//! routers), `overhead` (what the router costs: added latency, saturation, 5,000
+//! streams, tree memory), `peer-overhead` (the same against sglang-router and
+//! vllm-router; `bench/peers/run.sh` installs them and runs both comparisons).
 
 #![forbid(unsafe_code)]
 
