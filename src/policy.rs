@@ -272,13 +272,14 @@ pub fn pick_random(candidates: &[Candidate], text_len: usize, rng: &mut impl Rng
     Pick::load_only(w, text_len)
 }
 
+/// Shared test inputs for the pick functions (here and in `precise::score`).
 #[cfg(test)]
-mod tests {
-    use super::*;
-    use rand::SeedableRng;
-    use rand::rngs::StdRng;
+pub(crate) mod fixtures {
+    use super::{CacheParams, Candidate};
+    use crate::tree::WorkerId;
 
-    fn params() -> CacheParams {
+    /// The design.md defaults.
+    pub(crate) fn params() -> CacheParams {
         CacheParams {
             threshold: 0.3,
             match_abs_threshold: 8192,
@@ -287,7 +288,8 @@ mod tests {
         }
     }
 
-    fn cands(loads: &[usize]) -> Vec<Candidate> {
+    /// Usable cache-aware workers with these loads, ids in order.
+    pub(crate) fn cands(loads: &[usize]) -> Vec<Candidate> {
         loads
             .iter()
             .enumerate()
@@ -299,6 +301,15 @@ mod tests {
             })
             .collect()
     }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    use super::fixtures::{cands, params};
 
     fn rng() -> StdRng {
         StdRng::seed_from_u64(7)

@@ -668,6 +668,20 @@ pub fn clock_ticks_per_sec() -> u64 {
         .unwrap_or(100)
 }
 
+/// A CLI seconds value as a [`std::time::Duration`]; errors name the flag.
+pub fn secs(v: f64, flag: &str) -> Result<std::time::Duration, String> {
+    std::time::Duration::try_from_secs_f64(v)
+        .map_err(|_| format!("{flag} must be a finite number >= 0"))
+}
+
+/// The socket address of an `http://host:port[/]` URL.
+pub fn addr_of(url: &str) -> Result<std::net::SocketAddr, String> {
+    url.trim_start_matches("http://")
+        .trim_end_matches('/')
+        .parse()
+        .map_err(|e| format!("cannot read an address from {url:?}: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

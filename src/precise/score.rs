@@ -76,27 +76,7 @@ mod tests {
     use rand::SeedableRng;
     use rand::rngs::StdRng;
 
-    fn params() -> CacheParams {
-        CacheParams {
-            threshold: 0.3,
-            match_abs_threshold: 8192,
-            balance_abs_threshold: 2,
-            balance_rel_threshold: 1.5,
-        }
-    }
-
-    fn cands(loads: &[usize]) -> Vec<Candidate> {
-        loads
-            .iter()
-            .enumerate()
-            .map(|(i, &load)| Candidate {
-                id: WorkerId(i as u32),
-                load,
-                usable: true,
-                cache_aware: true,
-            })
-            .collect()
-    }
+    use crate::policy::fixtures::{cands, params};
 
     fn pick(loads: &[usize], matched: &[Option<usize>]) -> Pick {
         pick_precise(

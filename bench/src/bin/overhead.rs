@@ -40,7 +40,7 @@ use std::time::Duration;
 
 use bench::load::{self, BodyFn, BurstSpec, LoadSpec};
 use bench::matrix::router_config;
-use bench::procs::{self, ChildProc, EngineParams, ProcUsage, ScratchDir};
+use bench::procs::{self, ChildProc, EngineParams, ProcUsage, ScratchDir, addr_of, secs};
 use bench::prompts::{SplitMix64, WORDS};
 use bench::stats::Percentiles;
 use bytes::Bytes;
@@ -157,10 +157,6 @@ struct Cli {
     request_timeout_s: f64,
 }
 
-fn secs(v: f64, flag: &str) -> Result<Duration, String> {
-    Duration::try_from_secs_f64(v).map_err(|_| format!("{flag} must be a finite number >= 0"))
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // Each client connection is a file descriptor: 5,000 streams need more than the
@@ -211,13 +207,6 @@ impl RouterProc {
     fn log_tail(&self) -> String {
         procs::tail(&self.dir.path().join("router.log"), 20)
     }
-}
-
-fn addr_of(url: &str) -> Result<SocketAddr, String> {
-    url.trim_start_matches("http://")
-        .trim_end_matches('/')
-        .parse()
-        .map_err(|e| format!("cannot read an address from {url:?}: {e}"))
 }
 
 impl Env {

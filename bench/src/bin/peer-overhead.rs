@@ -28,7 +28,7 @@ use std::time::Duration;
 
 use bench::load::{self, LoadResult, LoadSpec};
 use bench::matrix::{self, Peer, PeerSetup, RouterKind, StartedRouter};
-use bench::procs::{self, ChildProc, EngineParams, ProcUsage};
+use bench::procs::{self, ChildProc, EngineParams, ProcUsage, addr_of, secs};
 use bench::stats::Percentiles;
 use clap::{Parser, ValueEnum};
 use tokio::time::Instant;
@@ -133,10 +133,6 @@ struct Cli {
     request_timeout_s: f64,
 }
 
-fn secs(v: f64, flag: &str) -> Result<Duration, String> {
-    Duration::try_from_secs_f64(v).map_err(|_| format!("{flag} must be a finite number >= 0"))
-}
-
 fn main() -> ExitCode {
     let cli = Cli::parse();
     // 512 client connections plus the routers' own: raise the soft fd limit.
@@ -209,13 +205,6 @@ struct RouterRun {
     end: ProcUsage,
     other: Option<procs::OtherCpu>,
     error: Option<String>,
-}
-
-fn addr_of(url: &str) -> Result<SocketAddr, String> {
-    url.trim_start_matches("http://")
-        .trim_end_matches('/')
-        .parse()
-        .map_err(|e| format!("cannot read an address from {url:?}: {e}"))
 }
 
 fn machine_facts() -> String {

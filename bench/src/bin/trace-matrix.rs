@@ -6,6 +6,7 @@
 //! had errors or could not start. `bench/peers/run.sh` installs the peers and runs
 //! the comparison against them.
 
+use bench::procs::secs;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
@@ -123,10 +124,6 @@ struct Cli {
     /// Progress line interval on stderr, in s (0 = none).
     #[arg(long, default_value_t = 10.0)]
     progress_s: f64,
-}
-
-fn secs(v: f64, flag: &str) -> Result<Duration, String> {
-    Duration::try_from_secs_f64(v).map_err(|_| format!("{flag} must be a finite number >= 0"))
 }
 
 fn default_trace() -> PathBuf {
