@@ -85,8 +85,10 @@ struct PreciseView {
     /// Distinct blocks indexed (speculative ones included).
     blocks: usize,
     evicted: u64,
-    /// `precise` and, per fallback cause, decisions so far.
-    decisions: std::collections::BTreeMap<&'static str, u64>,
+    /// Decisions so far by path (`precise`, `fallback`), then by token source
+    /// (`x_token_ids`, `prompt_token_ids`, `tokenizer`) or fallback cause.
+    decisions:
+        std::collections::BTreeMap<&'static str, std::collections::BTreeMap<&'static str, u64>>,
 }
 
 #[derive(Serialize)]
@@ -175,11 +177,13 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
             max_blocks: precise.config().max_blocks.get(),
             blocks: index_blocks,
             evicted,
-            decisions: precise
-                .decisions()
-                .into_iter()
-                .map(|(path, cause, n)| (if path == "precise" { path } else { cause }, n))
-                .collect(),
+            decisions: precise.decisions().into_iter().fold(
+                Default::default(),
+                |mut by_path, (path, cause, n)| {
+                    by_path.entry(path).or_default().insert(cause, n);
+                    by_path
+                },
+            ),
         }),
         workers,
     };

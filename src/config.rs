@@ -9,11 +9,15 @@
 
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Parser;
 use serde::Deserialize;
 use serde_yaml_ng::{Mapping, Value};
+
+use crate::precise::chat_template::ContentFormat;
+use crate::precise::tokens::PromptTokenizer;
 
 /// `cache-aware-router` command line.
 #[derive(Debug, Parser)]
@@ -137,6 +141,39 @@ pub struct PreciseConfig {
     /// How long a routed request's blocks count as held by the chosen worker before the
     /// engine's own events confirm them (default 2 s).
     pub speculative_ttl: Duration,
+    /// In-router tokenization (`precise.tokenizer`), loaded; `None` = requests without
+    /// token ids are scored by the approximate tree.
+    pub tokenizer: Option<TokenizerSetting>,
+}
+
+/// `precise.tokenizer` (+ `chat_template`, `chat_template_content_format`), loaded at
+/// config time so a bad file is a config error. Two settings are equal when they name
+/// the same files and format (SIGHUP reload compares configs).
+#[derive(Clone)]
+pub struct TokenizerSetting {
+    /// A Hugging Face model folder holding `tokenizer.json`, or that file.
+    pub path: PathBuf,
+    /// A Jinja chat template overriding the folder's (vLLM's `--chat-template`).
+    pub chat_template: Option<PathBuf>,
+    pub content_format: ContentFormat,
+    pub loaded: Arc<PromptTokenizer>,
+}
+
+impl PartialEq for TokenizerSetting {
+    fn eq(&self, other: &Self) -> bool {
+        (&self.path, &self.chat_template, self.content_format)
+            == (&other.path, &other.chat_template, other.content_format)
+    }
+}
+
+impl std::fmt::Debug for TokenizerSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenizerSetting")
+            .field("path", &self.path)
+            .field("chat_template", &self.chat_template)
+            .field("content_format", &self.content_format)
+            .finish_non_exhaustive()
+    }
 }
 
 /// A credential from the config: compared and used, never printed (`Debug` shows `***`).
@@ -487,7 +524,9 @@ struct RawPrecise {
     max_blocks: Option<u64>,
     stale_secs: Option<f64>,
     speculative_ttl_secs: Option<f64>,
-    tokenizer: Option<String>,
+    tokenizer: Option<PathBuf>,
+    chat_template: Option<PathBuf>,
+    chat_template_content_format: Option<ContentFormat>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -1048,12 +1087,28 @@ impl Config {
 
         let policy = raw.policy.unwrap_or(PolicyKind::CacheAware);
         let pr = raw.precise;
-        if let Some(t) = pr.tokenizer {
-            return Err(ck.err(
-                "precise.tokenizer",
-                format!("`{t}`: in-router tokenization is not implemented yet; send token ids in the `x-token-ids` header (requests without it use the approximate tree)"),
-            ));
-        }
+        let content_format = pr
+            .chat_template_content_format
+            .unwrap_or(ContentFormat::Auto);
+        let tokenizer = match (pr.tokenizer, pr.chat_template) {
+            (Some(path), chat_template) => {
+                let loaded = PromptTokenizer::load(&path, chat_template.as_deref(), content_format)
+                    .map_err(|e| ck.err("precise.tokenizer", e))?;
+                Some(TokenizerSetting {
+                    path,
+                    chat_template,
+                    content_format,
+                    loaded: Arc::new(loaded),
+                })
+            }
+            (None, Some(_)) => {
+                return Err(ck.err(
+                    "precise.chat_template",
+                    "needs `precise.tokenizer` (the model folder or its tokenizer.json)",
+                ));
+            }
+            (None, None) => None,
+        };
         let block_size = pr.block_size.unwrap_or(16);
         if !(1..=4096).contains(&block_size) {
             return Err(ck.err(
@@ -1080,6 +1135,7 @@ impl Config {
                 2.0,
                 true,
             )?,
+            tokenizer,
         };
         if policy == PolicyKind::PreciseCacheAware
             && !workers.is_empty()
@@ -1459,7 +1515,17 @@ mod tests {
             (
                 "precise:\n  tokenizer: Qwen/Qwen3-8B\n",
                 "precise.tokenizer",
-                "not implemented",
+                "Qwen/Qwen3-8B",
+            ),
+            (
+                "precise:\n  chat_template: t.jinja\n",
+                "precise.chat_template",
+                "precise.tokenizer",
+            ),
+            (
+                "precise:\n  chat_template_content_format: list\n",
+                "precise.chat_template_content_format",
+                "list",
             ),
         ] {
             let e = err(&[("base.yaml", base), ("over.yaml", over)]);

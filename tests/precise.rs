@@ -416,7 +416,10 @@ async fn stored_prefix_routes_to_its_worker_with_the_tree_empty() {
     p2[2 * BS] = 99_999;
     assert_eq!(route(&router, &w, &p2).await, 0);
     let view = get_workers(router.addr).await;
-    assert_eq!(view["precise"]["decisions"]["precise"], 7, "{view}");
+    assert_eq!(
+        view["precise"]["decisions"]["precise"]["x_token_ids"], 7,
+        "{view}"
+    );
     assert_eq!(view["precise"]["block_size"], BS);
     // Without token ids the approximate tree decides.
     let (resp, _) = send_tagged(
@@ -427,7 +430,10 @@ async fn stored_prefix_routes_to_its_worker_with_the_tree_empty() {
     .await;
     assert_eq!(resp.status, 200);
     let view = get_workers(router.addr).await;
-    assert_eq!(view["precise"]["decisions"]["no_tokens"], 1, "{view}");
+    assert_eq!(
+        view["precise"]["decisions"]["fallback"]["no_tokens"], 1,
+        "{view}"
+    );
     router.shutdown().await;
 }
 
@@ -609,7 +615,7 @@ async fn stale_feed_scores_neutral_until_events_resume() {
     route(&router, &w, &p).await;
     let view = get_workers(router.addr).await;
     assert!(
-        view["precise"]["decisions"]["no_fresh_worker"].as_u64() >= Some(1),
+        view["precise"]["decisions"]["fallback"]["no_fresh_worker"].as_u64() >= Some(1),
         "{view}"
     );
     router.shutdown().await;
@@ -687,7 +693,7 @@ async fn garbage_frames_are_counted_and_skipped() {
     assert_eq!(
         m.value(
             "cache_aware_router_precise_decisions_total",
-            &[("path", "precise"), ("cause", "scored")]
+            &[("path", "precise"), ("cause", "x_token_ids")]
         ),
         1.0
     );
@@ -725,5 +731,69 @@ async fn engine_restart_clears_its_blocks_after_a_reconnect() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(route(&router, &w, &p).await, 1);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn router_tokenizes_requests_without_token_ids() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+    let extra = format!("  tokenizer: \"{}\"\n", dir.display());
+    let (ws, es, router) = setup(false, &extra).await;
+    let w: Vec<&FakeWorker> = ws.iter().collect();
+    // What vLLM would prefill for two chats (the parity test pins these to vLLM's own).
+    let tokenizer = cache_aware_router::precise::tokens::PromptTokenizer::load(
+        &dir,
+        None,
+        cache_aware_router::precise::chat_template::ContentFormat::Auto,
+    )
+    .unwrap();
+    let chat_p = chat_body(
+        "a long shared system prompt about routing, KV caches and blocks",
+        false,
+    );
+    let chat_q = chat_body(
+        "a different conversation, about something else entirely",
+        false,
+    );
+    let p = tokenizer.chat(chat_p.as_bytes()).unwrap();
+    let q = tokenizer.chat(chat_q.as_bytes()).unwrap();
+    let (np, nq) = (p.len() / BS, q.len() / BS);
+    es[0]
+        .publish(vec![stored(Form::Map, &hashes(1, np), None, &p[..np * BS])])
+        .await;
+    es[1]
+        .publish(vec![stored(Form::Map, &hashes(2, nq), None, &q[..nq * BS])])
+        .await;
+    wait_feed(&router, 0, "A indexed", |f| f["blocks"] == np).await;
+    wait_feed(&router, 1, "B indexed", |f| f["blocks"] == nq).await;
+    for _ in 0..3 {
+        let (resp, to) = send_tagged(
+            router.addr,
+            &w,
+            Req::post("/v1/chat/completions", chat_p.clone()),
+        )
+        .await;
+        assert_eq!((resp.status, to), (200, 0), "P's blocks are on A");
+        let (resp, to) = send_tagged(
+            router.addr,
+            &w,
+            Req::post("/v1/chat/completions", chat_q.clone()),
+        )
+        .await;
+        assert_eq!((resp.status, to), (200, 1), "Q's blocks are on B");
+    }
+    // A completions prompt of token ids needs no tokenizing.
+    let ids: Vec<String> = q.iter().map(u32::to_string).collect();
+    let body = format!("{{\"model\": \"m\", \"prompt\": [{}]}}", ids.join(","));
+    let (resp, to) = send_tagged(router.addr, &w, Req::post("/v1/completions", body)).await;
+    assert_eq!((resp.status, to), (200, 1));
+    // An image cannot be mirrored: the approximate tree decides, and says why.
+    let image = r#"{"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]}"#;
+    let (resp, _) = send_tagged(router.addr, &w, Req::post("/v1/chat/completions", image)).await;
+    assert_eq!(resp.status, 200);
+    let d = &get_workers(router.addr).await["precise"]["decisions"];
+    assert_eq!(d["precise"]["tokenizer"], 6, "{d}");
+    assert_eq!(d["precise"]["prompt_token_ids"], 1, "{d}");
+    assert_eq!(d["fallback"]["untokenizable"], 1, "{d}");
     router.shutdown().await;
 }

@@ -3,6 +3,8 @@
 //! instead of on what this router sent where.
 //!
 //! ```text
+//! tokens     the request's token ids: header, token prompt, or tokenizer
+//! chat_template  messages -> prompt text, as vLLM renders them  (pure)
 //! events     ZeroMQ frames + msgpack -> Batch / Event            (pure)
 //! sequence   Sequencer: order, gaps, restarts, replay steps     (pure)
 //! index      BlockIndex: router key -> workers, LRU-bounded      (pure)
@@ -13,39 +15,45 @@
 //!            supervisor task that starts and stops consumers with the worker set
 //! ```
 //!
-//! A request is scored precisely when it carries its prompt's token ids in the
-//! `x-token-ids` header (comma-separated unsigned integers, as the engine will see them)
-//! and at least one usable cache-aware worker has a scorable feed; otherwise the
-//! approximate tree decides, exactly as in `cache_aware` mode ("fallback"). Precise
-//! decisions also record the prompt in the tree, so a fallback later finds it warm.
+//! A request is scored precisely when its prompt's token ids are known (the
+//! `x-token-ids` header, a completions prompt of token ids, or `precise.tokenizer`; see
+//! [`tokens`]) and at least one usable cache-aware worker has a scorable feed;
+//! otherwise the approximate tree decides, exactly as in `cache_aware` mode
+//! ("fallback"). Precise decisions also record the prompt in the tree, so a fallback
+//! later finds it warm.
 //!
 //! Locking: the index is one `std::sync::Mutex`, held for one lookup + speculative
 //! insert on the request path or one event in a consumer, never across an `.await`; it
 //! is never held together with the tree's lock.
 
+pub mod chat_template;
 pub mod consumer;
 pub mod events;
 pub mod feed;
 pub mod index;
 pub mod score;
 pub mod sequence;
+pub mod tokens;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
+use bytes::Bytes;
 use rand::Rng;
 use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
 use crate::config::PreciseConfig;
 use crate::policy::{self, CacheParams, Candidate, Pick};
+use crate::prompt::Endpoint;
 use crate::proxy::Router;
 use crate::shutdown::Shutdown;
 use crate::workers::WorkerSet;
 use feed::Feed;
 use index::{BlockIndex, SourceId};
+use tokens::{PromptTokenizer, Tokens};
 
 /// Request header carrying the prompt's token ids: `x-token-ids: 151644,8948,198,…`.
 pub const TOKEN_IDS_HEADER: &str = "x-token-ids";
@@ -53,16 +61,50 @@ pub const TOKEN_IDS_HEADER: &str = "x-token-ids";
 /// What a request brings to the precise pick, worked out once per request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Lookup {
-    /// Router keys of the prompt's full blocks, and its length in tokens.
-    Blocks { keys: Vec<u64>, tokens: usize },
+    /// Router keys of the prompt's full blocks, its length in tokens, and where the
+    /// tokens came from.
+    Blocks {
+        keys: Vec<u64>,
+        tokens: usize,
+        source: TokenSource,
+    },
     /// Precise scoring is neutral for this request.
     Fallback(Fallback),
+}
+
+/// Where a precisely scored request's token ids came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TokenSource {
+    /// The `x-token-ids` header.
+    Header,
+    /// A `/v1/completions` prompt given as token ids.
+    PromptIds,
+    /// In-router tokenization (`precise.tokenizer`).
+    Tokenizer,
+}
+
+impl TokenSource {
+    const ALL: [TokenSource; 3] = [
+        TokenSource::Header,
+        TokenSource::PromptIds,
+        TokenSource::Tokenizer,
+    ];
+
+    /// Label used in metrics and `/workers`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenSource::Header => "x_token_ids",
+            TokenSource::PromptIds => "prompt_token_ids",
+            TokenSource::Tokenizer => "tokenizer",
+        }
+    }
 }
 
 /// Why a request was routed by the approximate tree in precise mode.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fallback {
-    /// No `x-token-ids` header.
+    /// No token ids: no `x-token-ids` header, and no tokenizer configured or an
+    /// endpoint it does not read (`/v1/messages`, `/v1/responses`).
     NoTokens,
     /// The header is not a comma-separated list of unsigned 32-bit integers.
     BadTokens,
@@ -70,14 +112,19 @@ pub enum Fallback {
     ShortPrompt,
     /// No usable cache-aware worker has a scorable feed (replaying, stale, or none).
     NoFreshWorker,
+    /// The tokenizer cannot reproduce the engine's tokens for this request (media,
+    /// a per-request chat template, a template error, …; see
+    /// [`chat_template::Untokenizable`]).
+    Untokenizable,
 }
 
 impl Fallback {
-    const ALL: [Fallback; 4] = [
+    const ALL: [Fallback; 5] = [
         Fallback::NoTokens,
         Fallback::BadTokens,
         Fallback::ShortPrompt,
         Fallback::NoFreshWorker,
+        Fallback::Untokenizable,
     ];
 
     /// Label used in metrics and `/workers`.
@@ -87,6 +134,7 @@ impl Fallback {
             Fallback::BadTokens => "bad_tokens",
             Fallback::ShortPrompt => "short_prompt",
             Fallback::NoFreshWorker => "no_fresh_worker",
+            Fallback::Untokenizable => "untokenizable",
         }
     }
 }
@@ -108,10 +156,12 @@ pub fn parse_token_ids(value: &[u8]) -> Option<Vec<u32>> {
 pub struct Precise {
     config: PreciseConfig,
     index: Mutex<BlockIndex>,
-    /// Decisions scored precisely.
-    precise_decisions: AtomicU64,
+    /// `precise.tokenizer`, loaded.
+    tokenizer: Option<Arc<PromptTokenizer>>,
+    /// Decisions scored precisely, by [`TokenSource::ALL`] position.
+    precise_decisions: [AtomicU64; 3],
     /// Fallback decisions, by [`Fallback::ALL`] position.
-    fallback_decisions: [AtomicU64; 4],
+    fallback_decisions: [AtomicU64; 5],
 }
 
 impl Precise {
@@ -119,8 +169,9 @@ impl Precise {
     pub fn new(config: &PreciseConfig) -> Self {
         Precise {
             index: Mutex::new(BlockIndex::new(config.block_size, config.max_blocks.get())),
+            tokenizer: config.tokenizer.as_ref().map(|t| Arc::clone(&t.loaded)),
             config: config.clone(),
-            precise_decisions: AtomicU64::new(0),
+            precise_decisions: Default::default(),
             fallback_decisions: Default::default(),
         }
     }
@@ -135,22 +186,72 @@ impl Precise {
         self.index.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The request's tokens from its headers (only `x-token-ids` for now; in-router
-    /// tokenization comes later), as router keys of its full blocks.
-    pub fn lookup(&self, headers: &http::HeaderMap) -> Lookup {
-        let Some(value) = headers.get(TOKEN_IDS_HEADER) else {
-            return Lookup::Fallback(Fallback::NoTokens);
+    /// The request's prompt as router keys of its full blocks, or why precise scoring
+    /// is neutral for it. Token ids come from, in order: the `x-token-ids` header, a
+    /// completions prompt of token ids, the configured tokenizer (on the blocking pool).
+    pub async fn lookup(
+        &self,
+        headers: &http::HeaderMap,
+        endpoint: Option<Endpoint>,
+        body: &Bytes,
+    ) -> Lookup {
+        match self.tokens(headers, endpoint, body).await {
+            Ok((tokens, source)) => self.keyed(&tokens, source),
+            Err(why) => Lookup::Fallback(why),
+        }
+    }
+
+    async fn tokens(
+        &self,
+        headers: &http::HeaderMap,
+        endpoint: Option<Endpoint>,
+        body: &Bytes,
+    ) -> Result<(Tokens, TokenSource), Fallback> {
+        if let Some(value) = headers.get(TOKEN_IDS_HEADER) {
+            return parse_token_ids(value.as_bytes())
+                .map(|t| (t, TokenSource::Header))
+                .ok_or(Fallback::BadTokens);
+        }
+        if endpoint == Some(Endpoint::Completions)
+            && let Some(ids) = tokens::completion_prompt_ids(body)
+        {
+            return Ok((ids, TokenSource::PromptIds));
+        }
+        let (Some(tokenizer), Some(endpoint @ (Endpoint::ChatCompletions | Endpoint::Completions))) =
+            (&self.tokenizer, endpoint)
+        else {
+            return Err(Fallback::NoTokens);
         };
-        let Some(tokens) = parse_token_ids(value.as_bytes()) else {
-            return Lookup::Fallback(Fallback::BadTokens);
-        };
-        let keys = index::chain_keys(index::root_key(None), &tokens, self.config.block_size, &[]);
+        let tokenizer = Arc::clone(tokenizer);
+        let body = body.clone();
+        let encoded = tokio::task::spawn_blocking(move || match endpoint {
+            Endpoint::ChatCompletions => tokenizer.chat(&body),
+            _ => tokenizer.completion(&body),
+        })
+        .await;
+        match encoded {
+            Ok(Ok(tokens)) => Ok((tokens, TokenSource::Tokenizer)),
+            Ok(Err(why)) => {
+                tracing::debug!(reason = %why, "precise: prompt not tokenized; the approximate tree decides");
+                Err(Fallback::Untokenizable)
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "precise: tokenizer task failed; the approximate tree decides");
+                Err(Fallback::Untokenizable)
+            }
+        }
+    }
+
+    /// `tokens` as router keys of their full blocks.
+    fn keyed(&self, tokens: &[u32], source: TokenSource) -> Lookup {
+        let keys = index::chain_keys(index::root_key(None), tokens, self.config.block_size, &[]);
         if keys.is_empty() {
             return Lookup::Fallback(Fallback::ShortPrompt);
         }
         Lookup::Blocks {
             keys,
             tokens: tokens.len(),
+            source,
         }
     }
 
@@ -173,9 +274,13 @@ impl Precise {
             .map(|c| set.get(c.id).and_then(|w| w.feed()))
             .collect();
         let result = match lookup {
-            Some(Lookup::Blocks { keys, tokens }) => {
-                self.score(candidates, &feeds, keys, *tokens, params, now, &mut rng)
-            }
+            Some(Lookup::Blocks {
+                keys,
+                tokens,
+                source,
+            }) => self
+                .score(candidates, &feeds, keys, *tokens, params, now, &mut rng)
+                .map(|pick| (pick, *source)),
             Some(Lookup::Fallback(why)) => Err(*why),
             None => Err(Fallback::NoTokens),
         };
@@ -185,8 +290,12 @@ impl Precise {
         }
         // Relaxed: independent counters, read at scrape time.
         let pick = match result {
-            Ok(pick) => {
-                self.precise_decisions.fetch_add(1, Ordering::Relaxed);
+            Ok((pick, source)) => {
+                let i = TokenSource::ALL
+                    .iter()
+                    .position(|s| *s == source)
+                    .unwrap_or(0);
+                self.precise_decisions[i].fetch_add(1, Ordering::Relaxed);
                 if let Some(id) = pick.worker
                     && record
                     && !text.is_empty()
@@ -264,13 +373,13 @@ impl Precise {
         Ok(pick)
     }
 
-    /// Decisions so far: `("precise", "scored", n)` and `("fallback", cause, n)`.
+    /// Decisions so far: `("precise", token source, n)` and `("fallback", cause, n)`.
     pub fn decisions(&self) -> Vec<(&'static str, &'static str, u64)> {
-        let mut out = vec![(
-            "precise",
-            "scored",
-            self.precise_decisions.load(Ordering::Relaxed),
-        )];
+        let mut out: Vec<_> = TokenSource::ALL
+            .iter()
+            .zip(&self.precise_decisions)
+            .map(|(s, n)| ("precise", s.as_str(), n.load(Ordering::Relaxed)))
+            .collect();
         for (f, n) in Fallback::ALL.iter().zip(&self.fallback_decisions) {
             out.push(("fallback", f.as_str(), n.load(Ordering::Relaxed)));
         }
@@ -360,22 +469,48 @@ mod tests {
             max_blocks: std::num::NonZeroUsize::new(100).unwrap(),
             stale: Duration::from_secs(30),
             speculative_ttl: Duration::from_secs(2),
+            tokenizer: None,
         }
     }
 
-    #[test]
-    fn lookup_keys_full_blocks_only() {
+    #[tokio::test]
+    async fn lookup_keys_full_blocks_only() {
         let p = Precise::new(&config());
+        let chat = Some(Endpoint::ChatCompletions);
+        let body = Bytes::from_static(br#"{"messages": [{"role": "user", "content": "hi"}]}"#);
         let mut h = http::HeaderMap::new();
-        assert_eq!(p.lookup(&h), Lookup::Fallback(Fallback::NoTokens));
+        assert_eq!(
+            p.lookup(&h, chat, &body).await,
+            Lookup::Fallback(Fallback::NoTokens)
+        );
         h.insert(TOKEN_IDS_HEADER, "1,2,3".parse().unwrap());
-        assert_eq!(p.lookup(&h), Lookup::Fallback(Fallback::ShortPrompt));
+        assert_eq!(
+            p.lookup(&h, chat, &body).await,
+            Lookup::Fallback(Fallback::ShortPrompt)
+        );
         h.insert(TOKEN_IDS_HEADER, "1,2,x".parse().unwrap());
-        assert_eq!(p.lookup(&h), Lookup::Fallback(Fallback::BadTokens));
+        assert_eq!(
+            p.lookup(&h, chat, &body).await,
+            Lookup::Fallback(Fallback::BadTokens)
+        );
         h.insert(TOKEN_IDS_HEADER, "1,2,3,4,5,6,7,8,9".parse().unwrap());
-        let Lookup::Blocks { keys, tokens } = p.lookup(&h) else {
+        let Lookup::Blocks {
+            keys,
+            tokens,
+            source,
+        } = p.lookup(&h, chat, &body).await
+        else {
             panic!()
         };
-        assert_eq!((keys.len(), tokens), (2, 9));
+        assert_eq!((keys.len(), tokens, source), (2, 9, TokenSource::Header));
+        // A completions prompt of token ids needs neither header nor tokenizer.
+        let ids = Bytes::from_static(br#"{"model": "m", "prompt": [5, 6, 7, 8, 9]}"#);
+        let none = http::HeaderMap::new();
+        let Lookup::Blocks { keys, source, .. } =
+            p.lookup(&none, Some(Endpoint::Completions), &ids).await
+        else {
+            panic!()
+        };
+        assert_eq!((keys.len(), source), (1, TokenSource::PromptIds));
     }
 }

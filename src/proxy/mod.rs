@@ -245,13 +245,18 @@ impl Router {
                 StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
             ));
         }
+        // Precise mode: the request's token ids, keyed once (before the worker set is
+        // read: tokenizing may wait for the blocking pool).
+        let lookup = if self.config.policy == PolicyKind::PreciseCacheAware {
+            Some(self.precise.lookup(&parts.headers, endpoint, &body).await)
+        } else {
+            None
+        };
         let set = self.worker_set();
         let route = Route {
             label,
             ctx: ctx.as_ref(),
-            // Precise mode: the request's token ids (x-token-ids), keyed once.
-            lookup: (self.config.policy == PolicyKind::PreciseCacheAware)
-                .then(|| self.precise.lookup(&parts.headers)),
+            lookup,
             arrived,
             started,
         };

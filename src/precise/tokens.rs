@@ -1,0 +1,305 @@
+//! A request's prompt tokens, as the engine will prefill them, for precise scoring.
+//!
+//! Three sources, tried in this order by [`super::Precise::lookup`]:
+//! 1. the `x-token-ids` header (a client or gateway that tokenized already);
+//! 2. a `/v1/completions` prompt given as token ids (nothing to tokenize);
+//! 3. in-router tokenization with the model's Hugging Face tokenizer
+//!    (`precise.tokenizer`): chat requests through the chat template
+//!    ([`super::chat_template`]), completions prompts as they are, with vLLM's defaults
+//!    for special tokens (added for completions, not for chat: the template writes them).
+//!
+//! Tokenizing costs about as much CPU as the rest of the decision put together (the BPE
+//! pass runs at some tens of MB/s), so the request path runs it on tokio's blocking pool.
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
+
+use super::chat_template::{ChatRequest, ChatTemplate, ContentFormat, Untokenizable};
+
+/// The model's tokenizer and chat template, loaded once from `precise.tokenizer`.
+pub struct PromptTokenizer {
+    tokenizer: tokenizers::Tokenizer,
+    /// `None` when no chat template was found: chat requests then fall back.
+    template: Option<ChatTemplate>,
+    /// The tokenizer.json it was loaded from, for logs.
+    path: PathBuf,
+}
+
+impl std::fmt::Debug for PromptTokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PromptTokenizer")
+            .field("path", &self.path)
+            .field("template", &self.template)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Token ids of one request's prompt.
+pub type Tokens = Vec<u32>;
+
+impl PromptTokenizer {
+    /// Loads `path`: a directory holding `tokenizer.json` (a Hugging Face model folder),
+    /// or a `tokenizer.json` file. The chat template is, first found: `chat_template`
+    /// (a Jinja file, like vLLM's `--chat-template`), `chat_template.jinja` beside the
+    /// tokenizer, or `chat_template` in `tokenizer_config.json` (a string, or the one
+    /// named `default` of a list). Special tokens (`bos_token`, …) come from
+    /// `tokenizer_config.json`, else `special_tokens_map.json`.
+    ///
+    /// Errors: a message naming the file and what is wrong with it.
+    pub fn load(
+        path: &Path,
+        chat_template: Option<&Path>,
+        format: ContentFormat,
+    ) -> Result<Self, String> {
+        let (dir, file) = if path.is_dir() {
+            (path.to_path_buf(), path.join("tokenizer.json"))
+        } else {
+            let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+            (dir, path.to_path_buf())
+        };
+        let tokenizer = tokenizers::Tokenizer::from_file(&file)
+            .map_err(|e| format!("`{}`: cannot load the tokenizer: {e}", file.display()))?;
+        let config = read_json(&dir.join("tokenizer_config.json"))?;
+        let special_map = read_json(&dir.join("special_tokens_map.json"))?;
+        let mut special = Vec::new();
+        for name in SPECIAL_TOKENS {
+            let token = [&config, &special_map]
+                .into_iter()
+                .flatten()
+                .find_map(|c| token_text(c.get(name)?));
+            if let Some(token) = token {
+                special.push((name.to_string(), token));
+            }
+        }
+        let source =
+            match chat_template {
+                Some(p) => Some(std::fs::read_to_string(p).map_err(|e| {
+                    format!("`{}`: cannot read the chat template: {e}", p.display())
+                })?),
+                None => {
+                    let jinja = dir.join("chat_template.jinja");
+                    if jinja.is_file() {
+                        Some(std::fs::read_to_string(&jinja).map_err(|e| {
+                            format!("`{}`: cannot read the chat template: {e}", jinja.display())
+                        })?)
+                    } else {
+                        config
+                            .as_ref()
+                            .and_then(|c| c.get("chat_template"))
+                            .and_then(template_text)
+                    }
+                }
+            };
+        let template = source
+            .map(|s| ChatTemplate::new(s, format, special))
+            .transpose()
+            .map_err(|e| {
+                format!(
+                    "`{}`: the chat template does not compile: {e}",
+                    dir.display()
+                )
+            })?;
+        Ok(PromptTokenizer {
+            tokenizer,
+            template,
+            path: file,
+        })
+    }
+
+    /// The tokenizer.json this was loaded from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether chat requests can be tokenized (a chat template was found).
+    pub fn has_chat_template(&self) -> bool {
+        self.template.is_some()
+    }
+
+    /// Tokens of a `/v1/chat/completions` body: rendered, then encoded without added
+    /// special tokens unless the request sets `add_special_tokens`.
+    pub fn chat(&self, body: &[u8]) -> Result<Tokens, Untokenizable> {
+        let req: ChatRequest =
+            serde_json::from_slice(body).map_err(|_| Untokenizable::Shape("chat completions"))?;
+        let template = self.template.as_ref().ok_or(Untokenizable::Unsupported(
+            "chat template (none configured)",
+        ))?;
+        let text = template.render(&req)?;
+        self.encode(&text, req.add_special_tokens.unwrap_or(false))
+    }
+
+    /// Tokens of a `/v1/completions` body with one text prompt (token-id prompts are
+    /// read by [`completion_prompt_ids`]); special tokens added unless the request says
+    /// `add_special_tokens: false`.
+    pub fn completion(&self, body: &[u8]) -> Result<Tokens, Untokenizable> {
+        let req: CompletionRequest =
+            serde_json::from_slice(body).map_err(|_| Untokenizable::Shape("completions"))?;
+        req.check()?;
+        let text = match serde_json::from_str::<OneOrMany<String>>(req.prompt.get()) {
+            Ok(OneOrMany::One(s)) => s,
+            Ok(OneOrMany::Many(mut v)) if v.len() == 1 => v.remove(0),
+            Ok(OneOrMany::Many(_)) => return Err(Untokenizable::Unsupported("prompt batch")),
+            Err(_) => return Err(Untokenizable::Shape("completions")),
+        };
+        self.encode(&text, req.add_special_tokens.unwrap_or(true))
+    }
+
+    /// `text` encoded as the engine's tokenizer does (`tokenizer(text,
+    /// add_special_tokens=…)`).
+    pub fn encode(&self, text: &str, add_special_tokens: bool) -> Result<Tokens, Untokenizable> {
+        self.tokenizer
+            .encode_fast(text, add_special_tokens)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| Untokenizable::Tokenizer(e.to_string()))
+    }
+}
+
+/// `transformers`' named special tokens, passed to chat templates.
+const SPECIAL_TOKENS: [&str; 7] = [
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+];
+
+/// The fields of a completions body that decide its tokens.
+#[derive(Deserialize)]
+struct CompletionRequest<'a> {
+    #[serde(borrow)]
+    prompt: &'a RawValue,
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
+    #[serde(default)]
+    truncate_prompt_tokens: Option<serde::de::IgnoredAny>,
+    #[serde(default)]
+    prompt_embeds: Option<serde::de::IgnoredAny>,
+}
+
+impl CompletionRequest<'_> {
+    fn check(&self) -> Result<(), Untokenizable> {
+        if self.truncate_prompt_tokens.is_some() {
+            return Err(Untokenizable::Unsupported("truncate_prompt_tokens"));
+        }
+        if self.prompt_embeds.is_some() {
+            return Err(Untokenizable::Unsupported("prompt_embeds"));
+        }
+        Ok(())
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany<T> {
+    One(T),
+    Many(Vec<T>),
+}
+
+/// The prompt of a `/v1/completions` body given as token ids (`[1, 2, 3]` or one
+/// `[[1, 2, 3]]`): the engine prefills exactly these. `None` for any other body.
+pub fn completion_prompt_ids(body: &[u8]) -> Option<Tokens> {
+    let req: CompletionRequest = serde_json::from_slice(body).ok()?;
+    req.check().ok()?;
+    match serde_json::from_str::<OneOrMany<Tokens>>(req.prompt.get()).ok()? {
+        OneOrMany::One(ids) => Some(ids),
+        OneOrMany::Many(mut batch) if batch.len() == 1 => Some(batch.remove(0)),
+        OneOrMany::Many(_) => None,
+    }
+    .filter(|ids| !ids.is_empty())
+}
+
+/// A JSON file of the model folder; `None` when it does not exist.
+fn read_json(path: &Path) -> Result<Option<serde_json::Value>, String> {
+    match std::fs::read(path) {
+        Ok(bytes) => serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| format!("`{}`: not valid JSON: {e}", path.display())),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(format!("`{}`: cannot read: {e}", path.display())),
+    }
+}
+
+/// A special token as `tokenizer_config.json` writes it: a string or an `AddedToken`
+/// object with `content`.
+fn token_text(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Object(o) => o.get("content")?.as_str().map(str::to_owned),
+        _ => None,
+    }
+}
+
+/// `chat_template` of `tokenizer_config.json`: a string, or a list of `{name, template}`
+/// of which `default` is used.
+fn template_text(v: &serde_json::Value) -> Option<String> {
+    match v {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Array(list) => list.iter().find_map(|t| {
+            (t.get("name")?.as_str()? == "default")
+                .then(|| t.get("template")?.as_str().map(str::to_owned))
+                .flatten()
+        }),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn completion_token_prompts_are_read_as_is() {
+        assert_eq!(
+            completion_prompt_ids(br#"{"prompt": [1, 2, 3]}"#),
+            Some(vec![1, 2, 3])
+        );
+        assert_eq!(
+            completion_prompt_ids(br#"{"prompt": [[7, 8]]}"#),
+            Some(vec![7, 8])
+        );
+        for body in [
+            &br#"{"prompt": "text"}"#[..],
+            br#"{"prompt": [[1], [2]]}"#,
+            br#"{"prompt": []}"#,
+            br#"{"prompt": [-1]}"#,
+            br#"{"prompt": [1], "truncate_prompt_tokens": 5}"#,
+            b"not json",
+        ] {
+            assert_eq!(
+                completion_prompt_ids(body),
+                None,
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+
+    #[test]
+    fn special_tokens_and_templates_read_both_layouts() {
+        assert_eq!(token_text(&serde_json::json!("<s>")), Some("<s>".into()));
+        assert_eq!(
+            token_text(&serde_json::json!({"content": "<s>", "lstrip": false})),
+            Some("<s>".into())
+        );
+        assert_eq!(
+            template_text(
+                &serde_json::json!([{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}])
+            ),
+            Some("d".into())
+        );
+    }
+
+    #[test]
+    fn missing_tokenizer_names_the_file() {
+        let e = PromptTokenizer::load(Path::new("/nonexistent/model"), None, ContentFormat::Auto)
+            .unwrap_err();
+        assert!(
+            e.contains("/nonexistent/model") && e.contains("tokenizer"),
+            "{e}"
+        );
+    }
+}
