@@ -156,13 +156,24 @@ pub struct TokenizerSetting {
     /// A Jinja chat template overriding the folder's (vLLM's `--chat-template`).
     pub chat_template: Option<PathBuf>,
     pub content_format: ContentFormat,
+    /// Most bytes of each prompt's text tokenized (a longer prompt's prefix is).
+    pub max_bytes: usize,
     pub loaded: Arc<PromptTokenizer>,
 }
 
 impl PartialEq for TokenizerSetting {
     fn eq(&self, other: &Self) -> bool {
-        (&self.path, &self.chat_template, self.content_format)
-            == (&other.path, &other.chat_template, other.content_format)
+        (
+            &self.path,
+            &self.chat_template,
+            self.content_format,
+            self.max_bytes,
+        ) == (
+            &other.path,
+            &other.chat_template,
+            other.content_format,
+            other.max_bytes,
+        )
     }
 }
 
@@ -172,6 +183,7 @@ impl std::fmt::Debug for TokenizerSetting {
             .field("path", &self.path)
             .field("chat_template", &self.chat_template)
             .field("content_format", &self.content_format)
+            .field("max_bytes", &self.max_bytes)
             .finish_non_exhaustive()
     }
 }
@@ -527,6 +539,7 @@ struct RawPrecise {
     tokenizer: Option<PathBuf>,
     chat_template: Option<PathBuf>,
     chat_template_content_format: Option<ContentFormat>,
+    max_tokenize_bytes: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -1090,14 +1103,29 @@ impl Config {
         let content_format = pr
             .chat_template_content_format
             .unwrap_or(ContentFormat::Auto);
+        let max_bytes = pr
+            .max_tokenize_bytes
+            .unwrap_or(crate::precise::tokens::DEFAULT_MAX_BYTES as u64);
+        if !(1024..=1 << 30).contains(&max_bytes) {
+            return Err(ck.err(
+                "precise.max_tokenize_bytes",
+                format!("{max_bytes} is out of range (bytes, 1024 to 2^30)"),
+            ));
+        }
         let tokenizer = match (pr.tokenizer, pr.chat_template) {
             (Some(path), chat_template) => {
-                let loaded = PromptTokenizer::load(&path, chat_template.as_deref(), content_format)
-                    .map_err(|e| ck.err("precise.tokenizer", e))?;
+                let loaded = PromptTokenizer::load_with_limit(
+                    &path,
+                    chat_template.as_deref(),
+                    content_format,
+                    max_bytes as usize,
+                )
+                .map_err(|e| ck.err("precise.tokenizer", e))?;
                 Some(TokenizerSetting {
                     path,
                     chat_template,
                     content_format,
+                    max_bytes: max_bytes as usize,
                     loaded: Arc::new(loaded),
                 })
             }
@@ -1526,6 +1554,11 @@ mod tests {
                 "precise:\n  chat_template_content_format: list\n",
                 "precise.chat_template_content_format",
                 "list",
+            ),
+            (
+                "precise:\n  max_tokenize_bytes: 10\n",
+                "precise.max_tokenize_bytes",
+                "10",
             ),
         ] {
             let e = err(&[("base.yaml", base), ("over.yaml", over)]);

@@ -15,6 +15,8 @@
 //! policy       pure decision: candidates + tree -> Pick (worker, reason)
 //! tree         RadixTree: prefix -> workers, per-node LRU stamp
 //! precise      precise mode: vLLM KV events -> BlockIndex -> precise pick
+//!   tokens     request token ids: header, token prompt, or HF tokenizer
+//!   chat_template  messages -> prompt text as vLLM renders it (minijinja)
 //!   events     ZeroMQ frames + msgpack -> typed batches (pure)
 //!   sequence   gaps, restarts, replay (pure)
 //!   index      BlockIndex: router block key -> workers, LRU (pure)

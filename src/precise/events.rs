@@ -277,6 +277,16 @@ fn decode_stored(f: &Fields<'_, '_>) -> Option<BlockStored> {
     })
 }
 
+/// The digest [`extra_digest`] gives an `extra_keys` entry that is an array of strings,
+/// as vLLM writes LoRA names and cache salts (`to_event_extra_keys` in vLLM 0.32
+/// `v1/core/kv_cache_utils.py`: `[lora_name]` on every block of an adapter's request,
+/// `[cache_salt]` or `[lora_name, cache_salt]` on its first block). Lets a request's
+/// keys be chained the way its engine blocks are.
+pub fn strings_digest(items: &[&str]) -> u64 {
+    let items: Vec<ValueRef<'_>> = items.iter().map(|s| ValueRef::from(*s)).collect();
+    extra_digest(&ValueRef::Array(items)).unwrap_or_default()
+}
+
 /// A digest of one block's `extra_keys` entry: opaque (§4.3), so its msgpack bytes are
 /// hashed. `None` for nil.
 fn extra_digest(v: &ValueRef<'_>) -> Option<u64> {
@@ -583,6 +593,37 @@ mod tests {
         assert!(e.extra_keys[0].is_some());
         assert_eq!(e.extra_keys[1], None);
         assert_eq!(e.lora.as_deref(), Some("adapter-a"));
+    }
+
+    #[test]
+    fn request_extra_keys_equal_what_the_engine_reports() {
+        // vLLM's extra_keys for a request to adapter-a with cache_salt "s1", 3 blocks.
+        let stored = map(vec![
+            ("type", s("BlockStored")),
+            ("block_hashes", ints([1, 2, 3])),
+            ("parent_block_hash", rmpv::Value::Nil),
+            ("token_ids", ints([1, 2, 3])),
+            ("block_size", 1.into()),
+            ("lora_name", s("adapter-a")),
+            (
+                "extra_keys",
+                arr(vec![
+                    arr(vec![s("adapter-a"), s("s1")]),
+                    arr(vec![s("adapter-a")]),
+                    arr(vec![s("adapter-a")]),
+                ]),
+            ),
+        ]);
+        let b = decode_batch(&encode(&arr(vec![0.into(), arr(vec![stored])]))).unwrap();
+        let Event::Stored(e) = &b.events[0] else {
+            panic!()
+        };
+        let ours = super::super::index::request_extra_keys(Some("adapter-a"), Some("s1"), 3);
+        assert_eq!(e.extra_keys, ours);
+        // Salt only: the first block carries it, the rest nothing.
+        let salted = super::super::index::request_extra_keys(None, Some("s1"), 2);
+        assert_eq!(salted, [Some(strings_digest(&["s1"])), None]);
+        assert!(super::super::index::request_extra_keys(None, None, 2).is_empty());
     }
 
     #[test]

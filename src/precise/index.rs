@@ -24,7 +24,7 @@
 //! with one holder, 308 with two (1 M blocks of 16 tokens, 2026-11-30): an LRU node
 //! and its hash slot, the resident list, and the engine-hash map entry.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::time::Instant;
 
 use lru::LruCache;
@@ -46,6 +46,30 @@ pub fn root_key(lora: Option<&str>) -> u64 {
         None => ROOT_SEED,
         Some(name) => xxh3_64_with_seed(name.as_bytes(), ROOT_SEED),
     }
+}
+
+/// Per-block `extra_keys` digests of a request for LoRA adapter `lora` with
+/// `cache_salt` `salt`, over `blocks` blocks, as its engine will report them (see
+/// [`super::events::strings_digest`]); empty when neither is set.
+pub fn request_extra_keys(
+    lora: Option<&str>,
+    salt: Option<&str>,
+    blocks: usize,
+) -> Vec<Option<u64>> {
+    if lora.is_none() && salt.is_none() {
+        return Vec::new();
+    }
+    let first: Vec<&str> = lora.into_iter().chain(salt).collect();
+    let rest = lora.map(|l| super::events::strings_digest(&[l]));
+    (0..blocks)
+        .map(|i| {
+            if i == 0 {
+                Some(super::events::strings_digest(&first))
+            } else {
+                rest
+            }
+        })
+        .collect()
 }
 
 /// Router keys of the full blocks of `tokens` (a trailing partial block gets none),
@@ -148,7 +172,13 @@ pub struct BlockIndex {
     keys: LruCache<u64, KeyEntry>,
     sources: HashMap<SourceId, SourceBlocks>,
     evicted: u64,
+    /// LoRA adapter names seen in events, so a request naming one as its `model` is
+    /// keyed under that adapter (at most [`MAX_ADAPTERS`]).
+    adapters: HashSet<String>,
 }
+
+/// Most adapter names remembered; more are not expected in one pool.
+const MAX_ADAPTERS: usize = 4096;
 
 impl BlockIndex {
     /// An empty index for blocks of `block_size` tokens, holding at most `max_blocks`
@@ -160,7 +190,13 @@ impl BlockIndex {
             keys: LruCache::unbounded(),
             sources: HashMap::new(),
             evicted: 0,
+            adapters: HashSet::new(),
         }
+    }
+
+    /// Whether an engine reported blocks of LoRA adapter `name`.
+    pub fn is_adapter(&self, name: &str) -> bool {
+        self.adapters.contains(name)
     }
 
     /// Tokens per block.
@@ -208,6 +244,12 @@ impl BlockIndex {
         }
         if !is_full_attention(e.group_idx, e.kind.as_deref()) {
             return Applied::Skipped(Skip::OtherGroup);
+        }
+        if let Some(lora) = &e.lora
+            && self.adapters.len() < MAX_ADAPTERS
+            && !self.adapters.contains(lora)
+        {
+            self.adapters.insert(lora.clone());
         }
         let parent = match e.parent_block_hash {
             None => root_key(e.lora.as_deref()),

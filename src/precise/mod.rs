@@ -196,9 +196,36 @@ impl Precise {
         body: &Bytes,
     ) -> Lookup {
         match self.tokens(headers, endpoint, body).await {
-            Ok((tokens, source)) => self.keyed(&tokens, source),
+            Ok((tokens, source)) => {
+                let (lora, salt) = match endpoint {
+                    Some(_) => self.key_fields(body),
+                    None => (None, None),
+                };
+                self.keyed(&tokens, source, lora.as_deref(), salt.as_deref())
+            }
             Err(why) => Lookup::Fallback(why),
         }
+    }
+
+    /// The request fields vLLM folds into its block hashes besides the tokens: the
+    /// LoRA adapter (`model`, when an engine reported blocks under that adapter name)
+    /// and `cache_salt`.
+    fn key_fields(&self, body: &[u8]) -> (Option<String>, Option<String>) {
+        #[derive(serde::Deserialize)]
+        struct KeyFields<'a> {
+            #[serde(borrow, default)]
+            model: Option<std::borrow::Cow<'a, str>>,
+            #[serde(borrow, default)]
+            cache_salt: Option<std::borrow::Cow<'a, str>>,
+        }
+        let Ok(f) = serde_json::from_slice::<KeyFields>(body) else {
+            return (None, None);
+        };
+        let lora = f
+            .model
+            .filter(|m| self.index().is_adapter(m))
+            .map(|m| m.into_owned());
+        (lora, f.cache_salt.map(|s| s.into_owned()))
     }
 
     async fn tokens(
@@ -242,9 +269,18 @@ impl Precise {
         }
     }
 
-    /// `tokens` as router keys of their full blocks.
-    fn keyed(&self, tokens: &[u32], source: TokenSource) -> Lookup {
-        let keys = index::chain_keys(index::root_key(None), tokens, self.config.block_size, &[]);
+    /// `tokens` as router keys of their full blocks, chained under LoRA adapter `lora`
+    /// and cache salt `salt` as the engine chains its block hashes.
+    fn keyed(
+        &self,
+        tokens: &[u32],
+        source: TokenSource,
+        lora: Option<&str>,
+        salt: Option<&str>,
+    ) -> Lookup {
+        let bs = self.config.block_size;
+        let extra = index::request_extra_keys(lora, salt, tokens.len() / bs);
+        let keys = index::chain_keys(index::root_key(lora), tokens, bs, &extra);
         if keys.is_empty() {
             return Lookup::Fallback(Fallback::ShortPrompt);
         }
@@ -512,5 +548,64 @@ mod tests {
             panic!()
         };
         assert_eq!((keys.len(), source), (1, TokenSource::PromptIds));
+    }
+
+    #[tokio::test]
+    async fn adapter_and_salt_requests_key_like_their_engine_blocks() {
+        use events::{BlockStored, Event, strings_digest};
+        let p = Precise::new(&config());
+        let tokens: Vec<u32> = (1..=9).collect();
+        let header: http::HeaderMap = [(
+            http::HeaderName::from_static(TOKEN_IDS_HEADER),
+            "1,2,3,4,5,6,7,8,9".parse().unwrap(),
+        )]
+        .into_iter()
+        .collect();
+        // Engine A stored the prompt's 2 blocks for adapter "sql-lora" with salt "s1"
+        // (vLLM's extra_keys: [lora, salt] on block 0, [lora] after).
+        let a = SourceId(1);
+        p.index().apply(
+            a,
+            &Event::Stored(BlockStored {
+                block_hashes: vec![10, 11],
+                parent_block_hash: None,
+                token_ids: tokens[..8].to_vec(),
+                block_size: 4,
+                lora: Some("sql-lora".into()),
+                medium: Some("GPU".into()),
+                extra_keys: vec![
+                    Some(strings_digest(&["sql-lora", "s1"])),
+                    Some(strings_digest(&["sql-lora"])),
+                ],
+                group_idx: None,
+                kind: None,
+            }),
+        );
+        let now = crate::workers::now();
+        let matched = |body: &'static str| {
+            let p = &p;
+            let header = header.clone();
+            async move {
+                let body = Bytes::from_static(body.as_bytes());
+                let Lookup::Blocks { keys, .. } = p
+                    .lookup(&header, Some(Endpoint::ChatCompletions), &body)
+                    .await
+                else {
+                    panic!()
+                };
+                p.index().match_prefix(&keys, &[a], now)[0]
+            }
+        };
+        assert_eq!(
+            matched(r#"{"model": "sql-lora", "cache_salt": "s1"}"#).await,
+            2
+        );
+        // The base model, another salt, or no salt: other blocks for the engine too.
+        assert_eq!(matched(r#"{"model": "base", "cache_salt": "s1"}"#).await, 0);
+        assert_eq!(
+            matched(r#"{"model": "sql-lora", "cache_salt": "s2"}"#).await,
+            0
+        );
+        assert_eq!(matched(r#"{"model": "sql-lora"}"#).await, 0);
     }
 }
