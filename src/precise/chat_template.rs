@@ -4,7 +4,8 @@
 //!
 //! What is mirrored, because each one changes the prompt's tokens:
 //! - the Jinja environment of `transformers` (`chat_template_utils.py`): `trim_blocks`,
-//!   `lstrip_blocks`, loop controls, `raise_exception`, and a `tojson` that writes like
+//!   `lstrip_blocks`, loop controls, `raise_exception`, `strftime_now` (the engine's
+//!   clock is assumed to be UTC, as in its usual container), and a `tojson` that writes like
 //!   Python's `json.dumps(ensure_ascii=False)` (`", "` and `": "` separators, no HTML
 //!   escaping); Python string/dict methods come from `minijinja-contrib`'s pycompat;
 //! - vLLM's message parsing: content parts of the text kinds (`text`, `input_text`,
@@ -136,6 +137,7 @@ impl ChatTemplate {
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
+        env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source)
             .map_err(|e| format!("{e:#}"))?;
         Ok(ChatTemplate {
@@ -618,6 +620,21 @@ fn raise_exception(message: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
 }
 
+/// `strftime_now(format)`: the current date and time, like Python's
+/// `datetime.now().strftime(format)` (Llama 3.x templates put today's date in the
+/// system header). UTC.
+fn strftime_now(format: String) -> Result<Value, Error> {
+    use std::fmt::Write;
+    let mut out = String::new();
+    write!(out, "{}", chrono::Utc::now().format(&format)).map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: bad format {format:?}"),
+        )
+    })?;
+    Ok(Value::from(out))
+}
+
 /// `tojson` as `transformers` defines it: `json.dumps(x, ensure_ascii=False,
 /// indent=None, separators=None, sort_keys=False)`.
 fn tojson(value: &Value, kwargs: Kwargs) -> Result<Value, Error> {
@@ -876,6 +893,21 @@ mod tests {
             t.render(&req(r#"{"messages": [], "chat_template": "{{ 1 }}"}"#)),
             Err(Untokenizable::Unsupported("chat_template"))
         );
+    }
+
+    #[test]
+    fn strftime_now_formats_today() {
+        let t = template(
+            "{{ strftime_now('%d %b %Y') }}|{% if strftime_now is defined %}yes{% endif %}",
+        );
+        let out = t.render(&req(r#"{"messages": []}"#)).unwrap();
+        let today = chrono::Utc::now().format("%d %b %Y").to_string();
+        assert_eq!(out, format!("{today}|yes"));
+        let bad = template("{{ strftime_now('%Q') }}");
+        assert!(matches!(
+            bad.render(&req(r#"{"messages": []}"#)),
+            Err(Untokenizable::Template(_))
+        ));
     }
 
     #[test]

@@ -23,6 +23,9 @@ pub struct PromptTokenizer {
     tokenizer: tokenizers::Tokenizer,
     /// `None` when no chat template was found: chat requests then fall back.
     template: Option<ChatTemplate>,
+    /// The template named `tool_use`, for requests with `tools` (as `transformers`
+    /// picks it), when `tokenizer_config.json` has named templates.
+    tool_template: Option<ChatTemplate>,
     /// The tokenizer.json it was loaded from, for logs.
     path: PathBuf,
     /// Most bytes of prompt text encoded per request (see [`PromptTokenizer::encode`]).
@@ -34,6 +37,7 @@ impl std::fmt::Debug for PromptTokenizer {
         f.debug_struct("PromptTokenizer")
             .field("path", &self.path)
             .field("template", &self.template)
+            .field("tool_template", &self.tool_template)
             .finish_non_exhaustive()
     }
 }
@@ -45,8 +49,8 @@ impl PromptTokenizer {
     /// Loads `path`: a directory holding `tokenizer.json` (a Hugging Face model folder),
     /// or a `tokenizer.json` file. The chat template is, first found: `chat_template`
     /// (a Jinja file, like vLLM's `--chat-template`), `chat_template.jinja` beside the
-    /// tokenizer, or `chat_template` in `tokenizer_config.json` (a string, or the one
-    /// named `default` of a list). Special tokens (`bos_token`, …) come from
+    /// tokenizer, or `chat_template` in `tokenizer_config.json` (a string, or a list of
+    /// named ones: `default`, and `tool_use` for requests with `tools`). Special tokens (`bos_token`, …) come from
     /// `tokenizer_config.json`, else `special_tokens_map.json`.
     ///
     /// Errors: a message naming the file and what is wrong with it.
@@ -85,37 +89,36 @@ impl PromptTokenizer {
                 special.push((name.to_string(), token));
             }
         }
-        let source =
-            match chat_template {
-                Some(p) => Some(std::fs::read_to_string(p).map_err(|e| {
-                    format!("`{}`: cannot read the chat template: {e}", p.display())
-                })?),
-                None => {
-                    let jinja = dir.join("chat_template.jinja");
-                    if jinja.is_file() {
-                        Some(std::fs::read_to_string(&jinja).map_err(|e| {
-                            format!("`{}`: cannot read the chat template: {e}", jinja.display())
-                        })?)
-                    } else {
-                        config
-                            .as_ref()
-                            .and_then(|c| c.get("chat_template"))
-                            .and_then(template_text)
-                    }
-                }
-            };
-        let template = source
-            .map(|s| ChatTemplate::new(s, format, special))
-            .transpose()
-            .map_err(|e| {
-                format!(
-                    "`{}`: the chat template does not compile: {e}",
-                    dir.display()
-                )
-            })?;
+        let read = |p: &Path| {
+            std::fs::read_to_string(p)
+                .map_err(|e| format!("`{}`: cannot read the chat template: {e}", p.display()))
+        };
+        let jinja = dir.join("chat_template.jinja");
+        let config_template = config.as_ref().and_then(|c| c.get("chat_template"));
+        let (source, tool_source) = match chat_template {
+            Some(p) => (Some(read(p)?), None),
+            None if jinja.is_file() => (Some(read(&jinja)?), None),
+            None => (
+                config_template.and_then(|t| template_text(t, "default")),
+                config_template.and_then(|t| template_text(t, "tool_use")),
+            ),
+        };
+        let compile = |s: Option<String>| {
+            s.map(|s| ChatTemplate::new(s, format, special.clone()))
+                .transpose()
+                .map_err(|e| {
+                    format!(
+                        "`{}`: the chat template does not compile: {e}",
+                        dir.display()
+                    )
+                })
+        };
+        let template = compile(source)?;
+        let tool_template = compile(tool_source)?;
         Ok(PromptTokenizer {
             tokenizer,
             template,
+            tool_template,
             path: file,
             max_bytes,
         })
@@ -136,7 +139,11 @@ impl PromptTokenizer {
     pub fn chat(&self, body: &[u8]) -> Result<Tokens, Untokenizable> {
         let req: ChatRequest =
             serde_json::from_slice(body).map_err(|_| Untokenizable::Shape("chat completions"))?;
-        let template = self.template.as_ref().ok_or(Untokenizable::Unsupported(
+        let template = match &self.tool_template {
+            Some(t) if req.tools.is_some() => Some(t),
+            _ => self.template.as_ref(),
+        };
+        let template = template.ok_or(Untokenizable::Unsupported(
             "chat template (none configured)",
         ))?;
         let text = template.render(&req)?;
@@ -258,13 +265,13 @@ fn token_text(v: &serde_json::Value) -> Option<String> {
     }
 }
 
-/// `chat_template` of `tokenizer_config.json`: a string, or a list of `{name, template}`
-/// of which `default` is used.
-fn template_text(v: &serde_json::Value) -> Option<String> {
+/// The template called `name` in `tokenizer_config.json`'s `chat_template`: a list of
+/// `{name, template}`, or one string (which is the `default`).
+fn template_text(v: &serde_json::Value, name: &str) -> Option<String> {
     match v {
-        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::String(s) => (name == "default").then(|| s.clone()),
         serde_json::Value::Array(list) => list.iter().find_map(|t| {
-            (t.get("name")?.as_str()? == "default")
+            (t.get("name")?.as_str()? == name)
                 .then(|| t.get("template")?.as_str().map(str::to_owned))
                 .flatten()
         }),
@@ -310,12 +317,10 @@ mod tests {
             token_text(&serde_json::json!({"content": "<s>", "lstrip": false})),
             Some("<s>".into())
         );
-        assert_eq!(
-            template_text(
-                &serde_json::json!([{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}])
-            ),
-            Some("d".into())
-        );
+        let named = serde_json::json!([{"name": "tool_use", "template": "t"}, {"name": "default", "template": "d"}]);
+        assert_eq!(template_text(&named, "default"), Some("d".into()));
+        assert_eq!(template_text(&named, "tool_use"), Some("t".into()));
+        assert_eq!(template_text(&serde_json::json!("s"), "tool_use"), None);
     }
 
     #[test]
@@ -336,6 +341,31 @@ mod tests {
         // Only the pre-token cut in two can differ.
         let same = cut.iter().zip(&all).take_while(|(a, b)| a == b).count();
         assert!(same + 4 >= cut.len(), "{same} of {}", cut.len());
+    }
+
+    #[test]
+    fn requests_with_tools_use_the_tool_use_template() {
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let dir = std::env::temp_dir().join(format!("car-tool-use-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::copy(fixture.join("tokenizer.json"), dir.join("tokenizer.json")).unwrap();
+        let config = serde_json::json!({"chat_template": [
+            {"name": "default", "template": "plain:{{ messages[0].content }}"},
+            {"name": "tool_use", "template": "tools:{{ tools | length }}:{{ messages[0].content }}"},
+        ]});
+        std::fs::write(dir.join("tokenizer_config.json"), config.to_string()).unwrap();
+        let tok = PromptTokenizer::load(&dir, None, ContentFormat::Auto).unwrap();
+        let plain = br#"{"messages": [{"role": "user", "content": "hi"}]}"#;
+        let tools = br#"{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function", "function": {"name": "f"}}]}"#;
+        assert_eq!(
+            tok.chat(plain).unwrap(),
+            tok.encode("plain:hi", false).unwrap()
+        );
+        assert_eq!(
+            tok.chat(tools).unwrap(),
+            tok.encode("tools:1:hi", false).unwrap()
+        );
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
