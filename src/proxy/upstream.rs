@@ -186,6 +186,9 @@ impl RequestTemplate {
         headers.remove(header::HOST);
         headers.remove(header::CONTENT_LENGTH);
         headers.remove(header::EXPECT);
+        // Read by the router (precise mode), not the engine: a long prompt's ids can pass
+        // the engine's header size limit (uvicorn/h11: 16 KiB).
+        headers.remove(crate::precise::TOKEN_IDS_HEADER);
         headers.insert(headers::REQUEST_ID.clone(), request_id.clone());
         RequestTemplate {
             method: parts.method.clone(),
