@@ -194,6 +194,11 @@ impl BlockIndex {
         }
     }
 
+    /// Whether any engine reported blocks of a LoRA adapter.
+    pub fn has_adapters(&self) -> bool {
+        !self.adapters.is_empty()
+    }
+
     /// Whether an engine reported blocks of LoRA adapter `name`.
     pub fn is_adapter(&self, name: &str) -> bool {
         self.adapters.contains(name)
