@@ -71,6 +71,13 @@ struct FeedView {
     ignored: u64,
     gaps: u64,
     restarts: u64,
+    /// The worker's blocks dropped by the router, by cause: a gap no replay could
+    /// fill, a restart, a forward jump after a reconnect (taken as a restart), the
+    /// worker turning unhealthy.
+    clears_gap: u64,
+    clears_restart: u64,
+    clears_reconnect: u64,
+    clears_unhealthy: u64,
     replays: u64,
     replays_complete: u64,
     replays_failed: u64,
@@ -220,6 +227,10 @@ fn feed_view(
         ignored: n(&s.ignored),
         gaps: n(&s.gaps),
         restarts: n(&s.restarts),
+        clears_gap: n(&s.clears_gap),
+        clears_restart: n(&s.clears_restart),
+        clears_reconnect: n(&s.clears_reconnect),
+        clears_unhealthy: n(&s.clears_unhealthy),
         replays: n(&s.replays),
         replays_complete: n(&s.replays_complete),
         replays_failed: n(&s.replays_failed),

@@ -3,8 +3,12 @@
 //! `failure_threshold` consecutive failed probes (non-2xx, connect error, timeout) mark
 //! a worker unhealthy; `success_threshold` consecutive good ones bring it back. An
 //! isolated failure changes nothing. A worker that turns unhealthy loses its tree
-//! entries: when it returns, its KV cache is presumed cold. Probes carry the backend
-//! API key like proxied requests do.
+//! entries: when it returns, its KV cache is presumed cold. In precise mode it also
+//! loses its blocks in the precise index, and its KV-event feed is reset
+//! ([`Feed::reset`](crate::precise::feed::Feed::reset)): the engine may have restarted
+//! unseen, so its next event batch is a first contact (a replay from 0 when a replay
+//! endpoint exists, rebuilding what the engine reports; spec §7.4 point 5). Probes
+//! carry the backend API key like proxied requests do.
 
 use std::sync::Arc;
 
@@ -12,6 +16,7 @@ use tokio::task::JoinSet;
 use tokio::time::MissedTickBehavior;
 
 use crate::config::HealthConfig;
+use crate::precise::feed::FeedStats;
 use crate::proxy::Router;
 use crate::shutdown::Shutdown;
 use crate::workers::{ProbeRun, WorkerId};
@@ -64,11 +69,18 @@ pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
                 (Some(false), r) => {
                     worker.set_healthy(false);
                     set.tree().remove_worker(id);
+                    if let Some(feed) = worker.feed() {
+                        // Reset first: a batch applied after the clear below is then
+                        // cleared again by the consumer.
+                        feed.reset();
+                        router.precise().index().clear_source(feed.source());
+                        FeedStats::inc(&feed.stats.clears_unhealthy);
+                    }
                     let why = match r {
                         Ok(s) => format!("status {s}"),
                         Err(e) => e.clone(),
                     };
-                    tracing::warn!(worker = %worker.url(), reason = %why, "worker unhealthy; its tree entries dropped");
+                    tracing::warn!(worker = %worker.url(), reason = %why, "worker unhealthy; its tree entries (and precise blocks) dropped");
                 }
                 (None, Err(e)) => {
                     tracing::debug!(worker = %worker.url(), error = %e, "health probe failed")

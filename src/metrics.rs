@@ -72,6 +72,12 @@ struct WorkerResultLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerCauseLabels {
+    worker: Arc<str>,
+    cause: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WorkerStateLabels {
     worker: Arc<str>,
     state: &'static str,
@@ -93,6 +99,7 @@ struct PreciseFamilies {
     events: Family<WorkerKindLabels, Counter>,
     gaps: Family<WorkerLabels, Counter>,
     restarts: Family<WorkerLabels, Counter>,
+    clears: Family<WorkerCauseLabels, Counter>,
     replays: Family<WorkerResultLabels, Counter>,
     reconnects: Family<WorkerLabels, Counter>,
     since_message: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
@@ -290,6 +297,11 @@ impl Metrics {
             p.restarts.clone(),
         );
         r.register(
+            "kv_event_clears",
+            "Times the router dropped a worker's blocks, by cause: gap (no replay could fill it), restart (sequence went back or new publisher id), reconnect (forward jump after a reconnect, taken as a restart), unhealthy (health checks failed)",
+            p.clears.clone(),
+        );
+        r.register(
             "kv_event_replays",
             "Replays per worker by result: requested, complete (gap closed), failed (blocks cleared)",
             p.replays.clone(),
@@ -472,6 +484,7 @@ impl Metrics {
         f.events.clear();
         f.gaps.clear();
         f.restarts.clear();
+        f.clears.clear();
         f.replays.clear();
         f.reconnects.clear();
         f.since_message.clear();
@@ -521,6 +534,19 @@ impl Metrics {
             }
             f.gaps.get_or_create(&w()).inc_by(load(&s.gaps));
             f.restarts.get_or_create(&w()).inc_by(load(&s.restarts));
+            for (cause, c) in [
+                ("gap", &s.clears_gap),
+                ("restart", &s.clears_restart),
+                ("reconnect", &s.clears_reconnect),
+                ("unhealthy", &s.clears_unhealthy),
+            ] {
+                f.clears
+                    .get_or_create(&WorkerCauseLabels {
+                        worker: Arc::clone(label),
+                        cause,
+                    })
+                    .inc_by(load(c));
+            }
             f.reconnects.get_or_create(&w()).inc_by(load(&s.reconnects));
             for (result, c) in [
                 ("requested", &s.replays),

@@ -304,11 +304,15 @@ async fn serve_replay(
     }
 }
 
+/// Health checks too rare to matter in a test.
+const NO_HEALTH: &str = "  interval_secs: 60\n";
+
 /// The router's YAML: precise mode, block size [`BS`] plus the `precise:` lines in
-/// `extra` (indented), and one worker per HTTP fake with its engine's endpoints.
-fn precise_yaml(workers: &[(&FakeWorker, &FakeEngine)], extra: &str) -> String {
+/// `extra` and the `health:` lines in `health` (both indented), and one worker per
+/// HTTP fake with its engine's endpoints.
+fn precise_yaml(workers: &[(&FakeWorker, &FakeEngine)], extra: &str, health: &str) -> String {
     let mut y = format!(
-        "policy: precise_cache_aware\nprecise:\n  block_size: {BS}\n{extra}health:\n  interval_secs: 60\nworkers:\n"
+        "policy: precise_cache_aware\nprecise:\n  block_size: {BS}\n{extra}health:\n{health}workers:\n"
     );
     for (w, e) in workers {
         y.push_str(&format!(
@@ -364,12 +368,22 @@ async fn setup(
     extra: &str,
 ) -> (Vec<FakeWorker>, Vec<FakeEngine>, app::RunningRouter) {
     let ws = vec![FakeWorker::start().await, FakeWorker::start().await];
+    setup_with(ws, replay, extra, NO_HEALTH).await
+}
+
+/// [`setup`] with these HTTP workers and `health:` lines.
+async fn setup_with(
+    ws: Vec<FakeWorker>,
+    replay: bool,
+    extra: &str,
+    health: &str,
+) -> (Vec<FakeWorker>, Vec<FakeEngine>, app::RunningRouter) {
     let es = vec![
         FakeEngine::start(replay).await,
         FakeEngine::start(replay).await,
     ];
     let pairs: Vec<(&FakeWorker, &FakeEngine)> = ws.iter().zip(&es).collect();
-    let router = start_router(&precise_yaml(&pairs, extra)).await;
+    let router = start_router(&precise_yaml(&pairs, extra, health)).await;
     for (i, e) in es.iter().enumerate() {
         e.sync(&router, i).await;
     }
@@ -516,8 +530,11 @@ async fn sequence_gap_withdraws_a_and_replay_fills_it() {
     let lost_seq = *es[0].next_seq.lock().unwrap();
     es[0].lose(vec![removed(Form::Map, &ha)]);
     es[0].publish(Vec::new()).await;
+    // (The feed turns `replaying` just before the request is sent: wait for both.)
     wait_feed(&router, 0, "A replaying", |f| {
-        f["state"] == "replaying" && f["gaps"] == 1
+        f["state"] == "replaying"
+            && f["gaps"] == 1
+            && es[0].replay_requests.lock().unwrap().len() > before
     })
     .await;
     assert_eq!(
@@ -795,5 +812,158 @@ async fn router_tokenizes_requests_without_token_ids() {
     assert_eq!(d["precise"]["tokenizer"], 6, "{d}");
     assert_eq!(d["precise"]["prompt_token_ids"], 1, "{d}");
     assert_eq!(d["fallback"]["untokenizable"], 1, "{d}");
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_restart_unseen_while_disconnected_is_rebuilt_from_its_replay() {
+    let (ws, es, router) = setup(true, "  speculative_ttl_secs: 0\n").await;
+    let w: Vec<&FakeWorker> = ws.iter().collect();
+    let p = prompt(3, 10);
+    let q = prompt(2, 11);
+    es[0]
+        .publish(vec![stored(Form::Map, &hashes(1, 3), None, &p[..3 * BS])])
+        .await;
+    es[1]
+        .publish(vec![stored(Form::Map, &hashes(2, 1), None, &p[..BS])])
+        .await;
+    wait_feed(&router, 0, "A indexed", |f| f["blocks"] == 3).await;
+    wait_feed(&router, 1, "B indexed", |f| f["blocks"] == 1).await;
+    assert_eq!(route(&router, &w, &p).await, 0);
+    let old_next = *es[0].next_seq.lock().unwrap();
+    let a = feed(&router, 0).await;
+    let replays_before = a["replays_complete"].as_u64().unwrap();
+
+    // A's engine restarts. While the router is disconnected, the new engine stores Q
+    // and publishes more batches than the old one had: its first batch the router sees
+    // is further on than the old stream's next one. Asked to replay "from old_next",
+    // its buffer would answer seamlessly and P would stay on A.
+    es[0].restart().await;
+    es[0].lose(vec![stored(Form::Map, &hashes(3, 2), None, &q[..2 * BS])]);
+    for _ in 0..old_next + 3 {
+        es[0].lose(Vec::new());
+    }
+    let start = std::time::Instant::now();
+    loop {
+        es[0].publish(Vec::new()).await;
+        let a = feed(&router, 0).await;
+        if a["clears_reconnect"] == 1
+            && a["state"] == "live"
+            && a["replays_complete"].as_u64() > Some(replays_before)
+        {
+            assert_eq!(
+                (a["restarts"].as_u64(), a["gaps"].as_u64()),
+                (Some(1), Some(0)),
+                "taken as a restart, not a gap: {a}"
+            );
+            assert!(a["reconnects"].as_u64() >= Some(1), "{a}");
+            assert_eq!(a["blocks"], 2, "only the new engine's Q: {a}");
+            break;
+        }
+        assert!(
+            start.elapsed() < STEP_TIMEOUT,
+            "restart after the reconnect never handled: {a}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        es[0].replay_requests.lock().unwrap().last(),
+        Some(&0),
+        "rebuilt from the start of the new engine's buffer"
+    );
+    assert_eq!(route(&router, &w, &p).await, 1, "P is no longer on A");
+    assert_eq!(route(&router, &w, &q).await, 0, "Q is on A");
+    let label = worker_label(router.addr, 0).await;
+    let m = scrape(router.addr).await;
+    for (cause, n) in [("reconnect", 1.0), ("restart", 0.0), ("gap", 0.0)] {
+        assert_eq!(
+            m.value(
+                "cache_aware_router_kv_event_clears_total",
+                &[("worker", &label), ("cause", cause)]
+            ),
+            n,
+            "{cause}"
+        );
+    }
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unhealthy_worker_loses_its_blocks_and_its_feed_starts_over() {
+    let up = Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let probe = Arc::clone(&up);
+    let a = FakeWorker::builder()
+        .health(
+            move |_| match probe.load(std::sync::atomic::Ordering::SeqCst) {
+                true => Reply::json(200, r#"{"status":"ok"}"#),
+                false => Reply::json(503, r#"{"status":"down"}"#),
+            },
+        )
+        .start()
+        .await;
+    let ws = vec![a, FakeWorker::start().await];
+    let health = "  interval_secs: 0.05\n  failure_threshold: 1\n  success_threshold: 1\n";
+    let (ws, es, router) = setup_with(ws, true, "  speculative_ttl_secs: 0\n", health).await;
+    let w: Vec<&FakeWorker> = ws.iter().collect();
+    let p = prompt(3, 12);
+    es[0]
+        .publish(vec![stored(Form::Map, &hashes(1, 3), None, &p[..3 * BS])])
+        .await;
+    es[1]
+        .publish(vec![stored(Form::Map, &hashes(2, 1), None, &p[..BS])])
+        .await;
+    wait_feed(&router, 0, "A indexed", |f| f["blocks"] == 3).await;
+    wait_feed(&router, 1, "B indexed", |f| f["blocks"] == 1).await;
+    assert_eq!(route(&router, &w, &p).await, 0);
+    let requests_before = es[0].replay_requests.lock().unwrap().len();
+
+    // A fails its probe: its blocks go with its tree entries.
+    up.store(false, std::sync::atomic::Ordering::SeqCst);
+    wait_feed(&router, 0, "A's blocks dropped when unhealthy", |f| {
+        f["clears_unhealthy"] == 1 && f["blocks"] == 0
+    })
+    .await;
+    assert_eq!(
+        get_workers(router.addr).await["workers"][0]["healthy"],
+        false
+    );
+    up.store(true, std::sync::atomic::Ordering::SeqCst);
+    wait_until("A healthy again", STEP_TIMEOUT, || async {
+        get_workers(router.addr).await["workers"][0]["healthy"] == true
+    })
+    .await;
+    let a = feed(&router, 0).await;
+    assert_eq!(
+        (a["blocks"].as_u64(), a["gaps"].as_u64()),
+        (Some(0), Some(0)),
+        "{a}"
+    );
+    assert_eq!(
+        route(&router, &w, &p).await,
+        1,
+        "A's old blocks do not count"
+    );
+
+    // The feed forgot its sequence: A's next batch, though in order, is a first contact,
+    // answered by a replay from 0 that rebuilds what the engine still reports.
+    es[0].publish(Vec::new()).await;
+    wait_feed(&router, 0, "A rebuilt by a replay from 0", |f| {
+        f["blocks"] == 3 && f["state"] == "live"
+    })
+    .await;
+    assert_eq!(
+        es[0].replay_requests.lock().unwrap()[requests_before..],
+        [0]
+    );
+    assert_eq!(route(&router, &w, &p).await, 0);
+    let label = worker_label(router.addr, 0).await;
+    let m = scrape(router.addr).await;
+    assert_eq!(
+        m.value(
+            "cache_aware_router_kv_event_clears_total",
+            &[("worker", &label), ("cause", "unhealthy")]
+        ),
+        1.0
+    );
     router.shutdown().await;
 }

@@ -6,7 +6,15 @@
 //! by itself when the publisher goes away (the crate backs off up to 30 s and re-sends
 //! the subscription); when the socket itself fails or cannot connect, this task drops
 //! it and dials again after a backoff of 100 ms doubling to 5 s. Sequence state
-//! survives reconnects, so the first message after one shows any gap or restart.
+//! survives reconnects, so the first message after one shows any gap or restart; a
+//! lost connection (the socket monitor's `Disconnected`, or a failed socket) is told to
+//! the [`Sequencer`], which takes a forward jump on that first message as an engine
+//! restart (rule and trade-off in [`super::sequence`]).
+//!
+//! The health checker asks for a reset through [`Feed::reset`] when the worker turns
+//! unhealthy; the consumer acts on it before its next message and at least every
+//! [`RESET_CHECK_EVERY`]: it clears the worker's blocks, drops a replay under way, and
+//! forgets the sequence, so the next message is a first contact.
 //!
 //! Nothing here panics on input: a message that does not decode is counted and skipped
 //! (its sequence number still counts, when it had a readable one). The index lock is
@@ -24,7 +32,7 @@ use zeromq::{
 
 use super::Precise;
 use super::events::{self, Batch, ReplayFrame};
-use super::feed::{Feed, FeedStats};
+use super::feed::{Feed, FeedStats, RESET_CHECK_EVERY};
 use super::index::{Applied, Skip};
 use super::sequence::{ClearCause, Sequencer, Step};
 use crate::shutdown::Shutdown;
@@ -44,6 +52,7 @@ type Seq = Sequencer<Option<Batch>>;
 /// supervisor aborts the task because the worker left the pool).
 pub async fn run(feed: Arc<Feed>, precise: Arc<Precise>, mut shutdown: Shutdown) {
     let endpoint = feed.config().endpoint.clone();
+    let resets_seen = feed.resets();
     let mut consumer = Consumer {
         seq: Sequencer::new(feed.config().replay_endpoint.is_some()),
         feed,
@@ -52,6 +61,7 @@ pub async fn run(feed: Arc<Feed>, precise: Arc<Precise>, mut shutdown: Shutdown)
         replay_deadline: None,
         publisher: None,
         warned_block_size: false,
+        resets_seen,
     };
     let mut backoff = BACKOFF_MIN;
     let mut connections = 0u64;
@@ -74,6 +84,7 @@ pub async fn run(feed: Arc<Feed>, precise: Arc<Precise>, mut shutdown: Shutdown)
                 if stopped {
                     return;
                 }
+                consumer.seq.disconnected();
             }
             Ok(Err(e)) => {
                 tracing::warn!(endpoint = %endpoint, error = %e, "kv-events: cannot subscribe")
@@ -114,6 +125,8 @@ struct Consumer {
     /// Digest of the last `publisher_id` seen.
     publisher: Option<u64>,
     warned_block_size: bool,
+    /// [`Feed::resets`] when last acted on.
+    resets_seen: u64,
 }
 
 impl Consumer {
@@ -126,6 +139,8 @@ impl Consumer {
     ) -> bool {
         let mut monitor_open = true;
         let mut connects = 0u32;
+        let mut reset_check = tokio::time::interval(RESET_CHECK_EVERY);
+        reset_check.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         loop {
             let deadline = self.replay_deadline;
             tokio::select! {
@@ -156,6 +171,7 @@ impl Consumer {
                     Some(SocketEvent::Disconnected(_)) => {
                         tracing::info!(endpoint = %self.feed.config().endpoint, "kv-events: publisher disconnected");
                         self.feed.set_connected(false);
+                        self.seq.disconnected();
                     }
                     Some(_) => {}
                     None => monitor_open = false,
@@ -165,12 +181,32 @@ impl Consumer {
                     self.dealer = None;
                     self.give_up_replay().await;
                 }
+                _ = reset_check.tick() => self.check_reset(),
                 _ = shutdown.wait() => return true,
             }
         }
     }
 
+    /// Acts on a [`Feed::reset`] asked for since the last check: clears the worker's
+    /// blocks (again: the health checker cleared them, but a batch may have been
+    /// applied since), abandons a replay, forgets the sequence and publisher.
+    fn check_reset(&mut self) {
+        let resets = self.feed.resets();
+        if resets == self.resets_seen {
+            return;
+        }
+        self.resets_seen = resets;
+        self.seq.reset();
+        self.dealer = None;
+        self.replay_deadline = None;
+        self.publisher = None;
+        self.feed.set_replaying(false);
+        self.precise.index().clear_source(self.feed.source());
+        tracing::info!(endpoint = %self.feed.config().endpoint, "kv-events: feed reset; the next message is a first contact");
+    }
+
     async fn on_live(&mut self, msg: ZmqMessage) {
+        self.check_reset();
         let now = crate::workers::now();
         let frames = msg.into_vec();
         let (seq, batch) = match events::live_frames(&frames) {
@@ -195,6 +231,7 @@ impl Consumer {
     }
 
     async fn on_replay(&mut self, msg: ZmqMessage) {
+        self.check_reset();
         let frames = msg.into_vec();
         let steps = match events::replay_frames(&frames) {
             Ok(ReplayFrame::Batch { seq, payload }) => {
@@ -241,6 +278,7 @@ impl Consumer {
     }
 
     async fn give_up_replay(&mut self) {
+        self.check_reset();
         self.replay_deadline = None;
         let steps = self.seq.replay_failed();
         self.carry_out(steps).await;
@@ -278,9 +316,15 @@ impl Consumer {
                 Step::Apply(_, None) => {}
                 Step::Clear(cause) => {
                     self.precise.index().clear_source(self.feed.source());
+                    let stats = &self.feed.stats;
+                    FeedStats::inc(match cause {
+                        ClearCause::Gap => &stats.clears_gap,
+                        ClearCause::Restart => &stats.clears_restart,
+                        ClearCause::Reconnect => &stats.clears_reconnect,
+                    });
                     tracing::warn!(
                         endpoint = %self.feed.config().endpoint,
-                        cause = match cause { ClearCause::Gap => "gap", ClearCause::Restart => "restart" },
+                        cause = cause.as_str(),
                         "kv-events: worker's blocks cleared"
                     );
                 }
@@ -291,6 +335,10 @@ impl Consumer {
                 }
                 Step::Restart => {
                     FeedStats::inc(&self.feed.stats.restarts);
+                    // A replay under way belongs to the old life: drop its socket, so
+                    // late answers cannot be taken for a new replay's.
+                    self.dealer = None;
+                    self.replay_deadline = None;
                     tracing::info!(endpoint = %self.feed.config().endpoint, "kv-events: publisher restarted");
                 }
                 Step::ReplayComplete => FeedStats::inc(&self.feed.stats.replays_complete),

@@ -14,6 +14,9 @@ use std::time::{Duration, Instant};
 use super::index::SourceId;
 use crate::config::{KvEventsConfig, WorkerUrl};
 
+/// Longest a consumer waiting for messages takes to act on a [`Feed::reset`].
+pub const RESET_CHECK_EVERY: Duration = Duration::from_millis(250);
+
 /// A feed's state, for scoring and `/workers`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FeedState {
@@ -54,8 +57,16 @@ pub struct FeedStats {
     pub ignored: AtomicU64,
     /// Sequence gaps seen.
     pub gaps: AtomicU64,
-    /// Publisher restarts seen (sequence went back, or a new publisher id).
+    /// Publisher restarts seen: sequence went back, a new publisher id, or a forward
+    /// jump on the first batch after a reconnect (see [`super::sequence`]).
     pub restarts: AtomicU64,
+    /// The worker's blocks dropped by the router itself, by cause: a gap no replay
+    /// could fill, a restart, a forward jump after a reconnect (also counted in
+    /// `restarts`), the health checker marking the worker unhealthy.
+    pub clears_gap: AtomicU64,
+    pub clears_restart: AtomicU64,
+    pub clears_reconnect: AtomicU64,
+    pub clears_unhealthy: AtomicU64,
     /// Replays asked for, completed (gap closed), failed (entries cleared).
     pub replays: AtomicU64,
     pub replays_complete: AtomicU64,
@@ -86,6 +97,8 @@ pub struct Feed {
     connected: AtomicBool,
     /// Last live sequence number plus 1; 0 = none.
     last_seq: AtomicU64,
+    /// Bumped by [`Feed::reset`]; the consumer compares it with the value it last saw.
+    resets: AtomicU64,
     pub stats: FeedStats,
 }
 
@@ -108,6 +121,7 @@ impl Feed {
             replaying: AtomicBool::new(false),
             connected: AtomicBool::new(false),
             last_seq: AtomicU64::new(0),
+            resets: AtomicU64::new(0),
             stats: FeedStats::default(),
         }
     }
@@ -172,6 +186,21 @@ impl Feed {
     pub fn seconds_since_message(&self, now: Instant) -> Option<f64> {
         self.at(self.last_message.load(Ordering::Relaxed))
             .map(|t| now.saturating_duration_since(t).as_secs_f64())
+    }
+
+    /// Tells the consumer to forget the feed's sequence state: it clears the worker's
+    /// blocks again and takes the next batch as a first contact (a replay from 0 when
+    /// a replay endpoint exists, spec §7.4 point 5). The caller clears the blocks now
+    /// too; the consumer acts on its next message or check (within
+    /// [`RESET_CHECK_EVERY`]).
+    pub fn reset(&self) {
+        // Relaxed: the consumer only compares values; the index lock orders the clears.
+        self.resets.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many resets were asked for so far (see [`Feed::reset`]).
+    pub fn resets(&self) -> u64 {
+        self.resets.load(Ordering::Relaxed)
     }
 
     /// The state at `now`, with `stale` = `precise.stale_secs`.

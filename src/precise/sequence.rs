@@ -17,7 +17,42 @@
 //! - a live sequence number at or below the last live one: the publisher restarted
 //!   (the live socket is ordered, so this is never a reordering); its state is void;
 //! - a live number below `next` but above the last live one: the live copy of a batch
-//!   the replay already delivered (§7.2), skipped.
+//!   the replay already delivered (§7.2), skipped;
+//! - the first live number after a reconnect ([`Sequencer::disconnected`]) that jumps
+//!   forward (`seq > last + 1`): taken as a restart too, see below;
+//! - [`Sequencer::reset`] (the worker turned unhealthy): everything is forgotten, the
+//!   next batch is a first contact again.
+//!
+//! # A forward jump after a reconnect
+//!
+//! The live socket drops what is published while it is disconnected, so after a
+//! reconnect `seq > last + 1` is what a network blip on a busy engine shows: a plain
+//! gap. It is also what an engine that restarted meanwhile shows once it has published
+//! more batches than we had seen of its previous life. The number cannot tell them
+//! apart (only a `publisher_id`, §8, could), and taking a restart for a gap is unsafe
+//! exactly when a replay endpoint exists: §7.4 point 2 asks the *new* engine to replay
+//! from `next`, its buffer answers with its own batches from `next` on, point 3's check
+//! (first replayed sequence `> next`) passes, and the old life's blocks stay indexed,
+//! drawing requests to a cold cache until they age out of the index. The spec's rules
+//! are safe in the other cases: no replay endpoint (the gap clears, §7.4 point 3), a
+//! new engine still at or below our last number (point 4), one whose buffer no longer
+//! reaches `next` (point 3), a new `publisher_id` (§8).
+//!
+//! Rule: after a reconnect, a first live number above `last + 1` is a restart
+//! ([`Step::Restart`], [`ClearCause::Reconnect`]): the worker's blocks are cleared and
+//! the feed starts over as on first contact (§7.4 points 4–5), with a replay from 0
+//! when a replay endpoint exists, else cold from the batch seen. `seq == last + 1`
+//! (nothing missed) carries on, so a blip on an idle engine costs nothing.
+//!
+//! Trade-off: a blip on a busy engine costs a rebuild from the engine's replay buffer
+//! (up to its last 10000 batches, §7.2, served between its live sends; the worker
+//! scores neutral meanwhile) instead of a replay of the few batches missed. The
+//! rebuild is exact while the buffer still holds the engine's whole life; past that
+//! it misses blocks stored earlier, which under-reports the worker's cache (fewer hits
+//! routed there) instead of over-reporting it (requests sent to a cold cache). Not
+//! caught: a new engine whose first batch we see is exactly `last + 1`; the health
+//! checker's reset (see [`Sequencer::reset`]) covers a restart long enough to fail
+//! its probes, whatever the numbers.
 
 /// Live batches buffered during a replay before it is given up.
 pub const MAX_BUFFERED: usize = 10_000;
@@ -33,7 +68,7 @@ pub enum Step<T> {
     RequestReplay(u64),
     /// A gap was seen (expected, received).
     Gap { expected: u64, got: u64 },
-    /// The publisher restarted.
+    /// The publisher restarted (or, after a reconnect, is taken to have).
     Restart,
     /// The replay closed the gap.
     ReplayComplete,
@@ -44,10 +79,25 @@ pub enum Step<T> {
 /// Why the worker's entries were dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ClearCause {
-    /// A gap no replay could fill.
+    /// A gap no replay could fill (§7.4 point 3).
     Gap,
-    /// The publisher restarted.
+    /// The publisher restarted: its sequence went back (§7.4 point 4), or a new
+    /// `publisher_id` (§8).
     Restart,
+    /// A forward jump on the first batch after a reconnect, taken as a restart (see
+    /// the module docs).
+    Reconnect,
+}
+
+impl ClearCause {
+    /// Label used in logs, metrics and `/workers`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClearCause::Gap => "gap",
+            ClearCause::Restart => "restart",
+            ClearCause::Reconnect => "reconnect",
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -69,6 +119,8 @@ pub struct Sequencer<T> {
     /// The last sequence number seen on the live socket.
     last_live: Option<u64>,
     replay: Option<Replay<T>>,
+    /// The live socket lost its connection since the last live batch.
+    resumed: bool,
 }
 
 impl<T> Sequencer<T> {
@@ -79,6 +131,7 @@ impl<T> Sequencer<T> {
             next: None,
             last_live: None,
             replay: None,
+            resumed: false,
         }
     }
 
@@ -92,12 +145,33 @@ impl<T> Sequencer<T> {
         self.last_live
     }
 
+    /// The live socket lost its connection: the next live batch is judged as the
+    /// first after a reconnect (see the module docs).
+    pub fn disconnected(&mut self) {
+        self.resumed = true;
+    }
+
+    /// Forgets everything, as if the feed had never been heard from: the next live
+    /// batch is a first contact. A replay under way is abandoned (its late answers are
+    /// ignored). The caller clears the worker's entries.
+    pub fn reset(&mut self) {
+        *self = Sequencer::new(self.can_replay);
+    }
+
     /// A batch from the live socket.
     pub fn live(&mut self, seq: u64, batch: T) -> Vec<Step<T>> {
         let mut out = Vec::new();
-        if self.last_live.is_some_and(|last| seq <= last) {
-            out.push(Step::Restart);
-            self.restart(&mut out);
+        let resumed = std::mem::take(&mut self.resumed);
+        match self.last_live {
+            Some(last) if seq <= last => {
+                out.push(Step::Restart);
+                self.restart(ClearCause::Restart, &mut out);
+            }
+            Some(last) if resumed && seq > last.saturating_add(1) => {
+                out.push(Step::Restart);
+                self.restart(ClearCause::Reconnect, &mut out);
+            }
+            _ => {}
         }
         self.last_live = Some(seq);
         if let Some(r) = &mut self.replay {
@@ -132,7 +206,7 @@ impl<T> Sequencer<T> {
     /// The publisher changed identity (a new `publisher_id`): same as a restart.
     pub fn publisher_changed(&mut self) -> Vec<Step<T>> {
         let mut out = vec![Step::Restart];
-        self.restart(&mut out);
+        self.restart(ClearCause::Restart, &mut out);
         out
     }
 
@@ -174,11 +248,10 @@ impl<T> Sequencer<T> {
         out
     }
 
-    fn restart(&mut self, out: &mut Vec<Step<T>>) {
-        out.push(Step::Clear(ClearCause::Restart));
-        self.next = None;
-        self.last_live = None;
-        self.replay = None;
+    /// Voids the publisher's state: clears, then the next batch is a first contact.
+    fn restart(&mut self, cause: ClearCause, out: &mut Vec<Step<T>>) {
+        out.push(Step::Clear(cause));
+        self.reset();
     }
 
     fn start_replay(
@@ -399,5 +472,102 @@ mod tests {
             s.publisher_changed()[..2],
             [Restart, Clear(ClearCause::Restart)]
         );
+    }
+
+    #[test]
+    fn forward_jump_after_a_reconnect_is_a_restart() {
+        // With replay: cleared, then rebuilt from 0 like a first contact, and a shorter
+        // buffer (the new engine's) is accepted.
+        let mut s = Sequencer::new(true);
+        s.live(0, 0);
+        s.live(1, 1);
+        s.disconnected();
+        assert_eq!(
+            s.live(5, 5),
+            [Restart, Clear(ClearCause::Reconnect), RequestReplay(0)]
+        );
+        let mut out = Vec::new();
+        for n in 0..=5 {
+            out.extend(s.replayed(n, n));
+        }
+        out.extend(s.replay_done());
+        assert_eq!(seqs(&out), [0, 1, 2, 3, 4, 5]);
+        assert_eq!(out.last(), Some(&ReplayComplete));
+        // Without replay: cleared, then a cold start from the batch seen.
+        let mut s = Sequencer::new(false);
+        s.live(3, 3);
+        s.disconnected();
+        assert_eq!(
+            s.live(9, 9),
+            [Restart, Clear(ClearCause::Reconnect), Apply(9, 9)]
+        );
+        assert_eq!(s.live(10, 10), [Apply(10, 10)]);
+    }
+
+    #[test]
+    fn reconnect_without_a_jump_carries_on_and_only_the_first_batch_is_judged() {
+        let mut s = Sequencer::new(true);
+        s.live(0, 0);
+        s.disconnected();
+        // Nothing was missed: the same stream.
+        assert_eq!(s.live(1, 1), [Apply(1, 1)]);
+        // A later jump on the same connection is a plain gap again.
+        assert_eq!(
+            s.live(4, 4),
+            [
+                Gap {
+                    expected: 2,
+                    got: 4
+                },
+                RequestReplay(2)
+            ]
+        );
+        // A lower number after a reconnect stays a plain restart.
+        let mut s = Sequencer::new(false);
+        s.live(7, 7);
+        s.disconnected();
+        assert_eq!(
+            s.live(0, 0),
+            [Restart, Clear(ClearCause::Restart), Apply(0, 0)]
+        );
+    }
+
+    #[test]
+    fn jump_after_a_reconnect_during_a_replay_voids_it() {
+        // A gap replay is under way when the engine restarts and comes back further on:
+        // the buffered live batches and the replay belong to the old life.
+        let mut s = Sequencer::new(true);
+        s.live(0, 0);
+        s.live(3, 3);
+        assert!(s.is_replaying());
+        s.disconnected();
+        assert_eq!(
+            s.live(8, 8),
+            [Restart, Clear(ClearCause::Reconnect), RequestReplay(0)]
+        );
+        // (The consumer drops its replay socket on a restart, so answers to the old
+        // request never reach the new replay.)
+        assert!(s.is_replaying());
+        let out = s.replay_done();
+        assert_eq!(seqs(&out), [8], "only the new life's batch is kept");
+    }
+
+    #[test]
+    fn reset_forgets_the_stream() {
+        let mut s = Sequencer::new(true);
+        s.live(0, 0);
+        s.live(4, 4); // a gap: replay under way
+        s.reset();
+        assert!(!s.is_replaying());
+        assert_eq!(s.last_seq(), None);
+        // Late answers to the abandoned replay are ignored.
+        assert_eq!(s.replayed(1, 1), []);
+        assert_eq!(s.replay_done(), []);
+        // The next batch is a first contact: replay from 0.
+        assert_eq!(s.live(5, 5), [RequestReplay(0)]);
+        let mut s = Sequencer::new(false);
+        s.live(0, 0);
+        s.reset();
+        assert_eq!(s.live(3, 3), [Apply(3, 3)], "a cold start, not a gap");
     }
 }
