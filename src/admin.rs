@@ -4,6 +4,7 @@ use http::StatusCode;
 use serde::Serialize;
 
 use crate::error::{ProxyError, json_response};
+use crate::precise::feed::{Feed, FeedCounts, FeedState};
 use crate::proxy::{ProxyBody, Router};
 use crate::workers::WorkerSet;
 
@@ -47,9 +48,19 @@ struct WorkerView {
     kv_events: Option<FeedView>,
 }
 
-/// One worker's KV-event feed in `/workers`.
+/// One worker's KV-event feed in `/workers`. A worker with one DP rank shows its one
+/// feed. A worker with `dp_size` n > 1 shows its worker-level summary here, and each
+/// rank's feed in `ranks` (the same fields plus `rank` and `rank_mismatch`): the
+/// summary's endpoints are the configured (rank 0) ones, its counters and `blocks` the
+/// sums over the ranks (so one unhealthy transition adds n to `clears_unhealthy`),
+/// `state` the worst rank's (`stale` > `replaying` > `live`; the worker is still scored
+/// while `live_ranks` > 0), `connected` true when every rank is, `seconds_since_event`
+/// the freshest rank's, and `last_seq` null (each rank numbers its own batches).
 #[derive(Serialize)]
 struct FeedView {
+    /// The DP rank (only in `ranks`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rank: Option<u32>,
     endpoint: String,
     topic: String,
     replay_endpoint: Option<String>,
@@ -61,27 +72,26 @@ struct FeedView {
     seconds_since_event: Option<f64>,
     /// Engine blocks the worker holds according to its events.
     blocks: usize,
-    messages: u64,
-    malformed: u64,
-    skipped_events: u64,
-    stored: u64,
-    removed: u64,
-    cleared: u64,
-    unknown_parent: u64,
-    ignored: u64,
-    gaps: u64,
-    restarts: u64,
-    /// The worker's blocks dropped by the router, by cause: a gap no replay could
-    /// fill, a restart, a forward jump after a reconnect (taken as a restart), the
-    /// worker turning unhealthy.
-    clears_gap: u64,
-    clears_restart: u64,
-    clears_reconnect: u64,
-    clears_unhealthy: u64,
-    replays: u64,
-    replays_complete: u64,
-    replays_failed: u64,
-    reconnects: u64,
+    /// messages, malformed, skipped_events, stored, removed, cleared, unknown_parent,
+    /// ignored, gaps, restarts, the worker's blocks dropped by the router by cause
+    /// (`clears_gap`: a gap no replay could fill, `clears_restart`,
+    /// `clears_reconnect`: a forward jump after a reconnect taken as a restart,
+    /// `clears_unhealthy`), replays, replays_complete, replays_failed, reconnects.
+    #[serde(flatten)]
+    counts: FeedCounts,
+    /// Batches whose `dp_rank` was not the rank of the port they came on (dp_size > 1
+    /// only; they are applied to the port's rank).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    rank_mismatch: Option<u64>,
+    /// `kv_events.dp_size` (dp_size > 1 only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    dp_size: Option<u32>,
+    /// Ranks whose feed is live (scored) now (dp_size > 1 only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    live_ranks: Option<usize>,
+    /// Each rank's feed (dp_size > 1 only).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    ranks: Vec<FeedView>,
 }
 
 /// Precise mode's index and decisions in `/workers`.
@@ -128,8 +138,8 @@ pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
 }
 
 /// `GET /workers`: per-worker URL, in-flight count, health, breaker state and tree share;
-/// in precise mode also the index and, per worker with `kv_events`, its feed. API keys
-/// are never shown.
+/// in precise mode also the index and, per worker with `kv_events`, its feed (per DP
+/// rank too, see [`FeedView`]). API keys are never shown.
 pub fn workers(router: &Router) -> http::Response<ProxyBody> {
     let set = router.worker_set();
     // Copy what is needed under the lock, format after releasing it.
@@ -144,14 +154,19 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
     let now = crate::workers::now();
     let precise = router.precise();
     let is_precise = router.config().policy == crate::config::PolicyKind::PreciseCacheAware;
-    let (index_blocks, evicted, held): (usize, u64, Vec<usize>) = {
+    let (index_blocks, evicted, held): (usize, u64, Vec<Vec<usize>>) = {
         let index = precise.index();
         (
             index.len(),
             index.evicted(),
             set.workers()
                 .iter()
-                .map(|w| w.feed().map_or(0, |f| index.source_blocks(f.source())))
+                .map(|w| {
+                    w.feeds()
+                        .iter()
+                        .map(|f| index.source_blocks(f.source()))
+                        .collect()
+                })
                 .collect(),
         )
     };
@@ -169,10 +184,8 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
             load_penalty: w.config().load_penalty,
             cache_aware: w.config().cache_aware,
             tree_share,
-            kv_events: w
-                .feed()
-                .filter(|_| is_precise)
-                .map(|f| feed_view(f, blocks, now, precise.config().stale)),
+            kv_events: (is_precise && !w.feeds().is_empty())
+                .then(|| worker_feed_view(w, &blocks, now, precise.config().stale)),
         })
         .collect();
     let body = Workers {
@@ -200,41 +213,69 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
     )
 }
 
-fn feed_view(
-    f: &crate::precise::feed::Feed,
-    blocks: usize,
+/// A worker's `kv_events` view (see [`FeedView`]); `blocks` holds each rank's count.
+fn worker_feed_view(
+    w: &crate::workers::Worker,
+    blocks: &[usize],
     now: std::time::Instant,
     stale: std::time::Duration,
 ) -> FeedView {
-    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
-    let s = &f.stats;
-    FeedView {
-        endpoint: f.config().endpoint.clone(),
-        topic: f.config().topic.clone(),
-        replay_endpoint: f.config().replay_endpoint.clone(),
-        state: f.state(now, stale).as_str(),
+    let feeds = w.feeds();
+    let view = |f: &Feed, blocks: usize, state: FeedState| FeedView {
+        rank: None,
+        endpoint: f.endpoint().to_string(),
+        topic: f.topic().to_string(),
+        replay_endpoint: f.replay_endpoint().map(str::to_string),
+        state: state.as_str(),
         connected: f.is_connected(),
         last_seq: f.last_seq(),
         seconds_since_event: f.seconds_since_message(now),
         blocks,
-        messages: n(&s.messages),
-        malformed: n(&s.malformed),
-        skipped_events: n(&s.skipped_events),
-        stored: n(&s.stored),
-        removed: n(&s.removed),
-        cleared: n(&s.cleared),
-        unknown_parent: n(&s.unknown_parent),
-        ignored: n(&s.ignored),
-        gaps: n(&s.gaps),
-        restarts: n(&s.restarts),
-        clears_gap: n(&s.clears_gap),
-        clears_restart: n(&s.clears_restart),
-        clears_reconnect: n(&s.clears_reconnect),
-        clears_unhealthy: n(&s.clears_unhealthy),
-        replays: n(&s.replays),
-        replays_complete: n(&s.replays_complete),
-        replays_failed: n(&s.replays_failed),
-        reconnects: n(&s.reconnects),
+        counts: f.stats.counts(),
+        rank_mismatch: None,
+        dp_size: None,
+        live_ranks: None,
+        ranks: Vec::new(),
+    };
+    let states: Vec<FeedState> = feeds.iter().map(|f| f.state(now, stale)).collect();
+    let mut ranks: Vec<FeedView> = feeds
+        .iter()
+        .zip(blocks)
+        .zip(&states)
+        .map(|((f, b), st)| view(f, *b, *st))
+        .collect();
+    if ranks.len() == 1 {
+        return ranks.remove(0);
+    }
+    for (r, f) in ranks.iter_mut().zip(feeds) {
+        r.rank = Some(f.rank());
+        r.rank_mismatch = Some(r.counts.rank_mismatch);
+    }
+    let counts: FeedCounts = ranks.iter().map(|r| r.counts).sum();
+    let kv = w.config().kv_events.as_ref();
+    FeedView {
+        rank: None,
+        endpoint: kv.map_or_else(String::new, |k| k.endpoint.clone()),
+        topic: kv.map_or_else(String::new, |k| k.topic.clone()),
+        replay_endpoint: kv.and_then(|k| k.replay_endpoint.clone()),
+        state: states
+            .iter()
+            .max()
+            .copied()
+            .unwrap_or(FeedState::Live)
+            .as_str(),
+        connected: ranks.iter().all(|r| r.connected),
+        last_seq: None,
+        seconds_since_event: ranks
+            .iter()
+            .filter_map(|r| r.seconds_since_event)
+            .reduce(f64::min),
+        blocks: ranks.iter().map(|r| r.blocks).sum(),
+        counts,
+        rank_mismatch: Some(counts.rank_mismatch),
+        dp_size: Some(feeds.len() as u32),
+        live_ranks: Some(states.iter().filter(|s| **s == FeedState::Live).count()),
+        ranks,
     }
 }
 

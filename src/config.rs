@@ -7,6 +7,7 @@
 //! deserialised and range-checked; a range error names the last file that set the key.
 //! SIGHUP reload goes through the same [`Config::load`].
 
+use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -124,6 +125,76 @@ pub struct KvEventsConfig {
     /// The engine's replay ROUTER socket, `tcp://host:port`; `None` = no replay, so a
     /// sequence gap drops this worker's entries.
     pub replay_endpoint: Option<String>,
+    /// Data-parallel ranks behind the worker's one HTTP endpoint (vLLM
+    /// `--data-parallel-size` with its internal load balancing; default 1). Each rank
+    /// publishes on its own port, `endpoint`'s plus the rank, and serves replay on
+    /// `replay_endpoint`'s plus the rank (spec §1); the router follows each rank as a
+    /// separate feed ([`KvEventsConfig::rank_endpoint`]).
+    pub dp_size: u32,
+}
+
+/// Largest `kv_events.dp_size`.
+pub const MAX_DP_SIZE: u32 = 64;
+
+impl KvEventsConfig {
+    /// Rank `rank`'s event endpoint: `endpoint` with its port plus `rank` (as vLLM
+    /// offsets its per-rank publishers; rank 0 keeps the base).
+    pub fn rank_endpoint(&self, rank: u32) -> String {
+        offset_port(&self.endpoint, rank).unwrap_or_else(|| self.endpoint.clone())
+    }
+
+    /// Rank `rank`'s replay endpoint, offset like [`KvEventsConfig::rank_endpoint`].
+    pub fn rank_replay_endpoint(&self, rank: u32) -> Option<String> {
+        self.replay_endpoint
+            .as_ref()
+            .map(|r| offset_port(r, rank).unwrap_or_else(|| r.clone()))
+    }
+}
+
+/// Host and port of a validated `tcp://host:port` endpoint.
+fn host_port(endpoint: &str) -> Option<(&str, u16)> {
+    let (host, port) = endpoint.strip_prefix("tcp://")?.rsplit_once(':')?;
+    Some((host, port.parse().ok()?))
+}
+
+/// `endpoint` with its port plus `n`; `None` when it is not `tcp://host:port` or the
+/// port would pass 65535 (validation rules both out).
+fn offset_port(endpoint: &str, n: u32) -> Option<String> {
+    if n == 0 {
+        return Some(endpoint.to_string());
+    }
+    let (host, port) = host_port(endpoint)?;
+    let port = u16::try_from(u32::from(port) + n).ok()?;
+    Some(format!("tcp://{host}:{port}"))
+}
+
+/// Every (host, port) the router dials for `k`, all ranks: `(rank, is_replay, host, port)`.
+fn kv_ports(k: &KvEventsConfig) -> Vec<(u32, bool, &str, u16)> {
+    let mut out = Vec::new();
+    for (replay, ep) in [
+        (false, Some(&k.endpoint)),
+        (true, k.replay_endpoint.as_ref()),
+    ] {
+        let Some((host, base)) = ep.and_then(|e| host_port(e)) else {
+            continue;
+        };
+        for r in 0..k.dp_size {
+            if let Ok(port) = u16::try_from(u32::from(base) + r) {
+                out.push((r, replay, host, port));
+            }
+        }
+    }
+    out
+}
+
+/// Names one dialled port of [`kv_ports`] in an error message.
+fn kv_port_name(dp_size: u32, rank: u32, replay: bool) -> String {
+    let what = if replay { "replay" } else { "event" };
+    if dp_size > 1 {
+        format!("rank {rank} {what} endpoint")
+    } else {
+        format!("{what} endpoint")
+    }
 }
 
 /// `precise:` — the block index of precise mode.
@@ -527,6 +598,7 @@ struct RawKvEvents {
     endpoint: String,
     topic: Option<String>,
     replay_endpoint: Option<String>,
+    dp_size: Option<i64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -632,11 +704,26 @@ impl RawWorker {
                         ),
                     ));
                 }
-                Some(KvEventsConfig {
+                let dp_size = match k.dp_size {
+                    None => 1,
+                    Some(n) if (1..=i64::from(MAX_DP_SIZE)).contains(&n) => n as u32,
+                    Some(n) => {
+                        return Err((
+                            "kv_events.dp_size",
+                            format!(
+                                "{n} is out of range (1 to {MAX_DP_SIZE}: the engine's --data-parallel-size behind this one URL; the router opens a SUB socket, a replay socket and a task per rank, so a larger value is taken for a mistake)"
+                            ),
+                        ));
+                    }
+                };
+                let k = KvEventsConfig {
                     endpoint,
                     topic: k.topic.unwrap_or_default(),
                     replay_endpoint,
-                })
+                    dp_size,
+                };
+                check_rank_ports(&k)?;
+                Some(k)
             }
         };
         Ok(WorkerConfig {
@@ -648,6 +735,48 @@ impl RawWorker {
             kv_events,
         })
     }
+}
+
+/// Checks the ports of a worker's ranks (spec §1: rank r publishes on the event port
+/// plus r, replays on the replay port plus r): none past 65535, and the event range
+/// apart from the replay range when both are on one host.
+fn check_rank_ports(k: &KvEventsConfig) -> Result<(), (&'static str, String)> {
+    let n = k.dp_size;
+    for (key, ep) in [
+        ("kv_events.endpoint", Some(&k.endpoint)),
+        ("kv_events.replay_endpoint", k.replay_endpoint.as_ref()),
+    ] {
+        let Some((_, port)) = ep.and_then(|e| host_port(e)) else {
+            continue;
+        };
+        if u32::from(port) + n - 1 > 65535 {
+            return Err((
+                key,
+                format!(
+                    "`{}`: with dp_size {n} rank {} would use port {}, past 65535",
+                    ep.map_or("", |e| e.as_str()),
+                    n - 1,
+                    u32::from(port) + n - 1
+                ),
+            ));
+        }
+    }
+    let (Some((eh, ep)), Some((rh, rp))) = (
+        host_port(&k.endpoint),
+        k.replay_endpoint.as_deref().and_then(host_port),
+    ) else {
+        return Ok(());
+    };
+    let (e_end, r_end) = (u32::from(ep) + n - 1, u32::from(rp) + n - 1);
+    if eh == rh && u32::from(ep) <= r_end && u32::from(rp) <= e_end {
+        return Err((
+            "kv_events.replay_endpoint",
+            format!(
+                "with dp_size {n} the event ports {ep}..={e_end} and the replay ports {rp}..={r_end} of {eh} overlap (each rank offsets both by its rank); pick bases at least {n} apart, e.g. event 5557 and replay 6557"
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// Checks a ZeroMQ endpoint the router dials: `tcp://host:port` with a concrete host
@@ -1174,20 +1303,26 @@ impl Config {
                 "policy precise_cache_aware needs `kv_events: {endpoint: tcp://host:port}` on at least one worker",
             ));
         }
+        // One publisher per worker and rank: no port any rank of a worker dials (event or
+        // replay) may be one another worker's rank dials.
+        let mut dialled: HashMap<(&str, u16), (usize, u32, u32, bool)> = HashMap::new();
         for (i, w) in workers.iter().enumerate() {
             let Some(k) = &w.kv_events else { continue };
-            let clash = workers[..i]
-                .iter()
-                .filter_map(|o| o.kv_events.as_ref())
-                .any(|o| {
-                    o.endpoint == k.endpoint
-                        || (o.replay_endpoint.is_some() && o.replay_endpoint == k.replay_endpoint)
-                });
-            if clash {
-                return Err(ck.err(
-                    &format!("workers[{i}].kv_events"),
-                    format!("`{}`: another worker already uses this event or replay endpoint (one publisher per worker)", k.endpoint),
-                ));
+            for (rank, replay, host, port) in kv_ports(k) {
+                if let Some(&(j, dp, r, rep)) = dialled.get(&(host, port))
+                    && j != i
+                {
+                    return Err(ck.err(
+                        &format!("workers[{i}].kv_events"),
+                        format!(
+                            "`{}`: another worker already dials tcp://{host}:{port}, this worker's {}, as workers[{j}]'s {} (one publisher per worker and rank; with dp_size n a worker dials its event and replay ports plus 0 to n-1)",
+                            k.endpoint,
+                            kv_port_name(k.dp_size, rank, replay),
+                            kv_port_name(dp, r, rep),
+                        ),
+                    ));
+                }
+                dialled.insert((host, port), (i, k.dp_size, rank, replay));
             }
         }
 
@@ -1567,6 +1702,134 @@ mod tests {
                 "{over:?} gave {e}"
             );
         }
+    }
+
+    #[test]
+    fn dp_size_offsets_every_rank_and_is_checked() {
+        let kv = |w: &str, fields: &str| {
+            format!(
+                "  - url: http://{w}:1\n    kv_events: {{endpoint: \"tcp://h:5557\", {fields}}}\n"
+            )
+        };
+        // Default 1; a rank's ports are the bases plus the rank.
+        let c = load(&[(
+            "a.yaml",
+            &format!(
+                "workers:\n{}",
+                kv("a", "replay_endpoint: \"tcp://h:6557\", dp_size: 4")
+            ),
+        )])
+        .unwrap();
+        let k = c.workers[0].kv_events.as_ref().unwrap();
+        assert_eq!(k.dp_size, 4);
+        assert_eq!(
+            (
+                k.rank_endpoint(0),
+                k.rank_endpoint(3),
+                k.rank_replay_endpoint(3)
+            ),
+            (
+                "tcp://h:5557".to_string(),
+                "tcp://h:5560".to_string(),
+                Some("tcp://h:6560".to_string())
+            )
+        );
+        let c = load(&[("b.yaml", &format!("workers:\n{}", kv("a", "topic: t")))]).unwrap();
+        assert_eq!(c.workers[0].kv_events.as_ref().unwrap().dp_size, 1);
+        let w = WorkerConfig::from_json(
+            br#"{"url":"http://c:1","kv_events":{"endpoint":"tcp://c:5557","dp_size":2}}"#,
+        )
+        .unwrap();
+        assert_eq!(w.kv_events.unwrap().rank_endpoint(1), "tcp://c:5558");
+
+        let refused = |workers: &[String], key: &str, why: &[&str]| {
+            let e = err(&[("d.yaml", &format!("workers:\n{}", workers.concat()))]);
+            assert!(
+                e.contains("d.yaml") && e.contains(key) && why.iter().all(|w| e.contains(w)),
+                "{workers:?} gave {e}"
+            );
+        };
+        // Range, with the reason.
+        for n in ["0", "-1", "65"] {
+            refused(
+                &[kv("a", &format!("dp_size: {n}"))],
+                "workers[0].kv_events.dp_size",
+                &[n, "1 to 64", "--data-parallel-size"],
+            );
+        }
+        // The last rank's port must exist.
+        refused(
+            &[
+                "  - url: http://a:1\n    kv_events: {endpoint: \"tcp://h:65534\", dp_size: 3}\n"
+                    .into(),
+            ],
+            "workers[0].kv_events.endpoint",
+            &["rank 2", "65536", "65535"],
+        );
+        refused(
+            &[kv("a", "replay_endpoint: \"tcp://h:65535\", dp_size: 2")],
+            "workers[0].kv_events.replay_endpoint",
+            &["65536"],
+        );
+        // A worker's event and replay ranges apart: vLLM's defaults 5557/5558 collide
+        // from dp_size 2 on.
+        refused(
+            &[kv("a", "replay_endpoint: \"tcp://h:5558\", dp_size: 2")],
+            "workers[0].kv_events.replay_endpoint",
+            &["5557..=5558", "5558..=5559", "overlap"],
+        );
+        assert!(
+            load(&[(
+                "ok.yaml",
+                &format!(
+                    "workers:\n{}",
+                    kv("a", "replay_endpoint: \"tcp://h:5559\", dp_size: 2")
+                )
+            )])
+            .is_ok()
+        );
+        // Another worker on any rank's port: event on event, event on replay.
+        let two_ranks = kv("a", "dp_size: 2");
+        let on_rank_1 = "  - url: http://b:1\n    kv_events: {endpoint: \"tcp://h:5558\"}\n";
+        refused(
+            &[two_ranks.clone(), on_rank_1.into()],
+            "workers[1].kv_events",
+            &[
+                "another worker",
+                "tcp://h:5558",
+                "workers[0]'s rank 1 event endpoint",
+            ],
+        );
+        let replay_on_rank_1 = "  - url: http://b:1\n    kv_events: {endpoint: \"tcp://h:7000\", replay_endpoint: \"tcp://h:5558\"}\n";
+        refused(
+            &[two_ranks.clone(), replay_on_rank_1.into()],
+            "workers[1].kv_events",
+            &[
+                "this worker's replay endpoint",
+                "workers[0]'s rank 1 event endpoint",
+            ],
+        );
+        let below =
+            "  - url: http://b:1\n    kv_events: {endpoint: \"tcp://h:5556\", dp_size: 2}\n";
+        refused(
+            &[two_ranks.clone(), below.into()],
+            "workers[1].kv_events",
+            &[
+                "this worker's rank 1 event endpoint",
+                "workers[0]'s rank 0 event endpoint",
+            ],
+        );
+        // Next to each other, or the same ports on another host, is fine.
+        let after =
+            "  - url: http://b:1\n    kv_events: {endpoint: \"tcp://h:5559\", dp_size: 2}\n";
+        let elsewhere =
+            "  - url: http://c:1\n    kv_events: {endpoint: \"tcp://g:5557\", dp_size: 2}\n";
+        let c = load(&[(
+            "ok.yaml",
+            &format!("workers:\n{two_ranks}{after}{elsewhere}"),
+        )])
+        .unwrap();
+        assert_eq!(c.workers.len(), 3);
     }
 
     #[test]

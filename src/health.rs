@@ -4,11 +4,11 @@
 //! a worker unhealthy; `success_threshold` consecutive good ones bring it back. An
 //! isolated failure changes nothing. A worker that turns unhealthy loses its tree
 //! entries: when it returns, its KV cache is presumed cold. In precise mode it also
-//! loses its blocks in the precise index, and its KV-event feed is reset
-//! ([`Feed::reset`](crate::precise::feed::Feed::reset)): the engine may have restarted
-//! unseen, so its next event batch is a first contact (a replay from 0 when a replay
-//! endpoint exists, rebuilding what the engine reports; spec §7.4 point 5). Probes
-//! carry the backend API key like proxied requests do.
+//! loses its blocks in the precise index, and its KV-event feeds (every DP rank's) are
+//! reset ([`Feed::reset`](crate::precise::feed::Feed::reset)): the engine may have
+//! restarted unseen, so each rank's next event batch is a first contact (a replay from
+//! 0 when a replay endpoint exists, rebuilding what the engine reports; spec §7.4
+//! point 5). Probes carry the backend API key like proxied requests do.
 
 use std::sync::Arc;
 
@@ -69,7 +69,8 @@ pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
                 (Some(false), r) => {
                     worker.set_healthy(false);
                     set.tree().remove_worker(id);
-                    if let Some(feed) = worker.feed() {
+                    // Every DP rank: they share the engine process.
+                    for feed in worker.feeds() {
                         // Reset first: a batch applied after the clear below is then
                         // cleared again by the consumer.
                         feed.reset();

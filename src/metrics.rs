@@ -25,7 +25,7 @@ use prometheus_client::registry::{Registry, Unit};
 
 use crate::policy::Reason;
 use crate::precise::Precise;
-use crate::precise::feed::{Feed, FeedState};
+use crate::precise::feed::{Feed, FeedCounts, FeedState};
 use crate::workers::WorkerSet;
 
 /// Content type of [`Metrics::encode`]'s output (Prometheus text format 0.0.4).
@@ -92,6 +92,15 @@ struct DecisionLabels {
 /// Precise mode: KV-event feeds and the block index. Every value is read from the
 /// feeds' and the index's own counters at scrape time (counters are monotonic per
 /// feed; a worker whose config changes starts a new feed at 0).
+///
+/// Series are per worker, never per DP rank: a worker with `kv_events.dp_size` > 1
+/// shows its ranks summed up as `/workers` does (counters and blocks summed,
+/// `kv_event_connected` 1 only when every rank is, `kv_event_since_last_seconds` the
+/// freshest rank's, `kv_event_feed_state` the worst rank's), plus
+/// `kv_event_live_ranks` and `kv_event_rank_mismatch_total`; the per-rank detail is in
+/// `/workers` (`kv_events.ranks`). A `rank` label would have been cheap to add but not
+/// consistent: every existing series of a one-rank worker would gain it (or only some
+/// workers' series would carry it), changing what queries and dashboards select.
 #[derive(Debug, Default)]
 struct PreciseFamilies {
     messages: Family<WorkerLabels, Counter>,
@@ -106,6 +115,8 @@ struct PreciseFamilies {
     connected: Family<WorkerLabels, Gauge>,
     state: Family<WorkerStateLabels, Gauge>,
     worker_blocks: Family<WorkerLabels, Gauge>,
+    live_ranks: Family<WorkerLabels, Gauge>,
+    rank_mismatch: Family<WorkerLabels, Counter>,
     blocks: Gauge,
     evicted: Counter,
     decisions: Family<DecisionLabels, Counter>,
@@ -328,6 +339,16 @@ impl Metrics {
             p.state.clone(),
         );
         r.register(
+            "kv_event_live_ranks",
+            "Data-parallel ranks of the worker whose KV-event feed is live (scored); the worker scores neutral at 0",
+            p.live_ranks.clone(),
+        );
+        r.register(
+            "kv_event_rank_mismatch",
+            "KV-event batches whose dp_rank was not the rank of the port they came on (workers with dp_size > 1; applied to the port's rank)",
+            p.rank_mismatch.clone(),
+        );
+        r.register(
             "precise_index_worker_blocks",
             "Engine blocks a worker holds according to its events",
             p.worker_blocks.clone(),
@@ -491,13 +512,16 @@ impl Metrics {
         f.connected.clear();
         f.state.clear();
         f.worker_blocks.clear();
+        f.live_ranks.clear();
+        f.rank_mismatch.clear();
         f.decisions.clear();
         let now = crate::workers::now();
         let stale = precise.config().stale;
-        let feeds: Vec<(&Arc<str>, &Arc<Feed>)> = set
+        let feeds: Vec<(&Arc<str>, &[Arc<Feed>])> = set
             .workers()
             .iter()
-            .filter_map(|w| w.feed().map(|feed| (w.label(), feed)))
+            .filter(|w| !w.feeds().is_empty())
+            .map(|w| (w.label(), w.feeds()))
             .collect();
         let (blocks, evicted, per_worker): (usize, u64, Vec<usize>) = {
             let index = precise.index();
@@ -506,12 +530,16 @@ impl Metrics {
                 index.evicted(),
                 feeds
                     .iter()
-                    .map(|(_, feed)| index.source_blocks(feed.source()))
+                    .map(|(_, ranks)| {
+                        ranks
+                            .iter()
+                            .map(|feed| index.source_blocks(feed.source()))
+                            .sum()
+                    })
                     .collect(),
             )
         };
-        let load = |c: &AtomicU64| c.load(Ordering::Relaxed);
-        for ((label, feed), held) in feeds.iter().zip(per_worker) {
+        for ((label, ranks), held) in feeds.iter().zip(per_worker) {
             let w = || WorkerLabels {
                 worker: Arc::clone(label),
             };
@@ -519,54 +547,60 @@ impl Metrics {
                 worker: Arc::clone(label),
                 kind,
             };
-            let s = &feed.stats;
-            f.messages.get_or_create(&w()).inc_by(load(&s.messages));
-            f.malformed.get_or_create(&w()).inc_by(load(&s.malformed));
+            let s: FeedCounts = ranks.iter().map(|feed| feed.stats.counts()).sum();
+            f.messages.get_or_create(&w()).inc_by(s.messages);
+            f.malformed.get_or_create(&w()).inc_by(s.malformed);
             for (k, c) in [
-                ("block_stored", &s.stored),
-                ("block_removed", &s.removed),
-                ("all_blocks_cleared", &s.cleared),
-                ("unknown_parent", &s.unknown_parent),
-                ("ignored", &s.ignored),
-                ("skipped", &s.skipped_events),
+                ("block_stored", s.stored),
+                ("block_removed", s.removed),
+                ("all_blocks_cleared", s.cleared),
+                ("unknown_parent", s.unknown_parent),
+                ("ignored", s.ignored),
+                ("skipped", s.skipped_events),
             ] {
-                f.events.get_or_create(&kind(k)).inc_by(load(c));
+                f.events.get_or_create(&kind(k)).inc_by(c);
             }
-            f.gaps.get_or_create(&w()).inc_by(load(&s.gaps));
-            f.restarts.get_or_create(&w()).inc_by(load(&s.restarts));
+            f.gaps.get_or_create(&w()).inc_by(s.gaps);
+            f.restarts.get_or_create(&w()).inc_by(s.restarts);
             for (cause, c) in [
-                ("gap", &s.clears_gap),
-                ("restart", &s.clears_restart),
-                ("reconnect", &s.clears_reconnect),
-                ("unhealthy", &s.clears_unhealthy),
+                ("gap", s.clears_gap),
+                ("restart", s.clears_restart),
+                ("reconnect", s.clears_reconnect),
+                ("unhealthy", s.clears_unhealthy),
             ] {
                 f.clears
                     .get_or_create(&WorkerCauseLabels {
                         worker: Arc::clone(label),
                         cause,
                     })
-                    .inc_by(load(c));
+                    .inc_by(c);
             }
-            f.reconnects.get_or_create(&w()).inc_by(load(&s.reconnects));
+            f.reconnects.get_or_create(&w()).inc_by(s.reconnects);
             for (result, c) in [
-                ("requested", &s.replays),
-                ("complete", &s.replays_complete),
-                ("failed", &s.replays_failed),
+                ("requested", s.replays),
+                ("complete", s.replays_complete),
+                ("failed", s.replays_failed),
             ] {
                 f.replays
                     .get_or_create(&WorkerResultLabels {
                         worker: Arc::clone(label),
                         result,
                     })
-                    .inc_by(load(c));
+                    .inc_by(c);
             }
-            if let Some(secs) = feed.seconds_since_message(now) {
+            f.rank_mismatch.get_or_create(&w()).inc_by(s.rank_mismatch);
+            if let Some(secs) = ranks
+                .iter()
+                .filter_map(|feed| feed.seconds_since_message(now))
+                .reduce(f64::min)
+            {
                 f.since_message.get_or_create(&w()).set(secs);
             }
             f.connected
                 .get_or_create(&w())
-                .set(i64::from(feed.is_connected()));
-            let state = feed.state(now, stale);
+                .set(i64::from(ranks.iter().all(|feed| feed.is_connected())));
+            let states: Vec<FeedState> = ranks.iter().map(|feed| feed.state(now, stale)).collect();
+            let state = states.iter().max().copied().unwrap_or(FeedState::Live);
             for st in [FeedState::Live, FeedState::Replaying, FeedState::Stale] {
                 f.state
                     .get_or_create(&WorkerStateLabels {
@@ -575,6 +609,8 @@ impl Metrics {
                     })
                     .set(i64::from(st == state));
             }
+            let live = states.iter().filter(|st| **st == FeedState::Live).count();
+            f.live_ranks.get_or_create(&w()).set(live as i64);
             f.worker_blocks.get_or_create(&w()).set(held as i64);
         }
         f.blocks.set(blocks as i64);

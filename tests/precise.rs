@@ -89,14 +89,14 @@ fn cleared(form: Form) -> Value {
 }
 
 /// A msgpack `KVEventBatch`: `[ts, events, dp_rank]`.
-fn batch(events: Vec<Value>) -> Vec<u8> {
+fn batch(rank: u32, events: Vec<Value>) -> Vec<u8> {
     let mut out = Vec::new();
     rmpv::encode::write_value(
         &mut out,
         &Value::Array(vec![
             Value::F64(1_767_225_600.25),
             Value::Array(events),
-            Value::from(0),
+            Value::from(rank),
         ]),
     )
     .expect("encode");
@@ -118,6 +118,8 @@ enum ReplayMode {
 /// A fake vLLM engine's event side: a PUB socket (and optionally a ROUTER replay
 /// service) on 127.0.0.1, with the engine's sequence numbering and replay buffer.
 struct FakeEngine {
+    /// The data-parallel rank its batches carry.
+    rank: u32,
     endpoint: String,
     replay_endpoint: Option<String>,
     publisher: tokio::sync::Mutex<PubSocket>,
@@ -133,22 +135,48 @@ struct FakeEngine {
 
 impl FakeEngine {
     async fn start(with_replay: bool) -> FakeEngine {
+        let replay = with_replay.then_some(0);
+        FakeEngine::bind(0, 0, replay).await.expect("bind")
+    }
+
+    /// The publishers of one vLLM server with `n` data-parallel ranks: rank r on the
+    /// PUB port of rank 0 plus r (spec §1), no replay. Ports come from the OS for rank 0;
+    /// when one of the next is taken, all are dropped and it starts over.
+    async fn ranks(n: u32) -> Vec<FakeEngine> {
+        for _ in 0..50 {
+            let first = FakeEngine::start(false).await;
+            let base = first.port();
+            let mut all = vec![first];
+            for r in 1..n {
+                match FakeEngine::bind(r, base + r as u16, None).await {
+                    Ok(e) => all.push(e),
+                    Err(_) => break,
+                }
+            }
+            if all.len() == n as usize {
+                return all;
+            }
+        }
+        panic!("no {n} consecutive free ports");
+    }
+
+    /// An engine of DP rank `rank` with its PUB socket on `port` and, with `replay`,
+    /// a replay ROUTER on that port (0 = any free port).
+    async fn bind(rank: u32, port: u16, replay: Option<u16>) -> zeromq::ZmqResult<FakeEngine> {
         let mut publisher = PubSocket::new();
         let endpoint = publisher
-            .bind("tcp://127.0.0.1:0")
-            .await
-            .expect("bind PUB")
+            .bind(&format!("tcp://127.0.0.1:{port}"))
+            .await?
             .to_string();
         let buffer: Buffer = Arc::default();
         let replay_requests: Arc<Mutex<Vec<u64>>> = Arc::default();
         let (hold, hold_rx) = watch::channel(false);
         let mode = Arc::new(Mutex::new(ReplayMode::Serve));
-        let replay_endpoint = if with_replay {
+        let replay_endpoint = if let Some(port) = replay {
             let mut router = RouterSocket::new();
             let ep = router
-                .bind("tcp://127.0.0.1:0")
-                .await
-                .expect("bind ROUTER")
+                .bind(&format!("tcp://127.0.0.1:{port}"))
+                .await?
                 .to_string();
             tokio::spawn(serve_replay(
                 router,
@@ -161,7 +189,8 @@ impl FakeEngine {
         } else {
             None
         };
-        FakeEngine {
+        Ok(FakeEngine {
+            rank,
             endpoint,
             replay_endpoint,
             publisher: tokio::sync::Mutex::new(publisher),
@@ -170,7 +199,13 @@ impl FakeEngine {
             replay_requests,
             hold,
             mode,
-        }
+        })
+    }
+
+    /// The PUB socket's port.
+    fn port(&self) -> u16 {
+        let (_, port) = self.endpoint.rsplit_once(':').expect("tcp endpoint");
+        port.parse().expect("port")
     }
 
     fn take_seq(&self, payload: &[u8]) -> u64 {
@@ -183,7 +218,12 @@ impl FakeEngine {
 
     /// Publishes one batch with the next sequence number.
     async fn publish(&self, events: Vec<Value>) {
-        let payload = batch(events);
+        self.publish_as(self.rank, events).await;
+    }
+
+    /// Publishes one batch that says it comes from DP rank `rank`.
+    async fn publish_as(&self, rank: u32, events: Vec<Value>) {
+        let payload = batch(rank, events);
         let seq = self.take_seq(&payload);
         self.send(vec![
             Bytes::from_static(TOPIC.as_bytes()),
@@ -196,7 +236,7 @@ impl FakeEngine {
     /// Takes the next sequence number for a batch that never reaches the subscriber
     /// (as when ZeroMQ drops at the high-water mark); the replay buffer keeps it.
     fn lose(&self, events: Vec<Value>) {
-        self.take_seq(&batch(events));
+        self.take_seq(&batch(self.rank, events));
     }
 
     /// Restarts the engine's publisher on the same port: a new process, whose sequence
@@ -230,12 +270,21 @@ impl FakeEngine {
     /// joiner loses what is sent before the subscription arrives), then waits until the
     /// feed is live (a first-contact replay, if any, done).
     async fn sync(&self, router: &app::RunningRouter, worker: usize) {
+        self.sync_rank(router, worker, None).await;
+    }
+
+    /// [`FakeEngine::sync`] for rank `rank` of a worker with several DP ranks (its
+    /// entry in `kv_events.ranks`), or of a one-rank worker (`None`).
+    async fn sync_rank(&self, router: &app::RunningRouter, worker: usize, rank: Option<usize>) {
         let addr = router.addr;
         let start = std::time::Instant::now();
         loop {
             self.publish(Vec::new()).await;
             let w = get_workers(addr).await;
-            let feed = &w["workers"][worker]["kv_events"];
+            let mut feed = &w["workers"][worker]["kv_events"];
+            if let Some(r) = rank {
+                feed = &feed["ranks"][r];
+            }
             if feed["messages"].as_u64().unwrap_or(0) > 0 && feed["state"] == "live" {
                 return;
             }
@@ -965,5 +1014,121 @@ async fn unhealthy_worker_loses_its_blocks_and_its_feed_starts_over() {
         ),
         1.0
     );
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_two_dp_ranks_is_followed_rank_by_rank() {
+    let ws = [FakeWorker::start().await, FakeWorker::start().await];
+    let w: Vec<&FakeWorker> = ws.iter().collect();
+    // A: one HTTP endpoint, two engine ranks publishing on consecutive ports. B: one.
+    let a = FakeEngine::ranks(2).await;
+    let b = FakeEngine::start(false).await;
+    assert_eq!(a[1].port(), a[0].port() + 1);
+    let mut yaml = format!(
+        "policy: precise_cache_aware\nprecise:\n  block_size: {BS}\n  speculative_ttl_secs: 0\nhealth:\n{NO_HEALTH}workers:\n"
+    );
+    for (url, engine, ranks) in [
+        (ws[0].url(), &a[0], "      dp_size: 2\n"),
+        (ws[1].url(), &b, ""),
+    ] {
+        yaml.push_str(&format!(
+            "  - url: \"{url}\"\n    kv_events:\n      endpoint: \"{}\"\n      topic: {TOPIC}\n{ranks}",
+            engine.endpoint
+        ));
+    }
+    let router = start_router(&yaml).await;
+    a[0].sync_rank(&router, 0, Some(0)).await;
+    a[1].sync_rank(&router, 0, Some(1)).await;
+    b.sync(&router, 1).await;
+    assert_eq!(get_workers(router.addr).await["tree_nodes"], 0);
+
+    // A's rank 1 holds P's 3 blocks, its rank 0 a block of Q; B holds P's first block.
+    let p = prompt(3, 21);
+    let q = prompt(1, 22);
+    a[1].publish(vec![stored(Form::Map, &hashes(1, 3), None, &p[..3 * BS])])
+        .await;
+    a[0].publish(vec![stored(Form::Array, &hashes(1, 1), None, &q[..BS])])
+        .await;
+    b.publish(vec![stored(Form::Map, &hashes(2, 1), None, &p[..BS])])
+        .await;
+    wait_feed(&router, 0, "A's ranks indexed", |f| {
+        f["ranks"][0]["blocks"] == 1 && f["ranks"][1]["blocks"] == 3
+    })
+    .await;
+    wait_feed(&router, 1, "B indexed", |f| f["blocks"] == 1).await;
+    for _ in 0..2 {
+        assert_eq!(route(&router, &w, &p).await, 0, "P is on A's rank 1");
+    }
+    let f = feed(&router, 0).await;
+    assert_eq!(
+        (f["dp_size"].as_u64(), f["live_ranks"].as_u64()),
+        (Some(2), Some(2)),
+        "{f}"
+    );
+    assert_eq!(
+        (f["blocks"].as_u64(), f["state"].as_str()),
+        (Some(4), Some("live")),
+        "{f}"
+    );
+    assert_eq!(f["endpoint"], a[0].endpoint.as_str());
+    assert_eq!(f["ranks"][1]["endpoint"], a[1].endpoint.as_str());
+    assert_eq!(f["ranks"][1]["rank"], 1);
+    assert!(f["last_seq"].is_null(), "each rank numbers its own: {f}");
+    let per_rank: u64 = (0..2)
+        .map(|r| f["ranks"][r]["messages"].as_u64().unwrap())
+        .sum();
+    assert_eq!(f["messages"].as_u64(), Some(per_rank), "{f}");
+    let one_rank = feed(&router, 1).await;
+    assert!(
+        one_rank.get("ranks").is_none() && one_rank.get("dp_size").is_none(),
+        "a one-rank worker keeps its shape: {one_rank}"
+    );
+
+    // A gap on rank 0 (no replay) clears rank 0's blocks only.
+    a[0].lose(Vec::new());
+    a[0].publish(Vec::new()).await;
+    wait_feed(&router, 0, "rank 0 cleared after its gap", |f| {
+        f["ranks"][0]["clears_gap"] == 1 && f["ranks"][0]["blocks"] == 0
+    })
+    .await;
+    let f = feed(&router, 0).await;
+    assert_eq!(
+        (
+            f["ranks"][1]["blocks"].as_u64(),
+            f["ranks"][1]["gaps"].as_u64()
+        ),
+        (Some(3), Some(0)),
+        "{f}"
+    );
+    assert_eq!(
+        (f["gaps"].as_u64(), f["blocks"].as_u64()),
+        (Some(1), Some(3)),
+        "{f}"
+    );
+    assert_eq!(route(&router, &w, &p).await, 0, "P is still on A's rank 1");
+
+    // A batch on rank 1's port that says rank 0: counted, applied to rank 1.
+    let r = prompt(1, 23);
+    a[1].publish_as(0, vec![stored(Form::Map, &hashes(3, 1), None, &r[..BS])])
+        .await;
+    wait_feed(&router, 0, "mismatch counted", |f| {
+        f["ranks"][1]["rank_mismatch"] == 1 && f["ranks"][1]["blocks"] == 4
+    })
+    .await;
+    assert_eq!(feed(&router, 0).await["rank_mismatch"], 1);
+    assert_eq!(route(&router, &w, &r).await, 0);
+
+    // /metrics: one series per worker, the ranks summed.
+    let label = worker_label(router.addr, 0).await;
+    let m = scrape(router.addr).await;
+    for (name, v) in [
+        ("cache_aware_router_precise_index_worker_blocks", 4.0),
+        ("cache_aware_router_kv_event_live_ranks", 2.0),
+        ("cache_aware_router_kv_event_gaps_total", 1.0),
+        ("cache_aware_router_kv_event_rank_mismatch_total", 1.0),
+    ] {
+        assert_eq!(m.value(name, &[("worker", &label)]), v, "{name}");
+    }
     router.shutdown().await;
 }

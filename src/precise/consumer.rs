@@ -1,6 +1,7 @@
-//! One worker's event consumer: a ZeroMQ SUB socket on the engine's publisher, a
-//! DEALER on its replay service when configured, and the [`Sequencer`] in between;
-//! decoded batches go into the shared [`BlockIndex`](super::index::BlockIndex).
+//! One feed's event consumer (a worker has one per DP rank, each with its own sockets,
+//! sequence and index source): a ZeroMQ SUB socket on the rank's publisher, a DEALER on
+//! its replay service when configured, and the [`Sequencer`] in between; decoded
+//! batches go into the shared [`BlockIndex`](super::index::BlockIndex).
 //!
 //! Sockets come from the pure-Rust `zeromq` crate on tokio. The SUB socket reconnects
 //! by itself when the publisher goes away (the crate backs off up to 30 s and re-sends
@@ -13,8 +14,11 @@
 //!
 //! The health checker asks for a reset through [`Feed::reset`] when the worker turns
 //! unhealthy; the consumer acts on it before its next message and at least every
-//! [`RESET_CHECK_EVERY`]: it clears the worker's blocks, drops a replay under way, and
+//! [`RESET_CHECK_EVERY`]: it clears the rank's blocks, drops a replay under way, and
 //! forgets the sequence, so the next message is a first contact.
+//!
+//! A batch whose `data_parallel_rank` is not the feed's is counted and applied to the
+//! feed's rank all the same ([`Feed::check_rank`] says why).
 //!
 //! Nothing here panics on input: a message that does not decode is counted and skipped
 //! (its sequence number still counts, when it had a readable one). The index lock is
@@ -51,23 +55,24 @@ type Seq = Sequencer<Option<Batch>>;
 /// Consumes `feed`'s events into `precise`'s index until `shutdown` (or until the
 /// supervisor aborts the task because the worker left the pool).
 pub async fn run(feed: Arc<Feed>, precise: Arc<Precise>, mut shutdown: Shutdown) {
-    let endpoint = feed.config().endpoint.clone();
+    let endpoint = feed.endpoint().to_string();
     let resets_seen = feed.resets();
     let mut consumer = Consumer {
-        seq: Sequencer::new(feed.config().replay_endpoint.is_some()),
+        seq: Sequencer::new(feed.replay_endpoint().is_some()),
         feed,
         precise,
         dealer: None,
         replay_deadline: None,
         publisher: None,
         warned_block_size: false,
+        warned_rank: false,
         resets_seen,
     };
     let mut backoff = BACKOFF_MIN;
     let mut connections = 0u64;
     loop {
         let attempt = tokio::select! {
-            r = tokio::time::timeout(CONNECT_TIMEOUT, subscribe(&endpoint, &consumer.feed.config().topic)) => r,
+            r = tokio::time::timeout(CONNECT_TIMEOUT, subscribe(&endpoint, consumer.feed.topic())) => r,
             _ = shutdown.wait() => return,
         };
         match attempt {
@@ -125,6 +130,7 @@ struct Consumer {
     /// Digest of the last `publisher_id` seen.
     publisher: Option<u64>,
     warned_block_size: bool,
+    warned_rank: bool,
     /// [`Feed::resets`] when last acted on.
     resets_seen: u64,
 }
@@ -147,7 +153,7 @@ impl Consumer {
                 msg = sub.recv() => match msg {
                     Ok(m) => self.on_live(m).await,
                     Err(e) => {
-                        tracing::warn!(endpoint = %self.feed.config().endpoint, error = %e, "kv-events: receive failed; reconnecting");
+                        tracing::warn!(endpoint = %self.feed.endpoint(), error = %e, "kv-events: receive failed; reconnecting");
                         return false;
                     }
                 },
@@ -164,12 +170,12 @@ impl Consumer {
                         connects += 1;
                         if connects > 1 {
                             FeedStats::inc(&self.feed.stats.reconnects);
-                            tracing::info!(endpoint = %self.feed.config().endpoint, "kv-events: reconnected");
+                            tracing::info!(endpoint = %self.feed.endpoint(), "kv-events: reconnected");
                         }
                         self.feed.set_connected(true);
                     }
                     Some(SocketEvent::Disconnected(_)) => {
-                        tracing::info!(endpoint = %self.feed.config().endpoint, "kv-events: publisher disconnected");
+                        tracing::info!(endpoint = %self.feed.endpoint(), "kv-events: publisher disconnected");
                         self.feed.set_connected(false);
                         self.seq.disconnected();
                     }
@@ -177,7 +183,7 @@ impl Consumer {
                     None => monitor_open = false,
                 },
                 _ = sleep_until(deadline) => {
-                    tracing::warn!(endpoint = %self.feed.config().endpoint, "kv-events: replay timed out");
+                    tracing::warn!(endpoint = %self.feed.endpoint(), "kv-events: replay timed out");
                     self.dealer = None;
                     self.give_up_replay().await;
                 }
@@ -202,7 +208,7 @@ impl Consumer {
         self.publisher = None;
         self.feed.set_replaying(false);
         self.precise.index().clear_source(self.feed.source());
-        tracing::info!(endpoint = %self.feed.config().endpoint, "kv-events: feed reset; the next message is a first contact");
+        tracing::info!(endpoint = %self.feed.endpoint(), "kv-events: feed reset; the next message is a first contact");
     }
 
     async fn on_live(&mut self, msg: ZmqMessage) {
@@ -262,9 +268,20 @@ impl Consumer {
         changed
     }
 
-    fn decode(&self, payload: &[u8]) -> Option<Batch> {
+    fn decode(&mut self, payload: &[u8]) -> Option<Batch> {
         match events::decode_batch(payload) {
-            Ok(b) => Some(b),
+            Ok(b) => {
+                if !self.feed.check_rank(b.dp_rank) && !self.warned_rank {
+                    self.warned_rank = true;
+                    tracing::warn!(
+                        endpoint = %self.feed.endpoint(),
+                        rank = self.feed.rank(),
+                        batch_rank = b.dp_rank,
+                        "kv-events: batch from another data-parallel rank than this port's (check kv_events.dp_size and the ports); applied to this port's rank"
+                    );
+                }
+                Some(b)
+            }
             Err(e) => {
                 self.malformed(&e);
                 None
@@ -274,7 +291,7 @@ impl Consumer {
 
     fn malformed(&self, e: &events::DecodeError) {
         FeedStats::inc(&self.feed.stats.malformed);
-        tracing::debug!(endpoint = %self.feed.config().endpoint, error = %e, "kv-events: malformed message skipped");
+        tracing::debug!(endpoint = %self.feed.endpoint(), error = %e, "kv-events: malformed message skipped");
     }
 
     async fn give_up_replay(&mut self) {
@@ -295,7 +312,7 @@ impl Consumer {
             match self.request_replay(from).await {
                 Ok(()) => {
                     self.replay_deadline = Some(Instant::now() + REPLAY_IDLE_TIMEOUT);
-                    tracing::info!(endpoint = %self.feed.config().endpoint, from, "kv-events: replay requested");
+                    tracing::info!(endpoint = %self.feed.endpoint(), from, "kv-events: replay requested");
                     return;
                 }
                 Err(e) => {
@@ -323,7 +340,7 @@ impl Consumer {
                         ClearCause::Reconnect => &stats.clears_reconnect,
                     });
                     tracing::warn!(
-                        endpoint = %self.feed.config().endpoint,
+                        endpoint = %self.feed.endpoint(),
                         cause = cause.as_str(),
                         "kv-events: worker's blocks cleared"
                     );
@@ -331,7 +348,7 @@ impl Consumer {
                 Step::RequestReplay(from) => replay_from = Some(from),
                 Step::Gap { expected, got } => {
                     FeedStats::inc(&self.feed.stats.gaps);
-                    tracing::warn!(endpoint = %self.feed.config().endpoint, expected, got, "kv-events: sequence gap");
+                    tracing::warn!(endpoint = %self.feed.endpoint(), expected, got, "kv-events: sequence gap");
                 }
                 Step::Restart => {
                     FeedStats::inc(&self.feed.stats.restarts);
@@ -339,12 +356,12 @@ impl Consumer {
                     // late answers cannot be taken for a new replay's.
                     self.dealer = None;
                     self.replay_deadline = None;
-                    tracing::info!(endpoint = %self.feed.config().endpoint, "kv-events: publisher restarted");
+                    tracing::info!(endpoint = %self.feed.endpoint(), "kv-events: publisher restarted");
                 }
                 Step::ReplayComplete => FeedStats::inc(&self.feed.stats.replays_complete),
                 Step::ReplayFailed => {
                     FeedStats::inc(&self.feed.stats.replays_failed);
-                    tracing::warn!(endpoint = %self.feed.config().endpoint, "kv-events: replay could not close the gap");
+                    tracing::warn!(endpoint = %self.feed.endpoint(), "kv-events: replay could not close the gap");
                 }
             }
         }
@@ -354,7 +371,7 @@ impl Consumer {
 
     /// Sends `[empty, start_seq]` on the DEALER (§7.1), connecting it first if needed.
     async fn request_replay(&mut self, from: u64) -> Result<(), String> {
-        let Some(endpoint) = self.feed.config().replay_endpoint.clone() else {
+        let Some(endpoint) = self.feed.replay_endpoint().map(str::to_string) else {
             return Err("no replay endpoint".into());
         };
         if self.dealer.is_none() {
@@ -398,7 +415,7 @@ impl Consumer {
                     if !self.warned_block_size {
                         self.warned_block_size = true;
                         tracing::warn!(
-                            endpoint = %self.feed.config().endpoint,
+                            endpoint = %self.feed.endpoint(),
                             engine_block_size = got,
                             router_block_size = self.precise.config().block_size,
                             "kv-events: block size differs from precise.block_size; this worker's blocks are not indexed"

@@ -9,8 +9,8 @@
 //! sequence   Sequencer: order, gaps, restarts, replay steps     (pure)
 //! index      BlockIndex: router key -> workers, LRU-bounded      (pure)
 //! score      matched blocks -> uncached tokens -> Pick           (pure)
-//! feed       Feed: one worker's feed state and counters          (atomics)
-//! consumer   one task per worker: SUB (+ DEALER for replay) -> index
+//! feed       Feed: one publisher's state and counters (a worker has one per DP rank)
+//! consumer   one task per feed: SUB (+ DEALER for replay) -> index
 //! mod        Precise (index + decision counters), the request-path hook, and the
 //!            supervisor task that starts and stops consumers with the worker set
 //! ```
@@ -21,6 +21,27 @@
 //! otherwise the approximate tree decides, exactly as in `cache_aware` mode
 //! ("fallback"). Precise decisions also record the prompt in the tree, so a fallback
 //! later finds it warm.
+//!
+//! Data parallelism (`kv_events.dp_size` n > 1): one HTTP endpoint fronts n engine
+//! ranks, each with its own feed and index source, and vLLM's own balancer, which looks
+//! at queue lengths and not at prefixes, picks the rank of each request. A worker's
+//! matched run is the **maximum** over its live ranks. That is optimistic: the request
+//! lands on the rank holding that run only by chance (about 1 in n when one rank holds
+//! it), so the expected run is nearer the mean, and the decision's matched tokens (and
+//! `estimated_prefix_tokens_saved`) overstate it. The maximum is kept because the
+//! router's job is affinity: a prefix family kept on the one worker that holds it
+//! spreads over that worker's ranks as its requests recur, until every rank holds it;
+//! the mean would score a worker low for exactly the ranks it has not warmed yet and
+//! hand the family's next requests to a worker that holds less, splitting the family.
+//! With one rank it is that rank's run, as before. A worker scores neutral only when
+//! none of its ranks is live.
+//!
+//! Speculative entries of a precise decision go to **every** rank of the chosen worker:
+//! the rank the engine will pick is unknown, and with an entry on each one a rank that
+//! turns non-live (replaying) or is cleared (gap, restart) does not take the worker's
+//! speculation with it, as it would with entries on rank 0 only. The engine's store
+//! confirms the rank that took the request; the others lapse after
+//! `speculative_ttl_secs`. The cost is n speculative holders per key for that time.
 //!
 //! Locking: the index is one `std::sync::Mutex`, held for one lookup + speculative
 //! insert on the request path or one event in a consumer, never across an `.await`; it
@@ -311,9 +332,9 @@ impl Precise {
     ) -> Pick {
         let now = crate::workers::now();
         let mut rng = rand::rng();
-        let feeds: Vec<Option<&Arc<Feed>>> = candidates
+        let feeds: Vec<&[Arc<Feed>]> = candidates
             .iter()
-            .map(|c| set.get(c.id).and_then(|w| w.feed()))
+            .map(|c| set.get(c.id).map_or(&[][..], |w| w.feeds()))
             .collect();
         let result = match lookup {
             Some(Lookup::Blocks {
@@ -354,36 +375,41 @@ impl Precise {
                 policy::pick_cache_aware(params, text, candidates, &mut tree, record, &mut rng)
             }
         };
+        // The ranks share the staleness clock: starting it on one starts it for all.
         if let Some(feed) = pick
             .worker
             .and_then(|id| candidates.iter().position(|c| c.id == id))
-            .and_then(|i| feeds[i])
+            .and_then(|i| feeds[i].first())
         {
             feed.note_routed(now);
         }
         pick
     }
 
-    /// Scores the candidates on the index; `Err` when no feed is scorable.
+    /// Scores the candidates on the index; `Err` when no feed is scorable. A
+    /// candidate's matched run is the longest of its live ranks' (module docs).
     #[allow(clippy::too_many_arguments)]
     fn score(
         &self,
         candidates: &[Candidate],
-        feeds: &[Option<&Arc<Feed>>],
+        feeds: &[&[Arc<Feed>]],
         keys: &[u64],
         tokens: usize,
         params: &CacheParams,
         now: std::time::Instant,
         rng: &mut impl Rng,
     ) -> Result<Pick, Fallback> {
+        // (candidate, source) for every live rank of every usable cache-aware candidate.
         let scorable: Vec<(usize, SourceId)> = candidates
             .iter()
             .zip(feeds)
             .enumerate()
-            .filter_map(|(i, (c, f))| {
-                let f = (*f)?;
-                let live = f.state(now, self.config.stale) == feed::FeedState::Live;
-                (c.usable && c.cache_aware && live).then_some((i, f.source()))
+            .filter(|(_, (c, _))| c.usable && c.cache_aware)
+            .flat_map(|(i, (_, ranks))| {
+                ranks
+                    .iter()
+                    .filter(|f| f.state(now, self.config.stale) == feed::FeedState::Live)
+                    .map(move |f| (i, f.source()))
             })
             .collect();
         if scorable.is_empty() {
@@ -392,9 +418,10 @@ impl Precise {
         let sources: Vec<SourceId> = scorable.iter().map(|(_, s)| *s).collect();
         let mut index = self.index();
         let matched = index.match_prefix(keys, &sources, now);
-        let mut per_candidate = vec![None; candidates.len()];
+        let mut per_candidate: Vec<Option<usize>> = vec![None; candidates.len()];
         for ((i, _), m) in scorable.iter().zip(matched) {
-            per_candidate[*i] = Some(m);
+            let best = per_candidate[*i].get_or_insert(0);
+            *best = (*best).max(m);
         }
         let pick = score::pick_precise(
             params,
@@ -404,13 +431,15 @@ impl Precise {
             self.config.block_size,
             rng,
         );
-        if let Some(feed) = pick
+        if let Some(i) = pick
             .worker
             .and_then(|id| candidates.iter().position(|c| c.id == id && c.cache_aware))
-            .and_then(|i| feeds[i])
             && !self.config.speculative_ttl.is_zero()
         {
-            index.speculate(keys, feed.source(), now + self.config.speculative_ttl);
+            // Every rank: the engine's balancer picks one we cannot know (module docs).
+            for feed in feeds[i] {
+                index.speculate(keys, feed.source(), now + self.config.speculative_ttl);
+            }
         }
         Ok(pick)
     }
@@ -432,10 +461,10 @@ impl Precise {
 /// How often the supervisor compares the running consumers with the worker set.
 const SUPERVISE_EVERY: Duration = Duration::from_millis(500);
 
-/// Starts a consumer task per worker with `kv_events` and keeps that set in step with
-/// the worker set (SIGHUP reload, admin API): a worker that leaves has its consumer
-/// stopped and its blocks dropped. Runs until `shutdown`. Like the health checker with
-/// its probes, it owns the tasks it starts.
+/// Starts a consumer task per feed (each DP rank of each worker with `kv_events`) and
+/// keeps that set in step with the worker set (SIGHUP reload, admin API): a worker that
+/// leaves has every rank's consumer stopped and its blocks dropped. Runs until
+/// `shutdown`. Like the health checker with its probes, it owns the tasks it starts.
 pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
     let precise = Arc::clone(router.precise());
     let mut running: HashMap<SourceId, (Arc<Feed>, JoinHandle<()>)> = HashMap::new();
@@ -450,7 +479,7 @@ pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
         let current: Vec<Arc<Feed>> = set
             .workers()
             .iter()
-            .filter_map(|w| w.feed().cloned())
+            .flat_map(|w| w.feeds().iter().cloned())
             .collect();
         let gone: Vec<SourceId> = running
             .iter()
@@ -462,7 +491,7 @@ pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
                 task.abort();
                 let _ = task.await;
                 precise.index().clear_source(id);
-                tracing::info!(endpoint = %feed.config().endpoint, "kv-events: worker left the pool; consumer stopped");
+                tracing::info!(endpoint = %feed.endpoint(), rank = feed.rank(), "kv-events: worker left the pool; consumer stopped");
             }
         }
         for feed in current {
@@ -554,6 +583,91 @@ mod tests {
             panic!()
         };
         assert_eq!((keys.len(), source), (1, TokenSource::PromptIds));
+    }
+
+    #[test]
+    fn a_worker_of_several_ranks_scores_its_best_live_rank() {
+        use crate::config::{BreakerConfig, WorkerConfig};
+        use crate::policy::fixtures::{cands, params};
+        use crate::workers::{Worker, WorkerId};
+        use events::{BlockStored, Event};
+        let breaker = BreakerConfig {
+            failure_threshold: 5,
+            timeout: Duration::from_secs(30),
+            success_threshold: 2,
+        };
+        let set = WorkerSet::new(
+            [
+                &br#"{"url":"http://a:1","kv_events":{"endpoint":"tcp://a:5557","dp_size":2}}"#[..],
+                br#"{"url":"http://b:1","kv_events":{"endpoint":"tcp://b:5557"}}"#,
+            ]
+            .iter()
+            .map(|j| Arc::new(Worker::new(WorkerConfig::from_json(j).unwrap(), &breaker)))
+            .collect(),
+        );
+        let (a, b) = (set.workers()[0].feeds(), set.workers()[1].feeds());
+        assert_eq!((a.len(), b.len()), (2, 1));
+        let tokens: Vec<u32> = (1..=14).collect();
+        let stored = |hashes: Vec<u64>| {
+            let n = hashes.len();
+            Event::Stored(BlockStored {
+                block_hashes: hashes,
+                parent_block_hash: None,
+                token_ids: tokens[..n * 4].to_vec(),
+                block_size: 4,
+                lora: None,
+                medium: Some("GPU".into()),
+                extra_keys: vec![],
+                group_idx: None,
+                kind: None,
+            })
+        };
+        let no_spec = PreciseConfig {
+            speculative_ttl: Duration::ZERO,
+            ..config()
+        };
+        for (p, speculate) in [
+            (Precise::new(&no_spec), false),
+            (Precise::new(&config()), true),
+        ] {
+            for f in a.iter().chain(b) {
+                f.set_replaying(false);
+            }
+            // A's rank 1 holds the prompt's 3 blocks, its rank 0 none; B the first one.
+            p.index().apply(a[1].source(), &stored(vec![10, 11, 12]));
+            p.index().apply(b[0].source(), &stored(vec![20]));
+            let lookup = p.keyed(&tokens, TokenSource::Header, None, None);
+            let Lookup::Blocks { keys, .. } = &lookup else {
+                panic!()
+            };
+            let pick = || p.pick(&set, &params(), Some(&lookup), b"", &cands(&[0, 0]));
+            let first = pick();
+            assert_eq!((first.worker, first.matched), (Some(WorkerId(0)), 12));
+            let now = crate::workers::now();
+            let held = p
+                .index()
+                .match_prefix(keys, &[a[0].source(), a[1].source()], now);
+            if speculate {
+                // Speculated on both ranks: a clear of rank 1 (a gap) leaves rank 0's.
+                assert_eq!(held, [3, 3]);
+                p.index().clear_source(a[1].source());
+                assert_eq!(pick().worker, Some(WorkerId(0)));
+                continue;
+            }
+            assert_eq!(held, [0, 3]);
+            // Rank 1 replaying: A is scored on rank 0 alone (nothing), B's block wins.
+            a[1].set_replaying(true);
+            assert_eq!((pick().worker, pick().matched), (Some(WorkerId(1)), 4));
+            // Neither rank live: A is neutral; with B replaying too, the tree decides.
+            a[0].set_replaying(true);
+            assert_eq!(pick().worker, Some(WorkerId(1)));
+            b[0].set_replaying(true);
+            pick();
+            assert!(
+                p.decisions()
+                    .contains(&("fallback", Fallback::NoFreshWorker.as_str(), 1))
+            );
+        }
     }
 
     #[tokio::test]

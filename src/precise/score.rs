@@ -4,8 +4,10 @@
 //! 1. usable workers as in the approximate pick (none ⇒ [`Reason::NoWorker`]); the
 //!    least-loaded one by `in_flight + load_penalty`, random among ties;
 //! 2. each usable cache-aware worker with a scorable feed has a matched run of the
-//!    request's full blocks; a worker without one (no feed, replaying, stale) scores
-//!    neutral: nothing matched, no preference either way;
+//!    request's full blocks (a worker with several DP ranks: the longest run of its
+//!    live ranks, an optimistic figure; see [`super`]); a worker without one (no feed,
+//!    every rank replaying or stale) scores neutral: nothing matched, no preference
+//!    either way;
 //! 3. its cost is the prompt's uncached prefill: `prompt_tokens - matched_blocks ×
 //!    block_size`; the lowest cost wins, ties to the least loaded, then at random;
 //! 4. the same balance guard as the approximate mode: the winner's load may exceed the

@@ -35,8 +35,9 @@ pub struct Worker {
     breaker: Mutex<CircuitBreaker>,
     /// Consecutive probe results, owned by the health-check task.
     probes: Mutex<ProbeRun>,
-    /// Its KV-event feed (precise mode), when `kv_events` is configured.
-    feed: Option<Arc<Feed>>,
+    /// Its KV-event feeds (precise mode), one per DP rank in rank order; empty
+    /// without `kv_events`.
+    feeds: Vec<Arc<Feed>>,
 }
 
 /// Consecutive health-probe results of one worker.
@@ -49,13 +50,14 @@ pub struct ProbeRun {
 impl Worker {
     /// A worker that starts healthy, breaker closed, nothing in flight.
     pub fn new(config: WorkerConfig, breaker: &BreakerConfig) -> Self {
-        let feed = config
+        let feeds = config
             .kv_events
-            .clone()
-            .map(|k| Arc::new(Feed::new(&config.url, k, now())));
+            .as_ref()
+            .map(|k| Feed::ranks(&config.url, k, now()))
+            .unwrap_or_default();
         Worker {
             label: Arc::from(config.url.to_string()),
-            feed,
+            feeds,
             config,
             in_flight: AtomicUsize::new(0),
             healthy: AtomicBool::new(true),
@@ -100,9 +102,10 @@ impl Worker {
         self.probes.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The worker's KV-event feed, when it has `kv_events`.
-    pub fn feed(&self) -> Option<&Arc<Feed>> {
-        self.feed.as_ref()
+    /// The worker's KV-event feeds, one per DP rank (`kv_events.dp_size`) in rank
+    /// order; empty when it has no `kv_events`.
+    pub fn feeds(&self) -> &[Arc<Feed>] {
+        &self.feeds
     }
 
     pub fn config(&self) -> &WorkerConfig {
