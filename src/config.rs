@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_yaml_ng::{Mapping, Value};
 
 use crate::precise::chat_template::ContentFormat;
-use crate::precise::tokens::PromptTokenizer;
+use crate::precise::tokens::{LoadError, PromptTokenizer};
 
 /// `cache-aware-router` command line.
 #[derive(Debug, Parser)]
@@ -1249,7 +1249,12 @@ impl Config {
                     content_format,
                     max_bytes as usize,
                 )
-                .map_err(|e| ck.err("precise.tokenizer", e))?;
+                .map_err(|e| match e {
+                    LoadError::Template(m) if chat_template.is_some() => {
+                        ck.err("precise.chat_template", m)
+                    }
+                    e => ck.err("precise.tokenizer", e.to_string()),
+                })?;
                 Some(TokenizerSetting {
                     path,
                     chat_template,

@@ -335,7 +335,7 @@ impl Metrics {
         );
         r.register(
             "kv_event_feed_state",
-            "1 for the feed's state: live (scored), replaying or stale (neutral)",
+            "1 for the feed's state: live (scored), replaying, stale or disconnected (neutral)",
             p.state.clone(),
         );
         r.register(
@@ -601,7 +601,12 @@ impl Metrics {
                 .set(i64::from(ranks.iter().all(|feed| feed.is_connected())));
             let states: Vec<FeedState> = ranks.iter().map(|feed| feed.state(now, stale)).collect();
             let state = states.iter().max().copied().unwrap_or(FeedState::Live);
-            for st in [FeedState::Live, FeedState::Replaying, FeedState::Stale] {
+            for st in [
+                FeedState::Live,
+                FeedState::Replaying,
+                FeedState::Stale,
+                FeedState::Disconnected,
+            ] {
                 f.state
                     .get_or_create(&WorkerStateLabels {
                         worker: Arc::clone(label),

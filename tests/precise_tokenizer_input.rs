@@ -317,16 +317,21 @@ async fn prompts_past_the_tokenize_cap_are_still_forwarded_whole() {
     let (a, b) = (FakeWorker::start().await, FakeWorker::start().await);
     let ws = [&a, &b];
     let r = router(&ws, "  max_tokenize_bytes: 4096\n").await;
-    // 2 MiB of text, 512 times the cap: tokenized (its first 4 KiB) and forwarded whole.
-    let body = chat_body(&"lorem ipsum dolor sit amet ".repeat(80_000), false).into_bytes();
+    // 12 KiB of text, 3 times the cap: tokenized (its first 4 KiB), forwarded whole.
+    let body = chat_body(&"lorem ipsum dolor sit amet ".repeat(450), false).into_bytes();
     let started = std::time::Instant::now();
     let d = forwarded(&r, &ws, "/v1/chat/completions", &body, None).await;
     assert_eq!(d, "keyed");
+    // 2 MiB bodies, past 4 times the cap: not parsed for tokens at all (the tree
+    // decides), still forwarded whole.
+    let body = chat_body(&"lorem ipsum dolor sit amet ".repeat(80_000), false).into_bytes();
+    let d = forwarded(&r, &ws, "/v1/chat/completions", &body, None).await;
+    assert_eq!(d, "fallback.untokenizable");
     let body = json!({"model": "m", "prompt": "a".repeat(2 << 20)})
         .to_string()
         .into_bytes();
     let d = forwarded(&r, &ws, "/v1/completions", &body, None).await;
-    assert_eq!(d, "keyed");
+    assert_eq!(d, "fallback.untokenizable");
     assert!(
         started.elapsed() < std::time::Duration::from_secs(3),
         "{:?}",
@@ -364,6 +369,40 @@ fn tokenizer_config_errors_name_the_key_and_the_file() {
     let e = config_error(&format!("  tokenizer: \"{}\"\n", corrupt.path.display()));
     assert!(
         e.contains("precise.tokenizer") && e.contains(&corrupt.path.display().to_string()),
+        "{e}"
+    );
+    // A chat template file: a syntax error, and one that raises on every chat, are
+    // refused under `precise.chat_template` with the file's name.
+    for (what, text) in [
+        ("syntax", "{% for m in messages %}{{ m.content }}"),
+        (
+            "raises",
+            "{{ raise_exception('this template refuses everything') }}",
+        ),
+    ] {
+        let t = TempFile::new("t.jinja", text);
+        let e = config_error(&format!(
+            "  tokenizer: \"{}\"\n  chat_template: \"{}\"\n",
+            fixture().display(),
+            t.path.display()
+        ));
+        assert!(
+            e.contains("precise.chat_template") && e.contains(&t.path.display().to_string()),
+            "{what}: {e}"
+        );
+    }
+    // `chat_template` in tokenizer_config.json that is neither a string nor a list.
+    let cfg = TempFile::new("tokenizer_config.json", "{\"chat_template\": 5}");
+    let folder = cfg.path.parent().unwrap();
+    std::fs::copy(
+        fixture().join("tokenizer.json"),
+        folder.join("tokenizer.json"),
+    )
+    .unwrap();
+    let e = config_error(&format!("  tokenizer: \"{}\"\n", folder.display()));
+    let _ = std::fs::remove_file(folder.join("tokenizer.json"));
+    assert!(
+        e.contains("precise.tokenizer") && e.contains("tokenizer_config.json"),
         "{e}"
     );
     let e = config_error(&format!(

@@ -138,7 +138,31 @@ impl ChatTemplate {
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
         env.add_function("strftime_now", strftime_now);
-        env.add_template_owned(TEMPLATE_NAME, source)
+        // Jinja2 prints values the way Python's str() does (`None`, `True`, `1e-07`,
+        // `['a', 1]`), and its `iterable`/`sequence` tests follow Python's protocols.
+        env.set_formatter(|out, _state, value| {
+            out.write_str(&python_str(value))
+                .map_err(|_| Error::new(ErrorKind::WriteFailure, "write failed"))
+        });
+        env.add_filter("string", |v: &Value| python_str(v));
+        env.add_test("iterable", |v: &Value| {
+            matches!(
+                v.kind(),
+                ValueKind::Undefined
+                    | ValueKind::String
+                    | ValueKind::Bytes
+                    | ValueKind::Seq
+                    | ValueKind::Map
+                    | ValueKind::Iterable
+            )
+        });
+        env.add_test("sequence", |v: &Value| {
+            matches!(
+                v.kind(),
+                ValueKind::String | ValueKind::Bytes | ValueKind::Seq | ValueKind::Map
+            )
+        });
+        env.add_template_owned(TEMPLATE_NAME, jinja2_source(&source))
             .map_err(|e| format!("{e:#}"))?;
         Ok(ChatTemplate {
             env,
@@ -146,6 +170,20 @@ impl ChatTemplate {
             developer_role,
             special: special.into(),
         })
+    }
+
+    /// Renders a one-message chat (`[{"role": "user", "content": "Hello"}]`, with an
+    /// empty `tools` list when `with_tools`), the least any usable template renders;
+    /// its error otherwise.
+    pub fn probe(&self, with_tools: bool) -> Result<(), Untokenizable> {
+        let body = if with_tools {
+            r#"{"messages": [{"role": "user", "content": "Hello"}], "tools": []}"#
+        } else {
+            r#"{"messages": [{"role": "user", "content": "Hello"}]}"#
+        };
+        let req: ChatRequest =
+            serde_json::from_str(body).map_err(|_| Untokenizable::Shape("chat completions"))?;
+        self.render(&req).map(drop)
     }
 
     /// The content format in use (after detection).
@@ -487,23 +525,38 @@ fn tool_calls(calls: &Value) -> Result<Option<Value>, Untokenizable> {
     Ok((!out.is_empty()).then(|| Value::from(out)))
 }
 
-/// A tool definition in the key order of vLLM's request model (`type`, `function`;
-/// `name`, `description`, `parameters`, `strict`), `null` fields dropped.
+/// A tool definition as vLLM hands it to the template: `tool.model_dump()` of its
+/// request model (vLLM 0.32 `ChatCompletionToolsParam` and `FunctionDefinition`, with
+/// their serializers): only the model's fields, in their order (`type`, `function`,
+/// `defer_loading`; `name`, `description`, `parameters`, `strict`, `defer_loading`);
+/// `description` and `parameters` kept as `null` when absent, `strict` and
+/// `defer_loading` dropped when absent; a tool-level `defer_loading` copied into the
+/// function when it has none.
 fn tool_schema(tool: &Value) -> Value {
-    if tool.kind() != ValueKind::Map {
+    let function = get(tool, "function");
+    if tool.kind() != ValueKind::Map || function.kind() != ValueKind::Map {
         return tool.clone();
     }
-    let function = get(tool, "function");
-    let function = if function.kind() == ValueKind::Map {
-        reorder(
-            &function,
-            &["name", "description", "parameters", "strict"],
-            None,
-        )
-    } else {
-        function
-    };
-    reorder(tool, &["type", "function"], Some(("function", function)))
+    let given = |v: Value| (!v.is_undefined() && !v.is_none()).then_some(v);
+    let or_none = |v: Value| if v.is_undefined() { Value::from(()) } else { v };
+    let tool_defer = given(get(tool, "defer_loading"));
+    let mut f: Vec<(&str, Value)> = vec![
+        ("name", or_none(get(&function, "name"))),
+        ("description", or_none(get(&function, "description"))),
+        ("parameters", or_none(get(&function, "parameters"))),
+    ];
+    if let Some(strict) = given(get(&function, "strict")) {
+        f.push(("strict", strict));
+    }
+    if let Some(defer) = given(get(&function, "defer_loading")).or_else(|| tool_defer.clone()) {
+        f.push(("defer_loading", defer));
+    }
+    let kind = given(get(tool, "type")).unwrap_or_else(|| Value::from("function"));
+    let mut t: Vec<(&str, Value)> = vec![("type", kind), ("function", Value::from_pairs(f))];
+    if let Some(defer) = tool_defer {
+        t.push(("defer_loading", defer));
+    }
+    Value::from_pairs(t)
 }
 
 /// `map` with `first` keys leading in that order, then the others; `replace` swaps one
@@ -618,6 +671,152 @@ pub fn detect_content_format(source: &str) -> ContentFormat {
 /// `raise_exception(message)`: a template's own refusal.
 fn raise_exception(message: String) -> Result<Value, Error> {
     Err(Error::new(ErrorKind::InvalidOperation, message))
+}
+
+/// The template text as Jinja2 reads it: newlines normalised to `\n` (Jinja2's
+/// `newline_sequence`; vLLM also reads template files with universal newlines), and
+/// `transformers`' `{% generation %}…{% endgeneration %}` marker blocks (which only
+/// record assistant spans) turned into plain blocks that render their body.
+fn jinja2_source(source: &str) -> String {
+    let text = source.replace("\r\n", "\n").replace('\r', "\n");
+    let mut out = String::with_capacity(text.len());
+    let mut rest = text.as_str();
+    while let Some(start) = rest.find("{%") {
+        let Some(len) = rest[start..].find("%}") else {
+            break;
+        };
+        let tag = &rest[start..start + len + 2];
+        let inner =
+            tag[2..tag.len() - 2].trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        out.push_str(&rest[..start]);
+        match inner {
+            "generation" => out.push_str(&tag.replacen("generation", "if true", 1)),
+            "endgeneration" => out.push_str(&tag.replacen("endgeneration", "endif", 1)),
+            _ => out.push_str(tag),
+        }
+        rest = &rest[start + len + 2..];
+    }
+    out.push_str(rest);
+    out
+}
+
+/// Python's `str(value)`, which is what Jinja2 prints for `{{ value }}` and `|string`:
+/// `None`, `True`/`False`, floats as Python writes them, containers as their `repr`.
+/// Undefined prints nothing.
+fn python_str(v: &Value) -> String {
+    match v.kind() {
+        ValueKind::Undefined => String::new(),
+        ValueKind::String => v.as_str().unwrap_or_default().to_owned(),
+        _ => python_repr(v),
+    }
+}
+
+/// Python's `repr(value)`.
+fn python_repr(v: &Value) -> String {
+    match v.kind() {
+        ValueKind::Undefined | ValueKind::None => "None".into(),
+        ValueKind::Bool => if v.is_true() { "True" } else { "False" }.into(),
+        ValueKind::Number if !v.is_integer() => {
+            python_float(f64::try_from(v.clone()).unwrap_or(f64::NAN))
+                .replace("Infinity", "inf")
+                .replace("NaN", "nan")
+        }
+        ValueKind::String => python_string_repr(v.as_str().unwrap_or_default()),
+        ValueKind::Seq | ValueKind::Iterable => {
+            let items: Vec<String> = v
+                .try_iter()
+                .map(|i| i.map(|x| python_repr(&x)).collect())
+                .unwrap_or_default();
+            format!("[{}]", items.join(", "))
+        }
+        ValueKind::Map => {
+            let items: Vec<String> = v
+                .try_iter()
+                .map(|keys| {
+                    keys.map(|k| {
+                        let item = v.get_item(&k).unwrap_or_default();
+                        format!("{}: {}", python_repr(&k), python_repr(&item))
+                    })
+                    .collect()
+                })
+                .unwrap_or_default();
+            format!("{{{}}}", items.join(", "))
+        }
+        _ => v.to_string(),
+    }
+}
+
+/// Python's `repr(str)`: single quotes unless the text has `'` and no `"`; escapes
+/// for backslashes, the quote, `\n \r \t`, and characters Python does not print
+/// (controls, format characters, separators other than the space, private use; the
+/// unassigned code points Python also escapes are not known here).
+fn python_string_repr(s: &str) -> String {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if !python_printable(c) => {
+                let n = c as u32;
+                if n < 0x100 {
+                    out.push_str(&format!("\\x{n:02x}"));
+                } else if n < 0x10000 {
+                    out.push_str(&format!("\\u{n:04x}"));
+                } else {
+                    out.push_str(&format!("\\U{n:08x}"));
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+    out
+}
+
+/// `str.isprintable()` for one character, from the Unicode categories Python treats as
+/// non-printable (Cc, Cf, Zl, Zp, Zs but the space, Co), without unassigned ones.
+fn python_printable(c: char) -> bool {
+    let n = c as u32;
+    !(c.is_control()
+        || matches!(
+            n,
+            0xa0 | 0xad
+                | 0x600..=0x605
+                | 0x61c
+                | 0x6dd
+                | 0x70f
+                | 0x8e2
+                | 0x1680
+                | 0x180e
+                | 0x2000..=0x200f
+                | 0x2028..=0x202f
+                | 0x205f..=0x2064
+                | 0x2066..=0x206f
+                | 0x3000
+                | 0xe000..=0xf8ff
+                | 0xfeff
+                | 0xfff9..=0xfffb
+                | 0x110bd
+                | 0x110cd
+                | 0x13430..=0x1343f
+                | 0x1bca0..=0x1bca3
+                | 0x1d173..=0x1d17a
+                | 0xe0001
+                | 0xe0020..=0xe007f
+                | 0xf0000..=0x10ffff
+        ))
 }
 
 /// `strftime_now(format)`: the current date and time, like Python's
@@ -908,6 +1107,51 @@ mod tests {
             bad.render(&req(r#"{"messages": []}"#)),
             Err(Untokenizable::Template(_))
         ));
+    }
+
+    #[test]
+    fn values_print_as_python_does() {
+        let t = template(
+            "{{ none }}|{{ true }}|{{ 1e-7 }}|{{ 1e21 }}|{{ 2.5 }}|{{ 3 }}|{{ [1e-7, 'a', none, false] }}|{{ {'k': \"it's\"} }}|{{ ['\u{2028}', '\u{a0}'] }}|{{ 1e-7|string }}|{{ undefined_name }}",
+        );
+        let out = t.render(&req(r#"{"messages": []}"#)).unwrap();
+        assert_eq!(
+            out,
+            "None|True|1e-07|1e+21|2.5|3|[1e-07, 'a', None, False]|{'k': \"it's\"}|['\\u2028', '\\xa0']|1e-07|"
+        );
+    }
+
+    #[test]
+    fn iterable_and_sequence_follow_python() {
+        let t = template(
+            "{{ none is iterable }} {{ 'a' is iterable }} {{ [] is iterable }} {{ 1 is iterable }} {{ 'a' is sequence }} {{ {} is sequence }} {{ none is sequence }}",
+        );
+        let out = t.render(&req(r#"{"messages": []}"#)).unwrap();
+        assert_eq!(out, "False True True False True True False");
+        // The pattern real templates use on `tools`, which is None without tools.
+        let t =
+            template("{% if tools is iterable and tools | length > 0 %}T{% else %}N{% endif %}");
+        assert_eq!(t.render(&req(r#"{"messages": []}"#)).unwrap(), "N");
+    }
+
+    #[test]
+    fn crlf_and_generation_blocks_read_as_jinja2_does() {
+        let t = template(
+            "A\r\n{{ 'x' }}\r\n{%- generation -%} g {%- endgeneration %}\n{% generation %}h{% endgeneration %}",
+        );
+        assert_eq!(t.render(&req(r#"{"messages": []}"#)).unwrap(), "A\nxgh");
+    }
+
+    #[test]
+    fn tools_are_shaped_like_vllm_model_dump() {
+        let t = template("{{ tools | tojson }}");
+        let out = t
+            .render(&req(r#"{"messages": [], "tools": [{"type": "function", "x_extra": 1, "defer_loading": true, "function": {"name": "n", "return": "str", "strict": null}}]}"#))
+            .unwrap();
+        assert_eq!(
+            out,
+            r#"[{"type": "function", "function": {"name": "n", "description": null, "parameters": null, "defer_loading": true}, "defer_loading": true}]"#
+        );
     }
 
     #[test]

@@ -9,8 +9,8 @@
 //! each feed has its own consumer, sequence state and [`SourceId`] in the index (spec
 //! §10, "state per (worker, dp_rank)"). [`Feed::ranks`] builds them.
 //!
-//! A feed is *scorable* unless it is replaying (a gap is being filled: entries may miss
-//! removals) or stale: requests were routed to the worker and then `precise.stale_secs`
+//! A feed is *scorable* unless it is disconnected (events may be missed), replaying (a
+//! gap is being filled: entries may miss removals) or stale: requests were routed to the worker and then `precise.stale_secs`
 //! passed with no message from it (the feed is broken or the engine stuck). A silent
 //! feed with no traffic is not stale: an idle engine publishes nothing (spec §3).
 //! Staleness is judged per worker, not per rank: the ranks share the clock, a request
@@ -39,6 +39,9 @@ pub enum FeedState {
     Replaying,
     /// Requests flowed, events did not: neutral until the next message.
     Stale,
+    /// No connection to the publisher (not yet made, or lost): events may be missed,
+    /// so neutral until it is back (the first message then shows any gap or restart).
+    Disconnected,
 }
 
 impl FeedState {
@@ -47,6 +50,7 @@ impl FeedState {
             FeedState::Live => "live",
             FeedState::Replaying => "replaying",
             FeedState::Stale => "stale",
+            FeedState::Disconnected => "disconnected",
         }
     }
 }
@@ -372,6 +376,9 @@ impl Feed {
 
     /// The state at `now`, with `stale` = `precise.stale_secs`.
     pub fn state(&self, now: Instant, stale: Duration) -> FeedState {
+        if !self.is_connected() {
+            return FeedState::Disconnected;
+        }
         if self.replaying.load(Ordering::Relaxed) {
             return FeedState::Replaying;
         }
@@ -397,7 +404,19 @@ mod tests {
 
     fn feed(origin: Instant) -> Arc<Feed> {
         let url = WorkerUrl::parse("http://127.0.0.1:8000").unwrap();
-        Feed::ranks(&url, &config(1), origin).remove(0)
+        let f = Feed::ranks(&url, &config(1), origin).remove(0);
+        f.set_connected(true);
+        f
+    }
+
+    #[test]
+    fn a_feed_without_its_publisher_is_neutral() {
+        let t = Instant::now();
+        let f = feed(t);
+        f.set_connected(false);
+        assert_eq!(f.state(t, Duration::from_secs(5)), FeedState::Disconnected);
+        f.set_connected(true);
+        assert_eq!(f.state(t, Duration::from_secs(5)), FeedState::Live);
     }
 
     #[test]
@@ -437,6 +456,7 @@ mod tests {
         let t = Instant::now();
         let url = WorkerUrl::parse("http://127.0.0.1:8000").unwrap();
         let ranks = Feed::ranks(&url, &config(3), t);
+        ranks.iter().for_each(|f| f.set_connected(true));
         let eps: Vec<(&str, Option<&str>, u32)> = ranks
             .iter()
             .map(|f| (f.endpoint(), f.replay_endpoint(), f.rank()))

@@ -134,18 +134,21 @@ pub enum Fallback {
     /// No usable cache-aware worker has a scorable feed (replaying, stale, or none).
     NoFreshWorker,
     /// The tokenizer cannot reproduce the engine's tokens for this request (media,
-    /// a per-request chat template, a template error, …; see
-    /// [`chat_template::Untokenizable`]).
+    /// a per-request chat template, a template error, a body over
+    /// [`Precise::max_tokenize_body`], …; see [`chat_template::Untokenizable`]).
     Untokenizable,
+    /// Every tokenizer slot was busy: the request is not queued behind other prompts.
+    TokenizerBusy,
 }
 
 impl Fallback {
-    const ALL: [Fallback; 5] = [
+    const ALL: [Fallback; 6] = [
         Fallback::NoTokens,
         Fallback::BadTokens,
         Fallback::ShortPrompt,
         Fallback::NoFreshWorker,
         Fallback::Untokenizable,
+        Fallback::TokenizerBusy,
     ];
 
     /// Label used in metrics and `/workers`.
@@ -156,6 +159,7 @@ impl Fallback {
             Fallback::ShortPrompt => "short_prompt",
             Fallback::NoFreshWorker => "no_fresh_worker",
             Fallback::Untokenizable => "untokenizable",
+            Fallback::TokenizerBusy => "tokenizer_busy",
         }
     }
 }
@@ -182,19 +186,51 @@ pub struct Precise {
     /// Decisions scored precisely, by [`TokenSource::ALL`] position.
     precise_decisions: [AtomicU64; 3],
     /// Fallback decisions, by [`Fallback::ALL`] position.
-    fallback_decisions: [AtomicU64; 5],
+    fallback_decisions: [AtomicU64; 6],
+    /// Tokenizer jobs that may run at once: one per core. A job holds its permit until
+    /// it ends, even when its client has gone, so CPU and memory stay bounded.
+    tokenize_slots: Arc<tokio::sync::Semaphore>,
 }
+
+/// Most prompt tokens keyed per request (256k: the longest contexts served today);
+/// a longer prompt is matched on this prefix. Bounds the keying work, the index lock
+/// hold and the speculative inserts one request can make.
+pub const MAX_LOOKUP_TOKENS: usize = 1 << 18;
 
 impl Precise {
     /// An empty index sized by `config` (nothing allocated up front).
     pub fn new(config: &PreciseConfig) -> Self {
+        if let Some(t) = &config.tokenizer
+            && !t.loaded.has_chat_template()
+        {
+            tracing::warn!(
+                tokenizer = %t.path.display(),
+                "precise.tokenizer has no chat template: chat requests are routed by the tree (set precise.chat_template)"
+            );
+        }
         Precise {
             index: Mutex::new(BlockIndex::new(config.block_size, config.max_blocks.get())),
             tokenizer: config.tokenizer.as_ref().map(|t| Arc::clone(&t.loaded)),
             config: config.clone(),
             precise_decisions: Default::default(),
             fallback_decisions: Default::default(),
+            tokenize_slots: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            )),
         }
+    }
+
+    /// Largest request body whose tokens are worked out (the token-id prompt read or the
+    /// tokenizer run): 4 × `precise.max_tokenize_bytes`. Parsing and rendering a body
+    /// costs memory many times its size before the encode cap applies; a larger body
+    /// is routed by the tree.
+    pub fn max_tokenize_body(&self) -> usize {
+        let text = self
+            .config
+            .tokenizer
+            .as_ref()
+            .map_or(tokens::DEFAULT_MAX_BYTES, |t| t.max_bytes);
+        text.saturating_mul(4)
     }
 
     pub fn config(&self) -> &PreciseConfig {
@@ -266,7 +302,9 @@ impl Precise {
                 .map(|t| (t, TokenSource::Header))
                 .ok_or(Fallback::BadTokens);
         }
-        if endpoint == Some(Endpoint::Completions)
+        let small = body.len() <= self.max_tokenize_body();
+        if small
+            && endpoint == Some(Endpoint::Completions)
             && let Some(ids) = tokens::completion_prompt_ids(body)
         {
             return Ok((ids, TokenSource::PromptIds));
@@ -276,11 +314,24 @@ impl Precise {
         else {
             return Err(Fallback::NoTokens);
         };
+        if !small {
+            tracing::debug!(
+                bytes = body.len(),
+                "precise: body too large to tokenize; the approximate tree decides"
+            );
+            return Err(Fallback::Untokenizable);
+        }
+        let Ok(slot) = Arc::clone(&self.tokenize_slots).try_acquire_owned() else {
+            return Err(Fallback::TokenizerBusy);
+        };
         let tokenizer = Arc::clone(tokenizer);
         let body = body.clone();
-        let encoded = tokio::task::spawn_blocking(move || match endpoint {
-            Endpoint::ChatCompletions => tokenizer.chat(&body),
-            _ => tokenizer.completion(&body),
+        let encoded = tokio::task::spawn_blocking(move || {
+            let _slot = slot;
+            match endpoint {
+                Endpoint::ChatCompletions => tokenizer.chat(&body),
+                _ => tokenizer.completion(&body),
+            }
         })
         .await;
         match encoded {
@@ -306,8 +357,9 @@ impl Precise {
         salt: Option<&str>,
     ) -> Lookup {
         let bs = self.config.block_size;
-        let extra = index::request_extra_keys(lora, salt, tokens.len() / bs);
-        let keys = index::chain_keys(index::root_key(lora), tokens, bs, &extra);
+        let keyed = &tokens[..tokens.len().min(MAX_LOOKUP_TOKENS)];
+        let extra = index::request_extra_keys(lora, salt, keyed.len() / bs);
+        let keys = index::chain_keys(index::root_key(lora), keyed, bs, &extra);
         if keys.is_empty() {
             return Lookup::Fallback(Fallback::ShortPrompt);
         }
@@ -632,6 +684,7 @@ mod tests {
         ] {
             for f in a.iter().chain(b) {
                 f.set_replaying(false);
+                f.set_connected(true);
             }
             // A's rank 1 holds the prompt's 3 blocks, its rank 0 none; B the first one.
             p.index().apply(a[1].source(), &stored(vec![10, 11, 12]));

@@ -53,12 +53,14 @@ impl PromptTokenizer {
     /// named ones: `default`, and `tool_use` for requests with `tools`). Special tokens (`bos_token`, …) come from
     /// `tokenizer_config.json`, else `special_tokens_map.json`.
     ///
-    /// Errors: a message naming the file and what is wrong with it.
+    /// Errors: [`LoadError`], naming the file and what is wrong with it. A template is
+    /// also rendered once on a one-message chat, so one that cannot render anything is
+    /// refused here rather than on every request.
     pub fn load(
         path: &Path,
         chat_template: Option<&Path>,
         format: ContentFormat,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, LoadError> {
         Self::load_with_limit(path, chat_template, format, DEFAULT_MAX_BYTES)
     }
 
@@ -68,17 +70,24 @@ impl PromptTokenizer {
         chat_template: Option<&Path>,
         format: ContentFormat,
         max_bytes: usize,
-    ) -> Result<Self, String> {
+    ) -> Result<Self, LoadError> {
         let (dir, file) = if path.is_dir() {
             (path.to_path_buf(), path.join("tokenizer.json"))
         } else {
             let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
             (dir, path.to_path_buf())
         };
-        let tokenizer = tokenizers::Tokenizer::from_file(&file)
-            .map_err(|e| format!("`{}`: cannot load the tokenizer: {e}", file.display()))?;
-        let config = read_json(&dir.join("tokenizer_config.json"))?;
-        let special_map = read_json(&dir.join("special_tokens_map.json"))?;
+        let tokenizer_text = read_text(&file, MAX_TOKENIZER_FILE).map_err(LoadError::Tokenizer)?;
+        let tokenizer = tokenizer_text
+            .parse::<tokenizers::Tokenizer>()
+            .map_err(|e| {
+                LoadError::Tokenizer(format!("`{}`: not a tokenizer: {e}", file.display()))
+            })?;
+        drop(tokenizer_text);
+        let config_path = dir.join("tokenizer_config.json");
+        let config = read_json(&config_path).map_err(LoadError::Tokenizer)?;
+        let special_map =
+            read_json(&dir.join("special_tokens_map.json")).map_err(LoadError::Tokenizer)?;
         let mut special = Vec::new();
         for name in SPECIAL_TOKENS {
             let token = [&config, &special_map]
@@ -89,32 +98,62 @@ impl PromptTokenizer {
                 special.push((name.to_string(), token));
             }
         }
-        let read = |p: &Path| {
-            std::fs::read_to_string(p)
-                .map_err(|e| format!("`{}`: cannot read the chat template: {e}", p.display()))
-        };
         let jinja = dir.join("chat_template.jinja");
         let config_template = config.as_ref().and_then(|c| c.get("chat_template"));
-        let (source, tool_source) = match chat_template {
-            Some(p) => (Some(read(p)?), None),
-            None if jinja.is_file() => (Some(read(&jinja)?), None),
-            None => (
-                config_template.and_then(|t| template_text(t, "default")),
-                config_template.and_then(|t| template_text(t, "tool_use")),
+        // (text, where it came from) of the default and the `tool_use` template.
+        type Source = Option<(String, PathBuf)>;
+        let (source, tool_source): (Source, Source) = match chat_template {
+            Some(p) => (
+                Some((
+                    read_text(p, MAX_TEMPLATE_FILE).map_err(LoadError::Template)?,
+                    p.to_path_buf(),
+                )),
+                None,
             ),
-        };
-        let compile = |s: Option<String>| {
-            s.map(|s| ChatTemplate::new(s, format, special.clone()))
-                .transpose()
-                .map_err(|e| {
-                    format!(
-                        "`{}`: the chat template does not compile: {e}",
-                        dir.display()
+            None if jinja.is_file() => (
+                Some((
+                    read_text(&jinja, MAX_TEMPLATE_FILE).map_err(LoadError::Template)?,
+                    jinja,
+                )),
+                None,
+            ),
+            None => match config_template {
+                None => (None, None),
+                Some(t) => {
+                    let default = template_text(t, "default");
+                    if default.is_none() && !t.is_array() {
+                        return Err(LoadError::Template(format!(
+                            "`{}`: `chat_template` is neither a string nor a list of {{name, template}}",
+                            config_path.display()
+                        )));
+                    }
+                    (
+                        default.map(|s| (s, config_path.clone())),
+                        template_text(t, "tool_use").map(|s| (s, config_path.clone())),
                     )
-                })
+                }
+            },
         };
-        let template = compile(source)?;
-        let tool_template = compile(tool_source)?;
+        let compile = |s: Source, with_tools: bool| {
+            s.map(|(text, from)| {
+                let t = ChatTemplate::new(text, format, special.clone()).map_err(|e| {
+                    LoadError::Template(format!(
+                        "`{}`: the chat template does not compile: {e}",
+                        from.display()
+                    ))
+                })?;
+                t.probe(with_tools).map_err(|e| {
+                    LoadError::Template(format!(
+                        "`{}`: the chat template fails on a one-message chat: {e}",
+                        from.display()
+                    ))
+                })?;
+                Ok(t)
+            })
+            .transpose()
+        };
+        let template = compile(source, false)?;
+        let tool_template = compile(tool_source, true)?;
         Ok(PromptTokenizer {
             tokenizer,
             template,
@@ -184,9 +223,10 @@ impl PromptTokenizer {
     }
 }
 
-/// Default of `precise.max_tokenize_bytes`: 1 MiB of prompt text, about 250k tokens and
-/// 100 ms of one core.
-pub const DEFAULT_MAX_BYTES: usize = 1 << 20;
+/// Default of `precise.max_tokenize_bytes`: 256 KiB of prompt text, about 60k tokens,
+/// 30 ms of one core and 50 MB of transient memory (the tokenizer's per-token
+/// bookkeeping).
+pub const DEFAULT_MAX_BYTES: usize = 256 << 10;
 
 /// `transformers`' named special tokens, passed to chat templates.
 const SPECIAL_TOKENS: [&str; 7] = [
@@ -244,15 +284,47 @@ pub fn completion_prompt_ids(body: &[u8]) -> Option<Tokens> {
     .filter(|ids| !ids.is_empty())
 }
 
+/// Why [`PromptTokenizer::load`] failed: the tokenizer (its `tokenizer.json`,
+/// `tokenizer_config.json`, `special_tokens_map.json`) or the chat template.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    #[error("{0}")]
+    Tokenizer(String),
+    #[error("{0}")]
+    Template(String),
+}
+
+/// Largest `tokenizer.json` read (bytes); real ones are 2–20 MB.
+const MAX_TOKENIZER_FILE: u64 = 256 << 20;
+/// Largest chat template file or `tokenizer_config.json` read (bytes).
+const MAX_TEMPLATE_FILE: u64 = 16 << 20;
+
+/// A regular file's text, refusing anything else (a directory, a FIFO, `/dev/zero`)
+/// and files over `limit` bytes.
+fn read_text(path: &Path, limit: u64) -> Result<String, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("`{}`: {e}", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("`{}`: not a regular file", path.display()));
+    }
+    if meta.len() > limit {
+        return Err(format!(
+            "`{}`: {} bytes, over the {limit}-byte limit",
+            path.display(),
+            meta.len()
+        ));
+    }
+    std::fs::read_to_string(path).map_err(|e| format!("`{}`: cannot read: {e}", path.display()))
+}
+
 /// A JSON file of the model folder; `None` when it does not exist.
 fn read_json(path: &Path) -> Result<Option<serde_json::Value>, String> {
-    match std::fs::read(path) {
-        Ok(bytes) => serde_json::from_slice(&bytes)
-            .map(Some)
-            .map_err(|e| format!("`{}`: not valid JSON: {e}", path.display())),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(format!("`{}`: cannot read: {e}", path.display())),
+    if !path.exists() {
+        return Ok(None);
     }
+    let text = read_text(path, MAX_TEMPLATE_FILE)?;
+    serde_json::from_str(&text)
+        .map(Some)
+        .map_err(|e| format!("`{}`: not valid JSON: {e}", path.display()))
 }
 
 /// A special token as `tokenizer_config.json` writes it: a string or an `AddedToken`
@@ -373,8 +445,11 @@ mod tests {
         let e = PromptTokenizer::load(Path::new("/nonexistent/model"), None, ContentFormat::Auto)
             .unwrap_err();
         assert!(
-            e.contains("/nonexistent/model") && e.contains("tokenizer"),
+            matches!(&e, LoadError::Tokenizer(m) if m.contains("/nonexistent/model")),
             "{e}"
         );
+        let zero =
+            PromptTokenizer::load(Path::new("/dev/zero"), None, ContentFormat::Auto).unwrap_err();
+        assert!(zero.to_string().contains("not a regular file"), "{zero}");
     }
 }
