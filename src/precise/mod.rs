@@ -137,7 +137,8 @@ pub enum Fallback {
     /// a per-request chat template, a template error, a body over
     /// [`Precise::max_tokenize_body`], …; see [`chat_template::Untokenizable`]).
     Untokenizable,
-    /// Every tokenizer slot was busy: the request is not queued behind other prompts.
+    /// Every tokenizer slot stayed busy for [`TOKENIZE_WAIT`], or too many requests
+    /// were already waiting: the request is not queued behind other prompts.
     TokenizerBusy,
 }
 
@@ -190,7 +191,18 @@ pub struct Precise {
     /// Tokenizer jobs that may run at once: one per core. A job holds its permit until
     /// it ends, even when its client has gone, so CPU and memory stay bounded.
     tokenize_slots: Arc<tokio::sync::Semaphore>,
+    /// Requests waiting for a tokenizer slot now.
+    tokenize_waiting: AtomicU64,
+    /// Most requests that may wait for a slot: [`TOKENIZE_QUEUE_PER_SLOT`] per slot.
+    tokenize_queue: u64,
 }
+
+/// Longest a request waits for a tokenizer slot before the tree decides for it. A
+/// burst of ordinary prompts (0.1–1 ms each) clears well within it; a queue of long
+/// ones does not, and those requests should not wait behind each other.
+pub const TOKENIZE_WAIT: Duration = Duration::from_millis(50);
+/// Waiting requests per tokenizer slot beyond which a request does not queue at all.
+pub const TOKENIZE_QUEUE_PER_SLOT: u64 = 64;
 
 /// Most prompt tokens keyed per request (256k: the longest contexts served today);
 /// a longer prompt is matched on this prefix. Bounds the keying work, the index lock
@@ -208,15 +220,16 @@ impl Precise {
                 "precise.tokenizer has no chat template: chat requests are routed by the tree (set precise.chat_template)"
             );
         }
+        let slots = std::thread::available_parallelism().map_or(1, |n| n.get());
         Precise {
             index: Mutex::new(BlockIndex::new(config.block_size, config.max_blocks.get())),
             tokenizer: config.tokenizer.as_ref().map(|t| Arc::clone(&t.loaded)),
             config: config.clone(),
             precise_decisions: Default::default(),
             fallback_decisions: Default::default(),
-            tokenize_slots: Arc::new(tokio::sync::Semaphore::new(
-                std::thread::available_parallelism().map_or(1, |n| n.get()),
-            )),
+            tokenize_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
+            tokenize_waiting: AtomicU64::new(0),
+            tokenize_queue: slots as u64 * TOKENIZE_QUEUE_PER_SLOT,
         }
     }
 
@@ -321,8 +334,25 @@ impl Precise {
             );
             return Err(Fallback::Untokenizable);
         }
-        let Ok(slot) = Arc::clone(&self.tokenize_slots).try_acquire_owned() else {
-            return Err(Fallback::TokenizerBusy);
+        let slot = match Arc::clone(&self.tokenize_slots).try_acquire_owned() {
+            Ok(slot) => slot,
+            Err(_) => {
+                // Relaxed: an approximate queue bound is enough.
+                if self.tokenize_waiting.fetch_add(1, Ordering::Relaxed) >= self.tokenize_queue {
+                    self.tokenize_waiting.fetch_sub(1, Ordering::Relaxed);
+                    return Err(Fallback::TokenizerBusy);
+                }
+                let waited = tokio::time::timeout(
+                    TOKENIZE_WAIT,
+                    Arc::clone(&self.tokenize_slots).acquire_owned(),
+                )
+                .await;
+                self.tokenize_waiting.fetch_sub(1, Ordering::Relaxed);
+                match waited {
+                    Ok(Ok(slot)) => slot,
+                    _ => return Err(Fallback::TokenizerBusy),
+                }
+            }
         };
         let tokenizer = Arc::clone(tokenizer);
         let body = body.clone();
