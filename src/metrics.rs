@@ -365,7 +365,7 @@ impl Metrics {
         );
         r.register(
             "precise_decisions",
-            "Precise-mode decisions: path precise (cause: token source x_token_ids, prompt_token_ids, tokenizer) or fallback to the approximate tree (cause no_tokens, bad_tokens, short_prompt, no_fresh_worker, untokenizable)",
+            "Precise-mode decisions: path precise (cause: token source x_token_ids, prompt_token_ids, tokenizer) or fallback to the approximate tree (cause no_tokens, bad_tokens, short_prompt, no_fresh_worker, untokenizable, tokenizer_busy, unscored_miss)",
             p.decisions.clone(),
         );
         Metrics { registry: r, ..m }

@@ -16,7 +16,11 @@ import json, random, sys, time, urllib.request
 
 router, log_path, a_url, b_url = sys.argv[1:5]
 replicas = {a_url: "A", b_url: "B"}
-rng = random.Random(7)
+# Fresh prefixes each run: the replicas keep earlier runs' blocks (and the router learns
+# them by replay), so a fixed seed would find phase 1's "first" sends already cached.
+seed = int(time.time())
+rng = random.Random(seed)
+print("seed", seed)
 WORDS = ("cache prefix block engine replica token decode prefill router event "
          "stream queue batch tensor layer weight memory latency worker shard").split()
 

@@ -140,16 +140,21 @@ pub enum Fallback {
     /// Every tokenizer slot stayed busy for [`TOKENIZE_WAIT`], or too many requests
     /// were already waiting: the request is not queued behind other prompts.
     TokenizerBusy,
+    /// No scorable worker holds any of the prompt's blocks, but some usable worker
+    /// cannot be scored (replaying, stale, disconnected, no `kv_events`): it may hold
+    /// them, and the tree, which saw what was sent where, may know.
+    UnscoredMiss,
 }
 
 impl Fallback {
-    const ALL: [Fallback; 6] = [
+    const ALL: [Fallback; 7] = [
         Fallback::NoTokens,
         Fallback::BadTokens,
         Fallback::ShortPrompt,
         Fallback::NoFreshWorker,
         Fallback::Untokenizable,
         Fallback::TokenizerBusy,
+        Fallback::UnscoredMiss,
     ];
 
     /// Label used in metrics and `/workers`.
@@ -161,6 +166,7 @@ impl Fallback {
             Fallback::NoFreshWorker => "no_fresh_worker",
             Fallback::Untokenizable => "untokenizable",
             Fallback::TokenizerBusy => "tokenizer_busy",
+            Fallback::UnscoredMiss => "unscored_miss",
         }
     }
 }
@@ -187,7 +193,7 @@ pub struct Precise {
     /// Decisions scored precisely, by [`TokenSource::ALL`] position.
     precise_decisions: [AtomicU64; 3],
     /// Fallback decisions, by [`Fallback::ALL`] position.
-    fallback_decisions: [AtomicU64; 6],
+    fallback_decisions: [AtomicU64; 7],
     /// Tokenizer jobs that may run at once: one per core. A job holds its permit until
     /// it ends, even when its client has gone, so CPU and memory stay bounded.
     tokenize_slots: Arc<tokio::sync::Semaphore>,
@@ -505,6 +511,13 @@ impl Precise {
             let best = per_candidate[*i].get_or_insert(0);
             *best = (*best).max(m);
         }
+        let unscored = candidates
+            .iter()
+            .zip(&per_candidate)
+            .any(|(c, m)| c.usable && c.cache_aware && m.is_none());
+        if unscored && per_candidate.iter().all(|m| m.unwrap_or(0) == 0) {
+            return Err(Fallback::UnscoredMiss);
+        }
         let pick = score::pick_precise(
             params,
             candidates,
@@ -744,6 +757,15 @@ mod tests {
             // Neither rank live: A is neutral; with B replaying too, the tree decides.
             a[0].set_replaying(true);
             assert_eq!(pick().worker, Some(WorkerId(1)));
+            // A neutral and B holding nothing of another prompt: not a known miss, as A
+            // may hold it; the tree decides.
+            let other: Vec<u32> = (100..114).collect();
+            let miss = p.keyed(&other, TokenSource::Header, None, None);
+            p.pick(&set, &params(), Some(&miss), b"", &cands(&[0, 0]));
+            assert!(
+                p.decisions()
+                    .contains(&("fallback", Fallback::UnscoredMiss.as_str(), 1))
+            );
             b[0].set_replaying(true);
             pick();
             assert!(
