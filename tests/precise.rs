@@ -439,6 +439,19 @@ async fn setup_with(
     (ws, es, router)
 }
 
+/// Engine A reports `p`'s first three blocks, engine B its first one (the layout most
+/// tests start from); returns once both are indexed.
+async fn a_holds_three_b_one(es: &[FakeEngine], router: &app::RunningRouter, p: &[u32]) {
+    es[0]
+        .publish(vec![stored(Form::Map, &hashes(1, 3), None, &p[..3 * BS])])
+        .await;
+    es[1]
+        .publish(vec![stored(Form::Map, &hashes(2, 1), None, &p[..BS])])
+        .await;
+    wait_feed(router, 0, "A indexed", |f| f["blocks"] == 3).await;
+    wait_feed(router, 1, "B indexed", |f| f["blocks"] == 1).await;
+}
+
 /// Hashes of blocks `0..n` as engine `e` numbers them (any per-engine values do).
 fn hashes(e: u64, n: usize) -> Vec<u64> {
     (0..n as u64).map(|i| e * 1_000_000 + i).collect()
@@ -615,14 +628,7 @@ async fn sequence_gap_clears_a_when_it_cannot_be_replayed() {
     let (ws, es, router) = setup(false, "  speculative_ttl_secs: 0\n").await;
     let w: Vec<&FakeWorker> = ws.iter().collect();
     let p = prompt(3, 6);
-    es[0]
-        .publish(vec![stored(Form::Map, &hashes(1, 3), None, &p[..3 * BS])])
-        .await;
-    es[1]
-        .publish(vec![stored(Form::Map, &hashes(2, 1), None, &p[..BS])])
-        .await;
-    wait_feed(&router, 0, "A indexed", |f| f["blocks"] == 3).await;
-    wait_feed(&router, 1, "B indexed", |f| f["blocks"] == 1).await;
+    a_holds_three_b_one(&es, &router, &p).await;
     es[0].lose(Vec::new());
     es[0].publish(Vec::new()).await;
     wait_feed(&router, 0, "A cleared after the gap", |f| {
@@ -659,14 +665,7 @@ async fn stale_feed_scores_neutral_until_events_resume() {
     let (ws, es, router) = setup(false, "  stale_secs: 0.3\n  speculative_ttl_secs: 0\n").await;
     let w: Vec<&FakeWorker> = ws.iter().collect();
     let p = prompt(3, 7);
-    es[0]
-        .publish(vec![stored(Form::Map, &hashes(1, 3), None, &p[..3 * BS])])
-        .await;
-    es[1]
-        .publish(vec![stored(Form::Map, &hashes(2, 1), None, &p[..BS])])
-        .await;
-    wait_feed(&router, 0, "A indexed", |f| f["blocks"] == 3).await;
-    wait_feed(&router, 1, "B indexed", |f| f["blocks"] == 1).await;
+    a_holds_three_b_one(&es, &router, &p).await;
     assert_eq!(route(&router, &w, &p).await, 0);
     // Requests flowed to A, and A's engine said nothing for longer than stale_secs.
     tokio::time::sleep(Duration::from_millis(400)).await;
@@ -773,14 +772,7 @@ async fn engine_restart_clears_its_blocks_after_a_reconnect() {
     let p = prompt(3, 9);
     // Far along in its sequence, A's engine holds P.
     *es[0].next_seq.lock().unwrap() = 1000;
-    es[0]
-        .publish(vec![stored(Form::Map, &hashes(1, 3), None, &p[..3 * BS])])
-        .await;
-    es[1]
-        .publish(vec![stored(Form::Map, &hashes(2, 1), None, &p[..BS])])
-        .await;
-    wait_feed(&router, 0, "A indexed", |f| f["blocks"] == 3).await;
-    wait_feed(&router, 1, "B indexed", |f| f["blocks"] == 1).await;
+    a_holds_three_b_one(&es, &router, &p).await;
     assert_eq!(route(&router, &w, &p).await, 0);
     // The engine restarts; its new publisher counts from 0 again.
     es[0].restart().await;
@@ -870,14 +862,7 @@ async fn engine_restart_unseen_while_disconnected_is_rebuilt_from_its_replay() {
     let w: Vec<&FakeWorker> = ws.iter().collect();
     let p = prompt(3, 10);
     let q = prompt(2, 11);
-    es[0]
-        .publish(vec![stored(Form::Map, &hashes(1, 3), None, &p[..3 * BS])])
-        .await;
-    es[1]
-        .publish(vec![stored(Form::Map, &hashes(2, 1), None, &p[..BS])])
-        .await;
-    wait_feed(&router, 0, "A indexed", |f| f["blocks"] == 3).await;
-    wait_feed(&router, 1, "B indexed", |f| f["blocks"] == 1).await;
+    a_holds_three_b_one(&es, &router, &p).await;
     assert_eq!(route(&router, &w, &p).await, 0);
     let old_next = *es[0].next_seq.lock().unwrap();
     let a = feed(&router, 0).await;
@@ -955,14 +940,7 @@ async fn unhealthy_worker_loses_its_blocks_and_its_feed_starts_over() {
     let (ws, es, router) = setup_with(ws, true, "  speculative_ttl_secs: 0\n", health).await;
     let w: Vec<&FakeWorker> = ws.iter().collect();
     let p = prompt(3, 12);
-    es[0]
-        .publish(vec![stored(Form::Map, &hashes(1, 3), None, &p[..3 * BS])])
-        .await;
-    es[1]
-        .publish(vec![stored(Form::Map, &hashes(2, 1), None, &p[..BS])])
-        .await;
-    wait_feed(&router, 0, "A indexed", |f| f["blocks"] == 3).await;
-    wait_feed(&router, 1, "B indexed", |f| f["blocks"] == 1).await;
+    a_holds_three_b_one(&es, &router, &p).await;
     assert_eq!(route(&router, &w, &p).await, 0);
     let requests_before = es[0].replay_requests.lock().unwrap().len();
 
