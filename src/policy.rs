@@ -83,6 +83,10 @@ pub struct Pick {
     pub text_len: usize,
     /// What `matched` and `text_len` count.
     pub unit: MatchUnit,
+    /// The engine's data-parallel rank to send the request to (vLLM's
+    /// `X-data-parallel-rank` header), when precise mode knows the rank holding the
+    /// prefix; `None` lets the engine balance its ranks.
+    pub dp_rank: Option<u32>,
 }
 
 /// The unit of [`Pick::matched`].
@@ -124,6 +128,7 @@ impl Pick {
             matched: 0,
             text_len,
             unit: MatchUnit::Bytes,
+            dp_rank: None,
         }
     }
 }
@@ -169,6 +174,7 @@ pub fn pick_cache_aware(
             matched: 0,
             text_len: 0,
             unit: MatchUnit::Bytes,
+            dp_rank: None,
         };
     }
     let eligible: WorkerMask = candidates
@@ -205,6 +211,7 @@ pub fn pick_cache_aware(
         matched: m.matched,
         text_len: text.len(),
         unit: MatchUnit::Bytes,
+        dp_rank: None,
     }
 }
 

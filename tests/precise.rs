@@ -1038,6 +1038,14 @@ async fn a_worker_with_two_dp_ranks_is_followed_rank_by_rank() {
     for _ in 0..2 {
         assert_eq!(route(&router, &w, &p).await, 0, "P is on A's rank 1");
     }
+    // The engine is told which rank (vLLM's X-data-parallel-rank), not left to guess.
+    let sent = ws[0].requests();
+    assert!(
+        sent.iter()
+            .all(|r| r.header("x-data-parallel-rank") == Some("1")),
+        "{:?}",
+        sent.iter().map(|r| &r.headers).collect::<Vec<_>>()
+    );
     let f = feed(&router, 0).await;
     assert_eq!(
         (f["dp_size"].as_u64(), f["live_ranks"].as_u64()),

@@ -23,25 +23,17 @@
 //! later finds it warm.
 //!
 //! Data parallelism (`kv_events.dp_size` n > 1): one HTTP endpoint fronts n engine
-//! ranks, each with its own feed and index source, and vLLM's own balancer, which looks
-//! at queue lengths and not at prefixes, picks the rank of each request. A worker's
-//! matched run is the **maximum** over its live ranks. That is optimistic: the request
-//! lands on the rank holding that run only by chance (about 1 in n when one rank holds
-//! it), so the expected run is nearer the mean, and the decision's matched tokens (and
-//! `estimated_prefix_tokens_saved`) overstate it. The maximum is kept because the
-//! router's job is affinity: a prefix family kept on the one worker that holds it
-//! spreads over that worker's ranks as its requests recur, until every rank holds it;
-//! the mean would score a worker low for exactly the ranks it has not warmed yet and
-//! hand the family's next requests to a worker that holds less, splitting the family.
-//! With one rank it is that rank's run, as before. A worker scores neutral only when
-//! none of its ranks is live.
-//!
-//! Speculative entries of a precise decision go to **every** rank of the chosen worker:
-//! the rank the engine will pick is unknown, and with an entry on each one a rank that
-//! turns non-live (replaying) or is cleared (gap, restart) does not take the worker's
-//! speculation with it, as it would with entries on rank 0 only. The engine's store
-//! confirms the rank that took the request; the others lapse after
-//! `speculative_ttl_secs`. The cost is n speculative holders per key for that time.
+//! ranks, each with its own feed and index source. A worker's matched run is the
+//! **maximum** over its live ranks, and the request is sent to that rank: vLLM takes
+//! the rank from the `X-data-parallel-rank` header ("router can inject it",
+//! `_get_data_parallel_rank` in vLLM 0.32), where its own balancer would pick by queue
+//! length, blind to prefixes (measured on a 2-rank CPU vLLM: without the header half
+//! the repeats landed on the other rank and found nothing cached). For a prompt none of
+//! its ranks holds, the router names a random rank, live if any (the engine's balancer
+//! evens load by queue; a random pick evens it in expectation), and puts its
+//! speculative entries there alone, so the prompt's repeats follow it before the
+//! engine's events arrive. With one rank, nothing changes. A worker scores neutral
+//! only when none of its ranks is live.
 //!
 //! Locking: the index is one `std::sync::Mutex`, held for one lookup + speculative
 //! insert on the request path or one event in a consumer, never across an `.await`; it
@@ -507,8 +499,13 @@ impl Precise {
         let mut index = self.index();
         let matched = index.match_prefix(keys, &sources, now);
         let mut per_candidate: Vec<Option<usize>> = vec![None; candidates.len()];
-        for ((i, _), m) in scorable.iter().zip(matched) {
+        // The source holding each candidate's longest run (its best rank).
+        let mut best_source: Vec<Option<SourceId>> = vec![None; candidates.len()];
+        for ((i, source), m) in scorable.iter().zip(matched) {
             let best = per_candidate[*i].get_or_insert(0);
+            if m > *best || best_source[*i].is_none() {
+                best_source[*i] = Some(*source);
+            }
             *best = (*best).max(m);
         }
         let unscored = candidates
@@ -518,7 +515,7 @@ impl Precise {
         if unscored && per_candidate.iter().all(|m| m.unwrap_or(0) == 0) {
             return Err(Fallback::UnscoredMiss);
         }
-        let pick = score::pick_precise(
+        let mut pick = score::pick_precise(
             params,
             candidates,
             &per_candidate,
@@ -526,14 +523,43 @@ impl Precise {
             self.config.block_size,
             rng,
         );
-        if let Some(i) = pick
+        let chosen = pick
             .worker
-            .and_then(|id| candidates.iter().position(|c| c.id == id && c.cache_aware))
-            && !self.config.speculative_ttl.is_zero()
-        {
-            // Every rank: the engine's balancer picks one we cannot know (module docs).
-            for feed in feeds[i] {
-                index.speculate(keys, feed.source(), now + self.config.speculative_ttl);
+            .and_then(|id| candidates.iter().position(|c| c.id == id && c.cache_aware));
+        if let Some(i) = chosen {
+            // A worker of several ranks: name the rank (vLLM's `X-data-parallel-rank`)
+            // rather than leave it to the engine's balancer, which is not prefix-aware:
+            // the rank holding the longest run, or for a prompt it does not hold, a
+            // random live one (the engine balances by queue, a random pick evenly), so
+            // that its repeats, steered by the speculative entries, find it there.
+            let ranks = feeds[i];
+            let rank = if ranks.len() < 2 {
+                None
+            } else if per_candidate[i].unwrap_or(0) > 0 {
+                ranks.iter().find(|f| Some(f.source()) == best_source[i])
+            } else {
+                let live: Vec<&Arc<Feed>> = ranks
+                    .iter()
+                    .filter(|f| f.state(now, self.config.stale) == feed::FeedState::Live)
+                    .collect();
+                let from: Vec<&Arc<Feed>> = if live.is_empty() {
+                    ranks.iter().collect()
+                } else {
+                    live
+                };
+                Some(from[rng.random_range(0..from.len())])
+            };
+            pick.dp_rank = rank.map(|f| f.rank());
+            if !self.config.speculative_ttl.is_zero() {
+                let until = now + self.config.speculative_ttl;
+                match rank {
+                    Some(f) => index.speculate(keys, f.source(), until),
+                    None => {
+                        for feed in ranks {
+                            index.speculate(keys, feed.source(), until);
+                        }
+                    }
+                }
             }
         }
         Ok(pick)
@@ -738,19 +764,42 @@ mod tests {
             };
             let pick = || p.pick(&set, &params(), Some(&lookup), b"", &cands(&[0, 0]));
             let first = pick();
-            assert_eq!((first.worker, first.matched), (Some(WorkerId(0)), 12));
+            // Sent to A's rank 1 (vLLM's X-data-parallel-rank), where the blocks are.
+            assert_eq!(
+                (first.worker, first.matched, first.dp_rank),
+                (Some(WorkerId(0)), 12, Some(1))
+            );
             let now = crate::workers::now();
             let held = p
                 .index()
                 .match_prefix(keys, &[a[0].source(), a[1].source()], now);
+            // Speculation follows the request: rank 1 only.
+            assert_eq!(held, [0, 3]);
             if speculate {
-                // Speculated on both ranks: a clear of rank 1 (a gap) leaves rank 0's.
-                assert_eq!(held, [3, 3]);
-                p.index().clear_source(a[1].source());
-                assert_eq!(pick().worker, Some(WorkerId(0)));
+                // A prompt nobody holds goes to the least loaded worker, A, on a rank
+                // of the router's choosing, which alone holds it speculatively; the
+                // repeat goes there too.
+                let fresh: Vec<u32> = (200..214).collect();
+                let lookup = p.keyed(&fresh, TokenSource::Header, None, None);
+                let Lookup::Blocks { keys, .. } = &lookup else {
+                    panic!()
+                };
+                let miss = p.pick(&set, &params(), Some(&lookup), b"", &cands(&[0, 5]));
+                let rank = miss.dp_rank.expect("a rank is named");
+                assert_eq!(miss.worker, Some(WorkerId(0)));
+                let held = p
+                    .index()
+                    .match_prefix(keys, &[a[0].source(), a[1].source()], now);
+                let mut want = [0, 0];
+                want[rank as usize] = 3;
+                assert_eq!(held, want);
+                let repeat = p.pick(&set, &params(), Some(&lookup), b"", &cands(&[1, 0]));
+                assert_eq!(
+                    (repeat.worker, repeat.dp_rank),
+                    (Some(WorkerId(0)), Some(rank))
+                );
                 continue;
             }
-            assert_eq!(held, [0, 3]);
             // Rank 1 replaying: A is scored on rank 0 alone (nothing), B's block wins.
             a[1].set_replaying(true);
             assert_eq!((pick().worker, pick().matched), (Some(WorkerId(1)), 4));

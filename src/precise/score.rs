@@ -40,6 +40,7 @@ pub fn pick_precise(
         matched: matched_tokens,
         text_len: prompt_tokens,
         unit: MatchUnit::Tokens,
+        dp_rank: None,
     };
     let Some(least) = least_loaded(candidates.iter().filter(|c| c.usable), rng) else {
         return pick(None, Reason::NoWorker, 0);

@@ -8,6 +8,10 @@ pub static REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// (`proxy.add_routed_peer_header`).
 pub static ROUTED_PEER: HeaderName = HeaderName::from_static("x-routed-peer");
 
+/// Sent to a vLLM server with several data-parallel ranks to pick the rank that holds
+/// the prompt's prefix (vLLM `_get_data_parallel_rank`: "router can inject it").
+pub static DP_RANK: HeaderName = HeaderName::from_static("x-data-parallel-rank");
+
 /// Longest client-supplied request id forwarded as-is, in bytes.
 pub const MAX_REQUEST_ID_LEN: usize = 128;
 

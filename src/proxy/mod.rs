@@ -314,7 +314,10 @@ impl Router {
             if let Some(id) = pick.worker {
                 tried.insert(id);
             }
-            let result = self.client.send(&worker, &base, body.clone()).await;
+            let result = self
+                .client
+                .send(&worker, &base, body.clone(), pick.dp_rank)
+                .await;
             guard.record(match &result {
                 Ok(r) if r.status().is_server_error() => Outcome::Failure,
                 Ok(r) if r.status().is_client_error() => Outcome::Neutral,

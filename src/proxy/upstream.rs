@@ -48,12 +48,14 @@ impl Upstream {
         }
     }
 
-    /// Sends one attempt to `worker`; resolves when the response headers arrive.
+    /// Sends one attempt to `worker`, to its data-parallel rank `dp_rank` when set;
+    /// resolves when the response headers arrive.
     pub async fn send(
         &self,
         worker: &Worker,
         template: &RequestTemplate,
         body: Bytes,
+        dp_rank: Option<u32>,
     ) -> Result<Response<Incoming>, ProxyError> {
         let uri = worker
             .url()
@@ -68,6 +70,9 @@ impl Upstream {
         }
         if let Some(key) = self.key_for(worker) {
             headers.insert(header::AUTHORIZATION, key);
+        }
+        if let Some(rank) = dp_rank {
+            headers.insert(super::headers::DP_RANK.clone(), HeaderValue::from(rank));
         }
         let build = || {
             let mut req = Request::new(Full::new(body.clone()));
