@@ -189,10 +189,10 @@ pub struct Precise {
     /// Tokenizer jobs that may run at once: one per core. A job holds its permit until
     /// it ends, even when its client has gone, so CPU and memory stay bounded.
     tokenize_slots: Arc<tokio::sync::Semaphore>,
-    /// Requests waiting for a tokenizer slot now.
-    tokenize_waiting: AtomicU64,
-    /// Most requests that may wait for a slot: [`TOKENIZE_QUEUE_PER_SLOT`] per slot.
-    tokenize_queue: u64,
+    /// Places in the queue for a slot: [`TOKENIZE_QUEUE_PER_SLOT`] per slot. A waiting
+    /// request holds one as a guard, so a request dropped while it waits (its client
+    /// went away) gives its place back.
+    tokenize_queue: tokio::sync::Semaphore,
 }
 
 /// Longest a request waits for a tokenizer slot before the tree decides for it. A
@@ -200,7 +200,7 @@ pub struct Precise {
 /// ones does not, and those requests should not wait behind each other.
 pub const TOKENIZE_WAIT: Duration = Duration::from_millis(50);
 /// Waiting requests per tokenizer slot beyond which a request does not queue at all.
-pub const TOKENIZE_QUEUE_PER_SLOT: u64 = 64;
+pub const TOKENIZE_QUEUE_PER_SLOT: usize = 64;
 
 /// Most prompt tokens keyed per request (256k: the longest contexts served today);
 /// a longer prompt is matched on this prefix. Bounds the keying work, the index lock
@@ -226,8 +226,7 @@ impl Precise {
             precise_decisions: Default::default(),
             fallback_decisions: Default::default(),
             tokenize_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
-            tokenize_waiting: AtomicU64::new(0),
-            tokenize_queue: slots as u64 * TOKENIZE_QUEUE_PER_SLOT,
+            tokenize_queue: tokio::sync::Semaphore::new(slots * TOKENIZE_QUEUE_PER_SLOT),
         }
     }
 
@@ -335,17 +334,14 @@ impl Precise {
         let slot = match Arc::clone(&self.tokenize_slots).try_acquire_owned() {
             Ok(slot) => slot,
             Err(_) => {
-                // Relaxed: an approximate queue bound is enough.
-                if self.tokenize_waiting.fetch_add(1, Ordering::Relaxed) >= self.tokenize_queue {
-                    self.tokenize_waiting.fetch_sub(1, Ordering::Relaxed);
+                let Ok(_place) = self.tokenize_queue.try_acquire() else {
                     return Err(Fallback::TokenizerBusy);
-                }
+                };
                 let waited = tokio::time::timeout(
                     TOKENIZE_WAIT,
                     Arc::clone(&self.tokenize_slots).acquire_owned(),
                 )
                 .await;
-                self.tokenize_waiting.fetch_sub(1, Ordering::Relaxed);
                 match waited {
                     Ok(Ok(slot)) => slot,
                     _ => return Err(Fallback::TokenizerBusy),
@@ -822,6 +818,52 @@ mod tests {
                     .contains(&("fallback", Fallback::NoFreshWorker.as_str(), 1))
             );
         }
+    }
+
+    #[tokio::test]
+    async fn busy_tokenizer_slots_fall_back_and_dropped_waiters_leave_the_queue() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let loaded = PromptTokenizer::load(&dir, None, chat_template::ContentFormat::Auto).unwrap();
+        let p = Precise::new(&PreciseConfig {
+            tokenizer: Some(crate::config::TokenizerSetting {
+                path: dir,
+                chat_template: None,
+                content_format: chat_template::ContentFormat::Auto,
+                max_bytes: tokens::DEFAULT_MAX_BYTES,
+                loaded: Arc::new(loaded),
+            }),
+            ..config()
+        });
+        let chat = Some(Endpoint::ChatCompletions);
+        let body = Bytes::from_static(br#"{"messages": [{"role": "user", "content": "a prompt long enough to fill a block"}]}"#);
+        let none = http::HeaderMap::new();
+        assert!(matches!(
+            p.lookup(&none, chat, &body).await,
+            Lookup::Blocks {
+                source: TokenSource::Tokenizer,
+                ..
+            }
+        ));
+        // Every slot taken: the request waits TOKENIZE_WAIT, then the tree decides.
+        let slots = p.tokenize_slots.available_permits() as u32;
+        let held = p.tokenize_slots.acquire_many(slots).await.unwrap();
+        let queue = p.tokenize_queue.available_permits();
+        assert_eq!(
+            p.lookup(&none, chat, &body).await,
+            Lookup::Fallback(Fallback::TokenizerBusy)
+        );
+        // Waiters whose clients go away mid-wait give their places back.
+        for _ in 0..3 {
+            let cut =
+                tokio::time::timeout(Duration::from_millis(5), p.lookup(&none, chat, &body)).await;
+            assert!(cut.is_err());
+        }
+        assert_eq!(p.tokenize_queue.available_permits(), queue);
+        drop(held);
+        assert!(matches!(
+            p.lookup(&none, chat, &body).await,
+            Lookup::Blocks { .. }
+        ));
     }
 
     #[tokio::test]
