@@ -542,13 +542,22 @@ async fn request_on_a_connection_the_worker_just_closed_is_resent_once() {
         .stale_after(Duration::from_millis(30))
         .start()
         .await;
-    let router = start_router(&yaml_for(&[&w], "")).await;
+    // The resend's connection is not pooled, so the stale race comes back every other
+    // turn: at least half the turns exercise it.
+    turns_after_idle_each_processed_once(&w, 6, 3).await;
+}
+
+/// C15: `turns` requests, each after 50 ms idle (past the worker's 30 ms), must each
+/// reach the worker exactly once and answer 200; at least `min_stale` of them met a
+/// connection the worker had already closed or reset.
+async fn turns_after_idle_each_processed_once(w: &FakeWorker, turns: usize, min_stale: usize) {
+    let router = start_router(&yaml_for(&[w], "")).await;
     // Let the start-up health probe finish, so that one idle connection is pooled.
     wait_until("the first health probe", STEP_TIMEOUT, || async {
         !w.probes().is_empty()
     })
     .await;
-    for i in 0..6 {
+    for i in 0..turns {
         tokio::time::sleep(Duration::from_millis(50)).await;
         let resp = post(
             router.addr,
@@ -558,11 +567,13 @@ async fn request_on_a_connection_the_worker_just_closed_is_resent_once() {
         .await;
         assert_eq!(resp.status, 200, "turn {i}: {}", resp.text());
     }
-    assert_eq!(w.requests().len(), 6, "each turn processed exactly once");
-    // The resend's connection is not pooled, so the stale race comes back every other
-    // turn: at least half the turns exercised it.
+    assert_eq!(
+        w.requests().len(),
+        turns,
+        "each turn processed exactly once"
+    );
     assert!(
-        w.stale_hits() >= 3,
+        w.stale_hits() >= min_stale,
         "turns that met a stale connection: {}",
         w.stale_hits()
     );
@@ -577,29 +588,8 @@ async fn request_on_a_connection_the_worker_just_reset_is_resent_once() {
         .reset_stale()
         .start()
         .await;
-    let router = start_router(&yaml_for(&[&w], "")).await;
-    wait_until("the first health probe", STEP_TIMEOUT, || async {
-        !w.probes().is_empty()
-    })
-    .await;
-    for i in 0..3 {
-        tokio::time::sleep(Duration::from_millis(50)).await;
-        let resp = post(
-            router.addr,
-            "/v1/chat/completions",
-            chat_body(&format!("turn {i}"), false),
-        )
-        .await;
-        assert_eq!(resp.status, 200, "turn {i}: {}", resp.text());
-    }
-    assert_eq!(w.requests().len(), 3, "each turn processed exactly once");
     // Every other turn (the resend's connection is not pooled).
-    assert!(
-        w.stale_hits() >= 2,
-        "turns that met a reset connection: {}",
-        w.stale_hits()
-    );
-    router.shutdown().await;
+    turns_after_idle_each_processed_once(&w, 3, 2).await;
 }
 
 // C15, several idle connections closed at once (uvicorn closes each after 5 s idle)
