@@ -550,7 +550,7 @@ async fn request_on_a_connection_the_worker_just_closed_is_resent_once() {
 /// C15: `turns` requests, each after 50 ms idle (past the worker's 30 ms), must each
 /// reach the worker exactly once and answer 200; at least `min_stale` of them met a
 /// connection the worker had already closed or reset.
-async fn turns_after_idle_each_processed_once(w: &FakeWorker, turns: usize, min_stale: usize) {
+async fn turns_after_idle_each_processed_once(w: &FakeWorker, turns: usize, min_stale: u64) {
     let router = start_router(&yaml_for(&[w], "")).await;
     // Let the start-up health probe finish, so that one idle connection is pooled.
     wait_until("the first health probe", STEP_TIMEOUT, || async {
