@@ -323,16 +323,15 @@ pub async fn mutate_with_body(
     router: &Router,
     req: http::Request<hyper::body::Incoming>,
 ) -> http::Response<ProxyBody> {
-    use http_body_util::BodyExt;
-    let body = match http_body_util::Limited::new(req.into_body(), MAX_ADMIN_BODY)
-        .collect()
-        .await
-    {
-        Ok(b) => b.to_bytes(),
-        Err(e) => {
-            return ProxyError::BadRequest(format!("cannot read the body: {e}")).into_response();
-        }
-    };
+    let declared = crate::proxy::content_length(req.headers());
+    let timeout = router.config().server.body_timeout;
+    let body =
+        match crate::proxy::request_body::read(req.into_body(), declared, MAX_ADMIN_BODY, timeout)
+            .await
+        {
+            Ok(b) => b,
+            Err(e) => return e.into_response(),
+        };
     let cfg = match crate::config::WorkerConfig::from_json(&body) {
         Ok(c) => c,
         Err(e) => return ProxyError::BadRequest(format!("invalid worker: {e}")).into_response(),

@@ -16,6 +16,17 @@ pub enum ProxyError {
     /// The request body is over `server.max_body_bytes` (413).
     #[error("request body is larger than the limit of {limit} bytes (server.max_body_bytes)")]
     BodyTooLarge { limit: usize },
+    /// The request body did not arrive within `server.body_timeout_secs` (408; the
+    /// connection is closed).
+    #[error(
+        "the request body did not arrive within {secs} s (server.body_timeout_secs); send the whole body promptly"
+    )]
+    BodyTimeout { secs: f64 },
+    /// A path that is not a routed endpoint, closed by `proxy.passthrough` (404).
+    #[error(
+        "`{path}` is not forwarded to the workers: proxy.passthrough is {rule}; list a prefix of this path there (or set it to `allow`) to open it"
+    )]
+    NotPassedThrough { path: String, rule: String },
     /// The request body could not be read (client went away, bad framing) (400).
     #[error("could not read the request body: {0}")]
     BadBody(String),
@@ -50,6 +61,8 @@ impl ProxyError {
     pub fn status(&self) -> StatusCode {
         match self {
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
+            ProxyError::NotPassedThrough { .. } => StatusCode::NOT_FOUND,
             ProxyError::BadBody(_) | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::NoWorker(_) | ProxyError::Unreachable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::RemoteMedia(s) => *s,
@@ -63,6 +76,8 @@ impl ProxyError {
     fn kind(&self) -> &'static str {
         match self {
             ProxyError::BodyTooLarge { .. } => "request_too_large",
+            ProxyError::BodyTimeout { .. } => "request_timeout",
+            ProxyError::NotPassedThrough { .. } => "not_found",
             ProxyError::BadBody(_) | ProxyError::BadRequest(_) => "invalid_request_error",
             ProxyError::NoWorker(_) | ProxyError::Unreachable(_) => "no_worker_available",
             ProxyError::RemoteMedia(_) => "remote_media_rejected",
@@ -73,12 +88,13 @@ impl ProxyError {
         }
     }
 
-    /// The JSON error response. A 503 carries `Retry-After: 1`.
+    /// The JSON error response. A 503 carries `Retry-After: 1`; a 408 closes the
+    /// connection (the rest of the body is never read).
     pub fn into_response(self) -> Response<ProxyBody> {
         let status = self.status();
         let body = serde_json::json!({
             "error": {
-                "message": self.to_string(),
+                "message": crate::redact::text(&self.to_string()),
                 "type": self.kind(),
                 "code": status.as_u16(),
             }
@@ -87,6 +103,10 @@ impl ProxyError {
         if status == StatusCode::SERVICE_UNAVAILABLE {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if status == StatusCode::REQUEST_TIMEOUT {
+            resp.headers_mut()
+                .insert(header::CONNECTION, HeaderValue::from_static("close"));
         }
         resp
     }

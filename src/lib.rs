@@ -59,6 +59,7 @@ pub mod policy;
 pub mod precise;
 pub mod prompt;
 pub mod proxy;
+pub mod redact;
 pub mod reload;
 pub mod shutdown;
 pub mod tree;

@@ -91,11 +91,17 @@ fn raise_fd_limit() -> Result<(), String> {
     }
 }
 
-/// `RUST_LOG` wins over `log.level`; `log.format` picks text or JSON lines.
+/// Logs go to stderr (stdout stays free for `--config-check`'s answer), in colour only
+/// when stderr is a terminal. `RUST_LOG` wins over `log.level`; `log.format` picks text
+/// or JSON lines.
 fn init_tracing(config: &Config) {
+    use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log.level));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter);
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     match config.log.format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),

@@ -3,39 +3,10 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader, Read, Write};
-use std::net::{SocketAddr, TcpStream};
-use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
-use std::sync::mpsc;
 use std::time::Duration;
 
 use support::TempFile;
-
-const BIN: &str = env!("CARGO_BIN_EXE_cache-aware-router");
-
-fn run(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("run the binary")
-}
-
-fn config_check(files: &[&Path]) -> Output {
-    let mut args = Vec::new();
-    for f in files {
-        args.push("-c".to_string());
-        args.push(f.display().to_string());
-    }
-    args.push("--config-check".into());
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    run(&args)
-}
-
-fn stderr(o: &Output) -> String {
-    String::from_utf8_lossy(&o.stderr).into_owned()
-}
+use support::binary::*;
 
 const VALID: &str = "workers:\n  - url: http://127.0.0.1:8001\n  - url: http://[::1]:8002/\n";
 
@@ -121,86 +92,6 @@ fn empty_worker_list_is_refused_with_a_message_saying_so() {
     }
 }
 
-/// A running binary, killed on drop.
-struct Running {
-    child: Child,
-    addr: SocketAddr,
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-/// Starts the binary with `files` (which log JSON lines) and waits for the line
-/// announcing the listening address.
-fn serve(files: &[&Path]) -> Running {
-    let mut cmd = Command::new(BIN);
-    for f in files {
-        cmd.arg("-c").arg(f);
-    }
-    let child = cmd
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn the binary");
-    // Killed and reaped on drop, also when this function panics.
-    let mut running = Running {
-        child,
-        addr: SocketAddr::from(([0, 0, 0, 0], 0)),
-    };
-    let (tx, rx) = mpsc::channel::<String>();
-    let out: Box<dyn Read + Send> = Box::new(running.child.stdout.take().unwrap());
-    let err: Box<dyn Read + Send> = Box::new(running.child.stderr.take().unwrap());
-    for pipe in [out, err] {
-        let tx = tx.clone();
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-    }
-    let mut seen = Vec::new();
-    loop {
-        let Ok(line) = rx.recv_timeout(Duration::from_secs(5)) else {
-            panic!("no `listening` line from the binary; output: {seen:#?}")
-        };
-        if let Ok(v) = serde_json::from_str::<serde_json::Value>(&line)
-            && let Some(addr) = v["fields"]["addr"].as_str()
-        {
-            running.addr = addr.parse().expect("listening address");
-            return running;
-        }
-        seen.push(line);
-    }
-}
-
-/// `GET path` over a plain blocking socket, asserting 200; the body.
-fn get_of(addr: SocketAddr, path: &str) -> String {
-    let mut s = TcpStream::connect(addr).expect("connect to the binary");
-    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-    write!(
-        s,
-        "GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut raw = Vec::new();
-    s.read_to_end(&mut raw).expect("read the response");
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text.split_once("\r\n\r\n").expect("a response");
-    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
-    body.to_string()
-}
-
-/// `GET /workers` over a plain blocking socket.
-fn workers_of(addr: SocketAddr) -> serde_json::Value {
-    let body = get_of(addr, "/workers");
-    serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}: {body}"))
-}
-
 const BASE: &str = "policy: round_robin\nserver:\n  host: 127.0.0.1\n  port: 6999\nlog:\n  format: json\nworkers:\n  - url: http://127.0.0.1:9/\n";
 
 #[test]
@@ -240,28 +131,6 @@ fn empty_second_config_file_changes_nothing() {
     assert_eq!(w["workers"][0]["url"], "http://127.0.0.1:9");
 }
 
-/// Sends SIGHUP to the running binary.
-fn hang_up(r: &Running) {
-    let ok = Command::new("kill")
-        .args(["-HUP", &r.child.id().to_string()])
-        .status()
-        .expect("run kill")
-        .success();
-    assert!(ok, "kill -HUP failed");
-}
-
-/// Polls `cond` every 20 ms for up to 3 s.
-fn eventually(what: &str, mut cond: impl FnMut() -> bool) {
-    let start = std::time::Instant::now();
-    while !cond() {
-        assert!(
-            start.elapsed() < Duration::from_secs(3),
-            "not within 3 s: {what}"
-        );
-        std::thread::park_timeout(Duration::from_millis(20));
-    }
-}
-
 #[test]
 fn sighup_reloads_the_workers_and_counts_each_reload_in_metrics_by_result() {
     let base = BASE.replace("port: 6999", "port: 0");
@@ -282,7 +151,7 @@ fn sighup_reloads_the_workers_and_counts_each_reload_in_metrics_by_result() {
     };
 
     std::fs::write(&f.path, format!("{base}  - url: http://127.0.0.1:10/\n")).unwrap();
-    hang_up(&r);
+    r.hang_up();
     eventually("the reload applied", || {
         workers_of(r.addr)["workers"].as_array().unwrap().len() == 2
     });
@@ -298,13 +167,160 @@ fn sighup_reloads_the_workers_and_counts_each_reload_in_metrics_by_result() {
     );
 
     std::fs::write(&f.path, base.replace("round_robin", "least_load")).unwrap();
-    hang_up(&r);
+    r.hang_up();
     eventually("the rejected reload counted", || reloads("rejected") == 1.0);
     std::fs::write(&f.path, "workers: [\n").unwrap();
-    hang_up(&r);
+    r.hang_up();
     eventually("the invalid reload counted", || reloads("invalid") == 1.0);
     let w = workers_of(r.addr);
     assert_eq!(w["policy"], "round_robin");
     assert_eq!(w["workers"].as_array().unwrap().len(), 2);
     assert_eq!(reloads("applied"), 1.0);
+}
+
+#[test]
+fn config_check_names_the_key_path_and_value_of_each_refusal() {
+    for (over, key, value) in [
+        ("workers: [{url: 70000}]\n", "workers[0].url", "70000"),
+        ("server:\n  host: [a]\n", "server.host", "[a]"),
+        ("health:\n  endpoint: {x: 1}\n", "health.endpoint", "{x: 1}"),
+        ("log:\n  level: [debug]\n", "log.level", "[debug]"),
+        (
+            "health:\n  interval_secs: 0.0000001\n",
+            "health.interval_secs",
+            "0.0000001",
+        ),
+        ("proxy:\n  passthrough: open\n", "proxy.passthrough", "open"),
+    ] {
+        assert_refused(over, key, Some(value));
+        let base = TempFile::new("base.yaml", VALID);
+        let f = TempFile::new("over.yaml", over);
+        let err = stderr(&config_check(&[&base.path, &f.path]));
+        assert!(
+            !err.contains("f64") && !err.contains("expected a string at line"),
+            "{over:?}: {err}"
+        );
+    }
+}
+
+#[test]
+fn config_check_refuses_keys_that_cannot_be_a_header_without_printing_them() {
+    for (key, v) in [
+        ("workers[0].api_key", "\"sk-hidden-77\\n\""),
+        ("workers[0].api_key", "\"\""),
+        ("workers[0].api_key", "\"sk-\\u0001hidden-77\""),
+        ("workers[0].api_key", "\"sk hidden-77\""),
+    ] {
+        let f = TempFile::new(
+            "key.yaml",
+            &format!("workers:\n  - url: http://127.0.0.1:8001\n    api_key: {v}\n"),
+        );
+        let o = config_check(&[&f.path]);
+        let all = stderr(&o) + &stdout(&o);
+        assert!(!o.status.success(), "{v} accepted");
+        assert!(all.contains(key), "{v}: {all}");
+        assert!(!all.contains("hidden-77"), "{v}: the key is printed: {all}");
+    }
+    let f = TempFile::new(
+        "key.yaml",
+        "server:\n  admin_token: \"tok-hidden-77\\r\\n\"\nworkers:\n  - url: http://127.0.0.1:8001\n",
+    );
+    let o = config_check(&[&f.path]);
+    assert!(!o.status.success());
+    assert!(stderr(&o).contains("server.admin_token") && !stderr(&o).contains("hidden-77"));
+}
+
+#[test]
+fn check_answers_on_stdout_and_logs_go_to_stderr() {
+    let f = TempFile::new("ok.yaml", VALID);
+    let o = config_check(&[&f.path]);
+    assert!(o.status.success());
+    assert!(stdout(&o).starts_with("configuration OK"), "{}", stdout(&o));
+    assert_eq!(stderr(&o), "");
+    let bad = TempFile::new("bad.yaml", "cache:\n  threshold: 2\n");
+    let o = config_check(&[&f.path, &bad.path]);
+    assert_eq!(stdout(&o), "", "a refusal goes to stderr only");
+
+    let f = TempFile::new("serve.yaml", &BASE.replace("port: 6999", "port: 0"));
+    let r = serve(&[&f.path]);
+    get_of(r.addr, "/workers");
+    let _ = get_raw(r.addr, "/v1/nothing-here");
+    eventually("log lines written", || r.lines().len() >= 2);
+    let lines = r.lines();
+    assert!(
+        lines.iter().all(|(s, _)| *s == Stream::Stderr),
+        "every log line on stderr: {lines:?}"
+    );
+    assert!(
+        lines.iter().all(|(_, l)| !l.contains('\u{1b}')),
+        "no colour codes when stderr is not a terminal: {lines:?}"
+    );
+}
+
+#[test]
+fn a_url_password_never_appears_in_any_output() {
+    const PW: &str = "pw-hunter2-secret";
+    let bad = format!(
+        "workers:\n  - url: http://127.0.0.1:9/\n  - url: http://admin:{PW}@127.0.0.1:10/\n"
+    );
+    // --config-check.
+    let f = TempFile::new("pw.yaml", &bad);
+    let o = config_check(&[&f.path]);
+    let all = stderr(&o) + &stdout(&o);
+    assert!(!o.status.success());
+    assert!(
+        all.contains("workers[1].url") && all.contains("***@127.0.0.1:10"),
+        "{all}"
+    );
+    assert!(!all.contains(PW), "{all}");
+
+    // SIGHUP to a file with the password: the refusal is logged without it.
+    let serving = BASE.replace("port: 6999", "port: 0\n  admin_token: tok-1");
+    let f = TempFile::new("serve.yaml", &serving);
+    let r = serve(&[&f.path]);
+    std::fs::write(
+        &f.path,
+        format!("{serving}  - url: http://u:{PW}@127.0.0.1:10/\n"),
+    )
+    .unwrap();
+    r.hang_up();
+    eventually("the refused reload logged", || {
+        r.output().contains("reload failed")
+    });
+    // The admin API refuses such a worker, to add or to remove, without echoing it.
+    let admin = |method: &str, target: &str, body: &str| {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(r.addr).unwrap();
+        write!(
+            s,
+            "{method} {target} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok-1\r\nContent-Type: application/json\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut answer = String::new();
+        s.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    let added = admin(
+        "POST",
+        "/workers",
+        &format!(r#"{{"url":"http://u:{PW}@127.0.0.1:11"}}"#),
+    );
+    assert!(added.starts_with("HTTP/1.1 400"), "{added}");
+    let removed = admin(
+        "DELETE",
+        &format!("/workers?url=http://u:{PW}@127.0.0.1:9"),
+        "",
+    );
+    assert!(removed.starts_with("HTTP/1.1 400"), "{removed}");
+    for (what, text) in [
+        ("the log", r.output()),
+        ("POST /workers", added),
+        ("DELETE /workers", removed),
+        ("/workers", get_of(r.addr, "/workers")),
+        ("/metrics", get_of(r.addr, "/metrics")),
+    ] {
+        assert!(!text.contains(PW), "{what} shows the password: {text}");
+    }
+    assert!(r.output().contains("***@127.0.0.1:10"), "{}", r.output());
 }

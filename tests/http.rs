@@ -185,8 +185,8 @@ async fn upstream_content_length_equals_the_bytes_sent() {
         // Chunked from the client: the router knows the length once it has the body.
         Req::post("/v1/chat/completions", long.clone()).chunked(1000),
         Req::post("/v1/completions", r#"{"model":"m","prompt":"x"}"#).chunked(3),
-        Req::new("PUT", "/custom").body("abc"),
-        Req::new("POST", "/custom"),
+        Req::new("PUT", "/v1/custom").body("abc"),
+        Req::new("POST", "/v1/custom"),
     ];
     for (i, req) in cases.iter().enumerate() {
         let resp = send(router.addr, req).await;

@@ -1,5 +1,6 @@
 //! Request size limits and the answers the router gives itself: 413 past the body
-//! limit, 503 with no usable worker, and pass-through of paths it does not know.
+//! limit, 503 with no usable worker, and pass-through of paths it does not know
+//! (`proxy.passthrough`).
 
 mod support;
 
@@ -135,14 +136,14 @@ async fn no_reachable_worker_answers_503_json_and_admin_still_answers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unknown_paths_pass_through_to_a_worker_unchanged() {
+async fn unknown_paths_pass_through_to_a_worker_unchanged_when_passthrough_allows() {
     let w = FakeWorker::start_with(|_| {
         Reply::status(202)
             .header("X-Custom", "yes")
             .body(b"accepted-custom".to_vec())
     })
     .await;
-    let router = start_router(&yaml_for(&[&w], "")).await;
+    let router = start_router(&yaml_for(&[&w], "proxy:\n  passthrough: allow\n")).await;
     let cases = [
         Req::new("PUT", "/internal/custom/path?x=1&y=two%20words")
             .header("Content-Type", "application/octet-stream")
@@ -193,5 +194,109 @@ async fn worker_silent_past_the_request_timeout_answers_504_json() {
         started.elapsed()
     );
     assert_eq!(in_flight(router.addr).await, [0]);
+    router.shutdown().await;
+}
+
+/// An engine's operator endpoints, which a client must not reach with the router's key.
+const OPERATOR_PATHS: [&str; 7] = [
+    "/collective_rpc",
+    "/sleep",
+    "/wake_up",
+    "/reset_prefix_cache",
+    "/start_profile",
+    "/flush_cache",
+    "/update_weights_from_disk",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engine_operator_endpoints_are_closed_by_default_and_opened_by_passthrough() {
+    let w = FakeWorker::start_with(|_| Reply::json(200, r#"{"ok":true}"#)).await;
+    let keyed = "proxy:\n  api_key: backend-key-1\n";
+    let router = start_router(&yaml_for(&[&w], keyed)).await;
+    let sneaky = ["/v1/../sleep", "/v1/%2e%2e/sleep", "/v1%2fsleep", "/scores"];
+    for path in OPERATOR_PATHS.iter().chain(&sneaky) {
+        let resp = send(router.addr, &Req::post(path, "{}")).await;
+        assert_eq!(resp.status, 404, "{path}: {}", resp.text());
+        let msg = resp.json()["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        assert!(
+            msg.contains("proxy.passthrough"),
+            "{path}: says which key opens it: {msg}"
+        );
+    }
+    assert_eq!(w.count(), 0, "no operator endpoint reached the worker");
+    // The defaults: the OpenAI API and vLLM's client endpoints.
+    for path in [
+        "/v1/embeddings",
+        "/tokenize",
+        "/detokenize",
+        "/pooling",
+        "/classify",
+        "/score",
+        "/rerank",
+        "/v1/chat/completions",
+    ] {
+        let resp = send(router.addr, &Req::post(path, chat_body("hi", false))).await;
+        assert_eq!(resp.status, 200, "{path}: {}", resp.text());
+    }
+    assert_eq!(send(router.addr, &Req::get("/v1/models")).await.status, 200);
+    router.shutdown().await;
+
+    // `allow`: reaches the worker, with the backend key.
+    let router = start_router(&yaml_for(&[&w], &format!("{keyed}  passthrough: allow\n"))).await;
+    let before = w.count();
+    let resp = send(
+        router.addr,
+        &Req::post("/collective_rpc", r#"{"method":"x"}"#)
+            .header("Authorization", "Bearer client-key"),
+    )
+    .await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let rec = w.requests().pop().unwrap();
+    assert_eq!(
+        (rec.target.as_str(), w.count()),
+        ("/collective_rpc", before + 1)
+    );
+    assert_eq!(rec.header_all("authorization"), ["Bearer backend-key-1"]);
+    router.shutdown().await;
+
+    // A list opens exactly what it names; `deny` leaves only the routed endpoints.
+    let router = start_router(&yaml_for(
+        &[&w],
+        "proxy:\n  passthrough: [/sleep, /v1/embeddings]\n",
+    ))
+    .await;
+    assert_eq!(
+        send(router.addr, &Req::post("/sleep", "{}")).await.status,
+        200
+    );
+    assert_eq!(
+        send(router.addr, &Req::post("/wake_up", "{}")).await.status,
+        404
+    );
+    assert_eq!(
+        send(router.addr, &Req::post("/tokenize", "{}"))
+            .await
+            .status,
+        404
+    );
+    router.shutdown().await;
+    let router = start_router(&yaml_for(&[&w], "proxy:\n  passthrough: deny\n")).await;
+    assert_eq!(
+        send(router.addr, &Req::post("/v1/embeddings", "{}"))
+            .await
+            .status,
+        404
+    );
+    assert_eq!(send(router.addr, &Req::get("/v1/files")).await.status, 404);
+    let resp = send(
+        router.addr,
+        &Req::post("/v1/chat/completions", chat_body("hi", false)),
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    assert_eq!(send(router.addr, &Req::get("/v1/models")).await.status, 200);
     router.shutdown().await;
 }

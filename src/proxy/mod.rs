@@ -11,6 +11,7 @@
 pub mod body;
 pub mod headers;
 pub mod models;
+pub mod request_body;
 pub mod upstream;
 pub mod usage;
 
@@ -21,8 +22,8 @@ use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
+use http_body_util::BodyExt;
 use http_body_util::combinators::BoxBody;
-use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 
 pub use body::GuardedBody;
@@ -110,13 +111,15 @@ impl Router {
     pub fn replace_workers(&self, workers: &[WorkerConfig]) {
         let _serial = self.lock_membership();
         let old = self.workers.load_full();
+        let by_url: std::collections::HashMap<&crate::config::WorkerUrl, &Arc<Worker>> =
+            old.workers().iter().map(|w| (w.url(), w)).collect();
         let next = workers
             .iter()
             .map(|cfg| {
-                old.workers()
-                    .iter()
-                    .find(|w| w.config() == cfg)
-                    .cloned()
+                by_url
+                    .get(&cfg.url)
+                    .filter(|w| w.config() == cfg)
+                    .map(|w| Arc::clone(w))
                     .unwrap_or_else(|| {
                         Arc::new(Worker::new(cfg.clone(), &self.config.circuit_breaker))
                     })
@@ -197,8 +200,13 @@ impl Router {
         }
         let label = endpoint_label(&method, path);
         let request_id = headers::request_id(req.headers());
-        let result = if method == Method::GET && path == "/v1/models" {
+        let result = if label == "models" {
             models::get(&self, req, &request_id).await
+        } else if label == "other" && !self.config.proxy.passthrough.allows(path) {
+            Err(ProxyError::NotPassedThrough {
+                path: shown_path(path),
+                rule: self.config.proxy.passthrough.describe(),
+            })
         } else {
             self.proxy(req, &request_id, label).await
         };
@@ -231,7 +239,13 @@ impl Router {
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let arrived = Instant::now();
         let (parts, body) = req.into_parts();
-        let body = read_body(&parts, body, self.config.server.max_body_bytes).await?;
+        let body = request_body::read(
+            body,
+            content_length(&parts.headers),
+            self.config.server.max_body_bytes,
+            self.config.server.body_timeout,
+        )
+        .await?;
         let endpoint = (parts.method == Method::POST)
             .then(|| Endpoint::from_path(parts.uri.path()))
             .flatten();
@@ -554,26 +568,18 @@ fn endpoint_label(method: &Method, path: &str) -> &'static str {
     }
 }
 
-/// Reads a request body up to `limit` bytes. A declared `Content-Length` over the limit
-/// is refused before reading; a chunked body is refused as soon as it passes the limit.
-async fn read_body(
-    parts: &http::request::Parts,
-    body: Incoming,
-    limit: usize,
-) -> Result<Bytes, ProxyError> {
-    let declared = parts
-        .headers
+/// The request's declared `Content-Length`, when it has a valid one.
+pub fn content_length(headers: &http::HeaderMap) -> Option<u64> {
+    headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
-        return Err(ProxyError::BodyTooLarge { limit });
-    }
-    match Limited::new(body, limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(ProxyError::BodyTooLarge { limit })
-        }
-        Err(e) => Err(ProxyError::BadBody(e.to_string())),
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// A client's path as quoted back in an error: at most 100 characters.
+fn shown_path(path: &str) -> String {
+    match path.char_indices().nth(100) {
+        Some((i, _)) => format!("{}…", &path[..i]),
+        None => path.to_string(),
     }
 }

@@ -10,7 +10,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use super::headers;
-use crate::config::ProxyConfig;
+use crate::config::{ProxyConfig, Secret};
 use crate::error::ProxyError;
 use crate::workers::Worker;
 
@@ -22,7 +22,7 @@ pub struct Upstream {
     /// pick up another socket the worker already closed.
     fresh: Client<HttpConnector, Full<Bytes>>,
     request_timeout: std::time::Duration,
-    api_key: Option<HeaderValue>,
+    api_key: Option<Secret>,
 }
 
 impl Upstream {
@@ -44,7 +44,7 @@ impl Upstream {
             client,
             fresh,
             request_timeout: cfg.request_timeout,
-            api_key: cfg.api_key.as_ref().and_then(|k| bearer(k.expose())),
+            api_key: cfg.api_key.clone(),
         }
     }
 
@@ -68,8 +68,10 @@ impl Upstream {
         if !body.is_empty() || template.method == Method::POST || template.method == Method::PUT {
             headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
         }
+        // A configured backend key always replaces the client's credential (built and
+        // checked at config time, so this cannot fall back to the client's).
         if let Some(key) = self.key_for(worker) {
-            headers.insert(header::AUTHORIZATION, key);
+            headers.insert(header::AUTHORIZATION, key.bearer().clone());
         }
         if let Some(rank) = dp_rank {
             headers.insert(super::headers::DP_RANK.clone(), HeaderValue::from(rank));
@@ -147,7 +149,8 @@ impl Upstream {
             req.headers_mut().insert(header::HOST, host);
         }
         if let Some(key) = self.key_for(worker) {
-            req.headers_mut().insert(header::AUTHORIZATION, key);
+            req.headers_mut()
+                .insert(header::AUTHORIZATION, key.bearer().clone());
         }
         let call = async {
             let resp = self.client.request(req).await.map_err(|e| describe(&e))?;
@@ -164,14 +167,9 @@ impl Upstream {
             .map_err(|_| format!("no answer within {timeout:?}"))?
     }
 
-    /// The bearer token for `worker`: its own `api_key`, else `proxy.api_key`.
-    fn key_for(&self, worker: &Worker) -> Option<HeaderValue> {
-        worker
-            .config()
-            .api_key
-            .as_ref()
-            .and_then(|k| bearer(k.expose()))
-            .or_else(|| self.api_key.clone())
+    /// The backend key for `worker`: its own `api_key`, else `proxy.api_key`.
+    fn key_for<'a>(&'a self, worker: &'a Worker) -> Option<&'a Secret> {
+        worker.config().api_key.as_ref().or(self.api_key.as_ref())
     }
 }
 
@@ -205,12 +203,6 @@ impl RequestTemplate {
             headers,
         }
     }
-}
-
-fn bearer(key: &str) -> Option<HeaderValue> {
-    let mut v = HeaderValue::from_str(&format!("Bearer {key}")).ok()?;
-    v.set_sensitive(true);
-    Some(v)
 }
 
 /// The error and its causes on one line (hyper's top-level message alone says little).

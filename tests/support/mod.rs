@@ -17,6 +17,8 @@
 
 #![allow(dead_code)]
 
+pub mod binary;
+
 use std::collections::HashMap;
 use std::future::Future;
 use std::net::SocketAddr;
