@@ -10,8 +10,8 @@
 use std::path::Path;
 use std::time::Instant;
 
-use cache_aware_router::precise::chat_template::ContentFormat;
-use cache_aware_router::precise::tokens::PromptTokenizer;
+use cache_aware_router::tokenize::PromptTokenizer;
+use cache_aware_router::tokenize::chat_template::ContentFormat;
 
 const WORDS: &[&str] = &[
     "the",

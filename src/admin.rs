@@ -4,9 +4,9 @@ use http::StatusCode;
 use serde::Serialize;
 
 use crate::error::{ProxyError, json_response};
+use crate::pool::WorkerSet;
 use crate::precise::feed::{Feed, FeedCounts, FeedState};
 use crate::proxy::{ProxyBody, Router};
-use crate::workers::WorkerSet;
 
 #[derive(Serialize)]
 struct Health {
@@ -35,6 +35,8 @@ pub fn health(set: &WorkerSet) -> http::Response<ProxyBody> {
 #[derive(Serialize)]
 struct WorkerView {
     url: String,
+    /// Its identity: `name`, else the normalised URL.
+    key: String,
     in_flight: usize,
     healthy: bool,
     breaker: &'static str,
@@ -122,9 +124,12 @@ struct Workers {
 /// `GET /metrics`: Prometheus text exposition (see `metrics.rs`).
 pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
     use http_body_util::BodyExt;
-    let precise = (router.config().policy == crate::config::PolicyKind::PreciseCacheAware)
-        .then(|| &**router.precise());
-    let text = router.metrics().encode(&router.worker_set(), precise);
+    let policy = router.policy();
+    let text = router.metrics().encode(
+        &router.worker_set(),
+        policy.tree().map(|t| &**t),
+        policy.precise().map(|p| &**p),
+    );
     let mut resp = http::Response::new(
         http_body_util::Full::new(bytes::Bytes::from(text))
             .map_err(|never| match never {})
@@ -142,33 +147,38 @@ pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
 /// rank too, see [`FeedView`]). API keys are never shown.
 pub fn workers(router: &Router) -> http::Response<ProxyBody> {
     let set = router.worker_set();
+    let policy = router.policy();
     // Copy what is needed under the lock, format after releasing it.
-    let (nodes, bytes, shares): (usize, u64, Vec<f64>) = {
-        let tree = set.tree();
-        (
-            tree.node_count(),
-            tree.total_bytes(),
-            set.ids().map(|id| tree.share(id)).collect(),
-        )
+    let (nodes, bytes, shares): (usize, u64, Vec<f64>) = match policy.tree() {
+        Some(t) => {
+            let tree = t.lock();
+            (
+                tree.node_count(),
+                tree.total_bytes(),
+                set.ids().map(|id| tree.share(id)).collect(),
+            )
+        }
+        None => (0, 0, vec![0.0; set.workers().len()]),
     };
-    let now = crate::workers::now();
-    let precise = router.precise();
-    let is_precise = router.config().policy == crate::config::PolicyKind::PreciseCacheAware;
-    let (index_blocks, evicted, held): (usize, u64, Vec<Vec<usize>>) = {
-        let index = precise.index();
-        (
-            index.len(),
-            index.evicted(),
-            set.workers()
-                .iter()
-                .map(|w| {
-                    w.feeds()
-                        .iter()
-                        .map(|f| index.source_blocks(f.source()))
-                        .collect()
-                })
-                .collect(),
-        )
+    let now = crate::pool::now();
+    let (index_blocks, evicted, held): (usize, u64, Vec<Vec<usize>>) = match policy.precise() {
+        Some(precise) => {
+            let index = precise.index();
+            (
+                index.len(),
+                index.evicted(),
+                set.workers()
+                    .iter()
+                    .map(|w| {
+                        w.feeds()
+                            .iter()
+                            .map(|f| index.source_blocks(f.source()))
+                            .collect()
+                    })
+                    .collect(),
+            )
+        }
+        None => (0, 0, vec![Vec::new(); set.workers().len()]),
     };
     let workers = set
         .workers()
@@ -177,6 +187,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
         .zip(held)
         .map(|((w, tree_share), blocks)| WorkerView {
             url: w.url().to_string(),
+            key: w.key().to_string(),
             in_flight: w.in_flight(),
             healthy: w.is_healthy(),
             breaker: w.breaker_state(now).as_str(),
@@ -184,15 +195,17 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
             load_penalty: w.config().load_penalty,
             cache_aware: w.config().cache_aware,
             tree_share,
-            kv_events: (is_precise && !w.feeds().is_empty())
-                .then(|| worker_feed_view(w, &blocks, now, precise.config().stale)),
+            kv_events: policy
+                .precise()
+                .filter(|_| !w.feeds().is_empty())
+                .map(|p| worker_feed_view(w, &blocks, now, p.config().stale)),
         })
         .collect();
     let body = Workers {
-        policy: router.config().policy.as_str(),
+        policy: policy.name(),
         tree_nodes: nodes,
         tree_bytes: bytes,
-        precise: is_precise.then(|| PreciseView {
+        precise: policy.precise().map(|precise| PreciseView {
             block_size: precise.config().block_size,
             max_blocks: precise.config().max_blocks.get(),
             blocks: index_blocks,
@@ -215,7 +228,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
 
 /// A worker's `kv_events` view (see [`FeedView`]); `blocks` holds each rank's count.
 fn worker_feed_view(
-    w: &crate::workers::Worker,
+    w: &crate::pool::Worker,
     blocks: &[usize],
     now: std::time::Instant,
     stale: std::time::Duration,
@@ -307,7 +320,11 @@ pub fn mutation<B>(router: &Router, req: &http::Request<B>) -> Option<Mutation> 
     if let Err(e) = authorize(router, req.headers()) {
         return Some(Mutation::Done(e.into_response()));
     }
-    let query = query_param(req.uri(), if path == "/workers" { "url" } else { "worker" });
+    let query = if path == "/workers" {
+        query_param(req.uri(), "url").or_else(|| query_param(req.uri(), "name"))
+    } else {
+        query_param(req.uri(), "worker")
+    };
     let resp = match (method, path) {
         (&http::Method::POST, "/workers") => return Some(Mutation::NeedsBody),
         (&http::Method::DELETE, "/workers") => remove_worker(router, query.as_deref()),
@@ -337,7 +354,7 @@ pub async fn mutate_with_body(
         Err(e) => return ProxyError::BadRequest(format!("invalid worker: {e}")).into_response(),
     };
     let url = cfg.url.to_string();
-    match router.add_worker(cfg) {
+    match router.pool().add(cfg) {
         Ok(()) => {
             tracing::info!(worker = %url, "worker added (admin API)");
             let n = router.worker_set().workers().len();
@@ -402,18 +419,36 @@ fn not_found(what: String) -> http::Response<ProxyBody> {
     )
 }
 
+/// The worker a query names: `raw` is its `name`, or a URL (normalised first).
+fn find_worker(
+    set: &WorkerSet,
+    raw: Option<&str>,
+    param: &str,
+) -> Result<Option<std::sync::Arc<crate::pool::Worker>>, ProxyError> {
+    let raw =
+        raw.ok_or_else(|| ProxyError::BadRequest(format!("missing query parameter `{param}`")))?;
+    if let Some(w) = set.by_key(raw) {
+        return Ok(Some(std::sync::Arc::clone(w)));
+    }
+    let url = parse_url(Some(raw), param)?;
+    Ok(set.workers().iter().find(|w| w.url() == &url).cloned())
+}
+
 fn remove_worker(
     router: &Router,
-    url: Option<&str>,
+    which: Option<&str>,
 ) -> Result<http::Response<ProxyBody>, ProxyError> {
-    let url = parse_url(url, "url")?;
-    if !router.remove_worker(&url) {
-        return Ok(not_found(format!("no worker {url} in the pool")));
-    }
-    tracing::info!(worker = %url, "worker removed (admin API); its in-flight requests finish");
+    let Some(w) = find_worker(&router.worker_set(), which, "url")? else {
+        return Ok(not_found(format!(
+            "no worker {} in the pool",
+            crate::redact::text(which.unwrap_or_default())
+        )));
+    };
+    router.pool().remove(w.key());
+    tracing::info!(worker = %w.url(), key = w.key(), "worker removed (admin API); its in-flight requests finish");
     Ok(json_response(
         StatusCode::OK,
-        serde_json::json!({"removed": url.to_string(), "workers": router.worker_set().workers().len()})
+        serde_json::json!({"removed": w.url().to_string(), "workers": router.worker_set().workers().len()})
             .to_string(),
     ))
 }
@@ -422,32 +457,37 @@ fn clear_cache(
     router: &Router,
     worker: Option<&str>,
 ) -> Result<http::Response<ProxyBody>, ProxyError> {
-    let set = router.worker_set();
+    let Some(tree) = router.policy().tree() else {
+        return Ok(json_response(
+            StatusCode::OK,
+            serde_json::json!({"cleared": "nothing", "nodes_removed": 0, "note": "this policy keeps no prefix tree"})
+                .to_string(),
+        ));
+    };
     let body = match worker {
         None => {
             // Swap under the lock, free the old nodes after releasing it.
-            let old = std::mem::take(&mut *set.tree());
+            let old = std::mem::take(&mut *tree.lock());
             let removed = old.node_count();
             drop(old);
             tracing::info!(nodes = removed, "route records cleared (admin API)");
             serde_json::json!({"cleared": "all", "nodes_removed": removed})
         }
         Some(raw) => {
-            let url = parse_url(Some(raw), "worker")?;
-            let Some(id) = set
-                .ids()
-                .find(|id| set.get(*id).is_some_and(|w| w.url() == &url))
-            else {
-                return Ok(not_found(format!("no worker {url} in the pool")));
+            let Some(w) = find_worker(&router.worker_set(), Some(raw), "worker")? else {
+                return Ok(not_found(format!(
+                    "no worker {} in the pool",
+                    crate::redact::text(raw)
+                )));
             };
             let removed = {
-                let mut tree = set.tree();
+                let mut tree = tree.lock();
                 let before = tree.node_count();
-                tree.remove_worker(id);
+                tree.remove_worker(w.id());
                 before - tree.node_count()
             };
-            tracing::info!(worker = %url, nodes = removed, "route records of one worker cleared (admin API)");
-            serde_json::json!({"cleared": url.to_string(), "nodes_removed": removed})
+            tracing::info!(worker = %w.url(), nodes = removed, "route records of one worker cleared (admin API)");
+            serde_json::json!({"cleared": w.url().to_string(), "nodes_removed": removed})
         }
     };
     Ok(json_response(StatusCode::OK, body.to_string()))

@@ -15,13 +15,12 @@ use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::task::JoinHandle;
 
-use crate::config::{Config, PolicyKind};
-use crate::health;
-use crate::precise;
+use crate::config::Config;
+use crate::pool::health;
 use crate::proxy::Router;
 use crate::reload;
+use crate::service;
 use crate::shutdown::{self, Shutdown, Trigger};
-use crate::tree::evict;
 
 /// A router serving on a bound listener, as started by [`spawn`].
 pub struct RunningRouter {
@@ -52,11 +51,18 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
     let grace = config.server.shutdown_grace;
     let router = Arc::new(Router::new(config));
     let (trigger, shutdown) = shutdown::channel();
-    tokio::spawn(health::run(Arc::clone(&router), shutdown.clone()));
-    tokio::spawn(evict::run(Arc::clone(&router), shutdown.clone()));
-    if router.config().policy == PolicyKind::PreciseCacheAware {
-        // Starts and stops one KV-event consumer per worker with `kv_events`.
-        tokio::spawn(precise::run(Arc::clone(&router), shutdown.clone()));
+    tokio::spawn(health::run(
+        Arc::clone(router.pool()),
+        router.config().health.clone(),
+        router.upstream().clone(),
+        shutdown.clone(),
+    ));
+    // The policy's own upkeep: tree eviction, KV-event consumers.
+    if let Some(task) = router
+        .policy()
+        .background(Arc::clone(router.pool()), shutdown.clone())
+    {
+        tokio::spawn(task);
     }
     let task = tokio::spawn(serve(Arc::clone(&router), listener, shutdown, grace));
     Ok(RunningRouter {
@@ -84,7 +90,13 @@ pub async fn run(config: Config, files: Vec<PathBuf>) -> std::io::Result<()> {
         "cache-aware-router listening"
     );
     let running = spawn(config, listener)?;
-    let reload_task = tokio::spawn(reload::run(Arc::clone(&running.router), files, hup));
+    let reload_task = tokio::spawn(reload::run(
+        running.router.config().clone(),
+        Arc::clone(running.router.pool()),
+        Arc::clone(running.router.metrics()),
+        files,
+        hup,
+    ));
     terminate.recv().await;
     tracing::info!("shutting down: no new connections, draining in-flight requests");
     running.trigger().shutdown();
@@ -132,7 +144,7 @@ async fn serve(
                     let router = Arc::clone(&router);
                     let service = service_fn(move |req| {
                         let router = Arc::clone(&router);
-                        async move { Ok::<_, Infallible>(router.handle(req).await) }
+                        async move { Ok::<_, Infallible>(service::handle(router, req).await) }
                     });
                     let conn = http1::Builder::new()
                         .timer(TokioTimer::new())

@@ -8,7 +8,10 @@ use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
 use http_body_util::{BodyExt, Full};
 
-use crate::proxy::ProxyBody;
+/// Error type of response bodies.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+/// The body of every response the router sends.
+pub type ProxyBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 
 /// Something the router answers instead of a worker.
 #[derive(Debug, thiserror::Error)]

@@ -50,17 +50,18 @@
 
 pub mod admin;
 pub mod app;
-pub mod breaker;
+pub mod clock;
 pub mod config;
 pub mod error;
-pub mod health;
 pub mod metrics;
 pub mod policy;
+pub mod pool;
 pub mod precise;
 pub mod prompt;
 pub mod proxy;
 pub mod redact;
 pub mod reload;
+pub mod service;
 pub mod shutdown;
+pub mod tokenize;
 pub mod tree;
-pub mod workers;

@@ -24,9 +24,10 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::policy::Reason;
+use crate::pool::WorkerSet;
 use crate::precise::Precise;
 use crate::precise::feed::{Feed, FeedCounts, FeedState};
-use crate::workers::WorkerSet;
+use crate::tree::SharedTree;
 
 /// Content type of [`Metrics::encode`]'s output (Prometheus text format 0.0.4).
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
@@ -448,11 +449,16 @@ impl Metrics {
 
     /// Prometheus text exposition, with gauges read from `set` now, and precise mode's
     /// families from `precise` when given.
-    pub fn encode(&self, set: &WorkerSet, precise: Option<&Precise>) -> String {
+    pub fn encode(
+        &self,
+        set: &WorkerSet,
+        tree: Option<&SharedTree>,
+        precise: Option<&Precise>,
+    ) -> String {
         if let Some(p) = precise {
             self.encode_precise(set, p);
         }
-        let now = crate::workers::now();
+        let now = crate::pool::now();
         self.in_flight.clear();
         self.healthy.clear();
         self.breaker.clear();
@@ -468,9 +474,9 @@ impl Metrics {
                 .set(i64::from(w.is_healthy()));
             let state = w.breaker_state(now);
             for s in [
-                crate::breaker::State::Closed,
-                crate::breaker::State::Open,
-                crate::breaker::State::HalfOpen,
+                crate::pool::breaker::State::Closed,
+                crate::pool::breaker::State::Open,
+                crate::pool::breaker::State::HalfOpen,
             ] {
                 self.breaker
                     .get_or_create(&BreakerLabels {
@@ -480,17 +486,19 @@ impl Metrics {
                     .set(i64::from(s == state));
             }
         }
-        {
-            let tree = set.tree();
-            self.tree_nodes.set(tree.node_count() as i64);
-            self.tree_bytes.set(tree.total_bytes() as i64);
+        if let Some(shared) = tree {
+            {
+                let tree = shared.lock();
+                self.tree_nodes.set(tree.node_count() as i64);
+                self.tree_bytes.set(tree.total_bytes() as i64);
+            }
+            catch_up(&self.evicted, &self.seen_evicted, &shared.evicted_nodes);
+            catch_up(
+                &self.skipped_inserts,
+                &self.seen_skipped,
+                &shared.skipped_inserts,
+            );
         }
-        catch_up(&self.evicted, &self.seen_evicted, &set.evicted_nodes);
-        catch_up(
-            &self.skipped_inserts,
-            &self.seen_skipped,
-            &set.skipped_inserts,
-        );
         let mut out = String::with_capacity(16 * 1024);
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
@@ -515,7 +523,7 @@ impl Metrics {
         f.live_ranks.clear();
         f.rank_mismatch.clear();
         f.decisions.clear();
-        let now = crate::workers::now();
+        let now = crate::pool::now();
         let stale = precise.config().stale;
         let feeds: Vec<(&Arc<str>, &[Arc<Feed>])> = set
             .workers()

@@ -1,14 +1,15 @@
 //! SIGHUP reload: re-read every `-c` file and swap the worker list.
 //!
 //! Only `workers` may change. A file that fails to load, or a change to any other key,
-//! is logged and the running config kept. Surviving workers keep their state (see
-//! [`Router::replace_workers`]); the tree and the `/v1/models` cache start fresh.
+//! is logged and the running config kept. Surviving workers keep their state and their
+//! routing memory (see [`Pool::replace`]); the `/v1/models` cache starts fresh.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use crate::config::Config;
-use crate::proxy::Router;
+use crate::metrics::Metrics;
+use crate::pool::Pool;
 
 /// What a reload did.
 #[derive(Debug, PartialEq, Eq)]
@@ -24,13 +25,13 @@ pub enum Outcome {
     },
 }
 
-/// Loads `files` and applies them to `router` if only `workers` changed.
-pub fn apply(router: &Router, files: &[PathBuf]) -> Outcome {
+/// Loads `files` and applies them to `pool` if only `workers` differs from `running`.
+pub fn apply(running: &Config, pool: &Pool, files: &[PathBuf]) -> Outcome {
     let next = match Config::load_with(files, false) {
         Ok(c) => c,
         Err(e) => return Outcome::Invalid(e.to_string()),
     };
-    if let Some(key) = router.config().non_worker_difference(&next) {
+    if let Some(key) = running.non_worker_difference(&next) {
         return Outcome::Rejected { key };
     }
     if next.workers.is_empty() {
@@ -38,7 +39,7 @@ pub fn apply(router: &Router, files: &[PathBuf]) -> Outcome {
             "reload leaves no workers: every request gets 503 until workers are listed again"
         );
     }
-    router.replace_workers(&next.workers);
+    pool.replace(&next.workers);
     Outcome::Applied {
         workers: next.workers.len(),
     }
@@ -47,15 +48,22 @@ pub fn apply(router: &Router, files: &[PathBuf]) -> Outcome {
 /// Applies the files on each SIGHUP received by `hup` (registered by the caller before
 /// the router listens, so an early SIGHUP never hits the default action, which would
 /// end the process). Each outcome is logged and counted in `/metrics`.
-pub async fn run(router: Arc<Router>, files: Vec<PathBuf>, mut hup: tokio::signal::unix::Signal) {
+pub async fn run(
+    running: Config,
+    pool: Arc<Pool>,
+    metrics: Arc<Metrics>,
+    files: Vec<PathBuf>,
+    mut hup: tokio::signal::unix::Signal,
+) {
+    let running = Arc::new(running);
     while hup.recv().await.is_some() {
         // Reading and parsing the files is blocking I/O: off the async workers.
-        let (r, f) = (Arc::clone(&router), files.clone());
-        let outcome = match tokio::task::spawn_blocking(move || apply(&r, &f)).await {
+        let (c, p, f) = (Arc::clone(&running), Arc::clone(&pool), files.clone());
+        let outcome = match tokio::task::spawn_blocking(move || apply(&c, &p, &f)).await {
             Ok(o) => o,
             Err(e) => Outcome::Invalid(format!("reload task failed: {e}")),
         };
-        router.metrics().reload(match outcome {
+        metrics.reload(match outcome {
             Outcome::Applied { .. } => "applied",
             Outcome::Rejected { .. } => "rejected",
             Outcome::Invalid(_) => "invalid",

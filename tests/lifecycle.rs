@@ -61,7 +61,11 @@ async fn reload_with_an_unbracketed_ipv6_url_is_refused_and_the_old_list_stays()
         "workers.yaml",
         &yaml_for_urls(&[a.url(), b.url(), "http://::1:18006".into()], extra),
     );
-    match reload::apply(&router.router, std::slice::from_ref(&bad.path)) {
+    match reload::apply(
+        router.router.config(),
+        router.router.pool(),
+        std::slice::from_ref(&bad.path),
+    ) {
         Outcome::Invalid(msg) => {
             assert!(
                 msg.contains(&bad.path.display().to_string())
@@ -87,7 +91,11 @@ async fn reload_with_an_unbracketed_ipv6_url_is_refused_and_the_old_list_stays()
     // The same reload without the bad entry goes through.
     let good = TempFile::new("workers.yaml", &yaml_for(&[&b], extra));
     assert_eq!(
-        reload::apply(&router.router, std::slice::from_ref(&good.path)),
+        reload::apply(
+            router.router.config(),
+            router.router.pool(),
+            std::slice::from_ref(&good.path)
+        ),
         Outcome::Applied { workers: 1 }
     );
     assert_eq!(listed_urls(router.addr).await, [b.url()]);
@@ -100,7 +108,11 @@ async fn reload_changing_anything_but_workers_is_rejected() {
     let router = start_router(&yaml_for(&[&a], "")).await;
     let f = TempFile::new("c.yaml", &yaml_for(&[&a], "policy: round_robin\n"));
     assert_eq!(
-        reload::apply(&router.router, std::slice::from_ref(&f.path)),
+        reload::apply(
+            router.router.config(),
+            router.router.pool(),
+            std::slice::from_ref(&f.path)
+        ),
         Outcome::Rejected { key: "policy" }
     );
     assert_eq!(get_workers(router.addr).await["policy"], "cache_aware");
@@ -119,7 +131,11 @@ async fn reload_keeps_the_in_flight_count_of_a_surviving_worker() {
 
     let f = TempFile::new("w.yaml", &yaml_for(&[&b, &a], ""));
     assert_eq!(
-        reload::apply(&router.router, std::slice::from_ref(&f.path)),
+        reload::apply(
+            router.router.config(),
+            router.router.pool(),
+            std::slice::from_ref(&f.path)
+        ),
         Outcome::Applied { workers: 2 }
     );
     assert_eq!(listed_urls(router.addr).await, [b.url(), a.url()]);
@@ -160,7 +176,11 @@ async fn models_after_a_reload_come_from_the_new_worker_list() {
 
     let f = TempFile::new("w.yaml", &yaml_for(&[&b], ""));
     assert_eq!(
-        reload::apply(&router.router, std::slice::from_ref(&f.path)),
+        reload::apply(
+            router.router.config(),
+            router.router.pool(),
+            std::slice::from_ref(&f.path)
+        ),
         Outcome::Applied { workers: 1 }
     );
     let new = get(router.addr, "/v1/models").await;
@@ -232,7 +252,11 @@ async fn reload_to_an_empty_worker_list_answers_503_until_workers_return() {
         let router = start_router(&yaml_for(&[&a], &extra)).await;
         let empty = TempFile::new("w.yaml", &format!("{extra}workers: []\n"));
         assert_eq!(
-            reload::apply(&router.router, std::slice::from_ref(&empty.path)),
+            reload::apply(
+                router.router.config(),
+                router.router.pool(),
+                std::slice::from_ref(&empty.path)
+            ),
             Outcome::Applied { workers: 0 },
             "{policy}"
         );
@@ -252,7 +276,11 @@ async fn reload_to_an_empty_worker_list_answers_503_until_workers_return() {
 
         let back = TempFile::new("w.yaml", &yaml_for(&[&a], &extra));
         assert_eq!(
-            reload::apply(&router.router, std::slice::from_ref(&back.path)),
+            reload::apply(
+                router.router.config(),
+                router.router.pool(),
+                std::slice::from_ref(&back.path)
+            ),
             Outcome::Applied { workers: 1 }
         );
         let r = post(
@@ -282,7 +310,11 @@ async fn reload_keeps_the_breaker_state_of_a_surviving_worker() {
 
     let f = TempFile::new("w.yaml", &yaml_for(&[&b, &a], extra));
     assert_eq!(
-        reload::apply(&router.router, std::slice::from_ref(&f.path)),
+        reload::apply(
+            router.router.config(),
+            router.router.pool(),
+            std::slice::from_ref(&f.path)
+        ),
         Outcome::Applied { workers: 2 }
     );
     let after = get_workers(router.addr).await;
@@ -354,7 +386,11 @@ async fn reload_under_steady_load_fails_no_request() {
     tokio::time::sleep(Duration::from_millis(300)).await;
     let f = TempFile::new("w.yaml", &yaml_for(&[&b, &c], ""));
     assert_eq!(
-        reload::apply(&router.router, std::slice::from_ref(&f.path)),
+        reload::apply(
+            router.router.config(),
+            router.router.pool(),
+            std::slice::from_ref(&f.path)
+        ),
         Outcome::Applied { workers: 2 }
     );
     assert_eq!(listed_urls(addr).await, [b.url(), c.url()]);
@@ -362,7 +398,11 @@ async fn reload_under_steady_load_fails_no_request() {
     let c_after_first = c.count();
     let f = TempFile::new("w.yaml", &yaml_for(&[&c, &a], ""));
     assert_eq!(
-        reload::apply(&router.router, std::slice::from_ref(&f.path)),
+        reload::apply(
+            router.router.config(),
+            router.router.pool(),
+            std::slice::from_ref(&f.path)
+        ),
         Outcome::Applied { workers: 2 }
     );
     assert_eq!(listed_urls(addr).await, [c.url(), a.url()]);
@@ -419,7 +459,11 @@ async fn refused_reloads_keep_the_running_workers_and_config() {
     for (key, yaml) in &rejected {
         let f = TempFile::new("w.yaml", yaml);
         assert_eq!(
-            reload::apply(&router.router, std::slice::from_ref(&f.path)),
+            reload::apply(
+                router.router.config(),
+                router.router.pool(),
+                std::slice::from_ref(&f.path)
+            ),
             Outcome::Rejected { key },
             "{yaml}"
         );
@@ -438,7 +482,11 @@ async fn refused_reloads_keep_the_running_workers_and_config() {
     ];
     for (what, yaml) in &invalid {
         let f = TempFile::new("w.yaml", yaml);
-        match reload::apply(&router.router, std::slice::from_ref(&f.path)) {
+        match reload::apply(
+            router.router.config(),
+            router.router.pool(),
+            std::slice::from_ref(&f.path),
+        ) {
             Outcome::Invalid(msg) => assert!(
                 msg.contains(&f.path.display().to_string()),
                 "{what}: the message names the file: {msg}"
@@ -448,7 +496,11 @@ async fn refused_reloads_keep_the_running_workers_and_config() {
     }
     let missing = std::env::temp_dir().join("car-tests-no-such-dir/w.yaml");
     assert!(matches!(
-        reload::apply(&router.router, std::slice::from_ref(&missing)),
+        reload::apply(
+            router.router.config(),
+            router.router.pool(),
+            std::slice::from_ref(&missing)
+        ),
         Outcome::Invalid(_)
     ));
 

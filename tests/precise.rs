@@ -799,10 +799,10 @@ async fn router_tokenizes_requests_without_token_ids() {
     let (ws, es, router) = setup(false, &extra).await;
     let w: Vec<&FakeWorker> = ws.iter().collect();
     // What vLLM would prefill for two chats (the parity test pins these to vLLM's own).
-    let tokenizer = cache_aware_router::precise::tokens::PromptTokenizer::load(
+    let tokenizer = cache_aware_router::tokenize::PromptTokenizer::load(
         &dir,
         None,
-        cache_aware_router::precise::chat_template::ContentFormat::Auto,
+        cache_aware_router::tokenize::chat_template::ContentFormat::Auto,
     )
     .unwrap();
     let chat_p = chat_body(

@@ -5,8 +5,8 @@
 
 use std::path::{Path, PathBuf};
 
-use cache_aware_router::precise::chat_template::ContentFormat;
-use cache_aware_router::precise::tokens::PromptTokenizer;
+use cache_aware_router::tokenize::PromptTokenizer;
+use cache_aware_router::tokenize::chat_template::ContentFormat;
 
 /// One recorded request; `request` stays raw so its keys keep the client's order
 /// (a JSON object's order reaches the prompt through `tojson`).

@@ -17,9 +17,9 @@ use clap::Parser;
 use serde::Deserialize;
 use serde_yaml_ng::{Mapping, Value};
 
-use crate::precise::chat_template::ContentFormat;
-use crate::precise::tokens::{LoadError, PromptTokenizer};
 use crate::redact;
+use crate::tokenize::chat_template::ContentFormat;
+use crate::tokenize::{LoadError, PromptTokenizer};
 
 mod passthrough;
 mod secret;
@@ -54,6 +54,10 @@ pub enum PolicyKind {
     Random,
     /// Baseline: the usable worker with the fewest in-flight requests (+ penalty).
     LeastLoad,
+    /// Two random usable workers, the less loaded.
+    PowerOfTwo,
+    /// The session (or prompt digest) on a hash ring, with bounded loads.
+    ConsistentHash,
     /// Prefix match on the blocks the engines report holding (vLLM KV-cache events,
     /// `precise:` and per-worker `kv_events:`), falling back to the approximate tree
     /// when a request carries no token ids or no worker's event feed is usable.
@@ -69,6 +73,8 @@ impl PolicyKind {
             PolicyKind::Random => "random",
             PolicyKind::LeastLoad => "least_load",
             PolicyKind::PreciseCacheAware => "precise_cache_aware",
+            PolicyKind::PowerOfTwo => "power_of_two",
+            PolicyKind::ConsistentHash => "consistent_hash",
         }
     }
 }
@@ -86,6 +92,27 @@ pub struct Config {
     pub proxy: ProxyConfig,
     pub log: LogConfig,
     pub precise: PreciseConfig,
+    pub consistent_hash: ConsistentHashConfig,
+}
+
+/// `consistent_hash:` — the ring policy's key and load bound.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ConsistentHashConfig {
+    /// What is hashed (default `auto`: the session when the request has one, else the
+    /// prompt digest).
+    pub key: HashKey,
+    /// A worker takes a key while its load is under `load_factor` × the mean load
+    /// (+1); past it the key goes to the next worker on the ring (default 1.25, > 1).
+    pub load_factor: f64,
+}
+
+/// `consistent_hash.key`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum HashKey {
+    Auto,
+    Session,
+    Digest,
 }
 
 /// `server:` — the client-facing listener.
@@ -111,6 +138,8 @@ pub struct ServerConfig {
 #[derive(Debug, Clone, PartialEq)]
 pub struct WorkerConfig {
     pub url: WorkerUrl,
+    /// Its stable identity (`name`); `None` = the normalised URL (see [`WorkerConfig::key`]).
+    pub name: Option<String>,
     /// Most in-flight requests this worker takes; `None` = unbounded (the default).
     pub max_load: Option<NonZeroUsize>,
     /// Added to the in-flight count when comparing loads (default 0), to make a slower
@@ -278,6 +307,8 @@ pub struct WorkerUrl {
     scheme: String,
     authority: String,
     path_prefix: String,
+    /// `scheme://authority/prefix`, as displayed.
+    full: String,
 }
 
 impl WorkerUrl {
@@ -362,6 +393,7 @@ impl WorkerUrl {
             return Err(format!("invalid path `{path}`"));
         }
         let url = WorkerUrl {
+            full: format!("{scheme}://{authority}{path_prefix}"),
             scheme,
             authority,
             path_prefix: path_prefix.to_string(),
@@ -370,6 +402,11 @@ impl WorkerUrl {
         url.uri_for("/")
             .map_err(|e| format!("not a valid URI: {e}"))?;
         Ok(url)
+    }
+
+    /// The normalised URL, `scheme://authority[/prefix]`.
+    pub fn as_str(&self) -> &str {
+        &self.full
     }
 
     /// `host[:port]`, as sent in the `Host` header (IPv6 in brackets).
@@ -398,11 +435,7 @@ impl WorkerUrl {
 
 impl std::fmt::Display for WorkerUrl {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "{}://{}{}",
-            self.scheme, self.authority, self.path_prefix
-        )
+        f.write_str(&self.full)
     }
 }
 
@@ -606,6 +639,15 @@ struct RawConfig {
     log: RawLog,
     #[serde(default)]
     precise: RawPrecise,
+    #[serde(default)]
+    consistent_hash: RawConsistentHash,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConsistentHash {
+    key: Option<HashKey>,
+    load_factor: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -623,6 +665,7 @@ struct RawServer {
 #[serde(deny_unknown_fields)]
 struct RawWorker {
     url: String,
+    name: Option<String>,
     max_load: Option<u64>,
     load_penalty: Option<u32>,
     cache_aware: Option<bool>,
@@ -765,8 +808,26 @@ impl RawWorker {
                 Some(k)
             }
         };
+        let name = match self.name {
+            None => None,
+            Some(n)
+                if !n.is_empty() && n.len() <= 128 && n.chars().all(|c| c.is_ascii_graphic()) =>
+            {
+                Some(n)
+            }
+            Some(n) => {
+                return Err((
+                    "name",
+                    format!(
+                        "`{}` is not a worker name (1 to 128 visible ASCII characters, no spaces)",
+                        n.escape_debug()
+                    ),
+                ));
+            }
+        };
         Ok(WorkerConfig {
             url,
+            name,
             max_load,
             load_penalty: self.load_penalty.unwrap_or(0),
             cache_aware: self.cache_aware.unwrap_or(true),
@@ -857,6 +918,12 @@ fn zmq_endpoint(raw: &str) -> Result<String, String> {
 }
 
 impl WorkerConfig {
+    /// The worker's identity: `name` when set, else the normalised URL. Routing memory,
+    /// sessions and counters follow the key, never the worker's position in the list.
+    pub fn key(&self) -> &str {
+        self.name.as_deref().unwrap_or(self.url.as_str())
+    }
+
     /// A worker from a JSON object with the keys of one `workers:` entry (admin API):
     /// `{"url": …, "max_load"?: n, "load_penalty"?: n, "cache_aware"?: bool,
     /// "api_key"?: "…"}`. The error names the field and the bad value.
@@ -1181,6 +1248,7 @@ impl Config {
         }
         let mut workers: Vec<WorkerConfig> = Vec::with_capacity(raw_workers.len());
         let mut seen: HashSet<WorkerUrl> = HashSet::with_capacity(raw_workers.len());
+        let mut names: HashSet<String> = HashSet::new();
         for (i, w) in raw_workers.into_iter().enumerate() {
             let worker = w
                 .validate()
@@ -1188,6 +1256,15 @@ impl Config {
             if !seen.insert(worker.url.clone()) {
                 tracing::warn!(url = %worker.url, "duplicate worker URL merged into its first entry");
                 continue;
+            }
+            if let Some(name) = &worker.name
+                && !names.insert(name.clone())
+            {
+                return Err(ck.bad(
+                    &format!("workers[{i}].name"),
+                    name,
+                    "is the name of another worker (a name is a worker's identity: one per worker)",
+                ));
             }
             workers.push(worker);
         }
@@ -1387,7 +1464,7 @@ impl Config {
             .unwrap_or(ContentFormat::Auto);
         let max_bytes = pr
             .max_tokenize_bytes
-            .unwrap_or(crate::precise::tokens::DEFAULT_MAX_BYTES as u64);
+            .unwrap_or(crate::tokenize::DEFAULT_MAX_BYTES as u64);
         if !(1024..=1 << 30).contains(&max_bytes) {
             return Err(ck.bad(
                 "precise.max_tokenize_bytes",
@@ -1487,7 +1564,22 @@ impl Config {
             }
         }
 
+        let ch = raw.consistent_hash;
+        let load_factor = ch.load_factor.unwrap_or(1.25);
+        if !load_factor.is_finite() || !(1.0..=100.0).contains(&load_factor) || load_factor == 1.0 {
+            return Err(ck.bad(
+                "consistent_hash.load_factor",
+                load_factor,
+                "is out of range (> 1 and ≤ 100: a worker may hold this many times the mean load)",
+            ));
+        }
+        let consistent_hash = ConsistentHashConfig {
+            key: ch.key.unwrap_or(HashKey::Auto),
+            load_factor,
+        };
+
         Ok(Config {
+            consistent_hash,
             policy,
             server,
             workers,
@@ -1526,6 +1618,9 @@ impl Config {
         }
         if self.precise != other.precise {
             return Some("precise");
+        }
+        if self.consistent_hash != other.consistent_hash {
+            return Some("consistent_hash");
         }
         None
     }

@@ -213,7 +213,7 @@ impl Consumer {
 
     async fn on_live(&mut self, msg: ZmqMessage) {
         self.check_reset();
-        let now = crate::workers::now();
+        let now = crate::clock::now();
         let frames = msg.into_vec();
         let (seq, batch) = match events::live_frames(&frames) {
             Ok((seq, payload)) => (seq, self.decode(payload)),

@@ -3,16 +3,15 @@
 //! instead of on what this router sent where.
 //!
 //! ```text
-//! tokens     the request's token ids: header, token prompt, or tokenizer
-//! chat_template  messages -> prompt text, as vLLM renders them  (pure)
 //! events     ZeroMQ frames + msgpack -> Batch / Event            (pure)
 //! sequence   Sequencer: order, gaps, restarts, replay steps     (pure)
 //! index      BlockIndex: router key -> workers, LRU-bounded      (pure)
-//! score      matched blocks -> uncached tokens -> Pick           (pure)
 //! feed       Feed: one publisher's state and counters (a worker has one per DP rank)
 //! consumer   one task per feed: SUB (+ DEALER for replay) -> index
-//! mod        Precise (index + decision counters), the request-path hook, and the
+//! mod        Precise (index + decision counters), the request's lookup, and the
 //!            supervisor task that starts and stops consumers with the worker set
+//!
+//! The decision itself is the `precise_cache_aware` policy (`policy::precise`).
 //! ```
 //!
 //! A request is scored precisely when its prompt's token ids are known (the
@@ -39,34 +38,22 @@
 //! insert on the request path or one event in a consumer, never across an `.await`; it
 //! is never held together with the tree's lock.
 
-pub mod chat_template;
 pub mod consumer;
 pub mod events;
 pub mod feed;
 pub mod index;
-pub mod score;
 pub mod sequence;
-pub mod tokens;
 
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use bytes::Bytes;
-use rand::Rng;
-use tokio::task::JoinHandle;
-use tokio::time::MissedTickBehavior;
 
 use crate::config::PreciseConfig;
-use crate::policy::{self, CacheParams, Candidate, Pick};
 use crate::prompt::Endpoint;
-use crate::proxy::Router;
-use crate::shutdown::Shutdown;
-use crate::workers::WorkerSet;
-use feed::Feed;
-use index::{BlockIndex, SourceId};
-use tokens::{PromptTokenizer, Tokens};
+use crate::tokenize::{self as tokens, PromptTokenizer, Tokens};
+use index::BlockIndex;
 
 /// Request header carrying the prompt's token ids: `x-token-ids: 151644,8948,198,…`.
 pub const TOKEN_IDS_HEADER: &str = "x-token-ids";
@@ -127,7 +114,7 @@ pub enum Fallback {
     NoFreshWorker,
     /// The tokenizer cannot reproduce the engine's tokens for this request (media,
     /// a per-request chat template, a template error, a body over
-    /// [`Precise::max_tokenize_body`], …; see [`chat_template::Untokenizable`]).
+    /// [`Precise::max_tokenize_body`], …; see [`crate::tokenize::chat_template::Untokenizable`]).
     Untokenizable,
     /// Every tokenizer slot stayed busy for [`TOKENIZE_WAIT`], or too many requests
     /// were already waiting: the request is not queued behind other prompts.
@@ -373,7 +360,7 @@ impl Precise {
 
     /// `tokens` as router keys of their full blocks, chained under LoRA adapter `lora`
     /// and cache salt `salt` as the engine chains its block hashes.
-    fn keyed(
+    pub(crate) fn keyed(
         &self,
         tokens: &[u32],
         source: TokenSource,
@@ -394,171 +381,20 @@ impl Precise {
         }
     }
 
-    /// The precise pick for one attempt (see [`score`]), or the approximate one when
-    /// precise scoring is neutral. `text` is the routing text for the tree. Records the
-    /// prompt in the tree (unless an eviction pass runs) and, for a precise decision,
-    /// the prompt's blocks as speculatively held by the chosen worker.
-    pub fn pick(
-        &self,
-        set: &WorkerSet,
-        params: &CacheParams,
-        lookup: Option<&Lookup>,
-        text: &[u8],
-        candidates: &[Candidate],
-    ) -> Pick {
-        let now = crate::workers::now();
-        let mut rng = rand::rng();
-        let feeds: Vec<&[Arc<Feed>]> = candidates
+    /// Counts a decision scored precisely, by where its tokens came from.
+    pub fn count_precise(&self, source: TokenSource) {
+        let i = TokenSource::ALL
             .iter()
-            .map(|c| set.get(c.id).map_or(&[][..], |w| w.feeds()))
-            .collect();
-        let result = match lookup {
-            Some(Lookup::Blocks {
-                keys,
-                tokens,
-                source,
-            }) => self
-                .score(candidates, &feeds, keys, *tokens, params, now, &mut rng)
-                .map(|pick| (pick, *source)),
-            Some(Lookup::Fallback(why)) => Err(*why),
-            None => Err(Fallback::NoTokens),
-        };
-        let record = !set.is_evicting();
-        if !record {
-            set.skipped_inserts.fetch_add(1, Ordering::Relaxed);
-        }
+            .position(|s| *s == source)
+            .unwrap_or(0);
         // Relaxed: independent counters, read at scrape time.
-        let pick = match result {
-            Ok((pick, source)) => {
-                let i = TokenSource::ALL
-                    .iter()
-                    .position(|s| *s == source)
-                    .unwrap_or(0);
-                self.precise_decisions[i].fetch_add(1, Ordering::Relaxed);
-                if let Some(id) = pick.worker
-                    && record
-                    && !text.is_empty()
-                    && candidates.iter().any(|c| c.id == id && c.cache_aware)
-                {
-                    set.tree().insert(text, id);
-                }
-                pick
-            }
-            Err(why) => {
-                let i = Fallback::ALL.iter().position(|f| *f == why).unwrap_or(0);
-                self.fallback_decisions[i].fetch_add(1, Ordering::Relaxed);
-                let mut tree = set.tree();
-                policy::pick_cache_aware(params, text, candidates, &mut tree, record, &mut rng)
-            }
-        };
-        // The ranks share the staleness clock: starting it on one starts it for all.
-        if let Some(feed) = pick
-            .worker
-            .and_then(|id| candidates.iter().position(|c| c.id == id))
-            .and_then(|i| feeds[i].first())
-        {
-            feed.note_routed(now);
-        }
-        pick
+        self.precise_decisions[i].fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Scores the candidates on the index; `Err` when no feed is scorable. A
-    /// candidate's matched run is the longest of its live ranks' (module docs).
-    #[allow(clippy::too_many_arguments)]
-    fn score(
-        &self,
-        candidates: &[Candidate],
-        feeds: &[&[Arc<Feed>]],
-        keys: &[u64],
-        tokens: usize,
-        params: &CacheParams,
-        now: std::time::Instant,
-        rng: &mut impl Rng,
-    ) -> Result<Pick, Fallback> {
-        // (candidate, source) for every live rank of every usable cache-aware candidate.
-        let scorable: Vec<(usize, SourceId)> = candidates
-            .iter()
-            .zip(feeds)
-            .enumerate()
-            .filter(|(_, (c, _))| c.usable && c.cache_aware)
-            .flat_map(|(i, (_, ranks))| {
-                ranks
-                    .iter()
-                    .filter(|f| f.state(now, self.config.stale) == feed::FeedState::Live)
-                    .map(move |f| (i, f.source()))
-            })
-            .collect();
-        if scorable.is_empty() {
-            return Err(Fallback::NoFreshWorker);
-        }
-        let sources: Vec<SourceId> = scorable.iter().map(|(_, s)| *s).collect();
-        let mut index = self.index();
-        let matched = index.match_prefix(keys, &sources, now);
-        let mut per_candidate: Vec<Option<usize>> = vec![None; candidates.len()];
-        // The source holding each candidate's longest run (its best rank).
-        let mut best_source: Vec<Option<SourceId>> = vec![None; candidates.len()];
-        for ((i, source), m) in scorable.iter().zip(matched) {
-            let best = per_candidate[*i].get_or_insert(0);
-            if m > *best || best_source[*i].is_none() {
-                best_source[*i] = Some(*source);
-            }
-            *best = (*best).max(m);
-        }
-        let unscored = candidates
-            .iter()
-            .zip(&per_candidate)
-            .any(|(c, m)| c.usable && c.cache_aware && m.is_none());
-        if unscored && per_candidate.iter().all(|m| m.unwrap_or(0) == 0) {
-            return Err(Fallback::UnscoredMiss);
-        }
-        let mut pick = score::pick_precise(
-            params,
-            candidates,
-            &per_candidate,
-            tokens,
-            self.config.block_size,
-            rng,
-        );
-        let chosen = pick
-            .worker
-            .and_then(|id| candidates.iter().position(|c| c.id == id && c.cache_aware));
-        if let Some(i) = chosen {
-            // A worker of several ranks: name the rank (vLLM's `X-data-parallel-rank`)
-            // rather than leave it to the engine's balancer, which is not prefix-aware:
-            // the rank holding the longest run, or for a prompt it does not hold, a
-            // random live one (the engine balances by queue, a random pick evenly), so
-            // that its repeats, steered by the speculative entries, find it there.
-            let ranks = feeds[i];
-            let rank = if ranks.len() < 2 {
-                None
-            } else if per_candidate[i].unwrap_or(0) > 0 {
-                ranks.iter().find(|f| Some(f.source()) == best_source[i])
-            } else {
-                let live: Vec<&Arc<Feed>> = ranks
-                    .iter()
-                    .filter(|f| f.state(now, self.config.stale) == feed::FeedState::Live)
-                    .collect();
-                let from: Vec<&Arc<Feed>> = if live.is_empty() {
-                    ranks.iter().collect()
-                } else {
-                    live
-                };
-                Some(from[rng.random_range(0..from.len())])
-            };
-            pick.dp_rank = rank.map(|f| f.rank());
-            if !self.config.speculative_ttl.is_zero() {
-                let until = now + self.config.speculative_ttl;
-                match rank {
-                    Some(f) => index.speculate(keys, f.source(), until),
-                    None => {
-                        for feed in ranks {
-                            index.speculate(keys, feed.source(), until);
-                        }
-                    }
-                }
-            }
-        }
-        Ok(pick)
+    /// Counts a decision the approximate tree made, by cause.
+    pub fn count_fallback(&self, why: Fallback) {
+        let i = Fallback::ALL.iter().position(|f| *f == why).unwrap_or(0);
+        self.fallback_decisions[i].fetch_add(1, Ordering::Relaxed);
     }
 
     /// Decisions so far: `("precise", token source, n)` and `("fallback", cause, n)`.
@@ -572,58 +408,6 @@ impl Precise {
             out.push(("fallback", f.as_str(), n.load(Ordering::Relaxed)));
         }
         out
-    }
-}
-
-/// How often the supervisor compares the running consumers with the worker set.
-const SUPERVISE_EVERY: Duration = Duration::from_millis(500);
-
-/// Starts a consumer task per feed (each DP rank of each worker with `kv_events`) and
-/// keeps that set in step with the worker set (SIGHUP reload, admin API): a worker that
-/// leaves has every rank's consumer stopped and its blocks dropped. Runs until
-/// `shutdown`. Like the health checker with its probes, it owns the tasks it starts.
-pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
-    let precise = Arc::clone(router.precise());
-    let mut running: HashMap<SourceId, (Arc<Feed>, JoinHandle<()>)> = HashMap::new();
-    let mut tick = tokio::time::interval(SUPERVISE_EVERY);
-    tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = shutdown.wait() => break,
-        }
-        let set = router.worker_set();
-        let current: Vec<Arc<Feed>> = set
-            .workers()
-            .iter()
-            .flat_map(|w| w.feeds().iter().cloned())
-            .collect();
-        let gone: Vec<SourceId> = running
-            .iter()
-            .filter(|(_, (feed, _))| !current.iter().any(|f| Arc::ptr_eq(f, feed)))
-            .map(|(id, _)| *id)
-            .collect();
-        for id in gone {
-            if let Some((feed, task)) = running.remove(&id) {
-                task.abort();
-                let _ = task.await;
-                precise.index().clear_source(id);
-                tracing::info!(endpoint = %feed.endpoint(), rank = feed.rank(), "kv-events: worker left the pool; consumer stopped");
-            }
-        }
-        for feed in current {
-            running.entry(feed.source()).or_insert_with(|| {
-                let task = tokio::spawn(consumer::run(
-                    Arc::clone(&feed),
-                    Arc::clone(&precise),
-                    shutdown.clone(),
-                ));
-                (feed, task)
-            });
-        }
-    }
-    for (_, (_, task)) in running {
-        let _ = task.await;
     }
 }
 
@@ -702,133 +486,20 @@ mod tests {
         assert_eq!((keys.len(), source), (1, TokenSource::PromptIds));
     }
 
-    #[test]
-    fn a_worker_of_several_ranks_scores_its_best_live_rank() {
-        use crate::config::{BreakerConfig, WorkerConfig};
-        use crate::policy::fixtures::{cands, params};
-        use crate::workers::{Worker, WorkerId};
-        use events::{BlockStored, Event};
-        let breaker = BreakerConfig {
-            failure_threshold: 5,
-            timeout: Duration::from_secs(30),
-            success_threshold: 2,
-        };
-        let set = WorkerSet::new(
-            [
-                &br#"{"url":"http://a:1","kv_events":{"endpoint":"tcp://a:5557","dp_size":2}}"#[..],
-                br#"{"url":"http://b:1","kv_events":{"endpoint":"tcp://b:5557"}}"#,
-            ]
-            .iter()
-            .map(|j| Arc::new(Worker::new(WorkerConfig::from_json(j).unwrap(), &breaker)))
-            .collect(),
-        );
-        let (a, b) = (set.workers()[0].feeds(), set.workers()[1].feeds());
-        assert_eq!((a.len(), b.len()), (2, 1));
-        let tokens: Vec<u32> = (1..=14).collect();
-        let stored = |hashes: Vec<u64>| {
-            let n = hashes.len();
-            Event::Stored(BlockStored {
-                block_hashes: hashes,
-                parent_block_hash: None,
-                token_ids: tokens[..n * 4].to_vec(),
-                block_size: 4,
-                lora: None,
-                medium: Some("GPU".into()),
-                extra_keys: vec![],
-                group_idx: None,
-                kind: None,
-            })
-        };
-        let no_spec = PreciseConfig {
-            speculative_ttl: Duration::ZERO,
-            ..config()
-        };
-        for (p, speculate) in [
-            (Precise::new(&no_spec), false),
-            (Precise::new(&config()), true),
-        ] {
-            for f in a.iter().chain(b) {
-                f.set_replaying(false);
-                f.set_connected(true);
-            }
-            // A's rank 1 holds the prompt's 3 blocks, its rank 0 none; B the first one.
-            p.index().apply(a[1].source(), &stored(vec![10, 11, 12]));
-            p.index().apply(b[0].source(), &stored(vec![20]));
-            let lookup = p.keyed(&tokens, TokenSource::Header, None, None);
-            let Lookup::Blocks { keys, .. } = &lookup else {
-                panic!()
-            };
-            let pick = || p.pick(&set, &params(), Some(&lookup), b"", &cands(&[0, 0]));
-            let first = pick();
-            // Sent to A's rank 1 (vLLM's X-data-parallel-rank), where the blocks are.
-            assert_eq!(
-                (first.worker, first.matched, first.dp_rank),
-                (Some(WorkerId(0)), 12, Some(1))
-            );
-            let now = crate::workers::now();
-            let held = p
-                .index()
-                .match_prefix(keys, &[a[0].source(), a[1].source()], now);
-            // Speculation follows the request: rank 1 only.
-            assert_eq!(held, [0, 3]);
-            if speculate {
-                // A prompt nobody holds goes to the least loaded worker, A, on a rank
-                // of the router's choosing, which alone holds it speculatively; the
-                // repeat goes there too.
-                let fresh: Vec<u32> = (200..214).collect();
-                let lookup = p.keyed(&fresh, TokenSource::Header, None, None);
-                let Lookup::Blocks { keys, .. } = &lookup else {
-                    panic!()
-                };
-                let miss = p.pick(&set, &params(), Some(&lookup), b"", &cands(&[0, 5]));
-                let rank = miss.dp_rank.expect("a rank is named");
-                assert_eq!(miss.worker, Some(WorkerId(0)));
-                let held = p
-                    .index()
-                    .match_prefix(keys, &[a[0].source(), a[1].source()], now);
-                let mut want = [0, 0];
-                want[rank as usize] = 3;
-                assert_eq!(held, want);
-                let repeat = p.pick(&set, &params(), Some(&lookup), b"", &cands(&[1, 0]));
-                assert_eq!(
-                    (repeat.worker, repeat.dp_rank),
-                    (Some(WorkerId(0)), Some(rank))
-                );
-                continue;
-            }
-            // Rank 1 replaying: A is scored on rank 0 alone (nothing), B's block wins.
-            a[1].set_replaying(true);
-            assert_eq!((pick().worker, pick().matched), (Some(WorkerId(1)), 4));
-            // Neither rank live: A is neutral; with B replaying too, the tree decides.
-            a[0].set_replaying(true);
-            assert_eq!(pick().worker, Some(WorkerId(1)));
-            // A neutral and B holding nothing of another prompt: not a known miss, as A
-            // may hold it; the tree decides.
-            let other: Vec<u32> = (100..114).collect();
-            let miss = p.keyed(&other, TokenSource::Header, None, None);
-            p.pick(&set, &params(), Some(&miss), b"", &cands(&[0, 0]));
-            assert!(
-                p.decisions()
-                    .contains(&("fallback", Fallback::UnscoredMiss.as_str(), 1))
-            );
-            b[0].set_replaying(true);
-            pick();
-            assert!(
-                p.decisions()
-                    .contains(&("fallback", Fallback::NoFreshWorker.as_str(), 1))
-            );
-        }
-    }
-
     #[tokio::test]
     async fn busy_tokenizer_slots_fall_back_and_dropped_waiters_leave_the_queue() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
-        let loaded = PromptTokenizer::load(&dir, None, chat_template::ContentFormat::Auto).unwrap();
+        let loaded = PromptTokenizer::load(
+            &dir,
+            None,
+            crate::tokenize::chat_template::ContentFormat::Auto,
+        )
+        .unwrap();
         let p = Precise::new(&PreciseConfig {
             tokenizer: Some(crate::config::TokenizerSetting {
                 path: dir,
                 chat_template: None,
-                content_format: chat_template::ContentFormat::Auto,
+                content_format: crate::tokenize::chat_template::ContentFormat::Auto,
                 max_bytes: tokens::DEFAULT_MAX_BYTES,
                 loaded: Arc::new(loaded),
             }),
@@ -879,7 +550,7 @@ mod tests {
         .collect();
         // Engine A stored the prompt's 2 blocks for adapter "sql-lora" with salt "s1"
         // (vLLM's extra_keys: [lora, salt] on block 0, [lora] after).
-        let a = SourceId(1);
+        let a = index::SourceId(1);
         p.index().apply(
             a,
             &Event::Stored(BlockStored {
@@ -897,7 +568,7 @@ mod tests {
                 kind: None,
             }),
         );
-        let now = crate::workers::now();
+        let now = crate::clock::now();
         let matched = |body: &'static str| {
             let p = &p;
             let header = header.clone();

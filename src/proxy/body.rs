@@ -12,9 +12,9 @@ use tokio::time::{Instant, Sleep};
 
 use super::usage::UsageScanner;
 use super::{AccessLog, BoxError};
-use crate::breaker::Outcome;
 use crate::metrics::Metrics;
-use crate::workers::InFlightGuard;
+use crate::pool::InFlightGuard;
+use crate::pool::breaker::Outcome;
 
 /// What is recorded when a response body finishes: duration, engine usage, access log.
 #[derive(Debug)]

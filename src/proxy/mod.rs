@@ -18,65 +18,50 @@ pub mod usage;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
-use http_body_util::combinators::BoxBody;
 use hyper::body::Incoming;
 
 pub use body::GuardedBody;
 
-use crate::admin;
-use crate::breaker::Outcome;
-use crate::config::{Config, PolicyKind, RemoteMediaPolicy, WorkerConfig};
+use crate::config::{Config, RemoteMediaPolicy};
 use crate::error::ProxyError;
 use crate::metrics::Metrics;
-use crate::policy::{self, CacheParams, Candidate, Pick, Reason};
-use crate::precise::{self, Precise};
-use crate::prompt::{self, Endpoint, RouteContext};
+use crate::policy::{
+    self, Candidate, Outcome, Pick, Policy, Prepared, Reason, RequestParts, RouteRequest,
+};
+use crate::pool::breaker::Outcome as BreakerOutcome;
+use crate::pool::{InFlightGuard, Pool, Worker, WorkerSet};
+use crate::prompt::{self, Endpoint};
 use crate::tree::WorkerMask;
-use crate::workers::{InFlightGuard, Worker, WorkerId, WorkerSet};
 
-/// Error type of response bodies.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-/// The body of every response the router sends.
-pub type ProxyBody = BoxBody<Bytes, BoxError>;
+pub use crate::error::{BoxError, ProxyBody};
 
 /// Shared state of the request path. See the module docs.
 pub struct Router {
     config: Config,
-    workers: ArcSwap<WorkerSet>,
+    pool: Arc<Pool>,
+    policy: Arc<dyn Policy>,
     client: upstream::Upstream,
-    params: CacheParams,
     metrics: Arc<Metrics>,
     /// Worker label of answers the router gave itself.
     no_worker: Arc<str>,
-    membership: std::sync::Mutex<()>,
-    /// Precise mode's block index (empty unless `policy: precise_cache_aware`).
-    precise: Arc<Precise>,
 }
 
 impl Router {
     /// Builds the router for a validated config: workers start healthy with nothing in
-    /// flight, and the tree starts empty.
+    /// flight, and the policy's state starts empty.
     pub fn new(config: Config) -> Self {
-        let set = WorkerSet::new(
-            config
-                .workers
-                .iter()
-                .map(|w| Arc::new(Worker::new(w.clone(), &config.circuit_breaker)))
-                .collect(),
-        );
+        let pool = Arc::new(Pool::new(&config.workers, &config.circuit_breaker));
+        let policy = policy::build(&config, &pool);
         Router {
             client: upstream::Upstream::new(&config.proxy),
-            params: CacheParams::from(&config.cache),
-            workers: ArcSwap::from_pointee(set),
+            pool,
+            policy,
             metrics: Arc::new(Metrics::new()),
             no_worker: Arc::from("none"),
-            membership: std::sync::Mutex::new(()),
-            precise: Arc::new(Precise::new(&config.precise)),
             config,
         }
     }
@@ -90,9 +75,14 @@ impl Router {
         &self.config
     }
 
-    /// Precise mode's shared state (index, decision counters).
-    pub fn precise(&self) -> &Arc<Precise> {
-        &self.precise
+    /// The worker pool (membership, health, load).
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    /// The routing policy.
+    pub fn policy(&self) -> &Arc<dyn Policy> {
+        &self.policy
     }
 
     /// The pooled upstream client (shared with health probes).
@@ -102,106 +92,18 @@ impl Router {
 
     /// The current worker set (one atomic load).
     pub fn worker_set(&self) -> Arc<WorkerSet> {
-        self.workers.load_full()
+        self.pool.set()
     }
 
-    /// Swaps in a new worker list (SIGHUP reload): workers whose config is unchanged
-    /// keep their `Arc<Worker>` (health, breaker, in-flight); the tree and the models
-    /// cache start fresh. Requests in flight keep the set they loaded.
-    pub fn replace_workers(&self, workers: &[WorkerConfig]) {
-        let _serial = self.lock_membership();
-        let old = self.workers.load_full();
-        let by_url: std::collections::HashMap<&crate::config::WorkerUrl, &Arc<Worker>> =
-            old.workers().iter().map(|w| (w.url(), w)).collect();
-        let next = workers
-            .iter()
-            .map(|cfg| {
-                by_url
-                    .get(&cfg.url)
-                    .filter(|w| w.config() == cfg)
-                    .map(|w| Arc::clone(w))
-                    .unwrap_or_else(|| {
-                        Arc::new(Worker::new(cfg.clone(), &self.config.circuit_breaker))
-                    })
-            })
-            .collect();
-        self.workers.store(Arc::new(WorkerSet::new(next)));
-    }
-
-    /// Adds one worker (admin API), keeping the tree: existing workers keep their ids.
-    /// Errors when a worker with that URL is already in the pool.
-    pub fn add_worker(&self, cfg: WorkerConfig) -> Result<(), String> {
-        let _serial = self.lock_membership();
-        let old = self.workers.load_full();
-        if old.workers().iter().any(|w| w.url() == &cfg.url) {
-            return Err(format!("worker {} is already in the pool", cfg.url));
-        }
-        let mut next: Vec<Arc<Worker>> = old.workers().to_vec();
-        next.push(Arc::new(Worker::new(cfg, &self.config.circuit_breaker)));
-        let tree = std::mem::take(&mut *old.tree());
-        self.workers
-            .store(Arc::new(WorkerSet::with_tree(next, tree)));
-        Ok(())
-    }
-
-    /// Removes one worker by URL (admin API): it takes no new requests, its in-flight
-    /// requests finish, its tree records go and the others keep theirs. Returns false
-    /// when no worker has that URL.
-    pub fn remove_worker(&self, url: &crate::config::WorkerUrl) -> bool {
-        let _serial = self.lock_membership();
-        let old = self.workers.load_full();
-        let Some(gone) = old.workers().iter().position(|w| w.url() == url) else {
-            return false;
-        };
-        let next: Vec<Arc<Worker>> = old
-            .workers()
-            .iter()
-            .enumerate()
-            .filter(|(i, _)| *i != gone)
-            .map(|(_, w)| Arc::clone(w))
-            .collect();
-        let map: Vec<Option<WorkerId>> = (0..old.workers().len())
-            .map(|i| match i.cmp(&gone) {
-                std::cmp::Ordering::Less => Some(WorkerId(i as u32)),
-                std::cmp::Ordering::Equal => None,
-                std::cmp::Ordering::Greater => Some(WorkerId(i as u32 - 1)),
-            })
-            .collect();
-        let mut tree = std::mem::take(&mut *old.tree());
-        tree.renumber(&map);
-        self.workers
-            .store(Arc::new(WorkerSet::with_tree(next, tree)));
-        true
-    }
-
-    /// Serialises changes of the worker list (reload, admin API) so none is lost; held
-    /// only while a new set is built, never across an `.await`.
-    fn lock_membership(&self) -> std::sync::MutexGuard<'_, ()> {
-        self.membership.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Answers one client request. Never fails: errors become JSON responses.
-    pub async fn handle(self: Arc<Self>, req: Request<Incoming>) -> Response<ProxyBody> {
+    /// Answers a request for a worker (a routed endpoint, `/v1/models`, or a path
+    /// `proxy.passthrough` allows). Never fails: errors become JSON responses.
+    pub async fn serve(&self, req: Request<Incoming>) -> Response<ProxyBody> {
         let method = req.method().clone();
         let path = req.uri().path();
-        if method == Method::GET {
-            match path {
-                "/health" => return admin::health(&self.worker_set()),
-                "/workers" => return admin::workers(&self),
-                "/metrics" => return admin::metrics(&self),
-                _ => {}
-            }
-        }
-        if let Some(resp) = admin::mutation(&self, &req) {
-            return match resp {
-                admin::Mutation::Done(r) => r,
-                admin::Mutation::NeedsBody => admin::mutate_with_body(&self, req).await,
-            };
-        }
         let label = endpoint_label(&method, path);
         let request_id = headers::request_id(req.headers());
         let result = if label == "models" {
-            models::get(&self, req, &request_id).await
+            models::get(self, req, &request_id).await
         } else if label == "other" && !self.config.proxy.passthrough.allows(path) {
             Err(ProxyError::NotPassedThrough {
                 path: shown_path(path),
@@ -259,18 +161,25 @@ impl Router {
                 StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
             ));
         }
-        // Precise mode: the request's token ids, keyed once (before the worker set is
-        // read: tokenizing may wait for the blocking pool).
-        let lookup = if self.config.policy == PolicyKind::PreciseCacheAware {
-            Some(self.precise.lookup(&parts.headers, endpoint, &body).await)
-        } else {
-            None
+        // The policy's own preparation (precise mode: token ids), once, before the
+        // worker set is read: it may wait for the blocking pool.
+        let prepared = match self.policy.prepare(RequestParts {
+            headers: &parts.headers,
+            endpoint,
+            body: &body,
+        }) {
+            Some(work) => work.await,
+            None => Prepared::Nothing,
         };
         let set = self.worker_set();
         let route = Route {
             label,
-            ctx: ctx.as_ref(),
-            lookup,
+            req: RouteRequest {
+                ctx: ctx.as_ref(),
+                prepared,
+                session: None,
+                tie: ctx.as_ref().map(|c| c.digest),
+            },
             arrived,
             started,
         };
@@ -328,15 +237,26 @@ impl Router {
             if let Some(id) = pick.worker {
                 tried.insert(id);
             }
+            let attempt_watch = Attempt {
+                policy: &*self.policy,
+                req: &route.req,
+                pick: &pick,
+                worker: &worker,
+                done: false,
+            };
             let result = self
                 .client
                 .send(&worker, &base, body.clone(), pick.dp_rank)
                 .await;
             guard.record(match &result {
-                Ok(r) if r.status().is_server_error() => Outcome::Failure,
-                Ok(r) if r.status().is_client_error() => Outcome::Neutral,
-                Ok(_) => Outcome::Success,
-                Err(_) => Outcome::Failure,
+                Ok(r) if r.status().is_server_error() => BreakerOutcome::Failure,
+                Ok(r) if r.status().is_client_error() => BreakerOutcome::Neutral,
+                Ok(_) => BreakerOutcome::Success,
+                Err(_) => BreakerOutcome::Failure,
+            });
+            attempt_watch.finish(match &result {
+                Ok(r) if r.status().is_success() => Outcome::Served,
+                _ => Outcome::Failed,
             });
             match result {
                 Ok(resp) => {
@@ -382,59 +302,20 @@ impl Router {
         tried: &WorkerMask,
     ) -> Option<(Pick, InFlightGuard)> {
         let mut excluded = tried.clone();
+        let mut rng = rand::rng();
         loop {
-            let now = crate::workers::now();
+            let now = crate::pool::now();
             let candidates: Vec<Candidate> = set
                 .workers()
                 .iter()
-                .enumerate()
-                .map(|(i, w)| {
-                    let id = WorkerId(i as u32);
-                    Candidate {
-                        id,
-                        load: w.load(),
-                        usable: !excluded.contains(id) && w.is_routable(now),
-                        cache_aware: w.config().cache_aware,
-                    }
+                .map(|w| Candidate {
+                    id: w.id(),
+                    load: w.load(),
+                    usable: !excluded.contains(w.id()) && w.is_routable(now),
+                    cache_aware: w.config().cache_aware,
                 })
                 .collect();
-            let text_len = route.ctx.map_or(0, |c| c.text.len());
-            let pick = match (self.config.policy, route.ctx) {
-                (PolicyKind::CacheAware, Some(ctx)) => {
-                    let record = !set.is_evicting();
-                    if !record {
-                        set.skipped_inserts
-                            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    }
-                    let mut tree = set.tree();
-                    policy::pick_cache_aware(
-                        &self.params,
-                        &ctx.text,
-                        &candidates,
-                        &mut tree,
-                        record,
-                        &mut rand::rng(),
-                    )
-                }
-                // Precise mode (src/precise): engine-reported blocks, tree as fallback.
-                (PolicyKind::PreciseCacheAware, Some(ctx)) => self.precise.pick(
-                    set,
-                    &self.params,
-                    route.lookup.as_ref(),
-                    &ctx.text,
-                    &candidates,
-                ),
-                (PolicyKind::RoundRobin, _) => {
-                    policy::pick_round_robin(&candidates, text_len, set.next_ticket())
-                }
-                (PolicyKind::Random, _) => {
-                    policy::pick_random(&candidates, text_len, &mut rand::rng())
-                }
-                (
-                    PolicyKind::LeastLoad | PolicyKind::CacheAware | PolicyKind::PreciseCacheAware,
-                    _,
-                ) => policy::pick_least_load(&candidates, text_len, &mut rand::rng()),
-            };
+            let pick = self.policy.pick(&route.req, set, &candidates, &mut rng);
             let id = pick.worker?;
             let worker = set.get(id)?;
             // Lost a race for the last slot, or the breaker's last probe slot: re-pick.
@@ -503,13 +384,39 @@ impl Router {
     }
 }
 
+/// One attempt's pick, told to the policy exactly once: how it ended, or
+/// [`Outcome::Cancelled`] when the request is dropped first (the client went away).
+struct Attempt<'a> {
+    policy: &'a dyn Policy,
+    req: &'a RouteRequest<'a>,
+    pick: &'a Pick,
+    worker: &'a Worker,
+    done: bool,
+}
+
+impl Attempt<'_> {
+    fn finish(mut self, outcome: Outcome) {
+        self.done = true;
+        self.policy
+            .observe(self.req, self.pick, self.worker, outcome);
+    }
+}
+
+impl Drop for Attempt<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.policy
+                .observe(self.req, self.pick, self.worker, Outcome::Cancelled);
+        }
+    }
+}
+
 /// What one request routes on.
 struct Route<'a> {
     /// Endpoint label for logs and metrics.
     label: &'static str,
-    ctx: Option<&'a RouteContext<'a>>,
-    /// Precise mode: the prompt's blocks, or why precise scoring is neutral.
-    lookup: Option<precise::Lookup>,
+    /// What the policy decides on.
+    req: RouteRequest<'a>,
     /// When the request arrived (for TTFB and duration).
     arrived: Instant,
     /// When the decision started (for its latency).

@@ -1,7 +1,6 @@
 //! `GET /v1/models`: proxied to a usable worker, the answer cached per worker set.
 
-use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -11,34 +10,11 @@ use hyper::body::Incoming;
 
 use super::{ProxyBody, Route, Router};
 use crate::error::ProxyError;
+use crate::policy::RouteRequest;
+use crate::pool::CachedAnswer as Cached;
 
 /// Largest `/v1/models` answer that is cached, in bytes.
 const MAX_CACHED_BYTES: usize = 4 << 20;
-
-/// The last successful `/v1/models` answer of one worker set. A reload makes a new set
-/// and so drops it.
-#[derive(Debug, Default)]
-pub struct ModelsCache {
-    entry: Mutex<Option<Cached>>,
-}
-
-#[derive(Debug, Clone)]
-struct Cached {
-    at: Instant,
-    content_type: Option<HeaderValue>,
-    body: Bytes,
-}
-
-impl ModelsCache {
-    fn fresh(&self, ttl: Duration) -> Option<Cached> {
-        let entry = self.entry.lock().unwrap_or_else(|e| e.into_inner());
-        entry.as_ref().filter(|c| c.at.elapsed() < ttl).cloned()
-    }
-
-    fn store(&self, c: Cached) {
-        *self.entry.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
-    }
-}
 
 /// Serves `/v1/models` from the cache, or forwards it like any request (least-loaded
 /// usable worker, retries) and caches a 200 answer for `proxy.models_cache_secs`.
@@ -59,8 +35,7 @@ pub(super) async fn get(
     let now = Instant::now();
     let route = Route {
         label: "models",
-        ctx: None,
-        lookup: None,
+        req: RouteRequest::default(),
         arrived: now,
         started: now,
     };

@@ -12,7 +12,7 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 use super::headers;
 use crate::config::{ProxyConfig, Secret};
 use crate::error::ProxyError;
-use crate::workers::Worker;
+use crate::pool::Worker;
 
 /// hyper-util's pooled HTTP/1.1 client, configured from `proxy:`. Cheap to clone.
 #[derive(Clone)]
@@ -131,6 +131,17 @@ fn is_stale_connection(e: &hyper_util::client::legacy::Error) -> bool {
         src = cause.source();
     }
     false
+}
+
+impl crate::pool::health::Prober for Upstream {
+    fn probe(
+        &self,
+        worker: &Worker,
+        path: &str,
+        timeout: std::time::Duration,
+    ) -> impl std::future::Future<Output = Result<http::StatusCode, String>> + Send {
+        Upstream::probe(self, worker, path, timeout)
+    }
 }
 
 impl Upstream {

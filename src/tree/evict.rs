@@ -5,7 +5,7 @@
 //! [`SCAN_STEP`] slots and evicts in batches of [`EVICT_BATCH`] leaves, releasing the
 //! lock between steps, so a request waits at most one step. While a pass runs, requests
 //! still match against the tree but skip their insert (counted in
-//! `WorkerSet::skipped_inserts`), so the pass is not chasing a growing tree.
+//! `SharedTree::skipped_inserts`), so the pass is not chasing a growing tree.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -13,9 +13,9 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::time::MissedTickBehavior;
 
-use crate::proxy::Router;
+use super::SharedTree;
+use crate::config::CacheConfig;
 use crate::shutdown::Shutdown;
-use crate::workers::WorkerSet;
 
 /// Arena slots scanned per lock hold.
 pub const SCAN_STEP: usize = 32 * 1024;
@@ -24,13 +24,13 @@ pub const EVICT_BATCH: usize = 2048;
 
 /// Evicts least-recently-used leaves until the tree holds at most `max_nodes` nodes.
 /// Returns the number of nodes removed.
-pub async fn evict_to(set: &WorkerSet, max_nodes: usize) -> usize {
+pub async fn evict_to(set: &SharedTree, max_nodes: usize) -> usize {
     let mut removed = 0;
     set.set_evicting(true);
     // Each round removes leaves; parents that become leaves are taken in a later round.
     for _ in 0..64 {
         let (count, arena) = {
-            let t = set.tree();
+            let t = set.lock();
             (t.node_count(), t.arena_len())
         };
         if count <= max_nodes {
@@ -39,7 +39,7 @@ pub async fn evict_to(set: &WorkerSet, max_nodes: usize) -> usize {
         let mut leaves = Vec::new();
         let mut start = 0;
         while start < arena {
-            set.tree()
+            set.lock()
                 .collect_leaves(start..start + SCAN_STEP, &mut leaves);
             start += SCAN_STEP;
             tokio::task::yield_now().await;
@@ -51,7 +51,7 @@ pub async fn evict_to(set: &WorkerSet, max_nodes: usize) -> usize {
                 break;
             }
             {
-                let mut t = set.tree();
+                let mut t = set.lock();
                 for &(stamp, node) in batch {
                     if excess == 0 {
                         break;
@@ -78,8 +78,7 @@ fn utc_hour_and_day(t: SystemTime) -> (u8, u64) {
 }
 
 /// Runs eviction every `eviction_interval` and the daily reset, until shutdown.
-pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
-    let cache = router.config().cache.clone();
+pub async fn run(set: Arc<SharedTree>, cache: CacheConfig, mut shutdown: Shutdown) {
     if cache.eviction_interval.is_none() && cache.daily_cleanup_hour_utc.is_none() {
         return;
     }
@@ -97,13 +96,12 @@ pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
             _ = shutdown.wait() => return,
         }
         since_eviction += period;
-        let set = router.worker_set();
         if let Some(hour) = cache.daily_cleanup_hour_utc {
             let (now_hour, day) = utc_hour_and_day(SystemTime::now());
             if now_hour == hour && last_reset_day != Some(day) {
                 last_reset_day = Some(day);
                 // Swap under the lock, free the old nodes after releasing it.
-                let old = std::mem::take(&mut *set.tree());
+                let old = std::mem::take(&mut *set.lock());
                 drop(old);
                 tracing::info!(hour, "daily tree reset");
             }
@@ -116,7 +114,7 @@ pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
             if removed > 0 {
                 tracing::info!(
                     removed,
-                    nodes = set.tree().node_count(),
+                    nodes = set.lock().node_count(),
                     "tree eviction pass"
                 );
             }

@@ -30,9 +30,54 @@ mod mask;
 
 pub use mask::WorkerMask;
 
-/// Index of a worker within one worker set (dense, from 0).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub struct WorkerId(pub u32);
+pub use crate::pool::WorkerId;
+
+/// A tree shared by the request path and its upkeep task: one `std::sync::Mutex`, held
+/// for one match or one insert (a few microseconds), never across an `.await`, plus the
+/// eviction pass's flag and counters (see [`evict`]).
+#[derive(Debug, Default)]
+pub struct SharedTree {
+    tree: std::sync::Mutex<RadixTree>,
+    /// Set while an eviction pass runs: inserts are then skipped (and counted).
+    evicting: std::sync::atomic::AtomicBool,
+    /// Inserts skipped because an eviction pass was running.
+    pub skipped_inserts: std::sync::atomic::AtomicU64,
+    /// Nodes removed by eviction passes.
+    pub evicted_nodes: std::sync::atomic::AtomicU64,
+}
+
+impl SharedTree {
+    /// Locks the tree. A poisoned lock (a panic while holding it) is recovered: the tree
+    /// is a cache and stays structurally valid between operations.
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, RadixTree> {
+        self.tree.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Whether an eviction pass is running (Relaxed: a hint, the lock orders the data).
+    pub fn is_evicting(&self) -> bool {
+        self.evicting.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Marks an eviction pass as running or done.
+    pub fn set_evicting(&self, on: bool) {
+        self.evicting
+            .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Records `text` as held by `worker`, unless an eviction pass runs (then the insert
+    /// is skipped and counted).
+    pub fn record(&self, text: &[u8], worker: WorkerId) {
+        if text.is_empty() {
+            return;
+        }
+        if self.is_evicting() {
+            self.skipped_inserts
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            return;
+        }
+        self.lock().insert(text, worker);
+    }
+}
 
 type NodeIdx = u32;
 const ROOT: NodeIdx = 0;
@@ -280,44 +325,6 @@ impl RadixTree {
         self.unlink(node);
         self.release(node);
         true
-    }
-
-    /// Renumbers workers after the pool changed: `map[old id]` is the worker's new id, or
-    /// `None` when it left (its records are dropped). One pass over the tree.
-    pub fn renumber(&mut self, map: &[Option<WorkerId>]) {
-        let mut stack = self.children_of(ROOT);
-        while let Some(n) = stack.pop() {
-            let mask: WorkerMask = self.nodes[n as usize]
-                .workers
-                .iter()
-                .filter_map(|w| map.get(w.0 as usize).copied().flatten())
-                .collect();
-            if mask.is_empty() {
-                self.unlink(n);
-                self.free_subtree(n);
-                continue;
-            }
-            let node = &mut self.nodes[n as usize];
-            node.workers = mask;
-            stack.extend(node.children.iter().map(|(_, c)| *c));
-        }
-        self.recount_bytes();
-    }
-
-    fn recount_bytes(&mut self) {
-        self.worker_bytes.clear();
-        self.total_bytes = 0;
-        for n in self.nodes.iter().skip(1) {
-            let len = n.edge.len() as u64;
-            self.total_bytes += len;
-            for w in n.workers.iter() {
-                let i = w.0 as usize;
-                if self.worker_bytes.len() <= i {
-                    self.worker_bytes.resize(i + 1, 0);
-                }
-                self.worker_bytes[i] += len;
-            }
-        }
     }
 
     fn hold(&mut self, node: NodeIdx, worker: WorkerId, now: u64) {
@@ -592,28 +599,6 @@ mod tests {
         let (stamp, node) = leaves[1];
         t.insert(b"system prompt / conversation two", B);
         assert!(!t.evict_leaf(node, stamp));
-    }
-
-    #[test]
-    fn renumber_keeps_survivors_and_drops_the_departed() {
-        let mut t = RadixTree::new();
-        t.insert(b"shared then A", A);
-        t.insert(b"shared then B", B);
-        t.insert(b"only C", C);
-        // A leaves; B becomes 0; C becomes 1.
-        let mut map = vec![None; 71];
-        map[1] = Some(WorkerId(0));
-        map[70] = Some(WorkerId(1));
-        t.renumber(&map);
-        let all: WorkerMask = [WorkerId(0), WorkerId(1)].into_iter().collect();
-        let m = t.longest_prefix(b"shared then B", &all);
-        assert_eq!((m.matched, m.workers), (13, only(WorkerId(0))));
-        assert_eq!(t.longest_prefix(b"shared then A", &all).matched, 12);
-        assert_eq!(t.longest_prefix(b"only C", &all).workers, only(WorkerId(1)));
-        assert_eq!(t.worker_bytes(WorkerId(0)), 13);
-        assert_eq!(t.worker_bytes(WorkerId(1)), 6);
-        assert_eq!(t.total_bytes(), 19);
-        assert_eq!(t.node_count(), 3);
     }
 
     #[test]

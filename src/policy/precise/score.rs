@@ -2,7 +2,7 @@
 //! worker. Pure: no I/O, no clock, randomness passed in.
 //!
 //! 1. usable workers as in the approximate pick (none ⇒ [`Reason::NoWorker`]); the
-//!    least-loaded one by `in_flight + load_penalty`, random among ties;
+//!    least-loaded one by `in_flight + load_penalty`, ties broken stably (`tie`);
 //! 2. each usable cache-aware worker with a scorable feed has a matched run of the
 //!    request's full blocks (a worker with several DP ranks: the longest run of its
 //!    live ranks, an optimistic figure; see [`super`]); a worker without one (no feed,
@@ -19,9 +19,10 @@
 //! (the approximate mode's `threshold` and `match_abs_threshold` guess at that from
 //! bytes; here it is known).
 
-use rand::Rng;
+use rand::RngCore;
 
-use crate::policy::{CacheParams, Candidate, MatchUnit, Pick, Reason, is_overloaded, least_loaded};
+use crate::policy::select::{is_overloaded, least_loaded, usable};
+use crate::policy::{CacheParams, Candidate, MatchUnit, Pick, Reason};
 
 /// Picks a worker; `matched_blocks[i]` is candidate i's matched run (`None` =
 /// neutral). `prompt_tokens` counts every token of the request, `block_size` is tokens
@@ -32,7 +33,8 @@ pub fn pick_precise(
     matched_blocks: &[Option<usize>],
     prompt_tokens: usize,
     block_size: usize,
-    rng: &mut impl Rng,
+    tie: Option<u64>,
+    rng: &mut dyn RngCore,
 ) -> Pick {
     let pick = |worker: Option<&Candidate>, reason, matched_tokens| Pick {
         worker: worker.map(|c| c.id),
@@ -41,8 +43,9 @@ pub fn pick_precise(
         text_len: prompt_tokens,
         unit: MatchUnit::Tokens,
         dp_rank: None,
+        cache_aware: worker.is_some_and(|c| c.cache_aware),
     };
-    let Some(least) = least_loaded(candidates.iter().filter(|c| c.usable), rng) else {
+    let Some(least) = least_loaded(usable(candidates), tie, rng) else {
         return pick(None, Reason::NoWorker, 0);
     };
     let matched = |i: usize| matched_blocks.get(i).copied().flatten().unwrap_or(0);
@@ -61,6 +64,7 @@ pub fn pick_precise(
         scored()
             .filter(|(i, _)| matched(*i) == best)
             .map(|(_, c)| c),
+        tie,
         rng,
     );
     match cached {
@@ -75,7 +79,7 @@ pub fn pick_precise(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tree::WorkerId;
+    use crate::pool::WorkerId;
     use rand::SeedableRng;
     use rand::rngs::StdRng;
 
@@ -88,6 +92,7 @@ mod tests {
             matched,
             100,
             16,
+            None,
             &mut StdRng::seed_from_u64(3),
         )
     }
@@ -131,6 +136,7 @@ mod tests {
                 &[Some(2), Some(2)],
                 100,
                 16,
+                None,
                 &mut rng,
             );
             seen[p.worker.unwrap().0 as usize] += 1;
@@ -149,13 +155,22 @@ mod tests {
             &[Some(9), Some(9), Some(1)],
             100,
             16,
+            None,
             &mut StdRng::seed_from_u64(1),
         );
         assert_eq!((p.worker, p.reason), (Some(WorkerId(2)), Reason::CacheHit));
         for x in &mut c {
             x.usable = false;
         }
-        let p = pick_precise(&params(), &c, &[], 100, 16, &mut StdRng::seed_from_u64(1));
+        let p = pick_precise(
+            &params(),
+            &c,
+            &[],
+            100,
+            16,
+            None,
+            &mut StdRng::seed_from_u64(1),
+        );
         assert_eq!((p.worker, p.reason), (None, Reason::NoWorker));
     }
 }

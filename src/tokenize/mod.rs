@@ -1,11 +1,11 @@
 //! A request's prompt tokens, as the engine will prefill them, for precise scoring.
 //!
-//! Three sources, tried in this order by [`super::Precise::lookup`]:
+//! Three sources, tried in this order by [`crate::precise::Precise::lookup`]:
 //! 1. the `x-token-ids` header (a client or gateway that tokenized already);
 //! 2. a `/v1/completions` prompt given as token ids (nothing to tokenize);
 //! 3. in-router tokenization with the model's Hugging Face tokenizer
 //!    (`precise.tokenizer`): chat requests through the chat template
-//!    ([`super::chat_template`]), completions prompts as they are, with vLLM's defaults
+//!    ([`chat_template`]), completions prompts as they are, with vLLM's defaults
 //!    for special tokens (added for completions, not for chat: the template writes them).
 //!
 //! Tokenizing costs about as much CPU as the rest of the decision put together (the BPE
@@ -16,7 +16,9 @@ use std::path::{Path, PathBuf};
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::chat_template::{ChatRequest, ChatTemplate, ContentFormat, Untokenizable};
+pub mod chat_template;
+
+use chat_template::{ChatRequest, ChatTemplate, ContentFormat, Untokenizable};
 
 /// The model's tokenizer and chat template, loaded once from `precise.tokenizer`.
 pub struct PromptTokenizer {

@@ -2,24 +2,32 @@
 //!
 //! `failure_threshold` consecutive failed probes (non-2xx, connect error, timeout) mark
 //! a worker unhealthy; `success_threshold` consecutive good ones bring it back. An
-//! isolated failure changes nothing. A worker that turns unhealthy loses its tree
-//! entries: when it returns, its KV cache is presumed cold. In precise mode it also
-//! loses its blocks in the precise index, and its KV-event feeds (every DP rank's) are
-//! reset ([`Feed::reset`](crate::precise::feed::Feed::reset)): the engine may have
-//! restarted unseen, so each rank's next event batch is a first contact (a replay from
-//! 0 when a replay endpoint exists, rebuilding what the engine reports; spec §7.4
-//! point 5). Probes carry the backend API key like proxied requests do.
+//! isolated failure changes nothing. A worker that turns unhealthy is reported to the
+//! pool's listeners ([`Pool::mark_down`]): its KV cache is presumed cold when it returns,
+//! so the policy drops its routing memory (tree entries; in precise mode its blocks, and
+//! its KV-event feeds start over). Probes carry the backend API key like proxied
+//! requests do (the [`Prober`] is the proxy's upstream client).
 
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokio::task::JoinSet;
 use tokio::time::MissedTickBehavior;
 
+use super::{Pool, ProbeRun, Worker};
 use crate::config::HealthConfig;
-use crate::precise::feed::FeedStats;
-use crate::proxy::Router;
 use crate::shutdown::Shutdown;
-use crate::workers::{ProbeRun, WorkerId};
+
+/// Sends one health probe: `GET path` below the worker's prefix, bounded by `timeout`;
+/// the status, or why there was none.
+pub trait Prober: Clone + Send + Sync + 'static {
+    fn probe(
+        &self,
+        worker: &Worker,
+        path: &str,
+        timeout: Duration,
+    ) -> impl std::future::Future<Output = Result<http::StatusCode, String>> + Send;
+}
 
 /// Folds one probe result into a worker's run of results. Returns the new health when
 /// it changes.
@@ -36,8 +44,7 @@ pub fn observe(run: &mut ProbeRun, healthy: bool, ok: bool, cfg: &HealthConfig) 
 }
 
 /// Probes every worker of the current set each interval until shutdown.
-pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
-    let cfg = router.config().health.clone();
+pub async fn run<P: Prober>(pool: Arc<Pool>, cfg: HealthConfig, prober: P, mut shutdown: Shutdown) {
     let mut tick = tokio::time::interval(cfg.interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
@@ -45,15 +52,15 @@ pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
             _ = tick.tick() => {}
             _ = shutdown.wait() => return,
         }
-        let set = router.worker_set();
+        let set = pool.set();
         let mut probes = JoinSet::new();
-        for (i, worker) in set.workers().iter().enumerate() {
+        for worker in set.workers() {
             let worker = Arc::clone(worker);
-            let upstream = router.upstream().clone();
+            let prober = prober.clone();
             let (path, timeout) = (cfg.endpoint.clone(), cfg.timeout);
             probes.spawn(async move {
-                let result = upstream.probe(&worker, &path, timeout).await;
-                (WorkerId(i as u32), result)
+                let result = prober.probe(&worker, &path, timeout).await;
+                (worker.id(), result)
             });
         }
         while let Some(joined) = probes.join_next().await {
@@ -68,15 +75,7 @@ pub async fn run(router: Arc<Router>, mut shutdown: Shutdown) {
                 }
                 (Some(false), r) => {
                     worker.set_healthy(false);
-                    set.tree().remove_worker(id);
-                    // Every DP rank: they share the engine process.
-                    for feed in worker.feeds() {
-                        // Reset first: a batch applied after the clear below is then
-                        // cleared again by the consumer.
-                        feed.reset();
-                        router.precise().index().clear_source(feed.source());
-                        FeedStats::inc(&feed.stats.clears_unhealthy);
-                    }
+                    pool.mark_down(worker);
                     let why = match r {
                         Ok(s) => format!("status {s}"),
                         Err(e) => e.clone(),

@@ -4,7 +4,7 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
 use super::Worker;
-use crate::breaker::{Admission, Outcome};
+use super::breaker::{Admission, Outcome};
 
 /// Counts one request in flight on a worker for as long as it lives, and carries its
 /// circuit-breaker admission until an outcome is recorded.
@@ -24,7 +24,7 @@ impl InFlightGuard {
     /// Takes a slot on `worker` if it is under its `max_load` (atomically, so two
     /// racing requests cannot both take the last slot); `None` when full.
     pub fn try_acquire(worker: &Arc<Worker>) -> Option<Self> {
-        let max = worker.config.max_load.map_or(usize::MAX, |m| m.get());
+        let max = worker.config().max_load.map_or(usize::MAX, |m| m.get());
         // Relaxed: the counter publishes no other memory; only its own value matters.
         worker
             .in_flight
@@ -71,10 +71,7 @@ impl Drop for InFlightGuard {
     }
 }
 
-/// The time breakers see: tokio's clock, so tests with paused time drive them.
-pub(crate) fn now() -> std::time::Instant {
-    tokio::time::Instant::now().into_std()
-}
+pub(crate) use crate::clock::now;
 
 #[cfg(test)]
 mod tests {
@@ -84,6 +81,7 @@ mod tests {
 
     fn worker(max_load: Option<usize>) -> Arc<Worker> {
         Arc::new(Worker::new(
+            crate::pool::WorkerId(0),
             WorkerConfig {
                 url: WorkerUrl::parse("http://127.0.0.1:1").unwrap(),
                 max_load: max_load.and_then(NonZeroUsize::new),
@@ -91,6 +89,7 @@ mod tests {
                 cache_aware: true,
                 api_key: None,
                 kv_events: None,
+                name: None,
             },
             &crate::config::BreakerConfig {
                 failure_threshold: 1,
@@ -124,7 +123,10 @@ mod tests {
         drop(g);
         assert!(!w.is_routable(now()));
         let later = now() + std::time::Duration::from_secs(61);
-        assert_eq!(w.breaker_state(later), crate::breaker::State::HalfOpen);
+        assert_eq!(
+            w.breaker_state(later),
+            crate::pool::breaker::State::HalfOpen
+        );
         assert_eq!(w.admit(later), Some(Admission::Probe));
         // The probe's client cancels: the guard records neutral on drop.
         let g = InFlightGuard {

@@ -1,0 +1,33 @@
+//! `least_load`: the usable worker with the fewest requests in flight (+ its
+//! `load_penalty`), ties broken stably (a baseline).
+
+use rand::RngCore;
+
+use super::select::{least_loaded, usable};
+use super::{Candidate, Pick, Policy, RouteRequest};
+use crate::pool::{PoolListener, Worker, WorkerSet};
+
+/// See the module docs.
+pub struct LeastLoad;
+
+impl PoolListener for LeastLoad {
+    fn worker_left(&self, _: &Worker) {}
+    fn worker_down(&self, _: &Worker) {}
+}
+
+impl Policy for LeastLoad {
+    fn name(&self) -> &'static str {
+        "least_load"
+    }
+
+    fn pick(
+        &self,
+        req: &RouteRequest<'_>,
+        _: &WorkerSet,
+        candidates: &[Candidate],
+        rng: &mut dyn RngCore,
+    ) -> Pick {
+        let w = least_loaded(usable(candidates), req.tie, rng).map(|c| c.id);
+        Pick::load_only(w, req.text().len())
+    }
+}

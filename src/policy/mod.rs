@@ -1,0 +1,304 @@
+//! Routing policies: which worker gets a request, behind one seam.
+//!
+//! Every policy implements [`Policy`]: `pick` chooses among the usable candidates from
+//! the request's routing context (pure: no I/O, no await, no lock held past return), and
+//! `observe` hears how the attempt it picked ended. `observe` is the only place routing
+//! memory is written (a tree insert, a session binding), and only for
+//! [`Outcome::Served`] (the first response byte with a 2xx status): a failed or
+//! cancelled attempt leaves nothing behind, and a retry that succeeds elsewhere is
+//! recorded there only. Each policy owns its state, keyed by [`WorkerId`] (stable for a
+//! worker's key, see [`crate::pool`]), and hears membership events as a
+//! [`PoolListener`] so a worker that leaves or goes down is forgotten.
+//!
+//! Eligibility is decided once, by the proxy, for every policy alike
+//! ([`Candidate::usable`]: healthy, breaker admitting, under `max_load`, not yet tried
+//! for this request); selection is the policy's. [`build`] is the one place that names a
+//! policy kind.
+//!
+//! ```text
+//! select          shared rules: least loaded with stable ties, the overload guard
+//! round_robin     usable workers in turn
+//! random          a uniformly random usable worker
+//! least_load      fewest in flight (+ load_penalty)
+//! power_of_two    two random usable workers, the less loaded
+//! consistent_hash the session (or prompt digest) on a hash ring, with bounded loads
+//! cache_aware     longest prefix in the radix tree (owns the tree), load-guarded
+//! precise         vLLM KV events (owns nothing but its view of precise::Precise),
+//!                 cache_aware as its fallback
+//! ```
+
+mod cache_aware;
+mod consistent_hash;
+mod least_load;
+mod power_of_two;
+pub mod precise;
+mod random;
+mod round_robin;
+pub mod select;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use rand::RngCore;
+
+pub use cache_aware::{CacheAware, pick_cache_aware};
+pub use select::{CacheParams, MIN_HIT_BYTES};
+
+use crate::config::{Config, PolicyKind};
+use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
+use crate::prompt::{Endpoint, RouteContext};
+use crate::shutdown::Shutdown;
+use crate::tree::SharedTree;
+
+/// A boxed future, for the few async hooks of the seam.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Why a worker was chosen.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Reason {
+    /// Followed prefix affinity.
+    CacheHit,
+    /// A hit sent to the least-loaded worker instead (a degradation).
+    HitOverloaded,
+    /// No sufficient prefix match (or a load-only policy): least-loaded.
+    Miss,
+    /// Nothing to match on: least-loaded.
+    EmptyText,
+    /// No usable worker.
+    NoWorker,
+}
+
+impl Reason {
+    /// Label used in logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::CacheHit => "cache_hit",
+            Reason::HitOverloaded => "hit_overloaded",
+            Reason::Miss => "miss",
+            Reason::EmptyText => "empty_text",
+            Reason::NoWorker => "no_worker",
+        }
+    }
+}
+
+/// A worker as the policy sees it at decision time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Candidate {
+    pub id: WorkerId,
+    /// `in_flight + load_penalty`.
+    pub load: usize,
+    /// Decided by the proxy for every policy alike: healthy, breaker admitting, under
+    /// `max_load`, not already tried for this request.
+    pub usable: bool,
+    /// Whether prefix affinity applies to this worker.
+    pub cache_aware: bool,
+}
+
+/// A decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Pick {
+    /// The chosen worker; `None` only with [`Reason::NoWorker`].
+    pub worker: Option<WorkerId>,
+    pub reason: Reason,
+    /// Prefix matched on the chosen side: bytes of routing text in the tree (0 for
+    /// load-only policies), or prompt tokens in precise mode (see `unit`).
+    pub matched: usize,
+    /// Length of what was matched against, in the same unit.
+    pub text_len: usize,
+    /// What `matched` and `text_len` count.
+    pub unit: MatchUnit,
+    /// The engine's data-parallel rank to send the request to (vLLM's
+    /// `X-data-parallel-rank` header), when precise mode knows the rank holding the
+    /// prefix; `None` lets the engine balance its ranks.
+    pub dp_rank: Option<u32>,
+    /// Whether the chosen worker takes prefix affinity (`cache_aware: true`): only then
+    /// is its served prompt recorded.
+    pub cache_aware: bool,
+}
+
+/// The unit of [`Pick::matched`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MatchUnit {
+    /// Bytes of routing text (the approximate tree).
+    Bytes,
+    /// Prompt tokens in whole KV blocks (precise mode).
+    Tokens,
+}
+
+impl Pick {
+    /// matched / text length, 0 when the text is empty.
+    pub fn matched_ratio(&self) -> f64 {
+        if self.text_len == 0 {
+            0.0
+        } else {
+            self.matched as f64 / self.text_len as f64
+        }
+    }
+
+    /// Prefix tokens the chosen worker is expected to reuse: exact in precise mode,
+    /// matched bytes / 4 (about 4 bytes of English per token) for the tree.
+    pub fn saved_tokens(&self) -> u64 {
+        match self.unit {
+            MatchUnit::Bytes => self.matched as u64 / 4,
+            MatchUnit::Tokens => self.matched as u64,
+        }
+    }
+
+    /// A load-only decision: `worker` (or none), nothing matched.
+    pub fn load_only(worker: Option<WorkerId>, text_len: usize) -> Pick {
+        Pick {
+            worker,
+            reason: if worker.is_some() {
+                Reason::Miss
+            } else {
+                Reason::NoWorker
+            },
+            matched: 0,
+            text_len,
+            unit: MatchUnit::Bytes,
+            dp_rank: None,
+            cache_aware: false,
+        }
+    }
+}
+
+/// How an attempt a policy picked ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// The worker answered with a 2xx status (its first response byte arrived).
+    Served,
+    /// It failed: connection error, time-out, or a non-2xx status.
+    Failed,
+    /// The client went away before the worker answered.
+    Cancelled,
+}
+
+/// What a request brings to a policy, worked out once before its first attempt.
+#[derive(Debug, Default)]
+pub struct RouteRequest<'a> {
+    /// The routed endpoint's context (prompt text, digest); `None` for other paths.
+    pub ctx: Option<&'a RouteContext<'a>>,
+    /// What the policy's [`Policy::prepare`] worked out, if anything.
+    pub prepared: Prepared,
+    /// xxh3-64 of the request's session key, when it carries one (`session:`).
+    pub session: Option<u64>,
+    /// Breaks load ties stably: the session hash, else the prompt digest; `None` = at
+    /// random (see [`select::least_loaded`]).
+    pub tie: Option<u64>,
+}
+
+impl RouteRequest<'_> {
+    /// The routing text (bytes), empty when there is none.
+    pub fn text(&self) -> &[u8] {
+        self.ctx.map_or(&[][..], |c| &c.text)
+    }
+}
+
+/// A policy's per-request preparation, done before the decision (it may wait).
+#[derive(Debug, Default)]
+pub enum Prepared {
+    #[default]
+    Nothing,
+    /// Precise mode: the prompt's KV blocks, or why precise scoring is neutral.
+    Blocks(crate::precise::Lookup),
+}
+
+/// What [`Policy::prepare`] reads: the request as it arrived.
+pub struct RequestParts<'a> {
+    pub headers: &'a http::HeaderMap,
+    pub endpoint: Option<Endpoint>,
+    pub body: &'a bytes::Bytes,
+}
+
+/// A routing policy. See the module docs.
+pub trait Policy: PoolListener {
+    /// The policy's name (config, logs, `/workers`).
+    fn name(&self) -> &'static str;
+
+    /// Per-request work that may wait (precise mode tokenizes on the blocking pool);
+    /// `None` (the default) when the policy needs none, at no cost.
+    fn prepare<'a>(&'a self, _req: RequestParts<'a>) -> Option<BoxFuture<'a, Prepared>> {
+        None
+    }
+
+    /// Chooses among `candidates` (the set's workers, usability decided). Pure: no I/O,
+    /// no await, no lock held past return.
+    fn pick(
+        &self,
+        req: &RouteRequest<'_>,
+        set: &WorkerSet,
+        candidates: &[Candidate],
+        rng: &mut dyn RngCore,
+    ) -> Pick;
+
+    /// How the attempt `pick` chose ended, on `worker` (the one `pick.worker` names):
+    /// the only place routing memory is written.
+    fn observe(&self, _req: &RouteRequest<'_>, _pick: &Pick, _worker: &Worker, _outcome: Outcome) {}
+
+    /// The approximate prefix tree, when the policy keeps one (`/workers`, `/metrics`,
+    /// `POST /cache/clear`).
+    fn tree(&self) -> Option<&Arc<SharedTree>> {
+        None
+    }
+
+    /// Precise mode's index and feeds, when the policy follows KV events.
+    fn precise(&self) -> Option<&Arc<crate::precise::Precise>> {
+        None
+    }
+
+    /// The policy's own background work (tree eviction, KV-event consumers), spawned by
+    /// `app` once; `None` when it has none.
+    fn background(&self, _pool: Arc<Pool>, _shutdown: Shutdown) -> Option<BoxFuture<'static, ()>> {
+        None
+    }
+}
+
+/// The policy `config.policy` names, with its state, registered with `pool` for
+/// membership events. The one place that matches on [`PolicyKind`].
+pub fn build(config: &Config, pool: &Pool) -> Arc<dyn Policy> {
+    let policy: Arc<dyn Policy> = match config.policy {
+        PolicyKind::CacheAware => Arc::new(CacheAware::new(&config.cache)),
+        PolicyKind::PreciseCacheAware => Arc::new(precise::PreciseCacheAware::new(config)),
+        PolicyKind::RoundRobin => Arc::new(round_robin::RoundRobin),
+        PolicyKind::Random => Arc::new(random::Random),
+        PolicyKind::LeastLoad => Arc::new(least_load::LeastLoad),
+        PolicyKind::PowerOfTwo => Arc::new(power_of_two::PowerOfTwo),
+        PolicyKind::ConsistentHash => Arc::new(consistent_hash::ConsistentHash::new(
+            &config.consistent_hash,
+        )),
+    };
+    pool.listen(Arc::clone(&policy) as Arc<dyn PoolListener>);
+    policy
+}
+
+/// Shared test inputs for the pick functions.
+#[cfg(test)]
+pub(crate) mod fixtures {
+    use super::{CacheParams, Candidate};
+    use crate::pool::WorkerId;
+
+    /// The design.md defaults.
+    pub(crate) fn params() -> CacheParams {
+        CacheParams {
+            threshold: 0.3,
+            match_abs_threshold: 8192,
+            balance_abs_threshold: 2,
+            balance_rel_threshold: 1.5,
+        }
+    }
+
+    /// Usable cache-aware workers with these loads, ids in order.
+    pub(crate) fn cands(loads: &[usize]) -> Vec<Candidate> {
+        loads
+            .iter()
+            .enumerate()
+            .map(|(i, &load)| Candidate {
+                id: WorkerId(i as u32),
+                load,
+                usable: true,
+                cache_aware: true,
+            })
+            .collect()
+    }
+}

@@ -1,0 +1,141 @@
+//! Selection rules every policy shares: the least-loaded worker with stable ties, and
+//! the overload guard that keeps affinity from piling onto one worker.
+
+use rand::{Rng, RngCore};
+
+use super::Candidate;
+use crate::config::CacheConfig;
+
+/// Shortest match that counts as a hit, in bytes (unless it is the whole prompt): about
+/// one KV block (vLLM's default block is 16 tokens, ~4 bytes of English each). An engine
+/// reuses only whole blocks, so a shorter partial match saves nothing; without this floor
+/// every short prompt would "hit" on its role header (`user: `) alone.
+pub const MIN_HIT_BYTES: usize = 64;
+
+/// The thresholds of the cache/load trade-off (from `cache:`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CacheParams {
+    pub threshold: f64,
+    pub match_abs_threshold: usize,
+    pub balance_abs_threshold: usize,
+    pub balance_rel_threshold: f64,
+}
+
+impl From<&CacheConfig> for CacheParams {
+    fn from(c: &CacheConfig) -> Self {
+        CacheParams {
+            threshold: c.threshold,
+            match_abs_threshold: c.match_abs_threshold,
+            balance_abs_threshold: c.balance_abs_threshold,
+            balance_rel_threshold: c.balance_rel_threshold,
+        }
+    }
+}
+
+/// Whether `cached` load is too far above the `least` load to follow affinity: more
+/// than `balance_abs_threshold` above AND more than `balance_rel_threshold` times (the
+/// rule of SGLang's cache-aware policy).
+pub fn is_overloaded(p: &CacheParams, cached: usize, least: usize) -> bool {
+    cached > least + p.balance_abs_threshold
+        && cached as f64 > least as f64 * p.balance_rel_threshold
+}
+
+/// Least-loaded of `candidates`. Ties go by `tie` when given (the session key or the
+/// prompt digest, hashed with each tied worker's id: the same key picks the same worker
+/// among the same ties, so one client's paced requests do not bounce), uniformly at
+/// random otherwise (never by list order, which would pile ties onto the first worker).
+pub fn least_loaded<'a>(
+    candidates: impl Iterator<Item = &'a Candidate>,
+    tie: Option<u64>,
+    rng: &mut dyn RngCore,
+) -> Option<&'a Candidate> {
+    let mut best: Option<&Candidate> = None;
+    let mut best_rank = 0u64;
+    let mut ties = 0u32;
+    for c in candidates {
+        let rank = tie.map_or(0, |k| tie_rank(k, c));
+        match best {
+            Some(b) if c.load > b.load => {}
+            Some(b) if c.load == b.load => match tie {
+                Some(_) if rank > best_rank => {
+                    best = Some(c);
+                    best_rank = rank;
+                }
+                Some(_) => {}
+                None => {
+                    // Reservoir sampling: each of the k ties ends up chosen with p = 1/k.
+                    ties += 1;
+                    if rng.random_range(0..ties) == 0 {
+                        best = Some(c);
+                    }
+                }
+            },
+            _ => {
+                best = Some(c);
+                best_rank = rank;
+                ties = 1;
+            }
+        }
+    }
+    best
+}
+
+/// Rendezvous weight of `c` for `key` (highest wins).
+fn tie_rank(key: u64, c: &Candidate) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(&c.id.0.to_le_bytes(), key)
+}
+
+/// The usable candidates.
+pub fn usable(candidates: &[Candidate]) -> impl Iterator<Item = &Candidate> {
+    candidates.iter().filter(|c| c.usable)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policy::fixtures::cands;
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    #[test]
+    fn ties_without_a_key_are_spread_at_random() {
+        let c = cands(&[0, 0, 0, 0]);
+        let mut r = StdRng::seed_from_u64(7);
+        let mut seen = [0usize; 4];
+        for _ in 0..4000 {
+            seen[least_loaded(c.iter(), None, &mut r).unwrap().id.0 as usize] += 1;
+        }
+        assert!(seen.iter().all(|n| (800..1200).contains(n)), "{seen:?}");
+    }
+
+    #[test]
+    fn ties_with_a_key_are_stable_and_keys_spread() {
+        let c = cands(&[0, 0, 0, 0]);
+        let mut r = StdRng::seed_from_u64(7);
+        for key in 0..50u64 {
+            let first = least_loaded(c.iter(), Some(key), &mut r).unwrap().id;
+            for _ in 0..5 {
+                assert_eq!(least_loaded(c.iter(), Some(key), &mut r).unwrap().id, first);
+            }
+        }
+        let mut seen = [0usize; 4];
+        for key in 0..4000u64 {
+            seen[least_loaded(c.iter(), Some(key), &mut r).unwrap().id.0 as usize] += 1;
+        }
+        assert!(seen.iter().all(|n| (800..1200).contains(n)), "{seen:?}");
+        // Load still comes first.
+        let c = cands(&[1, 0, 1, 1]);
+        for key in 0..50u64 {
+            assert_eq!(least_loaded(c.iter(), Some(key), &mut r).unwrap().id.0, 1);
+        }
+    }
+
+    #[test]
+    fn overload_needs_both_margins() {
+        let p = crate::policy::fixtures::params(); // abs 2, rel 1.5
+        assert!(is_overloaded(&p, 3, 0));
+        assert!(!is_overloaded(&p, 2, 0));
+        assert!(!is_overloaded(&p, 14, 10));
+        assert!(is_overloaded(&p, 16, 10));
+    }
+}

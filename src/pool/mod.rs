@@ -1,0 +1,216 @@
+//! The worker pool: who the workers are (membership, identity), whether they can take a
+//! request (health, breaker, in-flight load), and one path for every membership change.
+//!
+//! Terms: a **worker** is one upstream replica. Its **key** is its `name`, or its
+//! normalised URL when it has none; its [`WorkerId`] is a small dense handle the pool
+//! gives that key while it is in the pool, so policies can keep per-worker state in bit
+//! sets and arrays. A worker keeps its id across reloads, reorders and the removal of
+//! other workers; only its own removal frees the id, and only after every
+//! [`PoolListener`] has forgotten it, so a later worker given the same id inherits no
+//! stale routing memory.
+//!
+//! Depends on config only; the proxy, policies, health checks, reload, the admin API and
+//! the KV-event supervisor depend on it, never the other way round.
+
+pub mod breaker;
+pub mod health;
+mod load;
+mod set;
+mod worker;
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+
+use arc_swap::ArcSwap;
+
+pub use load::InFlightGuard;
+pub(crate) use load::now;
+pub use set::{CachedAnswer, ModelsCache, WorkerSet};
+pub use worker::{ProbeRun, Worker};
+
+use crate::config::{BreakerConfig, WorkerConfig};
+
+/// A worker's handle while its key is in the pool (dense, from 0; see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct WorkerId(pub u32);
+
+/// Told about membership events, synchronously, while the change is being made (under
+/// the membership lock): keep it short and never block.
+pub trait PoolListener: Send + Sync {
+    /// `worker` left the pool; its id may be given to another worker afterwards.
+    fn worker_left(&self, worker: &Worker);
+    /// `worker` was marked unhealthy: its engine's KV cache is presumed lost (it may
+    /// restart before it returns).
+    fn worker_down(&self, worker: &Worker);
+}
+
+/// The pool: the current [`WorkerSet`] and the one path that changes it.
+pub struct Pool {
+    set: ArcSwap<WorkerSet>,
+    ids: Mutex<Ids>,
+    breaker: BreakerConfig,
+    listeners: RwLock<Vec<Arc<dyn PoolListener>>>,
+}
+
+/// Key -> id, with freed ids reused lowest first (so bit sets stay small).
+#[derive(Default)]
+struct Ids {
+    by_key: HashMap<String, WorkerId>,
+    free: Vec<u32>,
+    next: u32,
+}
+
+impl Ids {
+    fn get_or_assign(&mut self, key: &str) -> WorkerId {
+        if let Some(id) = self.by_key.get(key) {
+            return *id;
+        }
+        let id = match self.free.pop() {
+            Some(i) => WorkerId(i),
+            None => {
+                self.next += 1;
+                WorkerId(self.next - 1)
+            }
+        };
+        self.by_key.insert(key.to_string(), id);
+        id
+    }
+
+    fn release(&mut self, key: &str) {
+        if let Some(id) = self.by_key.remove(key) {
+            self.free.push(id.0);
+            // Lowest first: `pop` takes from the end.
+            self.free.sort_unstable_by(|a, b| b.cmp(a));
+        }
+    }
+}
+
+impl Pool {
+    /// A pool of `workers` (validated config: keys distinct), all healthy, nothing in
+    /// flight.
+    pub fn new(workers: &[WorkerConfig], breaker: &BreakerConfig) -> Self {
+        let mut ids = Ids::default();
+        let set = workers
+            .iter()
+            .map(|cfg| {
+                let id = ids.get_or_assign(cfg.key());
+                Arc::new(Worker::new(id, cfg.clone(), breaker))
+            })
+            .collect();
+        Pool {
+            set: ArcSwap::from_pointee(WorkerSet::new(set)),
+            ids: Mutex::new(ids),
+            breaker: breaker.clone(),
+            listeners: RwLock::new(Vec::new()),
+        }
+    }
+
+    /// The current set (one atomic load).
+    pub fn set(&self) -> Arc<WorkerSet> {
+        self.set.load_full()
+    }
+
+    /// Registers `listener` for membership events (at start-up).
+    pub fn listen(&self, listener: Arc<dyn PoolListener>) {
+        self.listeners
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .push(listener);
+    }
+
+    /// Replaces the worker list (SIGHUP reload). A worker whose key stays keeps its id;
+    /// if its config is unchanged it keeps its whole state (health, breaker, in-flight),
+    /// otherwise it starts afresh under the same id. Workers whose key is gone leave.
+    /// Requests in flight keep the set they loaded.
+    pub fn replace(&self, workers: &[WorkerConfig]) {
+        let mut ids = self.lock_ids();
+        let old = self.set.load_full();
+        let by_key: HashMap<&str, &Arc<Worker>> =
+            old.workers().iter().map(|w| (w.key(), w)).collect();
+        let next: Vec<Arc<Worker>> = workers
+            .iter()
+            .map(|cfg| match by_key.get(cfg.key()) {
+                Some(w) if w.config() == cfg => Arc::clone(w),
+                _ => {
+                    let id = ids.get_or_assign(cfg.key());
+                    Arc::new(Worker::new(id, cfg.clone(), &self.breaker))
+                }
+            })
+            .collect();
+        let kept: std::collections::HashSet<&str> = workers.iter().map(|c| c.key()).collect();
+        let gone: Vec<Arc<Worker>> = old
+            .workers()
+            .iter()
+            .filter(|w| !kept.contains(w.key()))
+            .cloned()
+            .collect();
+        self.set.store(Arc::new(WorkerSet::new(next)));
+        self.leave(&mut ids, &gone);
+    }
+
+    /// Adds one worker (admin API). Errors when a worker with that key is in the pool.
+    pub fn add(&self, cfg: WorkerConfig) -> Result<(), String> {
+        let mut ids = self.lock_ids();
+        let old = self.set.load_full();
+        if old.by_key(cfg.key()).is_some() || old.workers().iter().any(|w| w.url() == &cfg.url) {
+            return Err(format!("worker {} is already in the pool", cfg.key()));
+        }
+        let id = ids.get_or_assign(cfg.key());
+        let mut next: Vec<Arc<Worker>> = old.workers().to_vec();
+        next.push(Arc::new(Worker::new(id, cfg, &self.breaker)));
+        self.set.store(Arc::new(WorkerSet::new(next)));
+        Ok(())
+    }
+
+    /// Removes the worker whose key or URL is `key` (admin API): it takes no new
+    /// requests, its in-flight requests finish. Returns false when there is none.
+    pub fn remove(&self, key: &str) -> bool {
+        let mut ids = self.lock_ids();
+        let old = self.set.load_full();
+        let Some(gone) = old
+            .workers()
+            .iter()
+            .find(|w| w.key() == key || w.url().to_string() == key)
+            .cloned()
+        else {
+            return false;
+        };
+        let next = old
+            .workers()
+            .iter()
+            .filter(|w| w.id() != gone.id())
+            .cloned()
+            .collect();
+        self.set.store(Arc::new(WorkerSet::new(next)));
+        self.leave(&mut ids, &[gone]);
+        true
+    }
+
+    /// Tells the listeners that `worker` turned unhealthy (health checks call this after
+    /// flipping its health).
+    pub fn mark_down(&self, worker: &Worker) {
+        for l in self.listeners().iter() {
+            l.worker_down(worker);
+        }
+    }
+
+    fn leave(&self, ids: &mut Ids, gone: &[Arc<Worker>]) {
+        let listeners = self.listeners();
+        for w in gone {
+            for l in listeners.iter() {
+                l.worker_left(w);
+            }
+            ids.release(w.key());
+        }
+    }
+
+    fn listeners(&self) -> std::sync::RwLockReadGuard<'_, Vec<Arc<dyn PoolListener>>> {
+        self.listeners.read().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Serialises membership changes so none is lost; held only while a new set is
+    /// built, never across an `.await`.
+    fn lock_ids(&self) -> MutexGuard<'_, Ids> {
+        self.ids.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}

@@ -1,0 +1,116 @@
+//! [`WorkerSet`]: one immutable version of the pool.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::HeaderValue;
+
+use super::{Worker, WorkerId};
+
+/// One version of the pool: its workers in config order, found by [`WorkerId`] in O(1).
+/// Requests load the current set once (arc-swap) and keep it for all their attempts, so
+/// a membership change never alters the pool under a request in flight.
+#[derive(Debug)]
+pub struct WorkerSet {
+    workers: Vec<Arc<Worker>>,
+    /// `WorkerId.0` -> index into `workers` (`NONE` when the id is not in this set).
+    slots: Vec<u32>,
+    round_robin: AtomicUsize,
+    /// Distinct per set built in this process (policies cache what they derive from a set).
+    generation: u64,
+    /// The cached `/v1/models` answer of this set (a membership change makes a new set,
+    /// and so drops it: another pool may serve other models).
+    pub models: ModelsCache,
+}
+
+const NONE: u32 = u32::MAX;
+
+static NEXT_GENERATION: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+
+impl WorkerSet {
+    /// A set over `workers`, in order; their ids must be distinct.
+    pub fn new(workers: Vec<Arc<Worker>>) -> Self {
+        let top = workers
+            .iter()
+            .map(|w| w.id().0 as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let mut slots = vec![NONE; top];
+        for (i, w) in workers.iter().enumerate() {
+            slots[w.id().0 as usize] = i as u32;
+        }
+        WorkerSet {
+            workers,
+            slots,
+            round_robin: AtomicUsize::new(0),
+            generation: NEXT_GENERATION.fetch_add(1, Ordering::Relaxed),
+            models: ModelsCache::default(),
+        }
+    }
+
+    /// This set's generation: distinct for every set built in this process.
+    pub fn generation(&self) -> u64 {
+        self.generation
+    }
+
+    /// The workers, in config order.
+    pub fn workers(&self) -> &[Arc<Worker>] {
+        &self.workers
+    }
+
+    /// The worker with handle `id`, if it is in this set.
+    pub fn get(&self, id: WorkerId) -> Option<&Arc<Worker>> {
+        match self.slots.get(id.0 as usize) {
+            Some(&i) if i != NONE => self.workers.get(i as usize),
+            _ => None,
+        }
+    }
+
+    /// The worker whose key (`name`, else normalised URL) is `key`.
+    pub fn by_key(&self, key: &str) -> Option<&Arc<Worker>> {
+        self.workers.iter().find(|w| w.key() == key)
+    }
+
+    /// The handles of the workers, in config order.
+    pub fn ids(&self) -> impl Iterator<Item = WorkerId> + '_ {
+        self.workers.iter().map(|w| w.id())
+    }
+
+    /// The next round-robin ticket (Relaxed: a counter, nothing published through it).
+    pub fn next_ticket(&self) -> usize {
+        self.round_robin.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Workers that are healthy now.
+    pub fn healthy_count(&self) -> usize {
+        self.workers.iter().filter(|w| w.is_healthy()).count()
+    }
+}
+
+/// The last successful `/v1/models` answer of one worker set.
+#[derive(Debug, Default)]
+pub struct ModelsCache {
+    entry: Mutex<Option<CachedAnswer>>,
+}
+
+/// A cached answer: when it was stored, its content type and body.
+#[derive(Debug, Clone)]
+pub struct CachedAnswer {
+    pub at: Instant,
+    pub content_type: Option<HeaderValue>,
+    pub body: Bytes,
+}
+
+impl ModelsCache {
+    /// The answer if it is younger than `ttl`.
+    pub fn fresh(&self, ttl: Duration) -> Option<CachedAnswer> {
+        let entry = self.entry.lock().unwrap_or_else(|e| e.into_inner());
+        entry.as_ref().filter(|c| c.at.elapsed() < ttl).cloned()
+    }
+
+    pub fn store(&self, c: CachedAnswer) {
+        *self.entry.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
+    }
+}
