@@ -407,8 +407,9 @@ fn query_param(uri: &http::Uri, key: &str) -> Option<String> {
 fn parse_url(raw: Option<&str>, param: &str) -> Result<crate::config::WorkerUrl, ProxyError> {
     let raw =
         raw.ok_or_else(|| ProxyError::BadRequest(format!("missing query parameter `{param}`")))?;
-    crate::config::WorkerUrl::parse(raw)
-        .map_err(|e| ProxyError::BadRequest(format!("`{param}`: `{raw}`: {e}")))
+    crate::config::WorkerUrl::parse(raw).map_err(|e| {
+        ProxyError::BadRequest(format!("`{param}`: `{}`: {e}", crate::redact::url(raw)))
+    })
 }
 
 fn not_found(what: String) -> http::Response<ProxyBody> {
@@ -441,7 +442,7 @@ fn remove_worker(
     let Some(w) = find_worker(&router.worker_set(), which, "url")? else {
         return Ok(not_found(format!(
             "no worker {} in the pool",
-            crate::redact::text(which.unwrap_or_default())
+            crate::redact::url(which.unwrap_or_default())
         )));
     };
     router.pool().remove(w.key());
@@ -477,7 +478,7 @@ fn clear_cache(
             let Some(w) = find_worker(&router.worker_set(), Some(raw), "worker")? else {
                 return Ok(not_found(format!(
                     "no worker {} in the pool",
-                    crate::redact::text(raw)
+                    crate::redact::url(raw)
                 )));
             };
             let removed = {

@@ -28,6 +28,36 @@ pub fn text(s: &str) -> Cow<'_, str> {
     }
 }
 
+/// A value that is (or may be) one URL, with its user-info masked: everything after
+/// `scheme://` (or from the start, when there is no scheme) up to the **last** `@` of
+/// the whole value. Unlike [`text`] this needs no end marker, so a password holding a
+/// quote, a space or a `/` is covered too. A value without `@` is borrowed unchanged.
+pub fn url(value: &str) -> Cow<'_, str> {
+    let Some(at) = value.rfind('@') else {
+        return Cow::Borrowed(value);
+    };
+    let start = value.find("://").map_or(0, |i| i + 3).min(at);
+    Cow::Owned(format!("{}{MASK}{}", &value[..start], &value[at..]))
+}
+
+/// `s` made safe for one log line: credentials redacted ([`text`]) and control
+/// characters (a newline that would forge a log line) escaped.
+pub fn line(s: &str) -> String {
+    let s = text(s);
+    if !s.chars().any(char::is_control) {
+        return s.into_owned();
+    }
+    s.chars()
+        .flat_map(|c| -> Box<dyn Iterator<Item = char>> {
+            if c.is_control() {
+                Box::new(c.escape_default())
+            } else {
+                Box::new(std::iter::once(c))
+            }
+        })
+        .collect()
+}
+
 /// Whether a config key (a dotted path such as `workers[2].api_key`) holds a credential
 /// whose value must never be printed.
 pub fn is_secret_key(key: &str) -> bool {
@@ -150,6 +180,29 @@ mod tests {
         assert_eq!(text("bearer abc"), "bearer ***");
         assert_eq!(text("Bearer ***"), "Bearer ***");
         assert_eq!(text("the Bearer scheme"), "the Bearer ***");
+    }
+
+    #[test]
+    fn a_url_value_is_masked_up_to_its_last_at_whatever_the_password_holds() {
+        for (given, want) in [
+            (
+                "http://admin:pa'SECRET@10.0.0.7:8000",
+                "http://***@10.0.0.7:8000",
+            ),
+            ("http://admin:pa ss\"<>`x@h:1", "http://***@h:1"),
+            ("admin:SECRET@10.0.0.7:8000", "***@10.0.0.7:8000"),
+            ("http://a:1234/SECRET@h", "http://***@h"),
+            ("tcp://u:SECRET@127.0.0.1:5557", "tcp://***@127.0.0.1:5557"),
+        ] {
+            assert_eq!(url(given), want, "{given}");
+        }
+        assert!(matches!(url("http://h:1/p"), Cow::Borrowed(_)));
+    }
+
+    #[test]
+    fn log_lines_cannot_be_forged() {
+        assert_eq!(line("bad\n2026 INFO forged"), "bad\\n2026 INFO forged");
+        assert_eq!(line("http://u:p@h ok"), "http://***@h ok");
     }
 
     #[test]

@@ -182,9 +182,14 @@ fn sighup_reloads_the_workers_and_counts_each_reload_in_metrics_by_result() {
 fn config_check_names_the_key_path_and_value_of_each_refusal() {
     for (over, key, value) in [
         ("workers: [{url: 70000}]\n", "workers[0].url", "70000"),
-        ("server:\n  host: [a]\n", "server.host", "[a]"),
-        ("health:\n  endpoint: {x: 1}\n", "health.endpoint", "{x: 1}"),
-        ("log:\n  level: [debug]\n", "log.level", "[debug]"),
+        ("server:\n  host: [a]\n", "server.host", "a list"),
+        (
+            "health:\n  endpoint: {x: 1}\n",
+            "health.endpoint",
+            "a mapping",
+        ),
+        ("log:\n  level: [debug]\n", "log.level", "a list"),
+        ("log:\n  level: warning\n", "log.level", "warning"),
         (
             "health:\n  interval_secs: 0.0000001\n",
             "health.interval_secs",

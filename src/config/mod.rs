@@ -336,8 +336,10 @@ impl WorkerUrl {
         if authority.is_empty() {
             return Err("missing host".into());
         }
-        if authority.contains('@') {
-            return Err("user info in worker URLs is not supported; use api_key".into());
+        if raw.contains('@') {
+            return Err(
+                "user info (`user:password@`) in worker URLs is not supported; use api_key".into(),
+            );
         }
         let (host, port) = if let Some(inner) = authority.strip_prefix('[') {
             let end = inner
@@ -754,8 +756,8 @@ struct RawLog {
 impl RawWorker {
     /// Checks one worker entry; an error names the field and says what is wrong.
     fn validate(self) -> Result<WorkerConfig, (&'static str, String)> {
-        let url =
-            WorkerUrl::parse(&self.url).map_err(|m| ("url", format!("`{}`: {m}", self.url)))?;
+        let url = WorkerUrl::parse(&self.url)
+            .map_err(|m| ("url", format!("`{}`: {m}", redact::url(&self.url))))?;
         let max_load = match self.max_load {
             None => None,
             Some(0) => {
@@ -769,14 +771,20 @@ impl RawWorker {
         let kv_events = match self.kv_events {
             None => None,
             Some(k) => {
-                let endpoint = zmq_endpoint(&k.endpoint)
-                    .map_err(|m| ("kv_events.endpoint", format!("`{}`: {m}", k.endpoint)))?;
+                let endpoint = zmq_endpoint(&k.endpoint).map_err(|m| {
+                    (
+                        "kv_events.endpoint",
+                        format!("`{}`: {m}", redact::url(&k.endpoint)),
+                    )
+                })?;
                 let replay_endpoint = match k.replay_endpoint {
                     None => None,
-                    Some(r) => Some(
-                        zmq_endpoint(&r)
-                            .map_err(|m| ("kv_events.replay_endpoint", format!("`{r}`: {m}")))?,
-                    ),
+                    Some(r) => Some(zmq_endpoint(&r).map_err(|m| {
+                        (
+                            "kv_events.replay_endpoint",
+                            format!("`{}`: {m}", redact::url(&r)),
+                        )
+                    })?),
                 };
                 if replay_endpoint.as_ref() == Some(&endpoint) {
                     return Err((
@@ -883,6 +891,31 @@ fn check_rank_ports(k: &KvEventsConfig) -> Result<(), (&'static str, String)> {
     Ok(())
 }
 
+/// Checks a `log.level` filter: comma-separated directives, each a level (`trace`,
+/// `debug`, `info`, `warn`, `error`, `off`) or `target=level`. A bare word is refused:
+/// `EnvFilter` would read `warning` as a target name and log nothing else.
+fn check_log_filter(filter: &str) -> Result<(), String> {
+    const LEVELS: [&str; 6] = ["trace", "debug", "info", "warn", "error", "off"];
+    let is_level = |l: &str| LEVELS.iter().any(|x| x.eq_ignore_ascii_case(l.trim()));
+    for d in filter.split(',') {
+        let ok = match d.rsplit_once('=') {
+            Some((target, level)) => !target.trim().is_empty() && is_level(level),
+            None => is_level(d),
+        };
+        if !ok {
+            return Err(format!(
+                "is not a log filter: `{}` is neither a level ({}) nor `target=level`",
+                d.trim().escape_debug(),
+                LEVELS.join(", ")
+            ));
+        }
+    }
+    if tracing_subscriber::EnvFilter::try_new(filter).is_err() {
+        return Err("is not a log level or filter".into());
+    }
+    Ok(())
+}
+
 /// Checks a ZeroMQ endpoint the router dials: `tcp://host:port` with a concrete host
 /// (an IP, a bracketed IPv6 address or a DNS name) and a port from 1 to 65535. Returns
 /// it trimmed. vLLM's bind forms (`tcp://*:5557`, `tcp://0.0.0.0:5557`) are refused
@@ -892,6 +925,9 @@ fn zmq_endpoint(raw: &str) -> Result<String, String> {
     let Some(rest) = raw.strip_prefix("tcp://") else {
         return Err("expected tcp://host:port (other ZeroMQ transports are not supported)".into());
     };
+    if rest.contains('@') {
+        return Err("a ZeroMQ tcp endpoint has no user info (`user:password@`)".into());
+    }
     let (host, port) = rest
         .rsplit_once(':')
         .ok_or_else(|| "missing `:port`".to_string())?;
@@ -935,17 +971,16 @@ impl WorkerConfig {
                 // serde_json quotes the bad value; a credential's is never shown.
                 "is not a string (the value is not shown)".to_string()
             } else {
-                e.into_inner().to_string()
+                source::humanize(&e.into_inner().to_string(), &path, None)
             };
-            let m = if path == "." {
-                message
-            } else {
-                format!("`{path}`: {message}")
+            let m = match path.as_str() {
+                "." | "?" => message,
+                _ => format!("`{path}`: {message}"),
             };
-            redact::text(&m).into_owned()
+            redact::line(&m)
         })?;
         raw.validate()
-            .map_err(|(field, m)| redact::text(&format!("`{field}`: {m}")).into_owned())
+            .map_err(|(field, m)| redact::line(&format!("`{field}`: {m}")))
     }
 }
 
@@ -1024,7 +1059,7 @@ impl Checker<'_> {
             file,
             line: spot.map(|s| s.line),
             key: key.to_string(),
-            message: redact::text(&message.into()).into_owned(),
+            message: redact::line(&message.into()),
         }
     }
 
@@ -1040,15 +1075,17 @@ impl Checker<'_> {
         let shown = if redact::is_secret_key(key) {
             redact::MASK.to_string()
         } else {
-            spot.as_ref()
+            let shown = spot
+                .as_ref()
                 .filter(|s| !s.text.is_empty())
-                .map_or_else(|| parsed.to_string(), |s| s.text.clone())
+                .map_or_else(|| parsed.to_string(), |s| s.text.clone());
+            redact::url(&shown).into_owned()
         };
         ConfigError::Invalid {
             file,
             line: spot.map(|s| s.line),
             key: key.to_string(),
-            message: redact::text(&format!("`{shown}` {why}")).into_owned(),
+            message: redact::line(&format!("`{shown}` {why}")),
         }
     }
 
@@ -1099,7 +1136,9 @@ fn typed<T: serde::de::DeserializeOwned>(file: &Path, text: &str) -> Result<T, C
         let key = (path != ".").then_some(path);
         let written = match &key {
             Some(k) if redact::is_secret_key(k) => Some(redact::MASK.to_string()),
-            _ => loc.as_ref().map(|l| source::written_at(text, l.index())),
+            _ => loc
+                .as_ref()
+                .map(|l| redact::url(&source::written_at(text, l.index())).into_owned()),
         };
         let message = source::humanize(
             &inner.to_string(),
@@ -1110,7 +1149,7 @@ fn typed<T: serde::de::DeserializeOwned>(file: &Path, text: &str) -> Result<T, C
             file: file.to_path_buf(),
             line: loc.map(|l| l.line()),
             key,
-            message: redact::text(&message).into_owned(),
+            message: redact::line(&message),
         }
     })
 }
@@ -1158,11 +1197,13 @@ impl Config {
         let mut layers: Vec<Layer<'a>> = Vec::new();
         let mut last_raw = None;
         for (file, text) in sources {
+            // Keys and types first: that error knows the key path.
+            let raw = typed::<RawConfig>(file, text)?;
             let doc: Value = serde_yaml_ng::from_str(text).map_err(|e| ConfigError::Parse {
                 file: file.to_path_buf(),
                 line: e.location().map(|l| l.line()),
                 key: None,
-                message: redact::text(&e.to_string()).into_owned(),
+                message: source::untyped_message(&e.to_string()),
             })?;
             match &doc {
                 Value::Null => continue, // empty or comment-only: changes nothing
@@ -1176,8 +1217,7 @@ impl Config {
                     });
                 }
             }
-            // Unknown keys and wrong types, reported against this file alone.
-            last_raw = Some(typed::<RawConfig>(file, text)?);
+            last_raw = Some(raw);
             layers.push(Layer { file, text, doc });
         }
         let raw = match (layers.len(), last_raw) {
@@ -1449,8 +1489,8 @@ impl Config {
         };
 
         let level = raw.log.level.unwrap_or_else(|| "info".into());
-        if tracing_subscriber::EnvFilter::try_new(&level).is_err() {
-            return Err(ck.bad("log.level", level, "is not a log level or filter"));
+        if let Err(why) = check_log_filter(&level) {
+            return Err(ck.bad("log.level", &level, why));
         }
         let log = LogConfig {
             format: raw.log.format.unwrap_or(LogFormat::Text),
@@ -2105,15 +2145,15 @@ mod tests {
             ),
             (
                 "server:\n  host: [a]\n",
-                "over.yaml:2: `server.host`: `[a]` is not a string",
+                "over.yaml:2: `server.host`: a list is not a string",
             ),
             (
                 "health:\n  endpoint: [a]\n",
-                "over.yaml:2: `health.endpoint`: `[a]` is not a string",
+                "over.yaml:2: `health.endpoint`: a list is not a string",
             ),
             (
                 "log:\n  level: {a: 1}\n",
-                "over.yaml:2: `log.level`: `{a: 1}` is not a string",
+                "over.yaml:2: `log.level`: a mapping is not a string",
             ),
             (
                 "log:\n  level: \"[[\"\n",
@@ -2281,6 +2321,71 @@ mod tests {
             e.contains("url") && e.contains("***@h:1") && !e.contains("hunter2"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn credentials_never_leak_through_big_numbers_collections_or_odd_urls() {
+        const S: &str = "SECRET-xyz";
+        for doc in [
+            "server:\n  admin_token: 123456789012345678901234567890\nworkers: [{url: \"http://h:1\"}]\n",
+            "workers:\n  api_key: SECRET-xyz\n  url: http://127.0.0.1:1\n",
+            "workers: {url: \"http://h:1\", api_key: SECRET-xyz}\n",
+            "server: [admin_token, SECRET-xyz]\nworkers: [{url: \"http://h:1\"}]\n",
+            "workers:\n  - url: \"http://admin:pa'SECRET-xyz@10.0.0.7:8000\"\n",
+            "workers:\n  - url: \"http://admin:pa ss<SECRET-xyz>@10.0.0.7:8000\"\n",
+            "workers:\n  - url: admin:SECRET-xyz@10.0.0.7:8000\n",
+            "workers:\n  - url: http://admin:1234/SECRET-xyz@10.0.0.7:8000\n",
+            "policy: precise_cache_aware\nworkers:\n  - url: http://127.0.0.1:1\n    kv_events: {endpoint: \"tcp://u:SECRET-xyz@127.0.0.1:5557\"}\n",
+        ] {
+            let e = err(&[("s.yaml", doc)]);
+            assert!(!e.contains(S) && !e.contains("u128"), "{doc:?}: {e}");
+            assert!(e.contains("s.yaml:"), "{doc:?}: {e}");
+        }
+        let s = "123456789012345678901234567890";
+        let e = err(&[(
+            "s.yaml",
+            &format!("server:\n  admin_token: {s}\nworkers: [{{url: \"http://h:1\"}}]\n"),
+        )]);
+        assert!(!e.contains(s), "{e}");
+        // A newline in a value cannot forge a log line.
+        let e = err(&[(
+            "s.yaml",
+            "workers:\n  - url: \"http://127.0.0.1:1\\n2026-12-01 INFO forged\"\n",
+        )]);
+        assert!(!e.contains('\n'), "{e}");
+    }
+
+    #[test]
+    fn a_log_level_typo_is_refused_not_read_as_a_target() {
+        for bad in [
+            "warning",
+            "\"\"",
+            "\"True\"",
+            "info,warning",
+            "=debug",
+            "x=loud",
+        ] {
+            let e = err(&[
+                ("a.yaml", ONE),
+                ("l.yaml", &format!("log:\n  level: {bad}\n")),
+            ]);
+            assert!(e.contains("log.level"), "{bad}: {e}");
+        }
+        for good in [
+            "info",
+            "WARN",
+            "warn,cache_aware_router=debug",
+            "hyper=off,info",
+        ] {
+            assert!(
+                load(&[
+                    ("a.yaml", ONE),
+                    ("l.yaml", &format!("log:\n  level: \"{good}\"\n"))
+                ])
+                .is_ok(),
+                "{good}"
+            );
+        }
     }
 
     #[test]

@@ -98,15 +98,41 @@ fn valid_prefix(p: &str) -> bool {
         && !is_ambiguous(p)
 }
 
-/// A dot segment, or a percent-encoded `.` or `/` anywhere in the path.
+/// Whether a path could name something else once a server or a proxy in front of the
+/// engine normalises it: a dot segment (also `..;x`, as Tomcat and Spring read it), a
+/// backslash, or a percent-escape of anything but a plain visible character (`%2e`,
+/// `%2f`, `%5c`, `%25` for double encoding, `%00` and other controls, `;`, and bytes
+/// ≥ 0x80 such as the overlong `%c0%ae`), or a malformed escape.
 fn is_ambiguous(path: &str) -> bool {
-    path.split('/').any(|seg| seg == "." || seg == "..") || {
-        let lower = path.to_ascii_lowercase();
-        lower.contains("%2e")
-            || lower.contains("%2f")
-            || lower.contains("%5c")
-            || path.contains('\\')
+    if path.contains('\\') {
+        return true;
     }
+    let dot_segment = path.split('/').any(|seg| {
+        let name = seg.split(';').next().unwrap_or(seg);
+        name == "." || name == ".."
+    });
+    if dot_segment {
+        return true;
+    }
+    let b = path.as_bytes();
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' {
+            let hex = path
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok());
+            match hex {
+                Some(c)
+                    if (c == b' ' || c.is_ascii_graphic())
+                        && !matches!(c, b'.' | b'/' | b'\\' | b'%' | b';') => {}
+                _ => return true,
+            }
+            i += 3;
+        } else {
+            i += 1;
+        }
+    }
+    false
 }
 
 #[cfg(test)]
@@ -117,6 +143,7 @@ mod tests {
     fn default_opens_the_api_and_vllm_client_endpoints_only() {
         let p = Passthrough::default();
         for open in [
+            "/v1/files/file-abc%20def",
             "/v1/embeddings",
             "/v1/audio/transcriptions",
             "/tokenize",
@@ -148,6 +175,14 @@ mod tests {
             "/v1/./x",
             "/v1/..",
             "/v1\\..\\sleep",
+            "/v1/..;/collective_rpc",
+            "/tokenize/..;/collective_rpc",
+            "/v1/%252e%252e/collective_rpc",
+            "/v1/%25%32%65%25%32%65/sleep",
+            "/v1/x/..%00/sleep",
+            "/v1/%c0%ae%c0%ae/sleep",
+            "/v1/%zz",
+            "/v1/%3b/x",
         ] {
             assert!(!p.allows(closed), "{closed}");
         }

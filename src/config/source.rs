@@ -228,6 +228,9 @@ pub fn humanize(message: &str, path: &str, written: Option<&str>) -> String {
     if let Some(i) = m.rfind(" at line ") {
         m = &m[..i];
     }
+    if m.starts_with("invalid length") {
+        return "a list is not a mapping of keys".into();
+    }
     // serde_yaml_ng's own path prefix (`workers[0]: unknown field …`), shown apart.
     if let Some((before, rest)) = m.split_once(": ")
         && !before.is_empty()
@@ -242,7 +245,15 @@ pub fn humanize(message: &str, path: &str, written: Option<&str>) -> String {
     if let Some(rest) = typed
         && let Some((found, expected)) = rest.rsplit_once(", expected ")
     {
-        let shown = written.map_or_else(|| found.to_string(), |w| format!("`{w}`"));
+        // A collection is named, never quoted: it may hold a credential.
+        let shown = match found {
+            "map" => "a mapping".to_string(),
+            "sequence" => "a list".to_string(),
+            f if f.contains("as u128") || f.contains("as i128") => {
+                "a number too large for 64 bits".to_string()
+            }
+            f => written.map_or_else(|| f.to_string(), |w| format!("`{w}`")),
+        };
         return format!("{shown} is not {}", in_words(expected));
     }
     if let Some(rest) = m.strip_prefix("unknown field ") {
@@ -266,6 +277,16 @@ pub fn humanize(message: &str, path: &str, written: Option<&str>) -> String {
     m.to_string()
 }
 
+/// The message of a failed untyped parse (after the typed one passed: a number too
+/// large for 64 bits, …), without the value: serde_yaml_ng quotes it, and it may be a
+/// credential written as digits.
+pub fn untyped_message(message: &str) -> String {
+    if message.contains(" as u128") || message.contains(" as i128") {
+        return "a number too large for 64 bits (quote it if it is text, such as a token); the value is not shown".into();
+    }
+    crate::redact::line(message)
+}
+
 /// A Rust type as serde names it → what a config author writes.
 fn in_words(expected: &str) -> String {
     match expected {
@@ -277,6 +298,8 @@ fn in_words(expected: &str) -> String {
         "f32" | "f64" => "a number".into(),
         "a boolean" => "`true` or `false`".into(),
         "a sequence" => "a list".into(),
+        "a YAML tag starting with '!'" => "one of the accepted names".into(),
+        "path string" => "a file path".into(),
         e if e.starts_with("struct ") || e == "a map" => "a mapping of keys".into(),
         e => e.to_string(),
     }
@@ -368,7 +391,7 @@ mod tests {
                 "log.level",
                 Some("{a: 1}")
             ),
-            "`{a: 1}` is not a string"
+            "a mapping is not a string"
         );
         assert_eq!(
             humanize(
