@@ -37,6 +37,8 @@ struct WorkerView {
     url: String,
     /// Its identity: `name`, else the normalised URL.
     key: String,
+    /// `primary` or `fallback` (takes requests only while no primary is usable).
+    role: &'static str,
     in_flight: usize,
     healthy: bool,
     breaker: &'static str,
@@ -118,6 +120,9 @@ struct Workers {
     tree_bytes: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     precise: Option<PreciseView>,
+    /// The session layer (`session:`), when on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    sessions: Option<crate::policy::session::SessionStats>,
     workers: Vec<WorkerView>,
 }
 
@@ -129,6 +134,7 @@ pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
         &router.worker_set(),
         policy.tree().map(|t| &**t),
         policy.precise().map(|p| &**p),
+        policy.sessions(),
     );
     let mut resp = http::Response::new(
         http_body_util::Full::new(bytes::Bytes::from(text))
@@ -188,6 +194,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
         .map(|((w, tree_share), blocks)| WorkerView {
             url: w.url().to_string(),
             key: w.key().to_string(),
+            role: w.config().role.as_str(),
             in_flight: w.in_flight(),
             healthy: w.is_healthy(),
             breaker: w.breaker_state(now).as_str(),
@@ -205,6 +212,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
         policy: policy.name(),
         tree_nodes: nodes,
         tree_bytes: bytes,
+        sessions: policy.sessions(),
         precise: policy.precise().map(|precise| PreciseView {
             block_size: precise.config().block_size,
             max_blocks: precise.config().max_blocks.get(),

@@ -24,6 +24,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
 use crate::policy::Reason;
+use crate::policy::session::SessionStats;
 use crate::pool::WorkerSet;
 use crate::precise::Precise;
 use crate::precise::feed::{Feed, FeedCounts, FeedState};
@@ -58,6 +59,11 @@ struct BreakerLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CauseLabels {
+    cause: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -149,10 +155,16 @@ pub struct Metrics {
     healthy: Family<WorkerLabels, Gauge>,
     breaker: Family<BreakerLabels, Gauge>,
     tree_nodes: Gauge,
+    sessions_held: Gauge,
+    session_hits: Counter,
+    session_rebinds: Family<CauseLabels, Counter>,
+    /// Session totals already added (they live in the policy).
+    seen_sessions: [AtomicU64; 4],
     tree_bytes: Gauge,
     evicted: Counter,
     skipped_inserts: Counter,
     retries: Counter,
+    fallback_picks: Counter,
     reloads: Family<ResultLabels, Counter>,
     precise: PreciseFamilies,
     /// Set-level totals already added to `evicted`/`skipped_inserts` (they live in
@@ -184,10 +196,15 @@ impl Metrics {
             healthy: Family::default(),
             breaker: Family::default(),
             tree_nodes: Gauge::default(),
+            sessions_held: Gauge::default(),
+            session_hits: Counter::default(),
+            session_rebinds: Family::default(),
+            seen_sessions: Default::default(),
             tree_bytes: Gauge::default(),
             evicted: Counter::default(),
             skipped_inserts: Counter::default(),
             retries: Counter::default(),
+            fallback_picks: Counter::default(),
             reloads: Family::default(),
             precise: PreciseFamilies::default(),
             seen_evicted: AtomicU64::new(0),
@@ -276,6 +293,26 @@ impl Metrics {
             "retries",
             "Requests re-sent to another worker",
             m.retries.clone(),
+        );
+        r.register(
+            "sessions",
+            "Session bindings held (session -> worker)",
+            m.sessions_held.clone(),
+        );
+        r.register(
+            "session_hits",
+            "Requests sent to the worker their session is bound to",
+            m.session_hits.clone(),
+        );
+        r.register(
+            "session_rebinds",
+            "Sessions that left their worker, by cause (unusable, gone, overloaded)",
+            m.session_rebinds.clone(),
+        );
+        r.register(
+            "fallback_picks",
+            "Attempts sent to a `role: fallback` worker (no primary worker was usable)",
+            m.fallback_picks.clone(),
         );
         r.register(
             "reloads",
@@ -442,6 +479,11 @@ impl Metrics {
         self.retries.inc();
     }
 
+    /// An attempt sent to a fallback worker.
+    pub fn fallback_pick(&self) {
+        self.fallback_picks.inc();
+    }
+
     /// A reload attempt: `applied`, `rejected` or `invalid`.
     pub fn reload(&self, result: &'static str) {
         self.reloads.get_or_create(&ResultLabels { result }).inc();
@@ -454,7 +496,30 @@ impl Metrics {
         set: &WorkerSet,
         tree: Option<&SharedTree>,
         precise: Option<&Precise>,
+        sessions: Option<SessionStats>,
     ) -> String {
+        if let Some(st) = sessions {
+            self.sessions_held.set(st.held as i64);
+            let add = |i: usize, counter: &Counter, now: u64| {
+                let before = self.seen_sessions[i].swap(now, Ordering::Relaxed);
+                counter.inc_by(now.saturating_sub(before));
+            };
+            add(0, &self.session_hits, st.hits);
+            for (i, (cause, n)) in [
+                ("unusable", st.rebinds_unusable),
+                ("gone", st.rebinds_gone),
+                ("overloaded", st.rebinds_overloaded),
+            ]
+            .into_iter()
+            .enumerate()
+            {
+                add(
+                    i + 1,
+                    &self.session_rebinds.get_or_create(&CauseLabels { cause }),
+                    n,
+                );
+            }
+        }
         if let Some(p) = precise {
             self.encode_precise(set, p);
         }

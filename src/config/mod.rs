@@ -93,6 +93,34 @@ pub struct Config {
     pub log: LogConfig,
     pub precise: PreciseConfig,
     pub consistent_hash: ConsistentHashConfig,
+    pub session: SessionConfig,
+}
+
+/// `session:` — session affinity around the policy (see `policy::session`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionConfig {
+    /// On by default; applies only to requests that carry a key.
+    pub enabled: bool,
+    /// Headers read for the key, in order (default `[x-session-id]`).
+    pub headers: Vec<http::HeaderName>,
+    /// Body fields read for the key when no header has one: dotted JSON paths such as
+    /// `user` or `metadata.user_id` (default none: the body is not parsed for it).
+    pub body_fields: Vec<String>,
+    pub mode: SessionMode,
+    /// A binding expires this long after its last use (default 3600 s).
+    pub ttl: Duration,
+    /// Most bindings held; least recently used go first (default 1,000,000).
+    pub max_sessions: NonZeroUsize,
+}
+
+/// `session.mode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SessionMode {
+    /// Follow the binding unless its worker is unusable or overloaded (the default).
+    Soft,
+    /// Follow it whatever the load; leave only an unusable worker.
+    Hard,
 }
 
 /// `consistent_hash:` — the ring policy's key and load bound.
@@ -140,6 +168,9 @@ pub struct WorkerConfig {
     pub url: WorkerUrl,
     /// Its stable identity (`name`); `None` = the normalised URL (see [`WorkerConfig::key`]).
     pub name: Option<String>,
+    /// `primary` (default) or `fallback`: a fallback worker takes requests only while no
+    /// primary worker is usable.
+    pub role: Role,
     /// Most in-flight requests this worker takes; `None` = unbounded (the default).
     pub max_load: Option<NonZeroUsize>,
     /// Added to the in-flight count when comparing loads (default 0), to make a slower
@@ -172,6 +203,24 @@ pub struct KvEventsConfig {
     /// `replay_endpoint`'s plus the rank (spec §1); the router follows each rank as a
     /// separate feed ([`KvEventsConfig::rank_endpoint`]).
     pub dp_size: u32,
+}
+
+/// `workers[i].role`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Role {
+    #[default]
+    Primary,
+    Fallback,
+}
+
+impl Role {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::Primary => "primary",
+            Role::Fallback => "fallback",
+        }
+    }
 }
 
 /// Largest `kv_events.dp_size`.
@@ -643,6 +692,19 @@ struct RawConfig {
     precise: RawPrecise,
     #[serde(default)]
     consistent_hash: RawConsistentHash,
+    #[serde(default)]
+    session: RawSession,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSession {
+    enabled: Option<bool>,
+    headers: Option<Vec<String>>,
+    body_fields: Option<Vec<String>>,
+    mode: Option<SessionMode>,
+    ttl_secs: Option<Secs>,
+    max_sessions: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -668,6 +730,7 @@ struct RawServer {
 struct RawWorker {
     url: String,
     name: Option<String>,
+    role: Option<Role>,
     max_load: Option<u64>,
     load_penalty: Option<u32>,
     cache_aware: Option<bool>,
@@ -836,6 +899,7 @@ impl RawWorker {
         Ok(WorkerConfig {
             url,
             name,
+            role: self.role.unwrap_or_default(),
             max_load,
             load_penalty: self.load_penalty.unwrap_or(0),
             cache_aware: self.cache_aware.unwrap_or(true),
@@ -1618,7 +1682,54 @@ impl Config {
             load_factor,
         };
 
+        let se = raw.session;
+        let mut headers = Vec::new();
+        for (i, h) in se
+            .headers
+            .unwrap_or_else(|| vec!["x-session-id".into()])
+            .iter()
+            .enumerate()
+        {
+            let name = http::HeaderName::from_bytes(h.as_bytes()).map_err(|_| {
+                ck.bad(
+                    &format!("session.headers[{i}]"),
+                    h,
+                    "is not an HTTP header name",
+                )
+            })?;
+            headers.push(name);
+        }
+        let body_fields = se.body_fields.unwrap_or_default();
+        for (i, f) in body_fields.iter().enumerate() {
+            if f.is_empty() || f.split('.').any(str::is_empty) {
+                return Err(ck.bad(
+                    &format!("session.body_fields[{i}]"),
+                    f,
+                    "is not a dotted JSON path (e.g. `user` or `metadata.user_id`)",
+                ));
+            }
+        }
+        let max_sessions = se.max_sessions.unwrap_or(1_000_000);
+        let max_sessions = NonZeroUsize::new(max_sessions as usize)
+            .filter(|_| max_sessions <= 100_000_000)
+            .ok_or_else(|| {
+                ck.bad(
+                    "session.max_sessions",
+                    max_sessions,
+                    "is out of range (sessions, 1 to 100,000,000)",
+                )
+            })?;
+        let session = SessionConfig {
+            enabled: se.enabled.unwrap_or(true),
+            headers,
+            body_fields,
+            mode: se.mode.unwrap_or(SessionMode::Soft),
+            ttl: ck.secs("session.ttl_secs", se.ttl_secs, 3600.0, None)?,
+            max_sessions,
+        };
+
         Ok(Config {
+            session,
             consistent_hash,
             policy,
             server,
@@ -1661,6 +1772,9 @@ impl Config {
         }
         if self.consistent_hash != other.consistent_hash {
             return Some("consistent_hash");
+        }
+        if self.session != other.session {
+            return Some("session");
         }
         None
     }

@@ -35,6 +35,7 @@ pub mod precise;
 mod random;
 mod round_robin;
 pub mod select;
+pub mod session;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -67,6 +68,8 @@ pub enum Reason {
     EmptyText,
     /// No usable worker.
     NoWorker,
+    /// Followed the request's session binding (`session:`).
+    Session,
 }
 
 impl Reason {
@@ -78,6 +81,7 @@ impl Reason {
             Reason::Miss => "miss",
             Reason::EmptyText => "empty_text",
             Reason::NoWorker => "no_worker",
+            Reason::Session => "session",
         }
     }
 }
@@ -247,6 +251,11 @@ pub trait Policy: PoolListener {
         None
     }
 
+    /// The session layer's counters, when sessions are on.
+    fn sessions(&self) -> Option<session::SessionStats> {
+        None
+    }
+
     /// The policy's own background work (tree eviction, KV-event consumers), spawned by
     /// `app` once; `None` when it has none.
     fn background(&self, _pool: Arc<Pool>, _shutdown: Shutdown) -> Option<BoxFuture<'static, ()>> {
@@ -267,6 +276,16 @@ pub fn build(config: &Config, pool: &Pool) -> Arc<dyn Policy> {
         PolicyKind::ConsistentHash => Arc::new(consistent_hash::ConsistentHash::new(
             &config.consistent_hash,
         )),
+    };
+    // Sessions wrap whichever policy: a bound session is decided before its pick.
+    let policy: Arc<dyn Policy> = if config.session.enabled {
+        Arc::new(session::Sessions::new(
+            policy,
+            &config.session,
+            CacheParams::from(&config.cache),
+        ))
+    } else {
+        policy
     };
     pool.listen(Arc::clone(&policy) as Arc<dyn PoolListener>);
     policy

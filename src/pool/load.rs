@@ -90,6 +90,7 @@ mod tests {
                 api_key: None,
                 kv_events: None,
                 name: None,
+                role: Default::default(),
             },
             &crate::config::BreakerConfig {
                 failure_threshold: 1,

@@ -19,6 +19,8 @@ pub struct Worker {
     config: WorkerConfig,
     /// The normalised URL as a shared string: metric label and log field.
     label: Arc<str>,
+    /// xxh3-64 of its key (tells this worker from a later one given the same id).
+    key_hash: u64,
     /// Requests forwarded and not yet finished (body ended or dropped).
     pub(super) in_flight: AtomicUsize,
     healthy: AtomicBool,
@@ -49,6 +51,7 @@ impl Worker {
         Worker {
             id,
             label: Arc::from(config.url.to_string()),
+            key_hash: xxhash_rust::xxh3::xxh3_64(config.key().as_bytes()),
             feeds,
             config,
             in_flight: AtomicUsize::new(0),
@@ -112,6 +115,11 @@ impl Worker {
     /// Its identity: `name` when configured, else the normalised URL.
     pub fn key(&self) -> &str {
         self.config.key()
+    }
+
+    /// xxh3-64 of [`Worker::key`].
+    pub fn key_hash(&self) -> u64 {
+        self.key_hash
     }
 
     /// The URL as a shared string (metric label).

@@ -26,7 +26,7 @@ use hyper::body::Incoming;
 
 pub use body::GuardedBody;
 
-use crate::config::{Config, RemoteMediaPolicy};
+use crate::config::{Config, RemoteMediaPolicy, Role};
 use crate::error::ProxyError;
 use crate::metrics::Metrics;
 use crate::policy::{
@@ -171,14 +171,18 @@ impl Router {
             Some(work) => work.await,
             None => Prepared::Nothing,
         };
+        let session = match self.config.session.enabled {
+            true => policy::session::session_key(&self.config.session, &parts.headers, &body),
+            false => None,
+        };
         let set = self.worker_set();
         let route = Route {
             label,
             req: RouteRequest {
                 ctx: ctx.as_ref(),
                 prepared,
-                session: None,
-                tie: ctx.as_ref().map(|c| c.digest),
+                session,
+                tie: session.or(ctx.as_ref().map(|c| c.digest)),
             },
             arrived,
             started,
@@ -234,6 +238,9 @@ impl Router {
             if attempt > 0 {
                 self.metrics.retry();
             }
+            if worker.config().role == Role::Fallback {
+                self.metrics.fallback_pick();
+            }
             if let Some(id) = pick.worker {
                 tried.insert(id);
             }
@@ -265,6 +272,7 @@ impl Router {
                         request_id: request_id.clone(),
                         endpoint: route.label,
                         worker: Arc::clone(worker.label()),
+                        role: worker.config().role.as_str(),
                         decision,
                         status,
                         arrived: route.arrived,
@@ -305,7 +313,7 @@ impl Router {
         let mut rng = rand::rng();
         loop {
             let now = crate::pool::now();
-            let candidates: Vec<Candidate> = set
+            let mut candidates: Vec<Candidate> = set
                 .workers()
                 .iter()
                 .map(|w| Candidate {
@@ -315,6 +323,13 @@ impl Router {
                     cache_aware: w.config().cache_aware,
                 })
                 .collect();
+            // Fallback workers take requests only while no primary one is usable.
+            let is_fallback = |i: usize| set.workers()[i].config().role == Role::Fallback;
+            if (0..candidates.len()).any(|i| candidates[i].usable && !is_fallback(i)) {
+                for (i, c) in candidates.iter_mut().enumerate() {
+                    c.usable &= !is_fallback(i);
+                }
+            }
             let pick = self.policy.pick(&route.req, set, &candidates, &mut rng);
             let id = pick.worker?;
             let worker = set.get(id)?;
@@ -440,6 +455,8 @@ pub struct AccessLog {
     pub request_id: HeaderValue,
     pub endpoint: &'static str,
     pub worker: Arc<str>,
+    /// The worker's role (`primary`, `fallback`).
+    pub role: &'static str,
     pub decision: Decision,
     pub status: u16,
     pub arrived: Instant,
@@ -454,6 +471,7 @@ impl AccessLog {
             request_id = self.request_id.to_str().unwrap_or("-"),
             endpoint = self.endpoint,
             worker = &*self.worker,
+            role = self.role,
             reason = self.decision.reason.as_str(),
             matched_ratio = format_args!("{:.3}", self.decision.matched_ratio),
             decision_us = self.decision.decision_us,

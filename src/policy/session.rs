@@ -1,0 +1,478 @@
+//! Session affinity (`session:`), around whatever policy is configured: a request that
+//! carries a session key (a header such as `x-session-id`, or a body field such as
+//! `user` or `metadata.user_id`) goes to the worker that served that session last,
+//! decided before the inner policy's own pick (the prefix match, the ring, …).
+//!
+//! - A binding is written only when a worker **served** the session (2xx first byte),
+//!   like every routing memory ([`Policy::observe`]).
+//! - `mode: soft` (default): the binding is followed unless its worker is unusable (down,
+//!   breaker open, at `max_load`, gone) or overloaded by the same guard as prefix
+//!   affinity (`cache.balance_*_threshold` against the least-loaded worker); then the
+//!   inner policy picks and the session re-binds to whoever serves it. `mode: hard`:
+//!   followed whatever the load, re-bound only when the worker is unusable.
+//! - Bounded: at most `max_sessions` bindings (least recently used go first) and each
+//!   expires `ttl_secs` after it was last used.
+//! - A binding names the worker by id **and** by its key's hash, so a binding to a worker
+//!   that left is never followed to another worker that later got the same id.
+
+use std::num::NonZeroUsize;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use lru::LruCache;
+use rand::RngCore;
+
+use super::select::{is_overloaded, least_loaded, usable};
+use super::{CacheParams, Candidate, Outcome, Pick, Policy, Reason, RouteRequest};
+use crate::config::{SessionConfig, SessionMode};
+use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
+use crate::shutdown::Shutdown;
+use crate::tree::SharedTree;
+
+/// Why a session left its worker.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Rebind {
+    /// The worker is down, open, full, or was already tried for this request.
+    Unusable,
+    /// It left the pool.
+    Gone,
+    /// Soft mode: it was overloaded compared with the least-loaded worker.
+    Overloaded,
+}
+
+impl Rebind {
+    pub const ALL: [Rebind; 3] = [Rebind::Unusable, Rebind::Gone, Rebind::Overloaded];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rebind::Unusable => "unusable",
+            Rebind::Gone => "gone",
+            Rebind::Overloaded => "overloaded",
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct Binding {
+    worker: WorkerId,
+    /// xxh3-64 of the worker's key, to tell a reused id from the bound worker.
+    key_hash: u64,
+    last_used: Instant,
+}
+
+/// The session layer around an inner policy. See the module docs.
+pub struct Sessions {
+    inner: std::sync::Arc<dyn Policy>,
+    mode: SessionMode,
+    ttl: Duration,
+    params: CacheParams,
+    bindings: Mutex<LruCache<u64, Binding>>,
+    hits: AtomicU64,
+    rebinds: [AtomicU64; 3],
+}
+
+/// Counters of the session layer (`/workers`, `/metrics`).
+#[derive(Debug, Clone, Copy, Default, serde::Serialize)]
+pub struct SessionStats {
+    /// Bindings held now.
+    pub held: usize,
+    /// Requests sent to their session's worker.
+    pub hits: u64,
+    pub rebinds_unusable: u64,
+    pub rebinds_gone: u64,
+    pub rebinds_overloaded: u64,
+}
+
+impl Sessions {
+    pub fn new(
+        inner: std::sync::Arc<dyn Policy>,
+        cfg: &SessionConfig,
+        params: CacheParams,
+    ) -> Self {
+        Sessions {
+            inner,
+            mode: cfg.mode,
+            ttl: cfg.ttl,
+            params,
+            bindings: Mutex::new(LruCache::new(cfg.max_sessions)),
+            hits: AtomicU64::new(0),
+            rebinds: Default::default(),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, LruCache<u64, Binding>> {
+        self.bindings.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The counters now.
+    pub fn stats(&self) -> SessionStats {
+        let r = |c: Rebind| self.rebinds[c as usize].load(Ordering::Relaxed);
+        SessionStats {
+            held: self.lock().len(),
+            hits: self.hits.load(Ordering::Relaxed),
+            rebinds_unusable: r(Rebind::Unusable),
+            rebinds_gone: r(Rebind::Gone),
+            rebinds_overloaded: r(Rebind::Overloaded),
+        }
+    }
+
+    /// The bound worker of `session` if it may take this request, else why not.
+    fn follow(
+        &self,
+        session: u64,
+        set: &WorkerSet,
+        candidates: &[Candidate],
+        rng: &mut dyn RngCore,
+    ) -> Option<Result<WorkerId, Rebind>> {
+        let now = crate::clock::now();
+        let binding = {
+            let mut map = self.lock();
+            let b = *map.get(&session)?;
+            if now.saturating_duration_since(b.last_used) > self.ttl {
+                map.pop(&session);
+                return None;
+            }
+            b
+        };
+        let same_worker = set
+            .get(binding.worker)
+            .is_some_and(|w| w.key_hash() == binding.key_hash);
+        if !same_worker {
+            return Some(Err(Rebind::Gone));
+        }
+        let Some(c) = candidates
+            .iter()
+            .find(|c| c.id == binding.worker && c.usable)
+        else {
+            return Some(Err(Rebind::Unusable));
+        };
+        if self.mode == SessionMode::Soft
+            && let Some(least) = least_loaded(usable(candidates), None, rng)
+            && is_overloaded(&self.params, c.load, least.load)
+        {
+            return Some(Err(Rebind::Overloaded));
+        }
+        Some(Ok(c.id))
+    }
+}
+
+impl PoolListener for Sessions {
+    fn worker_left(&self, worker: &Worker) {
+        self.inner.worker_left(worker);
+    }
+
+    fn worker_down(&self, worker: &Worker) {
+        self.inner.worker_down(worker);
+    }
+}
+
+impl Policy for Sessions {
+    fn name(&self) -> &'static str {
+        self.inner.name()
+    }
+
+    fn prepare<'a>(
+        &'a self,
+        req: super::RequestParts<'a>,
+    ) -> Option<super::BoxFuture<'a, super::Prepared>> {
+        self.inner.prepare(req)
+    }
+
+    fn pick(
+        &self,
+        req: &RouteRequest<'_>,
+        set: &WorkerSet,
+        candidates: &[Candidate],
+        rng: &mut dyn RngCore,
+    ) -> Pick {
+        if let Some(session) = req.session {
+            match self.follow(session, set, candidates, rng) {
+                Some(Ok(id)) => {
+                    self.hits.fetch_add(1, Ordering::Relaxed);
+                    let mut pick = Pick::load_only(Some(id), req.text().len());
+                    pick.reason = Reason::Session;
+                    pick.cache_aware = candidates.iter().any(|c| c.id == id && c.cache_aware);
+                    return pick;
+                }
+                Some(Err(why)) => {
+                    self.rebinds[why as usize].fetch_add(1, Ordering::Relaxed);
+                }
+                None => {}
+            }
+        }
+        self.inner.pick(req, set, candidates, rng)
+    }
+
+    fn observe(&self, req: &RouteRequest<'_>, pick: &Pick, worker: &Worker, outcome: Outcome) {
+        if outcome == Outcome::Served
+            && let Some(session) = req.session
+        {
+            self.lock().put(
+                session,
+                Binding {
+                    worker: worker.id(),
+                    key_hash: worker.key_hash(),
+                    last_used: crate::clock::now(),
+                },
+            );
+        }
+        self.inner.observe(req, pick, worker, outcome);
+    }
+
+    fn tree(&self) -> Option<&std::sync::Arc<SharedTree>> {
+        self.inner.tree()
+    }
+
+    fn precise(&self) -> Option<&std::sync::Arc<crate::precise::Precise>> {
+        self.inner.precise()
+    }
+
+    fn sessions(&self) -> Option<SessionStats> {
+        Some(self.stats())
+    }
+
+    fn background(
+        &self,
+        pool: std::sync::Arc<Pool>,
+        shutdown: Shutdown,
+    ) -> Option<super::BoxFuture<'static, ()>> {
+        self.inner.background(pool, shutdown)
+    }
+}
+
+/// The session key of a request: the first configured header present with a usable
+/// value (1 to [`MAX_KEY_BYTES`] visible ASCII bytes), else the first configured body
+/// field (a dotted JSON path) holding a string or number. Hashed (xxh3-64), so the key
+/// itself is never stored or logged.
+pub fn session_key(cfg: &SessionConfig, headers: &http::HeaderMap, body: &[u8]) -> Option<u64> {
+    for name in &cfg.headers {
+        if let Some(v) = headers.get(name) {
+            let b = v.as_bytes();
+            if !b.is_empty() && b.len() <= MAX_KEY_BYTES && b.iter().all(u8::is_ascii_graphic) {
+                return Some(xxhash_rust::xxh3::xxh3_64(b));
+            }
+        }
+    }
+    if cfg.body_fields.is_empty() {
+        return None;
+    }
+    let doc: serde_json::Value = serde_json::from_slice(body).ok()?;
+    for path in &cfg.body_fields {
+        let Some(v) = path.split('.').try_fold(&doc, |v, part| v.get(part)) else {
+            continue;
+        };
+        let key = match v {
+            serde_json::Value::String(s) if !s.is_empty() && s.len() <= MAX_KEY_BYTES => s.clone(),
+            serde_json::Value::Number(n) => n.to_string(),
+            _ => continue,
+        };
+        return Some(xxhash_rust::xxh3::xxh3_64(key.as_bytes()));
+    }
+    None
+}
+
+/// Longest session key used, in bytes; longer ones are ignored.
+pub const MAX_KEY_BYTES: usize = 256;
+
+/// Default bound on sessions held.
+pub const DEFAULT_MAX_SESSIONS: NonZeroUsize = match NonZeroUsize::new(1_000_000) {
+    Some(n) => n,
+    None => unreachable!(),
+};
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+    use crate::policy::fixtures::cands;
+    use std::sync::Arc;
+
+    fn setup(extra: &str) -> (Config, Pool, Arc<dyn Policy>) {
+        let yaml = format!(
+            "policy: round_robin\nworkers:\n  - url: http://a:1\n  - url: http://b:1\n  - url: http://c:1\n{extra}"
+        );
+        let cfg = Config::from_sources([(std::path::Path::new("s.yaml"), yaml.as_str())]).unwrap();
+        let pool = Pool::new(&cfg.workers, &cfg.circuit_breaker);
+        let policy = super::super::build(&cfg, &pool);
+        (cfg, pool, policy)
+    }
+
+    /// Picks and, when a worker was chosen, reports it served.
+    fn serve(
+        policy: &dyn Policy,
+        set: &WorkerSet,
+        session: u64,
+        loads: &[usize],
+        down: &[usize],
+    ) -> WorkerId {
+        let req = RouteRequest {
+            session: Some(session),
+            ..Default::default()
+        };
+        let mut c = cands(loads);
+        for d in down {
+            c[*d].usable = false;
+        }
+        let mut rng = rand::rng();
+        let pick = policy.pick(&req, set, &c, &mut rng);
+        let id = pick.worker.unwrap();
+        policy.observe(&req, &pick, set.get(id).unwrap(), Outcome::Served);
+        id
+    }
+
+    #[test]
+    fn a_session_sticks_then_rebinds_when_its_worker_is_unusable_or_overloaded() {
+        let (_, pool, p) = setup("");
+        let set = pool.set();
+        // Round robin alone would move it every request.
+        let first = serve(&*p, &set, 7, &[0, 0, 0], &[]);
+        for _ in 0..10 {
+            assert_eq!(serve(&*p, &set, 7, &[0, 0, 0], &[]), first);
+        }
+        let mut busy = [0, 0, 0];
+        busy[first.0 as usize] = 10;
+        let moved = serve(&*p, &set, 7, &busy, &[]);
+        assert_ne!(moved, first, "soft: overloaded worker left");
+        assert_eq!(serve(&*p, &set, 7, &[0, 0, 0], &[]), moved, "re-bound");
+        let again = serve(&*p, &set, 7, &[0, 0, 0], &[moved.0 as usize]);
+        assert_ne!(again, moved, "unusable worker left");
+        let s = p.sessions().unwrap();
+        assert_eq!(
+            (s.held, s.rebinds_overloaded, s.rebinds_unusable),
+            (1, 1, 1)
+        );
+        assert!(s.hits >= 11);
+    }
+
+    #[test]
+    fn hard_mode_ignores_load_but_not_health() {
+        let (_, pool, p) = setup("session:\n  mode: hard\n");
+        let set = pool.set();
+        let first = serve(&*p, &set, 9, &[0, 0, 0], &[]);
+        let mut busy = [0, 0, 0];
+        busy[first.0 as usize] = 50;
+        assert_eq!(serve(&*p, &set, 9, &busy, &[]), first);
+        assert_ne!(serve(&*p, &set, 9, &[0, 0, 0], &[first.0 as usize]), first);
+    }
+
+    #[test]
+    fn a_session_survives_another_workers_removal_and_rebinds_when_its_own_leaves() {
+        let (cfg, pool, p) = setup("");
+        let set = pool.set();
+        let bound = serve(&*p, &set, 3, &[0, 0, 0], &[]);
+        let other = set
+            .workers()
+            .iter()
+            .find(|w| w.id() != bound)
+            .unwrap()
+            .key()
+            .to_string();
+        assert!(pool.remove(&other));
+        let set = pool.set();
+        let loads = vec![0; set.workers().len()];
+        let c: Vec<Candidate> = set
+            .workers()
+            .iter()
+            .zip(&loads)
+            .map(|(w, l)| Candidate {
+                id: w.id(),
+                load: *l,
+                usable: true,
+                cache_aware: true,
+            })
+            .collect();
+        let req = RouteRequest {
+            session: Some(3),
+            ..Default::default()
+        };
+        let pick = p.pick(&req, &set, &c, &mut rand::rng());
+        assert_eq!(pick.worker, Some(bound));
+        assert_eq!(pick.reason, Reason::Session);
+        // Its own worker leaves, and a new worker is added: it may get the freed id,
+        // but the session does not follow the id to it.
+        let own = set.get(bound).unwrap().key().to_string();
+        assert!(pool.remove(&own));
+        let mut new = cfg.workers[0].clone();
+        new.url = crate::config::WorkerUrl::parse("http://d:1").unwrap();
+        pool.add(new).unwrap();
+        let set = pool.set();
+        let c: Vec<Candidate> = set
+            .workers()
+            .iter()
+            .map(|w| Candidate {
+                id: w.id(),
+                load: 0,
+                usable: true,
+                cache_aware: true,
+            })
+            .collect();
+        let pick = p.pick(&req, &set, &c, &mut rand::rng());
+        assert_ne!(pick.reason, Reason::Session);
+        assert_eq!(p.sessions().unwrap().rebinds_gone, 1);
+    }
+
+    #[test]
+    fn sessions_are_bounded_in_number_and_time() {
+        let (_, pool, p) = setup("session:\n  max_sessions: 2\n  ttl_secs: 60\n");
+        let set = pool.set();
+        for s in 0..5u64 {
+            serve(&*p, &set, s, &[0, 0, 0], &[]);
+        }
+        assert_eq!(p.sessions().unwrap().held, 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_binding_expires_after_its_ttl() {
+        let (_, pool, p) = setup("session:\n  ttl_secs: 10\n");
+        let set = pool.set();
+        serve(&*p, &set, 1, &[0, 0, 0], &[]);
+        tokio::time::advance(Duration::from_secs(5)).await;
+        let req = RouteRequest {
+            session: Some(1),
+            ..Default::default()
+        };
+        let c = cands(&[0, 0, 0]);
+        assert_eq!(
+            p.pick(&req, &set, &c, &mut rand::rng()).reason,
+            Reason::Session
+        );
+        tokio::time::advance(Duration::from_secs(11)).await;
+        assert_ne!(
+            p.pick(&req, &set, &c, &mut rand::rng()).reason,
+            Reason::Session
+        );
+        assert_eq!(p.sessions().unwrap().held, 0);
+    }
+
+    #[test]
+    fn keys_come_from_headers_then_body_fields_and_bad_ones_are_ignored() {
+        let cfg = |fields: &[&str]| SessionConfig {
+            enabled: true,
+            headers: vec![http::HeaderName::from_static("x-session-id")],
+            body_fields: fields.iter().map(|s| s.to_string()).collect(),
+            mode: SessionMode::Soft,
+            ttl: Duration::from_secs(60),
+            max_sessions: DEFAULT_MAX_SESSIONS,
+        };
+        let mut h = http::HeaderMap::new();
+        let body = br#"{"user":"u-1","metadata":{"user_id":42}}"#;
+        assert_eq!(session_key(&cfg(&[]), &h, body), None);
+        assert_eq!(
+            session_key(&cfg(&["metadata.user_id"]), &h, body),
+            Some(xxhash_rust::xxh3::xxh3_64(b"42"))
+        );
+        assert_eq!(
+            session_key(&cfg(&["nope", "user"]), &h, body),
+            Some(xxhash_rust::xxh3::xxh3_64(b"u-1"))
+        );
+        h.insert("x-session-id", "abc".parse().unwrap());
+        assert_eq!(
+            session_key(&cfg(&["user"]), &h, body),
+            Some(xxhash_rust::xxh3::xxh3_64(b"abc"))
+        );
+        h.insert("x-session-id", "x".repeat(300).parse().unwrap());
+        assert_eq!(session_key(&cfg(&[]), &h, body), None);
+        assert_eq!(session_key(&cfg(&["user"]), &h, b"not json"), None);
+    }
+}
