@@ -330,3 +330,94 @@ async fn fallback_workers_take_traffic_only_while_no_primary_is_usable() {
     );
     router.shutdown().await;
 }
+
+/// A worker that answers `/v1/responses` as an OpenAI-style engine does, with ids of its
+/// own (`resp_<name>_<n>`): JSON, or SSE (`response.created` first) when asked to stream.
+async fn responses_worker(name: &'static str) -> FakeWorker {
+    FakeWorker::start_with(move |r| {
+        let id = format!("resp_{name}_{}", r.index);
+        if r.body_str().contains("\"stream\":true") {
+            let created = format!(
+                r#"{{"type":"response.created","response":{{"id":"{id}","object":"response","status":"in_progress"}}}}"#
+            );
+            let delta = r#"{"type":"response.output_text.delta","delta":"ok"}"#.to_string();
+            let done = format!(
+                r#"{{"type":"response.completed","response":{{"id":"{id}","object":"response","status":"completed"}}}}"#
+            );
+            Reply::sse(&[created, delta, done], std::time::Duration::ZERO)
+        } else {
+            Reply::json(
+                200,
+                &format!(r#"{{"id":"{id}","object":"response","status":"completed","output":[]}}"#),
+            )
+        }
+    })
+    .await
+}
+
+/// The response id in an answer (JSON or SSE).
+fn response_id(text: &str) -> String {
+    let start = text.find("\"id\":\"resp_").expect("a response id") + 6;
+    let end = start + text[start..].find('"').unwrap();
+    text[start..end].to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_previous_response_id_follow_up_reaches_the_worker_that_created_it() {
+    let a = responses_worker("a").await;
+    let b = responses_worker("b").await;
+    let ws = [&a, &b];
+    // Round robin alternates: only the learned response ids keep follow-ups in place.
+    let router = start_router(&yaml_for(&ws, "policy: round_robin\n")).await;
+    for stream in [false, true] {
+        for i in 0..20 {
+            let first =
+                serde_json::json!({"model": "m", "input": format!("start {i}"), "stream": stream});
+            let (resp, origin) = send_tagged(
+                router.addr,
+                &ws,
+                Req::post("/v1/responses", first.to_string()),
+            )
+            .await;
+            assert_eq!(resp.status, 200);
+            let id = response_id(&resp.text());
+            assert!(
+                id.starts_with(if origin == 0 { "resp_a" } else { "resp_b" }),
+                "{id}"
+            );
+            let follow = serde_json::json!({
+                "model": "m",
+                "input": "and then?",
+                "previous_response_id": id,
+                "stream": stream,
+            });
+            let (resp, w) = send_tagged(
+                router.addr,
+                &ws,
+                Req::post("/v1/responses", follow.to_string()),
+            )
+            .await;
+            assert_eq!(resp.status, 200);
+            assert_eq!(
+                w, origin,
+                "stream={stream} follow-up {i} left the worker holding {id}"
+            );
+        }
+    }
+    let w = get_workers(router.addr).await;
+    assert_eq!(w["sessions"]["conversation_hits"], 40, "{w}");
+    // The worker holding the state is gone: the follow-up still gets a worker's answer.
+    let first = serde_json::json!({"model": "m", "input": "last"});
+    let (resp, origin) = send_tagged(
+        router.addr,
+        &ws,
+        Req::post("/v1/responses", first.to_string()),
+    )
+    .await;
+    let id = response_id(&resp.text());
+    ws[origin].kill().await;
+    let follow = serde_json::json!({"model": "m", "input": "more", "previous_response_id": id});
+    let resp = post(router.addr, "/v1/responses", follow.to_string()).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    router.shutdown().await;
+}

@@ -70,6 +70,8 @@ pub enum Reason {
     NoWorker,
     /// Followed the request's session binding (`session:`).
     Session,
+    /// Sent to the worker holding the `/v1/responses` state it continues.
+    Conversation,
 }
 
 impl Reason {
@@ -82,6 +84,7 @@ impl Reason {
             Reason::EmptyText => "empty_text",
             Reason::NoWorker => "no_worker",
             Reason::Session => "session",
+            Reason::Conversation => "conversation",
         }
     }
 }
@@ -178,6 +181,13 @@ pub enum Outcome {
     Cancelled,
 }
 
+/// What a complete answer told, read from its bytes as they passed to the client.
+#[derive(Debug, Default)]
+pub struct Answer<'a> {
+    /// A `/v1/responses` answer's id (a later `previous_response_id`).
+    pub response_id: Option<&'a str>,
+}
+
 /// What a request brings to a policy, worked out once before its first attempt.
 #[derive(Debug, Default)]
 pub struct RouteRequest<'a> {
@@ -240,6 +250,9 @@ pub trait Policy: PoolListener {
     /// the only place routing memory is written.
     fn observe(&self, _req: &RouteRequest<'_>, _pick: &Pick, _worker: &Worker, _outcome: Outcome) {}
 
+    /// What a complete answer from `worker` told (read from its bytes as they passed).
+    fn answered(&self, _worker: &Worker, _answer: &Answer<'_>) {}
+
     /// The approximate prefix tree, when the policy keeps one (`/workers`, `/metrics`,
     /// `POST /cache/clear`).
     fn tree(&self) -> Option<&Arc<SharedTree>> {
@@ -263,6 +276,12 @@ pub trait Policy: PoolListener {
     }
 }
 
+impl std::fmt::Debug for dyn Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Policy({})", self.name())
+    }
+}
+
 /// The policy `config.policy` names, with its state, registered with `pool` for
 /// membership events. The one place that matches on [`PolicyKind`].
 pub fn build(config: &Config, pool: &Pool) -> Arc<dyn Policy> {
@@ -277,16 +296,12 @@ pub fn build(config: &Config, pool: &Pool) -> Arc<dyn Policy> {
             &config.consistent_hash,
         )),
     };
-    // Sessions wrap whichever policy: a bound session is decided before its pick.
-    let policy: Arc<dyn Policy> = if config.session.enabled {
-        Arc::new(session::Sessions::new(
-            policy,
-            &config.session,
-            CacheParams::from(&config.cache),
-        ))
-    } else {
-        policy
-    };
+    // Conversation state and sessions wrap whichever policy: decided before its pick.
+    let policy: Arc<dyn Policy> = Arc::new(session::Affinity::new(
+        policy,
+        &config.session,
+        CacheParams::from(&config.cache),
+    ));
     pool.listen(Arc::clone(&policy) as Arc<dyn PoolListener>);
     policy
 }

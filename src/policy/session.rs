@@ -1,7 +1,15 @@
-//! Session affinity (`session:`), around whatever policy is configured: a request that
-//! carries a session key (a header such as `x-session-id`, or a body field such as
-//! `user` or `metadata.user_id`) goes to the worker that served that session last,
-//! decided before the inner policy's own pick (the prefix match, the ring, …).
+//! Session and conversation affinity, around whatever policy is configured, decided
+//! before the inner policy's own pick (the prefix match, the ring, …):
+//!
+//! - **Conversation state** (`/v1/responses`): a request with `previous_response_id` (or
+//!   a `conversation` id) goes to the worker that produced that response (or served that
+//!   conversation): the state lives there. Response ids are learned from the answers as
+//!   they pass (the JSON `id`, the SSE `response.created` event; [`Policy::answered`]).
+//!   When that worker is unusable or gone the request still goes to a worker, whose own
+//!   answer (typically "response not found") reaches the client.
+//! - **Sessions** (`session:`): a request that carries a session key (a header such as
+//!   `x-session-id`, or a body field such as `user` or `metadata.user_id`) goes to the
+//!   worker that served that session last.
 //!
 //! - A binding is written only when a worker **served** the session (2xx first byte),
 //!   like every routing memory ([`Policy::observe`]).
@@ -61,48 +69,90 @@ struct Binding {
     last_used: Instant,
 }
 
-/// The session layer around an inner policy. See the module docs.
-pub struct Sessions {
+/// The affinity layer around an inner policy. See the module docs.
+pub struct Affinity {
     inner: std::sync::Arc<dyn Policy>,
+    sessions_on: bool,
     mode: SessionMode,
     ttl: Duration,
     params: CacheParams,
     bindings: Mutex<LruCache<u64, Binding>>,
+    /// Response or conversation id (hashed) -> the worker holding its state.
+    conversations: Mutex<LruCache<u64, Binding>>,
     hits: AtomicU64,
     rebinds: [AtomicU64; 3],
+    conversation_hits: AtomicU64,
+    conversation_misses: AtomicU64,
 }
 
-/// Counters of the session layer (`/workers`, `/metrics`).
+/// Counters of the affinity layer (`/workers`, `/metrics`).
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct SessionStats {
-    /// Bindings held now.
+    /// Session bindings held now.
     pub held: usize,
     /// Requests sent to their session's worker.
     pub hits: u64,
     pub rebinds_unusable: u64,
     pub rebinds_gone: u64,
     pub rebinds_overloaded: u64,
+    /// Response / conversation ids known (`/v1/responses` state).
+    pub conversations_held: usize,
+    /// Follow-ups sent to the worker holding their state.
+    pub conversation_hits: u64,
+    /// Follow-ups whose worker was unusable or gone (sent elsewhere).
+    pub conversation_misses: u64,
 }
 
-impl Sessions {
+impl Affinity {
+    /// The layer around `inner`: sessions as `cfg` says, conversation state always
+    /// (with the same bounds: `ttl_secs`, `max_sessions`).
     pub fn new(
         inner: std::sync::Arc<dyn Policy>,
         cfg: &SessionConfig,
         params: CacheParams,
     ) -> Self {
-        Sessions {
+        Affinity {
             inner,
+            sessions_on: cfg.enabled,
             mode: cfg.mode,
             ttl: cfg.ttl,
             params,
             bindings: Mutex::new(LruCache::new(cfg.max_sessions)),
+            conversations: Mutex::new(LruCache::new(cfg.max_sessions)),
             hits: AtomicU64::new(0),
             rebinds: Default::default(),
+            conversation_hits: AtomicU64::new(0),
+            conversation_misses: AtomicU64::new(0),
         }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, LruCache<u64, Binding>> {
         self.bindings.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn conversations(&self) -> std::sync::MutexGuard<'_, LruCache<u64, Binding>> {
+        self.conversations.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The live binding of `key` in `map` (an expired one is dropped).
+    fn bound(&self, map: &mut LruCache<u64, Binding>, key: u64) -> Option<Binding> {
+        let b = *map.get(&key)?;
+        if crate::clock::now().saturating_duration_since(b.last_used) > self.ttl {
+            map.pop(&key);
+            return None;
+        }
+        Some(b)
+    }
+
+    fn bind(map: &mut LruCache<u64, Binding>, key: u64, worker: &Worker) {
+        map.put(
+            key,
+            Binding {
+                worker: worker.id(),
+                key_hash: worker.key_hash(),
+                last_used: crate::clock::now(),
+            },
+        );
     }
 
     /// The counters now.
@@ -114,6 +164,9 @@ impl Sessions {
             rebinds_unusable: r(Rebind::Unusable),
             rebinds_gone: r(Rebind::Gone),
             rebinds_overloaded: r(Rebind::Overloaded),
+            conversations_held: self.conversations().len(),
+            conversation_hits: self.conversation_hits.load(Ordering::Relaxed),
+            conversation_misses: self.conversation_misses.load(Ordering::Relaxed),
         }
     }
 
@@ -125,16 +178,7 @@ impl Sessions {
         candidates: &[Candidate],
         rng: &mut dyn RngCore,
     ) -> Option<Result<WorkerId, Rebind>> {
-        let now = crate::clock::now();
-        let binding = {
-            let mut map = self.lock();
-            let b = *map.get(&session)?;
-            if now.saturating_duration_since(b.last_used) > self.ttl {
-                map.pop(&session);
-                return None;
-            }
-            b
-        };
+        let binding = self.bound(&mut self.lock(), session)?;
         let same_worker = set
             .get(binding.worker)
             .is_some_and(|w| w.key_hash() == binding.key_hash);
@@ -155,9 +199,37 @@ impl Sessions {
         }
         Some(Ok(c.id))
     }
+
+    /// The worker holding the `/v1/responses` state `key`, when it is usable.
+    fn holder(&self, key: u64, set: &WorkerSet, candidates: &[Candidate]) -> Option<WorkerId> {
+        let b = self.bound(&mut self.conversations(), key)?;
+        let here = set
+            .get(b.worker)
+            .is_some_and(|w| w.key_hash() == b.key_hash)
+            && candidates.iter().any(|c| c.id == b.worker && c.usable);
+        if !here {
+            self.conversation_misses.fetch_add(1, Ordering::Relaxed);
+            return None;
+        }
+        self.conversation_hits.fetch_add(1, Ordering::Relaxed);
+        Some(b.worker)
+    }
 }
 
-impl PoolListener for Sessions {
+/// A decision that followed a binding to `id`.
+fn bound_pick(
+    id: WorkerId,
+    reason: Reason,
+    req: &RouteRequest<'_>,
+    candidates: &[Candidate],
+) -> Pick {
+    let mut pick = Pick::load_only(Some(id), req.text().len());
+    pick.reason = reason;
+    pick.cache_aware = candidates.iter().any(|c| c.id == id && c.cache_aware);
+    pick
+}
+
+impl PoolListener for Affinity {
     fn worker_left(&self, worker: &Worker) {
         self.inner.worker_left(worker);
     }
@@ -167,7 +239,7 @@ impl PoolListener for Sessions {
     }
 }
 
-impl Policy for Sessions {
+impl Policy for Affinity {
     fn name(&self) -> &'static str {
         self.inner.name()
     }
@@ -186,14 +258,16 @@ impl Policy for Sessions {
         candidates: &[Candidate],
         rng: &mut dyn RngCore,
     ) -> Pick {
-        if let Some(session) = req.session {
+        if let Some(key) = req.ctx.and_then(|c| c.continues)
+            && let Some(id) = self.holder(key, set, candidates)
+        {
+            return bound_pick(id, Reason::Conversation, req, candidates);
+        }
+        if let Some(session) = req.session.filter(|_| self.sessions_on) {
             match self.follow(session, set, candidates, rng) {
                 Some(Ok(id)) => {
                     self.hits.fetch_add(1, Ordering::Relaxed);
-                    let mut pick = Pick::load_only(Some(id), req.text().len());
-                    pick.reason = Reason::Session;
-                    pick.cache_aware = candidates.iter().any(|c| c.id == id && c.cache_aware);
-                    return pick;
+                    return bound_pick(id, Reason::Session, req, candidates);
                 }
                 Some(Err(why)) => {
                     self.rebinds[why as usize].fetch_add(1, Ordering::Relaxed);
@@ -205,19 +279,24 @@ impl Policy for Sessions {
     }
 
     fn observe(&self, req: &RouteRequest<'_>, pick: &Pick, worker: &Worker, outcome: Outcome) {
-        if outcome == Outcome::Served
-            && let Some(session) = req.session
-        {
-            self.lock().put(
-                session,
-                Binding {
-                    worker: worker.id(),
-                    key_hash: worker.key_hash(),
-                    last_used: crate::clock::now(),
-                },
-            );
+        if outcome == Outcome::Served {
+            if let Some(session) = req.session.filter(|_| self.sessions_on) {
+                Self::bind(&mut self.lock(), session, worker);
+            }
+            // A conversation id names state the serving worker now holds.
+            if let Some(key) = req.ctx.and_then(|c| c.continues) {
+                Self::bind(&mut self.conversations(), key, worker);
+            }
         }
         self.inner.observe(req, pick, worker, outcome);
+    }
+
+    fn answered(&self, worker: &Worker, answer: &super::Answer<'_>) {
+        if let Some(id) = answer.response_id {
+            let key = xxhash_rust::xxh3::xxh3_64(id.as_bytes());
+            Self::bind(&mut self.conversations(), key, worker);
+        }
+        self.inner.answered(worker, answer);
     }
 
     fn tree(&self) -> Option<&std::sync::Arc<SharedTree>> {

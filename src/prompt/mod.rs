@@ -79,6 +79,10 @@ pub struct RouteContext<'a> {
     pub source: Source,
     /// Whether the prompt references media by a remote `http(s)://` URL.
     pub has_remote_media: bool,
+    /// `/v1/responses` state the request continues, hashed (xxh3-64): its
+    /// `previous_response_id`, else its `conversation` id. The worker that holds that
+    /// state must answer it (see `policy::session`).
+    pub continues: Option<u64>,
 }
 
 /// Reads the routing context of `body` for `endpoint`. `max_prompt_bytes` bounds the
@@ -106,6 +110,7 @@ pub fn raw_body(body: &[u8], max_prompt_bytes: usize) -> RouteContext<'_> {
         digest: xxhash_rust::xxh3::xxh3_64(body),
         source: Source::RawBody,
         has_remote_media: false,
+        continues: None,
     }
 }
 
@@ -116,6 +121,7 @@ pub struct PromptBuilder {
     total_len: usize,
     hasher: Xxh3,
     has_remote_media: bool,
+    continues: Option<u64>,
 }
 
 impl PromptBuilder {
@@ -127,7 +133,14 @@ impl PromptBuilder {
             total_len: 0,
             hasher: Xxh3::new(),
             has_remote_media: false,
+            continues: None,
         }
+    }
+
+    /// Marks the request as continuing `/v1/responses` state `id` (a previous response
+    /// or a conversation).
+    pub fn continues(&mut self, id: &str) {
+        self.continues = Some(xxhash_rust::xxh3::xxh3_64(id.as_bytes()));
     }
 
     /// Appends text: to the routing text (while under the cap), the length and the digest.
@@ -191,6 +204,7 @@ impl PromptBuilder {
             digest: self.hasher.digest(),
             source: Source::Extracted,
             has_remote_media: self.has_remote_media,
+            continues: self.continues,
         }
     }
 }
@@ -396,6 +410,7 @@ mod tests {
                 digest: self.digest,
                 source: self.source,
                 has_remote_media: self.has_remote_media,
+                continues: self.continues,
             }
         }
     }

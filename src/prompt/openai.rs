@@ -143,6 +143,24 @@ struct ResponsesBody<'a> {
     instructions: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
     input: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    previous_response_id: Option<Cow<'a, str>>,
+    /// A conversation id, or `{"id": …}`.
+    #[serde(borrow, default)]
+    conversation: Option<&'a RawValue>,
+}
+
+/// The id of a `conversation` field: a string, or an object with a string `id`.
+fn conversation_id(raw: &RawValue) -> Option<String> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Conv {
+        Id(String),
+        Object { id: String },
+    }
+    match serde_json::from_str::<Conv>(raw.get()).ok()? {
+        Conv::Id(s) | Conv::Object { id: s } => Some(s),
+    }
 }
 
 #[derive(Deserialize)]
@@ -168,6 +186,15 @@ pub fn responses(body: &[u8], b: &mut PromptBuilder) -> bool {
     let Ok(req) = serde_json::from_slice::<ResponsesBody<'_>>(body) else {
         return false;
     };
+    if let Some(prev) = req
+        .previous_response_id
+        .as_deref()
+        .filter(|p| !p.is_empty())
+    {
+        b.continues(prev);
+    } else if let Some(conv) = req.conversation.and_then(conversation_id) {
+        b.continues(&conv);
+    }
     if let Some(i) = &req.instructions {
         b.role("system");
         b.text(i);

@@ -20,6 +20,8 @@ use crate::pool::breaker::Outcome;
 #[derive(Debug)]
 pub struct BodyTap {
     pub metrics: Arc<Metrics>,
+    /// Told what a complete answer carried (a `/v1/responses` id).
+    pub policy: Arc<dyn crate::policy::Policy>,
     /// Reads usage from the bytes as they pass; `None` for bodies it cannot read.
     pub scanner: Option<UsageScanner>,
     pub log: AccessLog,
@@ -64,7 +66,9 @@ impl GuardedBody {
     /// Releases the guard (recording `outcome` with the breaker, if any) and writes the
     /// request's metrics and access line, once.
     fn finish(&mut self, outcome: Option<Outcome>, how: &'static str) {
-        if let Some(mut g) = self.guard.take()
+        let guard = self.guard.take();
+        let served_by = guard.as_ref().map(|g| Arc::clone(g.worker()));
+        if let Some(mut g) = guard
             && let Some(o) = outcome
         {
             g.record(o);
@@ -73,10 +77,18 @@ impl GuardedBody {
             let worker = &tap.log.worker;
             tap.metrics.finished(worker, tap.log.arrived.elapsed());
             if how == "complete"
-                && let Some(u) = tap.scanner.and_then(UsageScanner::finish)
+                && let Some(found) = tap.scanner.map(UsageScanner::found)
             {
-                tap.metrics
-                    .engine_usage(worker, u.prompt_tokens, u.cached_tokens);
+                if let Some(u) = found.usage {
+                    tap.metrics
+                        .engine_usage(worker, u.prompt_tokens, u.cached_tokens);
+                }
+                if let (Some(id), Some(w)) = (found.response_id.as_deref(), served_by.as_ref()) {
+                    let answer = crate::policy::Answer {
+                        response_id: Some(id),
+                    };
+                    tap.policy.answered(w, &answer);
+                }
             }
             tap.log.write(how);
         }

@@ -390,6 +390,7 @@ impl Router {
         }
         let tap = body::BodyTap {
             metrics: Arc::clone(&self.metrics),
+            policy: Arc::clone(&self.policy),
             scanner: usage::UsageScanner::for_response(&parts.headers),
             log,
         };

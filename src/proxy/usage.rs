@@ -3,7 +3,10 @@
 //! vLLM and SGLang put `usage.prompt_tokens` and `usage.prompt_tokens_details.cached_tokens`
 //! in a JSON response, and in the final SSE chunk when `stream_options.include_usage` is
 //! set; Anthropic-style servers report `input_tokens` and `cache_read_input_tokens`
-//! (in `message_start` when streaming). The scanner only looks at bytes the proxy is
+//! (in `message_start` when streaming). For `/v1/responses` it also reads the
+//! response's `id` (the JSON body's, or the SSE `response.created` /
+//! `response.completed` event's), which a follow-up's `previous_response_id` names.
+//! The scanner only looks at bytes the proxy is
 //! already forwarding: it never holds a chunk back. JSON bodies are copied up to
 //! [`MAX_JSON_BYTES`]; SSE keeps only the current partial line. Compressed bodies are
 //! not scanned.
@@ -35,7 +38,15 @@ pub enum UsageScanner {
         line: Vec<u8>,
         skipping: bool,
         usage: Option<Usage>,
+        response_id: Option<String>,
     },
+}
+
+/// What a complete answer told: its usage and, for `/v1/responses`, its id.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Found {
+    pub usage: Option<Usage>,
+    pub response_id: Option<String>,
 }
 
 impl UsageScanner {
@@ -53,6 +64,7 @@ impl UsageScanner {
                 line: Vec::new(),
                 skipping: false,
                 usage: None,
+                response_id: None,
             })
         } else if ct.starts_with("application/json") {
             Some(UsageScanner::Json {
@@ -83,6 +95,7 @@ impl UsageScanner {
                 line,
                 skipping,
                 usage,
+                response_id,
             } => {
                 let mut rest = chunk;
                 while let Some(nl) = rest.iter().position(|b| *b == b'\n') {
@@ -90,6 +103,9 @@ impl UsageScanner {
                         line.extend_from_slice(&rest[..nl]);
                         if let Some(u) = sse_line_usage(line) {
                             *usage = Some(u);
+                        }
+                        if response_id.is_none() {
+                            *response_id = sse_line_response_id(line);
                         }
                     }
                     line.clear();
@@ -110,16 +126,56 @@ impl UsageScanner {
 
     /// The usage found, once the body has ended.
     pub fn finish(self) -> Option<Usage> {
+        self.found().usage
+    }
+
+    /// Everything found, once the body has ended.
+    pub fn found(self) -> Found {
         match self {
             UsageScanner::Json { buf, overflow } => {
                 if overflow {
-                    return None;
+                    return Found::default();
                 }
-                serde_json::from_slice::<Envelope>(&buf).ok()?.usage()
+                let Ok(env) = serde_json::from_slice::<Envelope>(&buf) else {
+                    return Found::default();
+                };
+                let response_id = env
+                    .id
+                    .clone()
+                    .filter(|_| env.object.as_deref() == Some("response"));
+                Found {
+                    usage: env.usage(),
+                    response_id,
+                }
             }
-            UsageScanner::Sse { line, usage, .. } => usage.or_else(|| sse_line_usage(&line)),
+            UsageScanner::Sse {
+                line,
+                usage,
+                response_id,
+                ..
+            } => Found {
+                usage: usage.or_else(|| sse_line_usage(&line)),
+                response_id: response_id.or_else(|| sse_line_response_id(&line)),
+            },
         }
     }
+}
+
+/// The response id of an SSE `response.created` / `response.completed` data line.
+fn sse_line_response_id(line: &[u8]) -> Option<String> {
+    let data = line.strip_prefix(b"data:")?;
+    if !contains(data, b"\"response.created\"") && !contains(data, b"\"response.completed\"") {
+        return None;
+    }
+    #[derive(Deserialize)]
+    struct Event {
+        response: Option<Inner>,
+    }
+    #[derive(Deserialize)]
+    struct Inner {
+        id: Option<String>,
+    }
+    serde_json::from_slice::<Event>(data).ok()?.response?.id
 }
 
 fn sse_line_usage(line: &[u8]) -> Option<Usage> {
@@ -136,6 +192,10 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
 
 #[derive(Deserialize)]
 struct Envelope {
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    object: Option<String>,
     #[serde(default)]
     usage: Option<RawUsage>,
     /// Anthropic `message_start` carries usage inside `message`.
@@ -251,6 +311,27 @@ mod tests {
                 cached_tokens: 60
             })
         );
+    }
+
+    #[test]
+    fn response_ids_are_read_from_json_and_sse() {
+        let mut s = scanner("application/json");
+        s.feed(br#"{"id":"resp_123","object":"response","output":[],"usage":{"input_tokens":5}}"#);
+        assert_eq!(s.found().response_id.as_deref(), Some("resp_123"));
+        let mut s = scanner("application/json");
+        s.feed(br#"{"id":"chatcmpl-1","object":"chat.completion"}"#);
+        assert_eq!(s.found().response_id, None);
+        let stream = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_9\",\"status\":\"in_progress\"}}\n\nevent: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\"}\n\n";
+        for split in 1..stream.len() {
+            let mut s = scanner("text/event-stream");
+            s.feed(&stream[..split]);
+            s.feed(&stream[split..]);
+            assert_eq!(
+                s.found().response_id.as_deref(),
+                Some("resp_9"),
+                "split at {split}"
+            );
+        }
     }
 
     #[test]
