@@ -4,45 +4,45 @@
 //!
 //! ```text
 //! main.rs      CLI -> Config::load -> app::run
-//! app          builds the Router, accepts connections, SIGHUP reload, SIGTERM drain
-//! config       CLI + YAML layers -> validated Config
-//! proxy        hyper service: body -> prompt -> policy -> upstream -> GuardedBody
+//! app          builds the Router, spawns every long-lived task, SIGHUP, SIGTERM drain
+//! config       CLI + YAML layers -> validated Config (source: positions and words;
+//!              secret: credentials; passthrough: which other paths reach a worker)
+//! service      the hyper service: admin endpoints, or the proxy
+//! proxy        body -> prompt -> policy -> upstream -> GuardedBody, retries
+//!   request_body  bounded in bytes, memory and time
 //!   headers    hop-by-hop stripping, request ids
-//!   upstream   pooled hyper-util client, one attempt
+//!   upstream   pooled hyper-util client, one attempt; health probes
 //!   body       GuardedBody: streams the answer, owns the in-flight guard
+//!   usage      engine token usage (and /v1/responses ids) read as bytes pass
 //!   models     GET /v1/models with a per-set cache
+//! policy       trait Policy (pick pure, observe = the only writer of routing memory),
+//!              build(); select; one module per policy; session (conversation state
+//!              and sessions around any policy); precise (KV-event policy, supervisor)
+//! pool         workers, stable ids, membership, health, breaker, in-flight guards
+//! tree         RadixTree (owned by cache_aware) + eviction task
+//! precise      KV-event state: events, sequence, index, feed, consumer
+//! tokenize     request token ids as vLLM computes them (chat_template)
 //! prompt       request body -> RouteContext (routing text, length, digest)
-//! policy       pure decision: candidates + tree -> Pick (worker, reason)
-//! tree         RadixTree: prefix -> workers, per-node LRU stamp
-//! precise      precise mode: vLLM KV events -> BlockIndex -> precise pick
-//!   tokens     request token ids: header, token prompt, or HF tokenizer
-//!   chat_template  messages -> prompt text as vLLM renders it (minijinja)
-//!   events     ZeroMQ frames + msgpack -> typed batches (pure)
-//!   sequence   gaps, restarts, replay (pure)
-//!   index      BlockIndex: router block key -> workers, LRU (pure)
-//!   score      matched blocks -> uncached tokens -> Pick (pure)
-//!   feed       per-worker feed state and counters
-//!   consumer   per-worker ZMQ task (SUB + DEALER for replay)
-//! workers      Worker (in-flight, health), WorkerSet snapshot, InFlightGuard
-//!   usage      engine token usage read from response bytes as they pass
 //! metrics      every metric name and label (prometheus-client)
-//! health       active health checks
-//! breaker      per-worker circuit breaker state machine
-//! tree::evict  LRU eviction and daily reset task
-//! admin        GET /health, GET /workers
-//! reload       SIGHUP: re-read files, swap workers
+//! admin        GET /health, /workers, /metrics; the admin API
+//! reload       SIGHUP: re-read files, replace the pool's workers
 //! error        ProxyError -> JSON response
-//! shutdown     one watch-channel shutdown signal
+//! redact       credentials out of every message, log line and answer
+//! clock, shutdown  tokio's clock for state machines; one shutdown signal
 //! ```
+//!
+//! Dependencies point one way: proxy -> policy -> pool; health, reload, admin and the
+//! KV-event supervisor use the pool, never the proxy.
 //!
 //! # A request
 //!
-//! 1. Read the body up to `server.max_body_bytes` (413 past it).
-//! 2. `prompt::extract` the routing text for the endpoint.
-//! 3. Load the current `WorkerSet` once; `policy` picks a worker and records the prompt
-//!    in the tree (one short mutex hold, never across an `.await`).
+//! 1. Read the body up to `server.max_body_bytes` (413) within `server.body_timeout_secs`
+//!    (408).
+//! 2. `prompt::extract` the routing text for the endpoint; the policy's `prepare`
+//!    (precise mode: token ids).
+//! 3. Load the current `WorkerSet` once; mark the usable candidates; `Policy::pick`.
 //! 4. Take an `InFlightGuard`, forward, return the upstream body in a `GuardedBody` so
-//!    the guard lives exactly as long as the stream.
+//!    the guard lives exactly as long as the stream; `Policy::observe` the outcome.
 //! 5. Retry on another worker on connection errors, timeouts before headers and
 //!    retryable statuses, only while nothing has reached the client.
 

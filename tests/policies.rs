@@ -7,6 +7,24 @@ mod support;
 use cache_aware_router::reload::{self, Outcome};
 use support::*;
 
+async fn three_workers() -> [FakeWorker; 3] {
+    [
+        FakeWorker::start().await,
+        FakeWorker::start().await,
+        FakeWorker::start().await,
+    ]
+}
+
+/// `DELETE /workers?url=…` with the admin token `tok`.
+async fn remove_worker(addr: std::net::SocketAddr, w: &FakeWorker) -> Response {
+    let target = format!("/workers?url={}", w.url());
+    send(
+        addr,
+        &Req::new("DELETE", &target).header("Authorization", "Bearer tok"),
+    )
+    .await
+}
+
 fn long_prompt(topic: &str) -> String {
     let mut p = format!("{topic}. ");
     while p.len() < 4 * 1024 {
@@ -97,11 +115,7 @@ async fn served(addr: std::net::SocketAddr, ws: &[&FakeWorker], body: &str) -> u
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn removing_re_adding_and_reordering_workers_keeps_the_others_affinity() {
-    let pool = [
-        FakeWorker::start().await,
-        FakeWorker::start().await,
-        FakeWorker::start().await,
-    ];
+    let pool = three_workers().await;
     let ws: Vec<&FakeWorker> = pool.iter().collect();
     let extra = "server:\n  admin_token: tok\n";
     let router = start_router(&yaml_for(&ws, extra)).await;
@@ -134,12 +148,7 @@ async fn removing_re_adding_and_reordering_workers_keeps_the_others_affinity() {
         }
     };
     // Remove worker 0 (admin API): the others keep their prompts.
-    let r = send(
-        router.addr,
-        &Req::new("DELETE", &format!("/workers?url={}", pool[0].url()))
-            .header("Authorization", "Bearer tok"),
-    )
-    .await;
+    let r = remove_worker(router.addr, &pool[0]).await;
     assert_eq!(r.status, 200, "{}", r.text());
     check(home.clone(), Some(0)).await;
     // Re-add it: still nobody else moves.
@@ -173,11 +182,7 @@ async fn removing_re_adding_and_reordering_workers_keeps_the_others_affinity() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_header_keeps_a_client_on_one_worker_until_that_worker_dies() {
-    let pool = [
-        FakeWorker::start().await,
-        FakeWorker::start().await,
-        FakeWorker::start().await,
-    ];
+    let pool = three_workers().await;
     let ws: Vec<&FakeWorker> = pool.iter().collect();
     // Round robin would move every request; the session keeps it.
     let router = start_router(&yaml_for(
@@ -198,12 +203,7 @@ async fn a_session_header_keeps_a_client_on_one_worker_until_that_worker_dies() 
     }
     // Another worker leaves: the session stays.
     let other = (home + 1) % 3;
-    let r = send(
-        router.addr,
-        &Req::new("DELETE", &format!("/workers?url={}", pool[other].url()))
-            .header("Authorization", "Bearer tok"),
-    )
-    .await;
+    let r = remove_worker(router.addr, &pool[other]).await;
     assert_eq!(r.status, 200);
     for i in 10..15 {
         assert_eq!(send_tagged(router.addr, &ws, req(i)).await.1, home);
@@ -231,11 +231,7 @@ async fn a_session_header_keeps_a_client_on_one_worker_until_that_worker_dies() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn consistent_hash_keeps_a_key_on_one_worker_and_spreads_keys() {
-    let pool = [
-        FakeWorker::start().await,
-        FakeWorker::start().await,
-        FakeWorker::start().await,
-    ];
+    let pool = three_workers().await;
     let ws: Vec<&FakeWorker> = pool.iter().collect();
     let router = start_router(&yaml_for(
         &ws,
@@ -265,11 +261,7 @@ async fn consistent_hash_keeps_a_key_on_one_worker_and_spreads_keys() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn power_of_two_serves_every_request_and_uses_every_worker() {
-    let pool = [
-        FakeWorker::start().await,
-        FakeWorker::start().await,
-        FakeWorker::start().await,
-    ];
+    let pool = three_workers().await;
     let ws: Vec<&FakeWorker> = pool.iter().collect();
     let router = start_router(&yaml_for(&ws, "policy: power_of_two\n")).await;
     for i in 0..60 {

@@ -14,7 +14,7 @@ use rand::RngCore;
 
 use super::{Candidate, Pick, Policy, RouteRequest};
 use crate::config::{ConsistentHashConfig, HashKey};
-use crate::pool::{PoolListener, Worker, WorkerId, WorkerSet};
+use crate::pool::{PoolListener, WorkerId, WorkerSet};
 
 /// Ring points per worker: enough that four workers split the ring within a few percent.
 pub const VNODES: usize = 160;
@@ -111,10 +111,8 @@ impl ConsistentHash {
     }
 }
 
-impl PoolListener for ConsistentHash {
-    fn worker_left(&self, _: &Worker) {}
-    fn worker_down(&self, _: &Worker) {}
-}
+/// Keeps no per-worker state.
+impl PoolListener for ConsistentHash {}
 
 impl Policy for ConsistentHash {
     fn name(&self) -> &'static str {

@@ -5,15 +5,13 @@ use rand::RngCore;
 
 use super::select::{least_loaded, usable};
 use super::{Candidate, Pick, Policy, RouteRequest};
-use crate::pool::{PoolListener, Worker, WorkerSet};
+use crate::pool::{PoolListener, WorkerSet};
 
 /// See the module docs.
 pub struct LeastLoad;
 
-impl PoolListener for LeastLoad {
-    fn worker_left(&self, _: &Worker) {}
-    fn worker_down(&self, _: &Worker) {}
-}
+/// Keeps no per-worker state.
+impl PoolListener for LeastLoad {}
 
 impl Policy for LeastLoad {
     fn name(&self) -> &'static str {

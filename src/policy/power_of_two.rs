@@ -6,7 +6,7 @@
 use rand::{Rng, RngCore};
 
 use super::{Candidate, Pick, Policy, RouteRequest};
-use crate::pool::{PoolListener, Worker, WorkerSet};
+use crate::pool::{PoolListener, WorkerSet};
 
 /// See the module docs.
 pub struct PowerOfTwo;
@@ -31,10 +31,8 @@ pub fn pick_power_of_two(candidates: &[Candidate], text_len: usize, rng: &mut dy
     Pick::load_only(w.map(|c| c.id), text_len)
 }
 
-impl PoolListener for PowerOfTwo {
-    fn worker_left(&self, _: &Worker) {}
-    fn worker_down(&self, _: &Worker) {}
-}
+/// Keeps no per-worker state.
+impl PoolListener for PowerOfTwo {}
 
 impl Policy for PowerOfTwo {
     fn name(&self) -> &'static str {

@@ -3,7 +3,7 @@
 use rand::{Rng, RngCore};
 
 use super::{Candidate, Pick, Policy, RouteRequest};
-use crate::pool::{PoolListener, Worker, WorkerSet};
+use crate::pool::{PoolListener, WorkerSet};
 
 /// See the module docs.
 pub struct Random;
@@ -23,10 +23,8 @@ pub fn pick_random(candidates: &[Candidate], text_len: usize, rng: &mut dyn RngC
     Pick::load_only(w, text_len)
 }
 
-impl PoolListener for Random {
-    fn worker_left(&self, _: &Worker) {}
-    fn worker_down(&self, _: &Worker) {}
-}
+/// Keeps no per-worker state.
+impl PoolListener for Random {}
 
 impl Policy for Random {
     fn name(&self) -> &'static str {

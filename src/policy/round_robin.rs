@@ -3,7 +3,7 @@
 use rand::RngCore;
 
 use super::{Candidate, Pick, Policy, RouteRequest};
-use crate::pool::{PoolListener, Worker, WorkerSet};
+use crate::pool::{PoolListener, WorkerSet};
 
 /// See the module docs. The turn is the worker set's ticket counter.
 pub struct RoundRobin;
@@ -18,10 +18,8 @@ pub fn pick_round_robin(candidates: &[Candidate], text_len: usize, ticket: usize
     Pick::load_only(w, text_len)
 }
 
-impl PoolListener for RoundRobin {
-    fn worker_left(&self, _: &Worker) {}
-    fn worker_down(&self, _: &Worker) {}
-}
+/// Keeps no per-worker state.
+impl PoolListener for RoundRobin {}
 
 impl Policy for RoundRobin {
     fn name(&self) -> &'static str {

@@ -50,18 +50,21 @@ pub fn least_loaded<'a>(
     rng: &mut dyn RngCore,
 ) -> Option<&'a Candidate> {
     let mut best: Option<&Candidate> = None;
-    let mut best_rank = 0u64;
+    // The best's rendezvous rank, worked out at its first tie only.
+    let mut best_rank: Option<u64> = None;
     let mut ties = 0u32;
     for c in candidates {
-        let rank = tie.map_or(0, |k| tie_rank(k, c));
         match best {
             Some(b) if c.load > b.load => {}
             Some(b) if c.load == b.load => match tie {
-                Some(_) if rank > best_rank => {
-                    best = Some(c);
-                    best_rank = rank;
+                Some(k) => {
+                    let held = *best_rank.get_or_insert_with(|| tie_rank(k, b));
+                    let rank = tie_rank(k, c);
+                    if rank > held {
+                        best = Some(c);
+                        best_rank = Some(rank);
+                    }
                 }
-                Some(_) => {}
                 None => {
                     // Reservoir sampling: each of the k ties ends up chosen with p = 1/k.
                     ties += 1;
@@ -72,7 +75,7 @@ pub fn least_loaded<'a>(
             },
             _ => {
                 best = Some(c);
-                best_rank = rank;
+                best_rank = None;
                 ties = 1;
             }
         }

@@ -76,6 +76,9 @@ pub struct Affinity {
     mode: SessionMode,
     ttl: Duration,
     params: CacheParams,
+    /// Most bindings in each map (the maps grow with use: `LruCache::new` would
+    /// allocate for all of them up front).
+    cap: usize,
     bindings: Mutex<LruCache<u64, Binding>>,
     /// Response or conversation id (hashed) -> the worker holding its state.
     conversations: Mutex<LruCache<u64, Binding>>,
@@ -117,8 +120,9 @@ impl Affinity {
             mode: cfg.mode,
             ttl: cfg.ttl,
             params,
-            bindings: Mutex::new(LruCache::new(cfg.max_sessions)),
-            conversations: Mutex::new(LruCache::new(cfg.max_sessions)),
+            cap: cfg.max_sessions.get(),
+            bindings: Mutex::new(LruCache::unbounded()),
+            conversations: Mutex::new(LruCache::unbounded()),
             hits: AtomicU64::new(0),
             rebinds: Default::default(),
             conversation_hits: AtomicU64::new(0),
@@ -144,7 +148,10 @@ impl Affinity {
         Some(b)
     }
 
-    fn bind(map: &mut LruCache<u64, Binding>, key: u64, worker: &Worker) {
+    fn bind(&self, map: &mut LruCache<u64, Binding>, key: u64, worker: &Worker) {
+        if map.len() >= self.cap && !map.contains(&key) {
+            map.pop_lru();
+        }
         map.put(
             key,
             Binding {
@@ -281,11 +288,11 @@ impl Policy for Affinity {
     fn observe(&self, req: &RouteRequest<'_>, pick: &Pick, worker: &Worker, outcome: Outcome) {
         if outcome == Outcome::Served {
             if let Some(session) = req.session.filter(|_| self.sessions_on) {
-                Self::bind(&mut self.lock(), session, worker);
+                self.bind(&mut self.lock(), session, worker);
             }
             // A conversation id names state the serving worker now holds.
             if let Some(key) = req.ctx.and_then(|c| c.continues) {
-                Self::bind(&mut self.conversations(), key, worker);
+                self.bind(&mut self.conversations(), key, worker);
             }
         }
         self.inner.observe(req, pick, worker, outcome);
@@ -294,7 +301,7 @@ impl Policy for Affinity {
     fn answered(&self, worker: &Worker, answer: &super::Answer<'_>) {
         if let Some(id) = answer.response_id {
             let key = xxhash_rust::xxh3::xxh3_64(id.as_bytes());
-            Self::bind(&mut self.conversations(), key, worker);
+            self.bind(&mut self.conversations(), key, worker);
         }
         self.inner.answered(worker, answer);
     }

@@ -38,10 +38,10 @@ pub struct WorkerId(pub u32);
 /// the membership lock): keep it short and never block.
 pub trait PoolListener: Send + Sync {
     /// `worker` left the pool; its id may be given to another worker afterwards.
-    fn worker_left(&self, worker: &Worker);
+    fn worker_left(&self, _worker: &Worker) {}
     /// `worker` was marked unhealthy: its engine's KV cache is presumed lost (it may
     /// restart before it returns).
-    fn worker_down(&self, worker: &Worker);
+    fn worker_down(&self, _worker: &Worker) {}
 }
 
 /// The pool: the current [`WorkerSet`] and the one path that changes it.
