@@ -328,15 +328,24 @@ pub fn mutation<B>(router: &Router, req: &http::Request<B>) -> Option<Mutation> 
     if let Err(e) = authorize(router, req.headers()) {
         return Some(Mutation::Done(e.into_response()));
     }
-    let query = if path == "/workers" {
-        query_param(req.uri(), "url").or_else(|| query_param(req.uri(), "name"))
-    } else {
-        query_param(req.uri(), "worker")
-    };
     let resp = match (method, path) {
         (&http::Method::POST, "/workers") => return Some(Mutation::NeedsBody),
-        (&http::Method::DELETE, "/workers") => remove_worker(router, query.as_deref()),
-        _ => clear_cache(router, query.as_deref()),
+        (&http::Method::DELETE, "/workers") => {
+            match (
+                query_param(req.uri(), "url"),
+                query_param(req.uri(), "name"),
+            ) {
+                (Some(url), None) => remove_worker(router, Which::Url(&url)),
+                (None, Some(name)) => remove_worker(router, Which::Name(&name)),
+                (Some(_), Some(_)) => Err(ProxyError::BadRequest(
+                    "give `url` or `name`, not both".into(),
+                )),
+                (None, None) => Err(ProxyError::BadRequest(
+                    "missing query parameter `url` (the worker's URL) or `name` (its name)".into(),
+                )),
+            }
+        }
+        _ => clear_cache(router, query_param(req.uri(), "worker").as_deref()),
     };
     Some(Mutation::Done(
         resp.unwrap_or_else(ProxyError::into_response),
@@ -428,36 +437,61 @@ fn not_found(what: String) -> http::Response<ProxyBody> {
     )
 }
 
-/// The worker a query names: `raw` is its `name`, or a URL (normalised first).
+/// How an admin request names a worker.
+enum Which<'a> {
+    /// By URL (normalised before comparing).
+    Url(&'a str),
+    /// By `name`.
+    Name(&'a str),
+    /// `worker=` of `/cache/clear`: a name, else a URL.
+    Either(&'a str),
+}
+
+/// The worker `which` names, `None` when no worker has it.
 fn find_worker(
     set: &WorkerSet,
-    raw: Option<&str>,
-    param: &str,
+    which: &Which<'_>,
 ) -> Result<Option<std::sync::Arc<crate::pool::Worker>>, ProxyError> {
-    let raw =
-        raw.ok_or_else(|| ProxyError::BadRequest(format!("missing query parameter `{param}`")))?;
-    if let Some(w) = set.by_key(raw) {
-        return Ok(Some(std::sync::Arc::clone(w)));
+    let by_url = |raw: &str, param: &str| -> Result<_, ProxyError> {
+        let url = parse_url(Some(raw), param)?;
+        Ok(set.workers().iter().find(|w| w.url() == &url).cloned())
+    };
+    match which {
+        Which::Url(raw) => by_url(raw, "url"),
+        Which::Name(name) => Ok(set
+            .workers()
+            .iter()
+            .find(|w| w.config().name.as_deref() == Some(*name))
+            .cloned()),
+        Which::Either(raw) => match set.by_key(raw) {
+            Some(w) => Ok(Some(std::sync::Arc::clone(w))),
+            None => by_url(raw, "worker"),
+        },
     }
-    let url = parse_url(Some(raw), param)?;
-    Ok(set.workers().iter().find(|w| w.url() == &url).cloned())
+}
+
+fn shown(which: &Which<'_>) -> String {
+    match which {
+        Which::Url(raw) | Which::Either(raw) => crate::redact::url(raw).into_owned(),
+        Which::Name(name) => format!("named `{}`", crate::redact::line(name)),
+    }
 }
 
 fn remove_worker(
     router: &Router,
-    which: Option<&str>,
+    which: Which<'_>,
 ) -> Result<http::Response<ProxyBody>, ProxyError> {
-    let Some(w) = find_worker(&router.worker_set(), which, "url")? else {
+    let Some(w) = find_worker(&router.worker_set(), &which)? else {
         return Ok(not_found(format!(
             "no worker {} in the pool",
-            crate::redact::url(which.unwrap_or_default())
+            shown(&which)
         )));
     };
     router.pool().remove(w.key());
     tracing::info!(worker = %w.url(), key = w.key(), "worker removed (admin API); its in-flight requests finish");
     Ok(json_response(
         StatusCode::OK,
-        serde_json::json!({"removed": w.url().to_string(), "workers": router.worker_set().workers().len()})
+        serde_json::json!({"removed": w.url().to_string(), "key": w.key(), "workers": router.worker_set().workers().len()})
             .to_string(),
     ))
 }
@@ -483,10 +517,11 @@ fn clear_cache(
             serde_json::json!({"cleared": "all", "nodes_removed": removed})
         }
         Some(raw) => {
-            let Some(w) = find_worker(&router.worker_set(), Some(raw), "worker")? else {
+            let which = Which::Either(raw);
+            let Some(w) = find_worker(&router.worker_set(), &which)? else {
                 return Ok(not_found(format!(
                     "no worker {} in the pool",
-                    crate::redact::url(raw)
+                    shown(&which)
                 )));
             };
             let removed = {

@@ -7,7 +7,7 @@
 //! deserialised and range-checked; a range error names the last file that set the key.
 //! SIGHUP reload goes through the same [`Config::load`].
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::num::NonZeroUsize;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -1351,23 +1351,34 @@ impl Config {
             ));
         }
         let mut workers: Vec<WorkerConfig> = Vec::with_capacity(raw_workers.len());
-        let mut seen: HashSet<WorkerUrl> = HashSet::with_capacity(raw_workers.len());
-        let mut names: HashSet<String> = HashSet::new();
+        // URL -> (entry, name) of its first entry; every key (name, else URL) once.
+        let mut seen: HashMap<WorkerUrl, (usize, Option<String>)> =
+            HashMap::with_capacity(raw_workers.len());
+        let mut keys: HashMap<String, usize> = HashMap::with_capacity(raw_workers.len());
         for (i, w) in raw_workers.into_iter().enumerate() {
             let worker = w
                 .validate()
                 .map_err(|(field, m)| ck.err(&format!("workers[{i}].{field}"), m))?;
-            if !seen.insert(worker.url.clone()) {
+            if let Some((j, name)) = seen.get(&worker.url) {
+                if *name != worker.name {
+                    return Err(ck.bad(
+                        &format!("workers[{i}].url"),
+                        &worker.url,
+                        format!(
+                            "is also workers[{j}]'s URL, under another name (one URL is one worker)"
+                        ),
+                    ));
+                }
                 tracing::warn!(url = %worker.url, "duplicate worker URL merged into its first entry");
                 continue;
             }
-            if let Some(name) = &worker.name
-                && !names.insert(name.clone())
-            {
+            seen.insert(worker.url.clone(), (i, worker.name.clone()));
+            if let Some(j) = keys.insert(worker.key().to_string(), i) {
+                let field = if worker.name.is_some() { "name" } else { "url" };
                 return Err(ck.bad(
-                    &format!("workers[{i}].name"),
-                    name,
-                    "is the name of another worker (a name is a worker's identity: one per worker)",
+                    &format!("workers[{i}].{field}"),
+                    worker.key(),
+                    format!("is workers[{j}]'s key (its name, or its URL when it has none): a worker's identity is one per worker"),
                 ));
             }
             workers.push(worker);
@@ -2500,6 +2511,37 @@ mod tests {
                 "{good}"
             );
         }
+    }
+
+    #[test]
+    fn worker_identities_are_one_per_worker() {
+        for (doc, key) in [
+            (
+                "workers:\n  - {url: http://a:1}\n  - {url: http://b:1, name: \"http://a:1\"}\n",
+                "workers[1].name",
+            ),
+            (
+                "workers:\n  - {url: http://a:1, name: x}\n  - {url: http://b:1, name: x}\n",
+                "workers[1].name",
+            ),
+            (
+                "workers:\n  - {url: http://a:1, name: c}\n  - {url: http://a:1, name: d}\n",
+                "workers[1].url",
+            ),
+            (
+                "workers:\n  - {url: http://a:1, name: c}\n  - {url: http://a:1}\n",
+                "workers[1].url",
+            ),
+        ] {
+            let e = err(&[("k.yaml", doc)]);
+            assert!(e.contains(key) && e.contains("workers[0]"), "{doc:?}: {e}");
+        }
+        let c = load(&[(
+            "k.yaml",
+            "workers:\n  - {url: http://a:1, name: c}\n  - {url: \"http://a:1/\", name: c}\n",
+        )])
+        .unwrap();
+        assert_eq!(c.workers.len(), 1, "the same entry twice is merged");
     }
 
     #[test]

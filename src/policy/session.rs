@@ -327,15 +327,15 @@ impl Policy for Affinity {
     }
 }
 
-/// The session key of a request: the first configured header present with a usable
-/// value (1 to [`MAX_KEY_BYTES`] visible ASCII bytes), else the first configured body
-/// field (a dotted JSON path) holding a string or number. Hashed (xxh3-64), so the key
-/// itself is never stored or logged.
+/// The session key of a request: the first configured header present with a non-empty
+/// value, else the first configured body field (a dotted JSON path) holding a non-empty
+/// string or a number. Any length (hyper bounds headers; the body is bounded by
+/// `server.max_body_bytes`): the key is hashed (xxh3-64), never stored or logged.
 pub fn session_key(cfg: &SessionConfig, headers: &http::HeaderMap, body: &[u8]) -> Option<u64> {
     for name in &cfg.headers {
         if let Some(v) = headers.get(name) {
             let b = v.as_bytes();
-            if !b.is_empty() && b.len() <= MAX_KEY_BYTES && b.iter().all(u8::is_ascii_graphic) {
+            if !b.is_empty() {
                 return Some(xxhash_rust::xxh3::xxh3_64(b));
             }
         }
@@ -349,7 +349,7 @@ pub fn session_key(cfg: &SessionConfig, headers: &http::HeaderMap, body: &[u8]) 
             continue;
         };
         let key = match v {
-            serde_json::Value::String(s) if !s.is_empty() && s.len() <= MAX_KEY_BYTES => s.clone(),
+            serde_json::Value::String(s) if !s.is_empty() => s.clone(),
             serde_json::Value::Number(n) => n.to_string(),
             _ => continue,
         };
@@ -357,9 +357,6 @@ pub fn session_key(cfg: &SessionConfig, headers: &http::HeaderMap, body: &[u8]) 
     }
     None
 }
-
-/// Longest session key used, in bytes; longer ones are ignored.
-pub const MAX_KEY_BYTES: usize = 256;
 
 /// Default bound on sessions held.
 pub const DEFAULT_MAX_SESSIONS: NonZeroUsize = match NonZeroUsize::new(1_000_000) {
@@ -557,8 +554,12 @@ mod tests {
             session_key(&cfg(&["user"]), &h, body),
             Some(xxhash_rust::xxh3::xxh3_64(b"abc"))
         );
-        h.insert("x-session-id", "x".repeat(300).parse().unwrap());
-        assert_eq!(session_key(&cfg(&[]), &h, body), None);
+        h.insert("x-session-id", "x".repeat(10_000).parse().unwrap());
+        assert_eq!(
+            session_key(&cfg(&[]), &h, body),
+            Some(xxhash_rust::xxh3::xxh3_64("x".repeat(10_000).as_bytes()))
+        );
+        h.remove("x-session-id");
         assert_eq!(session_key(&cfg(&["user"]), &h, b"not json"), None);
     }
 }

@@ -152,8 +152,18 @@ impl Pool {
     pub fn add(&self, cfg: WorkerConfig) -> Result<(), String> {
         let mut ids = self.lock_ids();
         let old = self.set.load_full();
-        if old.by_key(cfg.key()).is_some() || old.workers().iter().any(|w| w.url() == &cfg.url) {
-            return Err(format!("worker {} is already in the pool", cfg.key()));
+        if let Some(w) = old.workers().iter().find(|w| w.url() == &cfg.url) {
+            return Err(format!(
+                "a worker with URL {} is already in the pool (key {})",
+                cfg.url,
+                w.key()
+            ));
+        }
+        if old.by_key(cfg.key()).is_some() {
+            return Err(format!(
+                "a worker with key {} is already in the pool",
+                cfg.key()
+            ));
         }
         let id = ids.get_or_assign(cfg.key());
         let mut next: Vec<Arc<Worker>> = old.workers().to_vec();

@@ -171,10 +171,8 @@ impl Router {
             Some(work) => work.await,
             None => Prepared::Nothing,
         };
-        let session = match self.config.session.enabled {
-            true => policy::session::session_key(&self.config.session, &parts.headers, &body),
-            false => None,
-        };
+        // Read whether or not session affinity is on: `consistent_hash` hashes it too.
+        let session = policy::session::session_key(&self.config.session, &parts.headers, &body);
         let set = self.worker_set();
         let route = Route {
             label,

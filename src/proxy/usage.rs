@@ -33,6 +33,9 @@ pub enum UsageScanner {
     Json {
         buf: Vec<u8>,
         overflow: bool,
+        /// The body's first [`HEAD_BYTES`], kept past an overflow: a large answer's
+        /// leading `id` is still read from it.
+        head: Vec<u8>,
     },
     Sse {
         line: Vec<u8>,
@@ -70,6 +73,7 @@ impl UsageScanner {
             Some(UsageScanner::Json {
                 buf: Vec::new(),
                 overflow: false,
+                head: Vec::new(),
             })
         } else {
             None
@@ -79,14 +83,21 @@ impl UsageScanner {
     /// Looks at one chunk of the body (already on its way to the client).
     pub fn feed(&mut self, chunk: &[u8]) {
         match self {
-            UsageScanner::Json { buf, overflow } => {
+            UsageScanner::Json {
+                buf,
+                overflow,
+                head,
+            } => {
                 if *overflow {
                     return;
                 }
                 if buf.len() + chunk.len() > MAX_JSON_BYTES {
                     *overflow = true;
-                    buf.clear();
+                    buf.truncate(HEAD_BYTES);
+                    let room = HEAD_BYTES - buf.len();
+                    buf.extend_from_slice(&chunk[..chunk.len().min(room)]);
                     buf.shrink_to_fit();
+                    *head = std::mem::take(buf);
                 } else {
                     buf.extend_from_slice(chunk);
                 }
@@ -132,9 +143,16 @@ impl UsageScanner {
     /// Everything found, once the body has ended.
     pub fn found(self) -> Found {
         match self {
-            UsageScanner::Json { buf, overflow } => {
+            UsageScanner::Json {
+                buf,
+                overflow,
+                head,
+            } => {
                 if overflow {
-                    return Found::default();
+                    return Found {
+                        usage: None,
+                        response_id: head_response_id(&head),
+                    };
                 }
                 let Ok(env) = serde_json::from_slice::<Envelope>(&buf) else {
                     return Found::default();
@@ -159,6 +177,56 @@ impl UsageScanner {
             },
         }
     }
+}
+
+/// Bytes of a JSON answer kept past [`MAX_JSON_BYTES`], for its leading fields.
+const HEAD_BYTES: usize = 64 * 1024;
+
+/// The top-level `id` of a `/v1/responses` answer from the start of its JSON (the rest
+/// cut off): read key by key until the bytes run out. Taken when the head also says
+/// `"object": "response"`, or the id has the `resp` prefix engines give response ids.
+fn head_response_id(head: &[u8]) -> Option<String> {
+    use serde::de::{DeserializeSeed, IgnoredAny, MapAccess, Visitor};
+    struct Head<'a> {
+        id: &'a mut Option<String>,
+        is_response: &'a mut bool,
+    }
+    impl<'de> DeserializeSeed<'de> for Head<'_> {
+        type Value = ();
+        fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+            d.deserialize_map(self)
+        }
+    }
+    impl<'de> Visitor<'de> for Head<'_> {
+        type Value = ();
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("a JSON object")
+        }
+        fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+            while let Some(key) = map.next_key::<String>()? {
+                match key.as_str() {
+                    "id" => *self.id = map.next_value::<Option<String>>()?,
+                    "object" => {
+                        *self.is_response =
+                            map.next_value::<Option<String>>()?.as_deref() == Some("response")
+                    }
+                    _ => {
+                        map.next_value::<IgnoredAny>()?;
+                    }
+                }
+            }
+            Ok(())
+        }
+    }
+    let (mut id, mut is_response) = (None, false);
+    let mut de = serde_json::Deserializer::from_slice(head);
+    // The head is cut mid-value: the error at its end is expected.
+    let _ = Head {
+        id: &mut id,
+        is_response: &mut is_response,
+    }
+    .deserialize(&mut de);
+    id.filter(|i| is_response || i.starts_with("resp"))
 }
 
 /// The response id of an SSE `response.created` / `response.completed` data line.
@@ -321,6 +389,16 @@ mod tests {
         let mut s = scanner("application/json");
         s.feed(br#"{"id":"chatcmpl-1","object":"chat.completion"}"#);
         assert_eq!(s.found().response_id, None);
+        // An answer past the copy limit: the id is still read from its head.
+        let big = format!(
+            r#"{{"id":"resp_big","created_at":1,"output":[{{"type":"message","content":"{}"}}]}}"#,
+            "x".repeat(MAX_JSON_BYTES + 10)
+        );
+        let mut s = scanner("application/json");
+        for c in big.as_bytes().chunks(64 * 1024) {
+            s.feed(c);
+        }
+        assert_eq!(s.found().response_id.as_deref(), Some("resp_big"));
         let stream = b"event: response.created\ndata: {\"type\":\"response.created\",\"response\":{\"id\":\"resp_9\",\"status\":\"in_progress\"}}\n\nevent: response.output_text.delta\ndata: {\"type\":\"response.output_text.delta\",\"delta\":\"hi\"}\n\n";
         for split in 1..stream.len() {
             let mut s = scanner("text/event-stream");
