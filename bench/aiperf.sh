@@ -16,7 +16,7 @@
 # Settings (environment): LIMIT requests (300), TIME_SCALE on trace timestamps and on
 # every simulated duration (0.25), KV_BLOCKS per engine (64000 blocks of 16 tokens),
 # POLICY (cache_aware), WORK folder ($TMPDIR/aiperf-work), AIPERF_VENV
-# ($TMPDIR/aiperf-venv), SHARED (../shared beside the repository).
+# ($TMPDIR/aiperf-venv).
 set -euo pipefail
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
@@ -27,11 +27,10 @@ POLICY="${POLICY:-cache_aware}"
 tmp="${TMPDIR:-/tmp}"
 WORK="${WORK:-$tmp/aiperf-work}"
 AIPERF_VENV="${AIPERF_VENV:-$tmp/aiperf-venv}"
-SHARED="${SHARED:-$repo/../shared}"
 AIPERF_VERSION=0.13.0
 bin="${CARGO_TARGET_DIR:-$repo/target}/release"
 
-for b in sim-engine cache-aware-router; do
+for b in sim-engine cache-aware-router expand-prompts; do
   [[ -x "$bin/$b" ]] || { echo "missing $bin/$b: run cargo build --release --workspace" >&2; exit 2; }
 done
 mkdir -p "$WORK"
@@ -46,7 +45,7 @@ fi
 # 2. The trace slice as literal prompts (the same bytes trace-matrix sends), time-scaled.
 slice="$WORK/slice-$LIMIT-$TIME_SCALE.jsonl"
 if [[ ! -s "$slice" ]]; then
-  python3 "$SHARED/data/traces/expand_prompts.py" "$repo/bench/data/mooncake_conversation_slice.jsonl" \
+  "$bin/expand-prompts" "$repo/bench/data/mooncake_conversation_slice.jsonl" \
     --limit "$LIMIT" --time-scale "$TIME_SCALE" > "$slice.tmp"
   mv "$slice.tmp" "$slice"
 fi

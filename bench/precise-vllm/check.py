@@ -1,6 +1,6 @@
 """Precise mode against two real vLLM engines (by hand; see README "Precise mode").
 
-Needs two vLLM replicas with KV events (shared/tools/vllm-cpu: serve_cli.sh, block size
+Needs two vLLM replicas with KV events (the team's vllm-cpu tool, outside this repository: serve_cli.sh, block size
 32) and the router started with router.yaml, its JSON log going to a file. Sends chats
 with long shared prefixes and reports, per request, the replica the router chose (from
 its access log) and the `cached_tokens` that replica reported:

@@ -50,8 +50,6 @@ pub enum Rebind {
 }
 
 impl Rebind {
-    pub const ALL: [Rebind; 3] = [Rebind::Unusable, Rebind::Gone, Rebind::Overloaded];
-
     pub fn as_str(self) -> &'static str {
         match self {
             Rebind::Unusable => "unusable",
