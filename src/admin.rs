@@ -50,6 +50,122 @@ struct WorkerView {
     /// Its KV-event feed (precise mode), when configured.
     #[serde(skip_serializing_if = "Option::is_none")]
     kv_events: Option<FeedView>,
+    /// What its engine's Prometheus endpoint said (`engine_metrics:` on).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    engine: Option<EngineView>,
+    /// Its LMCache signal (`lmcache:` configured).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    lmcache: Option<LmcacheView>,
+    /// Seconds it is still avoided after a 429 / 503 with Retry-After (0 = not).
+    saturated_secs: f64,
+    /// Such answers so far.
+    back_pressure: u64,
+    prefill: PrefillView,
+}
+
+/// A worker's engine signals in `/workers`; values `null` before the first good scrape.
+#[derive(Serialize)]
+struct EngineView {
+    /// `vllm` or `sglang`: whose metric names were found.
+    kind: Option<&'static str>,
+    waiting: Option<f64>,
+    running: Option<f64>,
+    /// 0–1.
+    kv_cache_usage: Option<f64>,
+    /// 0–1.
+    prefix_hit_rate: Option<f64>,
+    /// Seconds since the last good scrape.
+    age_secs: Option<f64>,
+    /// Younger than `engine_metrics.stale_secs` (otherwise neutral).
+    fresh: bool,
+    scrapes_ok: u64,
+    scrapes_failed: u64,
+    scrapes_unparsable: u64,
+}
+
+/// A worker's LMCache signal in `/workers`.
+#[derive(Serialize)]
+struct LmcacheView {
+    endpoint: String,
+    occupancy: Option<f64>,
+    cache_available: Option<bool>,
+    age_secs: Option<f64>,
+    fresh: bool,
+    polls_ok: u64,
+    polls_failed: u64,
+    polls_unparsable: u64,
+}
+
+/// A worker's prefill accounting in `/workers` (see `pool::prefill`).
+#[derive(Serialize)]
+struct PrefillView {
+    /// Requests sent and not yet answered with a first byte, and their estimated
+    /// uncached prompt tokens.
+    pending_requests: u64,
+    pending_tokens: u64,
+    /// Learned prefill rate, tokens/s, and fixed cost per request, ms (priors until
+    /// `samples` reaches 8).
+    tokens_per_second: f64,
+    base_ms: f64,
+    /// Learned prompt tokens per byte of routing text.
+    tokens_per_byte: f64,
+    samples: u64,
+}
+
+fn engine_view(
+    w: &crate::pool::Worker,
+    now: std::time::Instant,
+    stale: std::time::Duration,
+) -> EngineView {
+    let sig = w.signals();
+    let load = sig.engine();
+    let (ok, failed, unparsable) = sig.scrapes.get();
+    EngineView {
+        kind: load.as_ref().map(|l| l.engine.as_str()),
+        waiting: load.as_ref().map(|l| l.waiting),
+        running: load.as_ref().map(|l| l.running),
+        kv_cache_usage: load.as_ref().and_then(|l| l.kv_usage),
+        prefix_hit_rate: load.as_ref().and_then(|l| l.prefix_hit_rate),
+        age_secs: load
+            .as_ref()
+            .map(|l| now.saturating_duration_since(l.at).as_secs_f64()),
+        fresh: sig.engine_fresh(now, stale).is_some(),
+        scrapes_ok: ok,
+        scrapes_failed: failed,
+        scrapes_unparsable: unparsable,
+    }
+}
+
+fn lmcache_view(w: &crate::pool::Worker, now: std::time::Instant) -> Option<LmcacheView> {
+    let cfg = w.config().lmcache.as_ref()?;
+    let sig = w.signals();
+    let s = sig.lmcache();
+    let (ok, failed, unparsable) = sig.lmcache_polls.get();
+    Some(LmcacheView {
+        endpoint: crate::redact::url(&cfg.endpoint).into_owned(),
+        occupancy: s.as_ref().map(|l| l.occupancy),
+        cache_available: s.as_ref().map(|l| l.cache_available),
+        age_secs: s
+            .as_ref()
+            .map(|l| now.saturating_duration_since(l.at).as_secs_f64()),
+        fresh: sig.lmcache_fresh(now, cfg.stale).is_some(),
+        polls_ok: ok,
+        polls_failed: failed,
+        polls_unparsable: unparsable,
+    })
+}
+
+fn prefill_view(w: &crate::pool::Worker) -> PrefillView {
+    let (pending_requests, pending_tokens) = w.prefill().pending();
+    let rate = w.prefill().rate();
+    PrefillView {
+        pending_requests,
+        pending_tokens,
+        tokens_per_second: (1.0 / rate.secs_per_token).round(),
+        base_ms: rate.base_s * 1e3,
+        tokens_per_byte: rate.tokens_per_byte,
+        samples: rate.samples,
+    }
 }
 
 /// One worker's KV-event feed in `/workers`. A worker with one DP rank shows its one
@@ -186,6 +302,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
         }
         None => (0, 0, vec![Vec::new(); set.workers().len()]),
     };
+    let em = &router.config().engine_metrics;
     let workers = set
         .workers()
         .iter()
@@ -206,6 +323,14 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
                 .precise()
                 .filter(|_| !w.feeds().is_empty())
                 .map(|p| worker_feed_view(w, &blocks, now, p.config().stale)),
+            engine: em.enabled.then(|| engine_view(w, now, em.stale)),
+            lmcache: lmcache_view(w, now),
+            saturated_secs: w.signals().saturated_for(now),
+            back_pressure: w
+                .signals()
+                .back_pressure
+                .load(std::sync::atomic::Ordering::Relaxed),
+            prefill: prefill_view(w),
         })
         .collect();
     let body = Workers {

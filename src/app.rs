@@ -57,6 +57,20 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
         router.upstream().clone(),
         shutdown.clone(),
     ));
+    // What the engines say about themselves: load scrapes, LMCache signals.
+    if router.config().engine_metrics.enabled {
+        tokio::spawn(crate::signals::engine_metrics::run(
+            Arc::clone(router.pool()),
+            router.config().engine_metrics.clone(),
+            router.upstream().clone(),
+            shutdown.clone(),
+        ));
+    }
+    tokio::spawn(crate::signals::lmcache::run(
+        Arc::clone(router.pool()),
+        router.upstream().clone(),
+        shutdown.clone(),
+    ));
     // The policy's own upkeep: tree eviction, KV-event consumers.
     if let Some(task) = router
         .policy()

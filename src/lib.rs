@@ -63,5 +63,6 @@ pub mod redact;
 pub mod reload;
 pub mod service;
 pub mod shutdown;
+pub mod signals;
 pub mod tokenize;
 pub mod tree;

@@ -139,6 +139,26 @@ fn decision_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_001, 2.0, 15))
 }
 
+/// Engine signals and prefill accounting per worker (`engine_metrics:`, `lmcache:`,
+/// back-pressure, `pool::prefill`), read from the workers at scrape time; every worker
+/// has every series from the first scrape (a signal never read shows as absent only in
+/// the value gauges, whose meaning needs a reading).
+#[derive(Debug, Default)]
+struct SignalFamilies {
+    waiting: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+    running: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+    kv_usage: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+    signal_age: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+    scrapes: Family<WorkerResultLabels, Counter>,
+    lmcache_occupancy: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+    lmcache_polls: Family<WorkerResultLabels, Counter>,
+    saturated: Family<WorkerLabels, Gauge>,
+    back_pressure: Family<WorkerLabels, Counter>,
+    pending_tokens: Family<WorkerLabels, Gauge>,
+    prefill_rate: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+    prefill_base: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
+}
+
 /// The router's metrics. One instance per process, handed to the proxy and `/metrics`.
 #[derive(Debug)]
 pub struct Metrics {
@@ -167,6 +187,7 @@ pub struct Metrics {
     fallback_picks: Counter,
     reloads: Family<ResultLabels, Counter>,
     precise: PreciseFamilies,
+    signals: SignalFamilies,
     /// Set-level totals already added to `evicted`/`skipped_inserts` (they live in
     /// each `WorkerSet` and restart at 0 with a new set).
     seen_evicted: AtomicU64,
@@ -207,6 +228,7 @@ impl Metrics {
             fallback_picks: Counter::default(),
             reloads: Family::default(),
             precise: PreciseFamilies::default(),
+            signals: SignalFamilies::default(),
             seen_evicted: AtomicU64::new(0),
             seen_skipped: AtomicU64::new(0),
             registry: Registry::default(),
@@ -318,6 +340,69 @@ impl Metrics {
             "reloads",
             "SIGHUP reloads by result (applied, rejected, invalid)",
             m.reloads.clone(),
+        );
+        let g = &m.signals;
+        r.register(
+            "worker_engine_waiting",
+            "Requests queued inside the worker's engine at its last engine_metrics scrape (vllm:num_requests_waiting, sglang:num_queue_reqs)",
+            g.waiting.clone(),
+        );
+        r.register(
+            "worker_engine_running",
+            "Requests running in the worker's engine at its last scrape (vllm:num_requests_running, sglang:num_running_reqs)",
+            g.running.clone(),
+        );
+        r.register(
+            "worker_engine_kv_cache_usage",
+            "KV-cache usage 0-1 at the last scrape (vllm:kv_cache_usage_perc, sglang:token_usage)",
+            g.kv_usage.clone(),
+        );
+        r.register_with_unit(
+            "worker_engine_signal_age",
+            "Seconds since the worker's last good engine_metrics scrape (older than stale_secs = neutral)",
+            Unit::Seconds,
+            g.signal_age.clone(),
+        );
+        r.register(
+            "engine_scrapes",
+            "engine_metrics scrapes per worker by result: ok, failed (no answer or non-2xx), unparsable (no known metrics)",
+            g.scrapes.clone(),
+        );
+        r.register(
+            "worker_lmcache_occupancy",
+            "LMCache occupancy 0-1 from the worker's last good lmcache signal",
+            g.lmcache_occupancy.clone(),
+        );
+        r.register(
+            "lmcache_polls",
+            "LMCache signal polls per worker by result: ok, failed, unparsable",
+            g.lmcache_polls.clone(),
+        );
+        r.register(
+            "worker_saturated",
+            "1 while the worker is avoided after a 429 or a 503 with Retry-After",
+            g.saturated.clone(),
+        );
+        r.register(
+            "back_pressure",
+            "429 (or 503 with Retry-After) answers per worker; not counted by the circuit breaker",
+            g.back_pressure.clone(),
+        );
+        r.register(
+            "worker_pending_prefill_tokens",
+            "Estimated uncached prompt tokens of requests sent to the worker and not yet answered with a first byte",
+            g.pending_tokens.clone(),
+        );
+        r.register(
+            "worker_prefill_tokens_per_second",
+            "The worker's prefill rate learned from its streamed answers (TTFT and cached tokens); the prior until it has answered enough",
+            g.prefill_rate.clone(),
+        );
+        r.register_with_unit(
+            "worker_prefill_base",
+            "The worker's learned fixed cost per request, seconds",
+            Unit::Seconds,
+            g.prefill_base.clone(),
         );
         let p = &m.precise;
         r.register(
@@ -484,6 +569,16 @@ impl Metrics {
         self.fallback_picks.inc();
     }
 
+    /// A 429 or 503 + Retry-After from `worker`.
+    pub fn back_pressure(&self, worker: &Arc<str>) {
+        self.signals
+            .back_pressure
+            .get_or_create(&WorkerLabels {
+                worker: Arc::clone(worker),
+            })
+            .inc();
+    }
+
     /// A reload attempt: `applied`, `rejected` or `invalid`.
     pub fn reload(&self, result: &'static str) {
         self.reloads.get_or_create(&ResultLabels { result }).inc();
@@ -551,6 +646,7 @@ impl Metrics {
                     .set(i64::from(s == state));
             }
         }
+        self.encode_signals(set, now);
         if let Some(shared) = tree {
             {
                 let tree = shared.lock();
@@ -568,6 +664,70 @@ impl Metrics {
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
         out
+    }
+
+    /// Reads every worker's signals and prefill state into the signal families.
+    fn encode_signals(&self, set: &WorkerSet, now: std::time::Instant) {
+        let g = &self.signals;
+        for f in [
+            &g.waiting,
+            &g.running,
+            &g.kv_usage,
+            &g.signal_age,
+            &g.lmcache_occupancy,
+            &g.prefill_rate,
+            &g.prefill_base,
+        ] {
+            f.clear();
+        }
+        g.scrapes.clear();
+        g.lmcache_polls.clear();
+        g.saturated.clear();
+        g.pending_tokens.clear();
+        for w in set.workers() {
+            let labels = WorkerLabels {
+                worker: Arc::clone(w.label()),
+            };
+            let sig = w.signals();
+            if let Some(load) = sig.engine() {
+                g.waiting.get_or_create(&labels).set(load.waiting);
+                g.running.get_or_create(&labels).set(load.running);
+                if let Some(kv) = load.kv_usage {
+                    g.kv_usage.get_or_create(&labels).set(kv);
+                }
+                g.signal_age
+                    .get_or_create(&labels)
+                    .set(now.saturating_duration_since(load.at).as_secs_f64());
+            }
+            if let Some(l) = sig.lmcache() {
+                g.lmcache_occupancy.get_or_create(&labels).set(l.occupancy);
+            }
+            for (family, counts) in [
+                (&g.scrapes, &sig.scrapes),
+                (&g.lmcache_polls, &sig.lmcache_polls),
+            ] {
+                let (ok, failed, unparsable) = counts.get();
+                for (result, n) in [("ok", ok), ("failed", failed), ("unparsable", unparsable)] {
+                    family
+                        .get_or_create(&WorkerResultLabels {
+                            worker: Arc::clone(w.label()),
+                            result,
+                        })
+                        .inc_by(n);
+                }
+            }
+            g.saturated
+                .get_or_create(&labels)
+                .set(i64::from(sig.is_saturated(now)));
+            let _ = g.back_pressure.get_or_create(&labels);
+            let (_, tokens) = w.prefill().pending();
+            g.pending_tokens.get_or_create(&labels).set(tokens as i64);
+            let rate = w.prefill().rate();
+            g.prefill_rate
+                .get_or_create(&labels)
+                .set(1.0 / rate.secs_per_token);
+            g.prefill_base.get_or_create(&labels).set(rate.base_s);
+        }
     }
 
     /// Copies the feeds' and the index's counters into the precise families.

@@ -62,6 +62,11 @@ pub enum PolicyKind {
     /// `precise:` and per-worker `kv_events:`), falling back to the approximate tree
     /// when a request carries no token ids or no worker's event feed is usable.
     PreciseCacheAware,
+    /// The least expected time to first token: queued prefill work plus this request's
+    /// uncached prefill, over each worker's learned prefill rate (`policy::cost_aware`).
+    CostAware,
+    /// LMCache occupancy signals (`workers[].lmcache`), least-load when they are missing.
+    LmcacheAware,
 }
 
 impl PolicyKind {
@@ -75,6 +80,8 @@ impl PolicyKind {
             PolicyKind::PreciseCacheAware => "precise_cache_aware",
             PolicyKind::PowerOfTwo => "power_of_two",
             PolicyKind::ConsistentHash => "consistent_hash",
+            PolicyKind::CostAware => "cost_aware",
+            PolicyKind::LmcacheAware => "lmcache_aware",
         }
     }
 }
@@ -94,6 +101,34 @@ pub struct Config {
     pub precise: PreciseConfig,
     pub consistent_hash: ConsistentHashConfig,
     pub session: SessionConfig,
+    pub engine_metrics: EngineMetricsConfig,
+}
+
+/// `engine_metrics:` — scraping each engine's Prometheus endpoint for its own load
+/// (see `signals::engine_metrics`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct EngineMetricsConfig {
+    /// Default: on for `cost_aware`, off otherwise.
+    pub enabled: bool,
+    /// Path scraped below each worker's URL (default `/metrics`).
+    pub path: String,
+    /// Scrape period (default 1000 ms); one scrape's time-out is the same, so scrapes of
+    /// one worker never overlap.
+    pub interval: Duration,
+    /// A scrape older than this is stale: its values are neutral (default 5 s).
+    pub stale: Duration,
+}
+
+/// `workers[i].lmcache:` — an HTTP JSON signal of the worker's LMCache occupancy,
+/// `{"occupancy": 0.42, "cache_available": true}` (`policy: lmcache_aware`).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct LmcacheConfig {
+    /// A path below the worker's URL (`/lmcache/stats`) or an absolute `http://` URL.
+    pub endpoint: String,
+    /// Poll period (default 2 s).
+    pub refresh: Duration,
+    /// A signal older than this is neutral (default 10 s).
+    pub stale: Duration,
 }
 
 /// `session:` — session affinity around the policy (see `policy::session`).
@@ -183,6 +218,8 @@ pub struct WorkerConfig {
     pub api_key: Option<Secret>,
     /// Where this worker's engine publishes its KV-cache events (precise mode).
     pub kv_events: Option<KvEventsConfig>,
+    /// Its LMCache occupancy signal (`lmcache_aware`).
+    pub lmcache: Option<LmcacheConfig>,
 }
 
 /// `workers[i].kv_events:` — one vLLM KV-event publisher (spec
@@ -511,6 +548,9 @@ pub struct CacheConfig {
     pub eviction_interval: Option<Duration>,
     /// UTC hour (0–23) at which the whole tree is dropped; `None` = off (`-1`, default).
     pub daily_cleanup_hour_utc: Option<u8>,
+    /// Tokens per KV block of the engines (default 16, vLLM's): an engine reuses only
+    /// whole blocks, so `cost_aware` counts a matched prefix in whole blocks.
+    pub engine_block_tokens: usize,
 }
 
 /// `health:` — active health checks (see `health.rs`).
@@ -694,6 +734,25 @@ struct RawConfig {
     consistent_hash: RawConsistentHash,
     #[serde(default)]
     session: RawSession,
+    #[serde(default)]
+    engine_metrics: RawEngineMetrics,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEngineMetrics {
+    enabled: Option<bool>,
+    path: Option<String>,
+    interval_ms: Option<u64>,
+    stale_secs: Option<Secs>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawLmcache {
+    endpoint: String,
+    refresh_secs: Option<Secs>,
+    stale_secs: Option<Secs>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -736,6 +795,7 @@ struct RawWorker {
     cache_aware: Option<bool>,
     api_key: Option<String>,
     kv_events: Option<RawKvEvents>,
+    lmcache: Option<RawLmcache>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -771,6 +831,7 @@ struct RawCache {
     max_tree_size: Option<u64>,
     eviction_interval_secs: Option<Secs>,
     daily_cleanup_hour_utc: Option<i64>,
+    engine_block_tokens: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -879,6 +940,10 @@ impl RawWorker {
                 Some(k)
             }
         };
+        let lmcache = match self.lmcache {
+            None => None,
+            Some(l) => Some(l.validate()?),
+        };
         let name = match self.name {
             None => None,
             Some(n)
@@ -909,6 +974,45 @@ impl RawWorker {
                 .transpose()
                 .map_err(|m| ("api_key", m))?,
             kv_events,
+            lmcache,
+        })
+    }
+}
+
+impl RawLmcache {
+    fn validate(self) -> Result<LmcacheConfig, (&'static str, String)> {
+        let endpoint = self.endpoint.trim().to_string();
+        let ok = if endpoint.starts_with('/') {
+            endpoint.parse::<http::uri::PathAndQuery>().is_ok()
+        } else {
+            endpoint.starts_with("http://")
+                && endpoint
+                    .parse::<http::Uri>()
+                    .is_ok_and(|u| u.authority().is_some_and(|a| !a.as_str().contains('@')))
+        };
+        if !ok {
+            return Err((
+                "lmcache.endpoint",
+                format!(
+                    "`{}` is neither a path starting with `/` (below the worker's URL) nor an http:// URL without user info",
+                    redact::url(&endpoint)
+                ),
+            ));
+        }
+        let secs = |key: &'static str, v: Option<Secs>, default: f64| match v {
+            None => Ok(Duration::from_secs_f64(default)),
+            Some(Secs(s)) if s.is_finite() && (MIN_SECS..=1e6).contains(&s) => {
+                Ok(Duration::from_secs_f64(s))
+            }
+            Some(Secs(s)) => Err((
+                key,
+                format!("{s} is out of range (seconds, {MIN_SECS} to 1e6)"),
+            )),
+        };
+        Ok(LmcacheConfig {
+            endpoint,
+            refresh: secs("lmcache.refresh_secs", self.refresh_secs, 2.0)?,
+            stale: secs("lmcache.stale_secs", self.stale_secs, 10.0)?,
         })
     }
 }
@@ -1426,6 +1530,15 @@ impl Config {
                 ));
             }
         };
+        let engine_block_tokens = c.engine_block_tokens.unwrap_or(16);
+        if !(1..=4096).contains(&engine_block_tokens) {
+            return Err(ck.bad(
+                "cache.engine_block_tokens",
+                engine_block_tokens,
+                "is out of range (tokens, 1 to 4096; the engines' --block-size)",
+            ));
+        }
+        let engine_block_tokens = engine_block_tokens as usize;
         let cache = CacheConfig {
             threshold,
             match_abs_threshold: c.match_abs_threshold.unwrap_or(8192) as usize,
@@ -1435,6 +1548,7 @@ impl Config {
             max_tree_size: max_tree_size as usize,
             eviction_interval: (!eviction.is_zero()).then_some(eviction),
             daily_cleanup_hour_utc,
+            engine_block_tokens,
         };
 
         let h = raw.health;
@@ -1739,7 +1853,41 @@ impl Config {
             max_sessions,
         };
 
+        let em = raw.engine_metrics;
+        let path = em.path.unwrap_or_else(|| "/metrics".into());
+        if !path.starts_with('/') || path.parse::<http::uri::PathAndQuery>().is_err() {
+            return Err(ck.bad(
+                "engine_metrics.path",
+                path,
+                "is not a path starting with `/`",
+            ));
+        }
+        let interval_ms = em.interval_ms.unwrap_or(1000);
+        if !(50..=600_000).contains(&interval_ms) {
+            return Err(ck.bad(
+                "engine_metrics.interval_ms",
+                interval_ms,
+                "is out of range (ms, 50 to 600000)",
+            ));
+        }
+        let engine_metrics = EngineMetricsConfig {
+            enabled: em.enabled.unwrap_or(policy == PolicyKind::CostAware),
+            path,
+            interval: Duration::from_millis(interval_ms),
+            stale: ck.secs("engine_metrics.stale_secs", em.stale_secs, 5.0, None)?,
+        };
+        if policy == PolicyKind::LmcacheAware
+            && !workers.is_empty()
+            && workers.iter().all(|w| w.lmcache.is_none())
+        {
+            return Err(ck.err(
+                "workers",
+                "policy lmcache_aware needs `lmcache: {endpoint: /path or http://host:port/path}` on at least one worker",
+            ));
+        }
+
         Ok(Config {
+            engine_metrics,
             session,
             consistent_hash,
             policy,
@@ -1786,6 +1934,9 @@ impl Config {
         }
         if self.session != other.session {
             return Some("session");
+        }
+        if self.engine_metrics != other.engine_metrics {
+            return Some("engine_metrics");
         }
         None
     }

@@ -149,6 +149,7 @@ pub fn pick_cache_aware(
         unit: MatchUnit::Bytes,
         dp_rank: None,
         cache_aware: c.cache_aware,
+        prefill_tokens: 0,
     };
     if text.is_empty() {
         return pick(least, Reason::EmptyText, 0);

@@ -23,13 +23,18 @@
 //! power_of_two    two random usable workers, the less loaded
 //! consistent_hash the session (or prompt digest) on a hash ring, with bounded loads
 //! cache_aware     longest prefix in the radix tree (owns the tree), load-guarded
+//! cost_aware      least expected TTFT: queued prefill + uncached prefill over the
+//!                 worker's learned prefill rate (the tree of cache_aware, no knobs)
+//! lmcache         LMCache occupancy signals, load-guarded; least-load without them
 //! precise         vLLM KV events (owns nothing but its view of precise::Precise),
 //!                 cache_aware as its fallback
 //! ```
 
 mod cache_aware;
 mod consistent_hash;
+mod cost_aware;
 mod least_load;
+mod lmcache;
 mod power_of_two;
 pub mod precise;
 mod random;
@@ -122,6 +127,10 @@ pub struct Pick {
     /// Whether the chosen worker takes prefix affinity (`cache_aware: true`): only then
     /// is its served prompt recorded.
     pub cache_aware: bool,
+    /// Uncached prompt tokens the chosen worker is expected to prefill (reserved on it
+    /// until the first response byte, see `pool::prefill`); 0 when the policy does not
+    /// estimate them.
+    pub prefill_tokens: u64,
 }
 
 /// The unit of [`Pick::matched`].
@@ -166,6 +175,7 @@ impl Pick {
             unit: MatchUnit::Bytes,
             dp_rank: None,
             cache_aware: false,
+            prefill_tokens: 0,
         }
     }
 }
@@ -295,6 +305,8 @@ pub fn build(config: &Config, pool: &Pool) -> Arc<dyn Policy> {
         PolicyKind::ConsistentHash => Arc::new(consistent_hash::ConsistentHash::new(
             &config.consistent_hash,
         )),
+        PolicyKind::CostAware => Arc::new(cost_aware::CostAware::new(config)),
+        PolicyKind::LmcacheAware => Arc::new(lmcache::LmcacheAware::new(&config.cache)),
     };
     // Conversation state and sessions wrap whichever policy: decided before its pick.
     let policy: Arc<dyn Policy> = Arc::new(session::Affinity::new(

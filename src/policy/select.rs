@@ -84,7 +84,7 @@ pub fn least_loaded<'a>(
 }
 
 /// Rendezvous weight of `c` for `key` (highest wins).
-fn tie_rank(key: u64, c: &Candidate) -> u64 {
+pub(crate) fn tie_rank(key: u64, c: &Candidate) -> u64 {
     xxhash_rust::xxh3::xxh3_64_with_seed(&c.id.0.to_le_bytes(), key)
 }
 

@@ -2,6 +2,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
 use super::Worker;
 use super::breaker::{Admission, Outcome};
@@ -18,6 +19,24 @@ use super::breaker::{Admission, Outcome};
 pub struct InFlightGuard {
     worker: Arc<Worker>,
     admission: Option<Admission>,
+    prefill: Option<PrefillTicket>,
+}
+
+/// One request's prefill reservation on its worker (see [`super::prefill`]): held from
+/// just before the request is sent until its first response byte, or the guard's drop.
+#[derive(Debug, Clone, Copy)]
+pub struct PrefillTicket {
+    /// Its own estimated uncached prompt tokens.
+    pub tokens: u64,
+    /// Requests and tokens the router had pending there before it.
+    pub ahead_requests: u64,
+    pub ahead_tokens: u64,
+    /// Bytes of its prompt (for the tokens-per-byte estimate).
+    pub prompt_bytes: u64,
+    /// When it was sent.
+    pub sent: Instant,
+    /// Time to its first response byte, once that arrived.
+    pub first_byte: Option<std::time::Duration>,
 }
 
 impl InFlightGuard {
@@ -35,7 +54,62 @@ impl InFlightGuard {
         Some(InFlightGuard {
             worker: Arc::clone(worker),
             admission: None,
+            prefill: None,
         })
+    }
+
+    /// Reserves `tokens` of prefill on the worker (estimated uncached prompt tokens; 0
+    /// when the policy does not estimate them) for a prompt of `prompt_bytes` bytes,
+    /// just before the request is sent. Replaces an earlier reservation.
+    pub fn reserve_prefill(&mut self, tokens: u64, prompt_bytes: u64) {
+        self.release_prefill();
+        let (ahead_requests, ahead_tokens) = self.worker.prefill().reserve(tokens);
+        self.prefill = Some(PrefillTicket {
+            tokens,
+            ahead_requests,
+            ahead_tokens,
+            prompt_bytes,
+            sent: now(),
+            first_byte: None,
+        });
+    }
+
+    /// The first response byte arrived: the prefill is done; its reservation ends.
+    pub fn first_byte(&mut self) {
+        if let Some(t) = &mut self.prefill
+            && t.first_byte.is_none()
+        {
+            t.first_byte = Some(now().saturating_duration_since(t.sent));
+            self.worker.prefill().release(t.tokens);
+        }
+    }
+
+    /// Learns from the answer's usage: tokens per byte always, the prefill speed when
+    /// `streamed` (only then was the first byte the first token).
+    pub fn learn(&self, prompt_tokens: u64, cached_tokens: u64, streamed: bool) {
+        let Some(t) = &self.prefill else { return };
+        let p = self.worker.prefill();
+        p.learn_tokens_per_byte(prompt_tokens, t.prompt_bytes);
+        if let (true, Some(ttft)) = (streamed, t.first_byte) {
+            p.learn(super::prefill::Sample {
+                requests: t.ahead_requests as f64 + 1.0,
+                tokens: t.ahead_tokens as f64 + prompt_tokens.saturating_sub(cached_tokens) as f64,
+                ttft_s: ttft.as_secs_f64(),
+            });
+        }
+    }
+
+    /// The reservation, if any.
+    pub fn prefill_ticket(&self) -> Option<&PrefillTicket> {
+        self.prefill.as_ref()
+    }
+
+    fn release_prefill(&mut self) {
+        if let Some(t) = self.prefill.take()
+            && t.first_byte.is_none()
+        {
+            self.worker.prefill().release(t.tokens);
+        }
     }
 
     pub fn worker(&self) -> &Arc<Worker> {
@@ -64,6 +138,7 @@ impl InFlightGuard {
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
+        self.release_prefill();
         if let Some(a) = self.admission.take() {
             self.worker.record(a, Outcome::Neutral, now());
         }
@@ -89,6 +164,7 @@ mod tests {
                 cache_aware: true,
                 api_key: None,
                 kv_events: None,
+                lmcache: None,
                 name: None,
                 role: Default::default(),
             },
@@ -133,10 +209,36 @@ mod tests {
         let g = InFlightGuard {
             worker: Arc::clone(&w),
             admission: Some(Admission::Probe),
+            prefill: None,
         };
         w.in_flight.fetch_add(1, Ordering::Relaxed);
         drop(g);
         assert_eq!(w.in_flight(), 0);
         assert!(w.is_routable(later));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn prefill_reservations_end_at_the_first_byte_or_the_drop_once() {
+        let w = worker(None);
+        let mut g1 = InFlightGuard::try_acquire(&w).unwrap();
+        g1.reserve_prefill(1000, 4000);
+        let mut g2 = InFlightGuard::try_acquire(&w).unwrap();
+        g2.reserve_prefill(300, 1200);
+        assert_eq!(w.prefill().pending(), (2, 1300));
+        // g2 saw g1 ahead of it.
+        let t = g2.prefill_ticket().unwrap();
+        assert_eq!((t.ahead_requests, t.ahead_tokens), (1, 1000));
+        tokio::time::advance(std::time::Duration::from_millis(50)).await;
+        g1.first_byte();
+        g1.first_byte();
+        assert_eq!(w.prefill().pending(), (1, 300));
+        assert_eq!(
+            g1.prefill_ticket().unwrap().first_byte,
+            Some(std::time::Duration::from_millis(50))
+        );
+        drop(g1);
+        assert_eq!(w.prefill().pending(), (1, 300));
+        drop(g2); // never answered: released on drop
+        assert_eq!(w.prefill().pending(), (0, 0));
     }
 }

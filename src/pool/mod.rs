@@ -15,7 +15,9 @@
 pub mod breaker;
 pub mod health;
 mod load;
+pub mod prefill;
 mod set;
+pub mod signals;
 mod worker;
 
 use std::collections::HashMap;
@@ -23,8 +25,8 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use arc_swap::ArcSwap;
 
-pub use load::InFlightGuard;
 pub(crate) use load::now;
+pub use load::{InFlightGuard, PrefillTicket};
 pub use set::{CachedAnswer, ModelsCache, WorkerSet};
 pub use worker::{ProbeRun, Worker};
 

@@ -8,6 +8,8 @@ use std::time::Instant;
 use super::WorkerId;
 use super::breaker::{self, Admission, CircuitBreaker, Outcome};
 use super::load::now;
+use super::prefill::Prefill;
+use super::signals::Signals;
 use crate::config::{BreakerConfig, WorkerConfig};
 use crate::precise::feed::Feed;
 
@@ -31,6 +33,10 @@ pub struct Worker {
     /// Its KV-event feeds (precise mode), one per DP rank in rank order; empty
     /// without `kv_events`.
     feeds: Vec<Arc<Feed>>,
+    /// What its engine reports (scrapes, LMCache) and back-pressure it asked for.
+    signals: Signals,
+    /// Prefill queued by the router there, and the learned prefill speed.
+    prefill: Prefill,
 }
 
 /// Consecutive health-probe results of one worker.
@@ -58,7 +64,19 @@ impl Worker {
             healthy: AtomicBool::new(true),
             breaker: Mutex::new(CircuitBreaker::new(breaker)),
             probes: Mutex::new(ProbeRun::default()),
+            signals: Signals::default(),
+            prefill: Prefill::default(),
         }
+    }
+
+    /// Its engine's reported load, LMCache signal and back-pressure.
+    pub fn signals(&self) -> &Signals {
+        &self.signals
+    }
+
+    /// Its pending prefill and learned prefill speed.
+    pub fn prefill(&self) -> &Prefill {
+        &self.prefill
     }
 
     fn breaker(&self) -> MutexGuard<'_, CircuitBreaker> {

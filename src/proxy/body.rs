@@ -24,6 +24,8 @@ pub struct BodyTap {
     pub policy: Arc<dyn crate::policy::Policy>,
     /// Reads usage from the bytes as they pass; `None` for bodies it cannot read.
     pub scanner: Option<UsageScanner>,
+    /// An SSE answer: its first data frame is the first token (TTFT).
+    pub streamed: bool,
     pub log: AccessLog,
 }
 
@@ -66,9 +68,9 @@ impl GuardedBody {
     /// Releases the guard (recording `outcome` with the breaker, if any) and writes the
     /// request's metrics and access line, once.
     fn finish(&mut self, outcome: Option<Outcome>, how: &'static str) {
-        let guard = self.guard.take();
+        let mut guard = self.guard.take();
         let served_by = guard.as_ref().map(|g| Arc::clone(g.worker()));
-        if let Some(mut g) = guard
+        if let Some(g) = &mut guard
             && let Some(o) = outcome
         {
             g.record(o);
@@ -82,6 +84,9 @@ impl GuardedBody {
                 if let Some(u) = found.usage {
                     tap.metrics
                         .engine_usage(worker, u.prompt_tokens, u.cached_tokens);
+                    if let Some(g) = &guard {
+                        g.learn(u.prompt_tokens, u.cached_tokens, tap.streamed);
+                    }
                 }
                 if let (Some(id), Some(w)) = (found.response_id.as_deref(), served_by.as_ref()) {
                     let answer = crate::policy::Answer {
@@ -121,6 +126,12 @@ impl Body for GuardedBody {
             Poll::Ready(Some(Ok(frame))) => {
                 let deadline = Instant::now() + this.idle_timeout;
                 this.idle.as_mut().reset(deadline);
+                if frame.is_data()
+                    && let Some(g) = &mut this.guard
+                {
+                    // The first byte ends the prefill reservation (once; cheap after).
+                    g.first_byte();
+                }
                 if let (Some(data), Some(tap)) = (frame.data_ref(), this.tap.as_mut())
                     && let Some(scanner) = tap.scanner.as_mut()
                 {

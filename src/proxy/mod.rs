@@ -249,11 +249,28 @@ impl Router {
                 worker: &worker,
                 done: false,
             };
+            guard.reserve_prefill(
+                pick.prefill_tokens,
+                route.req.ctx.map_or(0, |c| c.total_len) as u64,
+            );
             let result = self
                 .client
                 .send(&worker, &base, body.clone(), pick.dp_rank)
                 .await;
+            let pushed_back = result.as_ref().ok().and_then(back_pressure);
+            if let Some(wait) = pushed_back {
+                worker.signals().saturate(crate::pool::now() + wait);
+                self.metrics.back_pressure(worker.label());
+                tracing::info!(
+                    request_id = ?request_id,
+                    worker = %worker.url(),
+                    secs = wait.as_secs_f64(),
+                    "worker pushed back; no new requests to it for that long while others can take them"
+                );
+            }
             guard.record(match &result {
+                // Back-pressure is the engine working as designed, not a fault.
+                Ok(_) if pushed_back.is_some() => BreakerOutcome::Neutral,
                 Ok(r) if r.status().is_server_error() => BreakerOutcome::Failure,
                 Ok(r) if r.status().is_client_error() => BreakerOutcome::Neutral,
                 Ok(_) => BreakerOutcome::Success,
@@ -275,8 +292,10 @@ impl Router {
                         status,
                         arrived: route.arrived,
                     };
-                    if attempt == retries || !self.config.proxy.retryable_statuses.contains(&status)
-                    {
+                    // A push-back was refused before any work: another worker may take it.
+                    let retryable = pushed_back.is_some()
+                        || self.config.proxy.retryable_statuses.contains(&status);
+                    if attempt == retries || !retryable {
                         return Ok(self.respond(resp, guard, log));
                     }
                     tracing::warn!(
@@ -321,11 +340,15 @@ impl Router {
                     cache_aware: w.config().cache_aware,
                 })
                 .collect();
-            // Fallback workers take requests only while no primary one is usable.
+            // Fallback workers take requests only while no primary one is usable, and
+            // workers that pushed back (429, 503 + Retry-After) only while no other is.
             let is_fallback = |i: usize| set.workers()[i].config().role == Role::Fallback;
-            if (0..candidates.len()).any(|i| candidates[i].usable && !is_fallback(i)) {
-                for (i, c) in candidates.iter_mut().enumerate() {
-                    c.usable &= !is_fallback(i);
+            let is_saturated = |i: usize| set.workers()[i].signals().is_saturated(now);
+            for avoid in [&is_fallback as &dyn Fn(usize) -> bool, &is_saturated] {
+                if (0..candidates.len()).any(|i| candidates[i].usable && !avoid(i)) {
+                    for (i, c) in candidates.iter_mut().enumerate() {
+                        c.usable &= !avoid(i);
+                    }
                 }
             }
             let pick = self.policy.pick(&route.req, set, &candidates, &mut rng);
@@ -390,6 +413,7 @@ impl Router {
             metrics: Arc::clone(&self.metrics),
             policy: Arc::clone(&self.policy),
             scanner: usage::UsageScanner::for_response(&parts.headers),
+            streamed: is_sse,
             log,
         };
         let body =
@@ -481,6 +505,30 @@ impl AccessLog {
             "request"
         );
     }
+}
+
+/// Longest saturation a `Retry-After` may ask for: a bogus hour-long value must not
+/// take a worker out of rotation for that long.
+const MAX_BACK_PRESSURE: Duration = Duration::from_secs(60);
+
+/// How long `resp` asks the router to stay away: a 429 (its `Retry-After`, else 1 s) or a
+/// 503 that carries `Retry-After`; `None` for any other answer. `Retry-After` is read in
+/// its delta-seconds form (RFC 9110 §10.2.3); an HTTP-date counts as 1 s. Capped at
+/// [`MAX_BACK_PRESSURE`].
+fn back_pressure(resp: &Response<Incoming>) -> Option<Duration> {
+    let after = resp.headers().get(header::RETRY_AFTER);
+    let secs = |v: &HeaderValue| {
+        v.to_str()
+            .ok()
+            .and_then(|s| s.trim().parse::<u64>().ok())
+            .map_or(Duration::from_secs(1), Duration::from_secs)
+    };
+    match resp.status() {
+        StatusCode::TOO_MANY_REQUESTS => Some(after.map_or(Duration::from_secs(1), secs)),
+        StatusCode::SERVICE_UNAVAILABLE => after.map(secs),
+        _ => None,
+    }
+    .map(|d| d.clamp(Duration::from_millis(100), MAX_BACK_PRESSURE))
 }
 
 /// Endpoint label of a request, for logs and metrics.

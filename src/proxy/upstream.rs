@@ -144,6 +144,18 @@ impl crate::pool::health::Prober for Upstream {
     }
 }
 
+impl crate::signals::Fetch for Upstream {
+    fn get(
+        &self,
+        worker: &Worker,
+        target: crate::signals::Target<'_>,
+        timeout: std::time::Duration,
+        max_bytes: usize,
+    ) -> impl std::future::Future<Output = Result<(http::StatusCode, Bytes), String>> + Send {
+        Upstream::get(self, worker, target, timeout, max_bytes)
+    }
+}
+
 impl Upstream {
     /// `GET` of `path` below the worker's prefix with the backend key (health probes),
     /// bounded by `timeout`; resolves to the status once the whole (small) body is read.
@@ -153,25 +165,60 @@ impl Upstream {
         path: &str,
         timeout: std::time::Duration,
     ) -> Result<http::StatusCode, String> {
-        let uri = worker.url().uri_for(path).map_err(|e| e.to_string())?;
+        self.get(
+            worker,
+            crate::signals::Target::Path(path),
+            timeout,
+            64 * 1024,
+        )
+        .await
+        .map(|(status, _)| status)
+    }
+
+    /// `GET` of `target` (a path below the worker's prefix, with its backend key; or an
+    /// absolute URL, without any key), bounded by `timeout` and `max_bytes` of body.
+    pub async fn get(
+        &self,
+        worker: &Worker,
+        target: crate::signals::Target<'_>,
+        timeout: std::time::Duration,
+        max_bytes: usize,
+    ) -> Result<(http::StatusCode, Bytes), String> {
         let mut req = Request::new(Full::new(Bytes::new()));
-        *req.uri_mut() = uri;
-        if let Ok(host) = HeaderValue::from_str(worker.url().authority()) {
-            req.headers_mut().insert(header::HOST, host);
-        }
-        if let Some(key) = self.key_for(worker) {
-            req.headers_mut()
-                .insert(header::AUTHORIZATION, key.bearer().clone());
+        match target {
+            crate::signals::Target::Path(path) => {
+                *req.uri_mut() = worker.url().uri_for(path).map_err(|e| e.to_string())?;
+                if let Ok(host) = HeaderValue::from_str(worker.url().authority()) {
+                    req.headers_mut().insert(header::HOST, host);
+                }
+                if let Some(key) = self.key_for(worker) {
+                    req.headers_mut()
+                        .insert(header::AUTHORIZATION, key.bearer().clone());
+                }
+            }
+            crate::signals::Target::Url(url) => {
+                let uri: http::Uri = url
+                    .parse()
+                    .map_err(|e: http::uri::InvalidUri| e.to_string())?;
+                if let Some(host) = uri
+                    .authority()
+                    .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+                {
+                    req.headers_mut().insert(header::HOST, host);
+                }
+                *req.uri_mut() = uri;
+            }
         }
         let call = async {
             let resp = self.client.request(req).await.map_err(|e| describe(&e))?;
             let status = resp.status();
-            // Drain (bounded) so the connection goes back to the pool.
-            http_body_util::Limited::new(resp.into_body(), 64 * 1024)
+            // Read (bounded) so the connection goes back to the pool.
+            let body = http_body_util::Limited::new(resp.into_body(), max_bytes)
                 .collect()
                 .await
-                .map_err(|e| e.to_string())?;
-            Ok(status)
+                .map_err(|e| e.to_string())?
+                .to_bytes();
+            Ok((status, body))
         };
         tokio::time::timeout(timeout, call)
             .await

@@ -225,6 +225,48 @@ impl RadixTree {
         best
     }
 
+    /// For each worker of `eligible` that holds a prefix of `text`: `f(worker, bytes)`
+    /// with the longest one it holds, once per worker (workers holding nothing are not
+    /// called); read-only. One walk down the path; each step costs the workers that
+    /// leave it (a node's holders are a subset of its parent's).
+    pub fn prefix_per_worker(
+        &self,
+        text: &[u8],
+        eligible: &WorkerMask,
+        mut f: impl FnMut(WorkerId, usize),
+    ) {
+        let mut node = ROOT;
+        let mut pos = 0;
+        let mut holding = eligible.clone();
+        while pos < text.len() {
+            let Some(child) = self.child(node, text[pos]) else {
+                break;
+            };
+            let c = &self.nodes[child as usize];
+            let here = c.workers.intersection(&holding);
+            if here.is_empty() {
+                break;
+            }
+            if pos > 0 {
+                for w in holding.iter().filter(|w| !here.contains(*w)) {
+                    f(w, pos);
+                }
+            }
+            let n = common_prefix_len(&c.edge, &text[pos..]);
+            pos += n;
+            holding = here;
+            if n < c.edge.len() {
+                break;
+            }
+            node = child;
+        }
+        if pos > 0 {
+            for w in holding.iter() {
+                f(w, pos);
+            }
+        }
+    }
+
     /// Records that `text` was sent to `worker`: adds the worker along the whole path,
     /// splitting an edge where the text diverges and adding one leaf for the rest.
     /// Returns the number of nodes created (0–2).
@@ -479,6 +521,36 @@ mod tests {
         // Match can end inside an edge.
         let m = t.longest_prefix(b"system: you", &all());
         assert_eq!(m.matched, 11);
+    }
+
+    #[test]
+    fn prefix_per_worker_reports_each_holders_depth() {
+        let mut t = RadixTree::new();
+        t.insert(b"system: you are helpful\nuser: hi", A);
+        t.insert(b"system: you are helpful\nuser: bye", B);
+        t.insert(b"system: other", C);
+        let mut got = Vec::new();
+        t.prefix_per_worker(
+            b"system: you are helpful\nuser: hi there",
+            &all(),
+            |w, n| got.push((w, n)),
+        );
+        got.sort();
+        assert_eq!(got, vec![(A, 32), (B, 30), (C, 8)]);
+        // Restricted to the eligible ones; each agrees with longest_prefix alone.
+        for w in [A, B, C] {
+            let mut one = Vec::new();
+            t.prefix_per_worker(
+                b"system: you are helpful\nuser: hi there",
+                &only(w),
+                |w, n| one.push((w, n)),
+            );
+            let m = t.longest_prefix(b"system: you are helpful\nuser: hi there", &only(w));
+            assert_eq!(one, vec![(w, m.matched)]);
+        }
+        let mut none = Vec::new();
+        t.prefix_per_worker(b"zzz", &all(), |w, n| none.push((w, n)));
+        assert!(none.is_empty());
     }
 
     #[test]

@@ -1,0 +1,274 @@
+//! `cost_aware`: the usable worker with the least expected time to first token.
+//!
+//! For each usable worker `w`, with its learned prefill speed (`pool::prefill`: a fixed
+//! cost per request `base` and a cost per uncached token `per_token`, priors until it
+//! has answered enough streamed requests):
+//!
+//! ```text
+//! own(w)   = prompt tokens − the prefix w holds, in whole engine blocks
+//! queue(w) = max(router:  pending_requests(w) · base + pending_tokens(w) · per_token,
+//!                engine:  waiting(w) · (base + mean_request_tokens(w) · per_token))
+//! cost(w)  = queue(w) + base + own(w) · per_token                        (seconds)
+//! ```
+//!
+//! and the pick is the least cost (ties stable by the session or prompt digest, as in
+//! [`least_loaded`]). `pending` is what the router has sent there and not yet seen a
+//! first byte of; `waiting` is the engine's own queue from its last fresh scrape
+//! (`engine_metrics:`; missing or stale = 0, and the router's view stands). Both views
+//! count the same queue, so the larger one is taken, never their sum.
+//!
+//! Prompt tokens are estimated from the prompt's bytes with the worker's learned tokens
+//! per byte; the prefix a worker holds is its longest match in the radix tree of what it
+//! served (bytes → tokens the same way), rounded down to whole `cache.engine_block_tokens`
+//! blocks (an engine reuses only whole blocks) and never the whole prompt (vLLM always
+//! recomputes the last token). There is no threshold: a warm worker wins while its queue
+//! costs less than the recompute it saves, and a cold one once it costs more. The prompt
+//! is recorded for the worker that served it, so a hot prefix that spills to a second
+//! worker lives on both from then on.
+//!
+//! Reasons: [`Reason::CacheHit`] when the chosen worker holds the longest usable match
+//! (at least one block), [`Reason::HitOverloaded`] when another usable worker held more
+//! of the prompt (a diverted hit: its queue cost more than the recompute), otherwise
+//! [`Reason::Miss`] / [`Reason::EmptyText`].
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use rand::{Rng, RngCore};
+
+use super::cache_aware::CacheAware;
+use super::select::{MIN_HIT_BYTES, tie_rank, usable};
+use super::{BoxFuture, Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
+use crate::config::Config;
+use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
+use crate::shutdown::Shutdown;
+use crate::tree::{SharedTree, WorkerMask};
+
+/// Workers whose matches are kept on the stack; more spill to the heap.
+const INLINE: usize = 64;
+
+/// The `cost_aware` policy: the tree of `cache_aware` (recording, eviction) and the cost.
+pub struct CostAware {
+    tree: CacheAware,
+    block_tokens: usize,
+    /// Engine scrapes are read when on (`engine_metrics.enabled`).
+    engine_metrics: bool,
+    stale: Duration,
+}
+
+impl CostAware {
+    pub fn new(config: &Config) -> Self {
+        CostAware {
+            tree: CacheAware::new(&config.cache),
+            block_tokens: config.cache.engine_block_tokens.max(1),
+            engine_metrics: config.engine_metrics.enabled,
+            stale: config.engine_metrics.stale,
+        }
+    }
+}
+
+/// Matched bytes per worker id, inline for the first [`INLINE`] ids.
+struct Matches {
+    inline: [usize; INLINE],
+    spill: Vec<(WorkerId, usize)>,
+}
+
+impl Matches {
+    fn new() -> Self {
+        Matches {
+            inline: [0; INLINE],
+            spill: Vec::new(),
+        }
+    }
+
+    fn set(&mut self, w: WorkerId, n: usize) {
+        match self.inline.get_mut(w.0 as usize) {
+            Some(slot) => *slot = n,
+            None => self.spill.push((w, n)),
+        }
+    }
+
+    fn get(&self, w: WorkerId) -> usize {
+        match self.inline.get(w.0 as usize) {
+            Some(n) => *n,
+            None => self
+                .spill
+                .iter()
+                .find(|(id, _)| *id == w)
+                .map_or(0, |(_, n)| *n),
+        }
+    }
+}
+
+/// One worker's expected TTFT and what it rests on.
+#[derive(Debug, Clone, Copy)]
+struct Cost {
+    seconds: f64,
+    /// Matched prefix, bytes of routing text (0 below one block).
+    matched_bytes: usize,
+    /// Reused tokens (whole blocks).
+    matched_tokens: u64,
+    /// Tokens to prefill.
+    own_tokens: u64,
+}
+
+impl CostAware {
+    fn cost(
+        &self,
+        w: &Worker,
+        matched_bytes: usize,
+        prompt_bytes: usize,
+        now: std::time::Instant,
+    ) -> Cost {
+        let prefill = w.prefill();
+        let rate = prefill.rate();
+        let prompt_tokens = (prompt_bytes as f64 * rate.tokens_per_byte).max(1.0);
+        let block = self.block_tokens as f64;
+        let matched_tokens =
+            ((matched_bytes as f64 * rate.tokens_per_byte) / block).floor() * block;
+        // The last prompt token is always recomputed.
+        let matched_tokens = matched_tokens
+            .min(((prompt_tokens - 1.0) / block).floor() * block)
+            .max(0.0);
+        let own = prompt_tokens - matched_tokens;
+        let (pending_requests, pending_tokens) = prefill.pending();
+        let router_queue = rate.cost_s(pending_requests as f64, pending_tokens as f64);
+        let engine_queue = if self.engine_metrics {
+            match w.signals().engine_fresh(now, self.stale) {
+                Some(load) => {
+                    rate.cost_s(load.waiting, load.waiting * prefill.mean_request_tokens())
+                }
+                None => {
+                    w.signals().neutral_reads.fetch_add(1, Ordering::Relaxed);
+                    0.0
+                }
+            }
+        } else {
+            0.0
+        };
+        Cost {
+            seconds: router_queue.max(engine_queue) + rate.cost_s(1.0, own),
+            matched_bytes: if matched_tokens > 0.0 {
+                matched_bytes
+            } else {
+                0
+            },
+            matched_tokens: matched_tokens as u64,
+            own_tokens: own.round() as u64,
+        }
+    }
+}
+
+impl PoolListener for CostAware {
+    fn worker_left(&self, worker: &Worker) {
+        self.tree.worker_left(worker);
+    }
+
+    fn worker_down(&self, worker: &Worker) {
+        self.tree.worker_down(worker);
+    }
+}
+
+impl Policy for CostAware {
+    fn name(&self) -> &'static str {
+        "cost_aware"
+    }
+
+    fn pick(
+        &self,
+        req: &RouteRequest<'_>,
+        set: &WorkerSet,
+        candidates: &[Candidate],
+        rng: &mut dyn RngCore,
+    ) -> Pick {
+        let text = req.text();
+        let prompt_bytes = req
+            .ctx
+            .map_or(text.len(), |c| c.total_len.max(c.text.len()));
+        let mut matches = Matches::new();
+        if !text.is_empty() {
+            let eligible: WorkerMask = candidates
+                .iter()
+                .filter(|c| c.usable && c.cache_aware)
+                .map(|c| c.id)
+                .collect();
+            let floor = MIN_HIT_BYTES.min(text.len());
+            self.tree
+                .shared_tree()
+                .lock()
+                .prefix_per_worker(text, &eligible, |w, n| {
+                    if n >= floor {
+                        matches.set(w, n)
+                    }
+                });
+        }
+        let now = crate::clock::now();
+        let mut best: Option<(&Candidate, Cost, u64)> = None;
+        let mut most_tokens = 0u64;
+        let mut ties = 0u32;
+        for c in usable(candidates) {
+            let Some(w) = set.get(c.id) else { continue };
+            let matched = if c.cache_aware { matches.get(c.id) } else { 0 };
+            let cost = self.cost(w, matched, prompt_bytes, now);
+            most_tokens = most_tokens.max(cost.matched_tokens);
+            let rank = req.tie.map_or(0, |k| tie_rank(k, c));
+            match &best {
+                Some((_, b, _)) if cost.seconds > b.seconds + 1e-9 => {}
+                Some((_, b, held)) if cost.seconds >= b.seconds - 1e-9 => {
+                    // A tie: stable by the request's key, else uniformly at random.
+                    let take = match req.tie {
+                        Some(_) => rank > *held,
+                        None => {
+                            ties += 1;
+                            rng.random_range(0..ties) == 0
+                        }
+                    };
+                    if take {
+                        best = Some((c, cost, rank));
+                    }
+                }
+                _ => {
+                    best = Some((c, cost, rank));
+                    ties = 1;
+                }
+            }
+        }
+        let Some((c, cost, _)) = best else {
+            return Pick::load_only(None, text.len());
+        };
+        let reason = if text.is_empty() {
+            Reason::EmptyText
+        } else if cost.matched_tokens > 0 && cost.matched_tokens == most_tokens {
+            Reason::CacheHit
+        } else if most_tokens > 0 {
+            Reason::HitOverloaded
+        } else {
+            Reason::Miss
+        };
+        Pick {
+            worker: Some(c.id),
+            reason,
+            matched: cost.matched_bytes,
+            text_len: text.len(),
+            unit: MatchUnit::Bytes,
+            dp_rank: None,
+            cache_aware: c.cache_aware,
+            prefill_tokens: cost.own_tokens,
+        }
+    }
+
+    fn observe(&self, req: &RouteRequest<'_>, pick: &Pick, _: &Worker, outcome: Outcome) {
+        if outcome == Outcome::Served {
+            self.tree.record_served(req, pick);
+        }
+    }
+
+    fn tree(&self) -> Option<&Arc<SharedTree>> {
+        Some(self.tree.shared_tree())
+    }
+
+    fn background(&self, pool: Arc<Pool>, shutdown: Shutdown) -> Option<BoxFuture<'static, ()>> {
+        self.tree.background(pool, shutdown)
+    }
+}
