@@ -28,9 +28,16 @@
 //! `POST /v1/messages/count_tokens`; `POST /tokenize`, `POST /detokenize`,
 //! `POST /v1/chat/completions/render`, `POST /v1/completions/render` (vLLM's
 //! tokenizer endpoints, answered at once: see [`token_id`]); `GET /health`,
-//! `GET /v1/models`, `GET /metrics` (Prometheus text with vLLM's metric names). Every
-//! response carries `x-sim-engine: NAME`. Bad requests get a 400 JSON error, never a
-//! panic.
+//! `GET /v1/models`, `GET /metrics` (Prometheus text with vLLM's metric names, or
+//! SGLang's with [`MetricsFlavor::Sglang`], plus the simulator's own `sim:` rows).
+//! Every response carries `x-sim-engine: NAME`. Bad requests get a 400 JSON error,
+//! never a panic.
+//!
+//! Admission: with `max_waiting` N > 0, a generation request that finds N requests
+//! already waiting for the prefill slot is answered at once with 429, a
+//! `Retry-After: <retry_after_secs>` header and an OpenAI-shaped error body
+//! (Anthropic's shape on `/v1/messages`); it is counted in `sim:rejected_total` and
+//! never touches the cache or the queue.
 //!
 //! Library use (e.g. from a router's integration tests):
 //!
@@ -176,6 +183,55 @@ pub struct EngineConfig {
     pub max_output_tokens: u64,
     /// Largest accepted request body, in bytes (413 past it).
     pub max_body_bytes: usize,
+    /// Metric names of `GET /metrics`: vLLM's (default) or SGLang's.
+    pub metrics_flavor: MetricsFlavor,
+    /// Most requests waiting for the prefill slot, in requests; a generation
+    /// request arriving when this many already wait gets 429. 0 = unbounded.
+    pub max_waiting: usize,
+    /// `Retry-After` of a 429, in whole seconds.
+    pub retry_after_secs: u64,
+}
+
+/// Which serving engine's metric names `GET /metrics` uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MetricsFlavor {
+    /// vLLM: `vllm:num_requests_waiting`, `vllm:num_requests_running`,
+    /// `vllm:kv_cache_usage_perc`, ... with labels `{engine="0",model_name="M"}`.
+    #[default]
+    Vllm,
+    /// SGLang: `sglang:num_queue_reqs`, `sglang:num_running_reqs`,
+    /// `sglang:token_usage`, ... with labels `{model_name="M"}`.
+    Sglang,
+}
+
+impl MetricsFlavor {
+    /// `vllm` or `sglang` (what [`std::str::FromStr`] reads).
+    pub fn as_str(self) -> &'static str {
+        match self {
+            MetricsFlavor::Vllm => "vllm",
+            MetricsFlavor::Sglang => "sglang",
+        }
+    }
+}
+
+impl std::fmt::Display for MetricsFlavor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for MetricsFlavor {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "vllm" => Ok(MetricsFlavor::Vllm),
+            "sglang" => Ok(MetricsFlavor::Sglang),
+            other => Err(format!(
+                "unknown metrics flavor {other:?}: use vllm or sglang"
+            )),
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -191,6 +247,9 @@ impl Default for EngineConfig {
             time_factor: 1.0,
             max_output_tokens: 4096,
             max_body_bytes: 64 << 20,
+            metrics_flavor: MetricsFlavor::Vllm,
+            max_waiting: 0,
+            retry_after_secs: 1,
         }
     }
 }
@@ -344,6 +403,11 @@ pub struct EngineStats {
     pub running: u64,
     /// Requests queued for prefill.
     pub waiting: u64,
+    /// Most requests ever queued for prefill at once (high-water mark of
+    /// `waiting` since start).
+    pub waiting_peak: u64,
+    /// Generation requests answered 429 because `max_waiting` requests waited.
+    pub rejected: u64,
     /// Blocks held in the prefix cache.
     pub kv_blocks_used: u64,
 }
@@ -357,6 +421,8 @@ struct Counters {
     generation_tokens: AtomicU64,
     running: AtomicU64,
     waiting: AtomicU64,
+    waiting_peak: AtomicU64,
+    rejected: AtomicU64,
     next_id: AtomicU64,
 }
 
@@ -374,6 +440,17 @@ impl<'a> GaugeGuard<'a> {
 impl Drop for GaugeGuard<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// A request admitted to the prefill queue: counted in `waiting` until dropped
+/// (once it holds the prefill slot, or when its client leaves first). Owns an
+/// `Arc` so it can move into a streaming task.
+struct Waiting(Arc<Inner>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.counters.waiting.fetch_sub(1, Ordering::Relaxed);
     }
 }
 
@@ -479,6 +556,8 @@ impl Engine {
             generation_tokens: r(&c.generation_tokens),
             running: r(&c.running),
             waiting: r(&c.waiting),
+            waiting_peak: r(&c.waiting_peak),
+            rejected: r(&c.rejected),
             kv_blocks_used: self.lock_cache().len() as u64,
         }
     }
@@ -597,64 +676,137 @@ impl Engine {
         json_response(StatusCode::OK, &body)
     }
 
-    /// Prometheus text exposition with vLLM's metric names.
+    /// Prometheus text exposition: vLLM's or SGLang's metric names (see
+    /// [`MetricsFlavor`]), then the simulator's own rows, in both flavors:
+    /// `sim:num_requests_waiting_peak` (gauge, requests) and `sim:rejected_total`
+    /// (counter, requests answered 429).
     pub fn metrics_text(&self) -> String {
         let s = self.stats();
-        let labels = format!(
-            "{{engine=\"0\",model_name=\"{}\"}}",
-            escape_label(&self.inner.cfg.model)
-        );
+        let model = escape_label(&self.inner.cfg.model);
         let usage = s.kv_blocks_used as f64 / self.lock_cache().capacity().max(1) as f64;
-        let rows: [(&str, &str, &str, String); 8] = [
-            (
-                "vllm:num_requests_running",
-                "gauge",
-                "Requests in prefill or decode.",
-                s.running.to_string(),
-            ),
-            (
-                "vllm:num_requests_waiting",
-                "gauge",
-                "Requests queued for prefill.",
-                s.waiting.to_string(),
-            ),
-            (
-                "vllm:kv_cache_usage_perc",
-                "gauge",
-                "Fraction of prefix cache blocks in use (1 = 100 percent).",
-                usage.to_string(),
-            ),
-            (
-                "vllm:prefix_cache_queries_total",
-                "counter",
-                "Prefix cache queries, in tokens.",
-                s.cache_queries.to_string(),
-            ),
-            (
-                "vllm:prefix_cache_hits_total",
-                "counter",
-                "Prefix cache hits, in tokens.",
-                s.cache_hits.to_string(),
-            ),
-            (
-                "vllm:prompt_tokens_total",
-                "counter",
-                "Prompt tokens processed.",
-                s.prompt_tokens.to_string(),
-            ),
-            (
-                "vllm:generation_tokens_total",
-                "counter",
-                "Generation tokens produced.",
-                s.generation_tokens.to_string(),
-            ),
-            (
-                "vllm:request_success_total",
-                "counter",
-                "Requests that finished generating.",
-                s.requests_finished.to_string(),
-            ),
-        ];
+        let (labels, mut rows): (String, Vec<(&str, &str, &str, String)>) =
+            match self.inner.cfg.metrics_flavor {
+                MetricsFlavor::Vllm => (
+                    format!("{{engine=\"0\",model_name=\"{model}\"}}"),
+                    vec![
+                        (
+                            "vllm:num_requests_running",
+                            "gauge",
+                            "Requests in prefill or decode.",
+                            s.running.to_string(),
+                        ),
+                        (
+                            "vllm:num_requests_waiting",
+                            "gauge",
+                            "Requests queued for prefill.",
+                            s.waiting.to_string(),
+                        ),
+                        (
+                            "vllm:kv_cache_usage_perc",
+                            "gauge",
+                            "Fraction of prefix cache blocks in use (1 = 100 percent).",
+                            usage.to_string(),
+                        ),
+                        (
+                            "vllm:prefix_cache_queries_total",
+                            "counter",
+                            "Prefix cache queries, in tokens.",
+                            s.cache_queries.to_string(),
+                        ),
+                        (
+                            "vllm:prefix_cache_hits_total",
+                            "counter",
+                            "Prefix cache hits, in tokens.",
+                            s.cache_hits.to_string(),
+                        ),
+                        (
+                            "vllm:prompt_tokens_total",
+                            "counter",
+                            "Prompt tokens processed.",
+                            s.prompt_tokens.to_string(),
+                        ),
+                        (
+                            "vllm:generation_tokens_total",
+                            "counter",
+                            "Generation tokens produced.",
+                            s.generation_tokens.to_string(),
+                        ),
+                        (
+                            "vllm:request_success_total",
+                            "counter",
+                            "Requests that finished generating.",
+                            s.requests_finished.to_string(),
+                        ),
+                    ],
+                ),
+                MetricsFlavor::Sglang => {
+                    let hit_rate = if s.cache_queries > 0 {
+                        s.cache_hits as f64 / s.cache_queries as f64
+                    } else {
+                        0.0
+                    };
+                    let used_tokens = s.kv_blocks_used * self.inner.cfg.block_size as u64;
+                    (
+                        format!("{{model_name=\"{model}\"}}"),
+                        vec![
+                            (
+                                "sglang:num_running_reqs",
+                                "gauge",
+                                "The number of running requests",
+                                s.running.to_string(),
+                            ),
+                            (
+                                "sglang:num_queue_reqs",
+                                "gauge",
+                                "The number of requests in the waiting queue",
+                                s.waiting.to_string(),
+                            ),
+                            (
+                                "sglang:token_usage",
+                                "gauge",
+                                "The token usage (fraction of KV cache in use, 0-1)",
+                                usage.to_string(),
+                            ),
+                            (
+                                "sglang:num_used_tokens",
+                                "gauge",
+                                "The number of used tokens",
+                                used_tokens.to_string(),
+                            ),
+                            (
+                                "sglang:cache_hit_rate",
+                                "gauge",
+                                "The cache hit rate (cached over prompt tokens since start)",
+                                hit_rate.to_string(),
+                            ),
+                            (
+                                "sglang:prompt_tokens_total",
+                                "counter",
+                                "Number of prefill tokens processed.",
+                                s.prompt_tokens.to_string(),
+                            ),
+                            (
+                                "sglang:generation_tokens_total",
+                                "counter",
+                                "Number of generation tokens processed.",
+                                s.generation_tokens.to_string(),
+                            ),
+                        ],
+                    )
+                }
+            };
+        rows.push((
+            "sim:num_requests_waiting_peak",
+            "gauge",
+            "Most requests queued for prefill at once since start.",
+            s.waiting_peak.to_string(),
+        ));
+        rows.push((
+            "sim:rejected_total",
+            "counter",
+            "Generation requests answered 429 because max_waiting requests were queued.",
+            s.rejected.to_string(),
+        ));
         let mut out = String::new();
         for (name, kind, help, value) in rows {
             out.push_str(&format!(
@@ -662,6 +814,49 @@ impl Engine {
             ));
         }
         out
+    }
+
+    /// Admits one request to the prefill queue (`waiting` + 1, peak updated), or
+    /// `None` when `max_waiting` requests already wait (counted as rejected).
+    fn admit(&self) -> Option<Waiting> {
+        let c = &self.inner.counters;
+        let max = self.inner.cfg.max_waiting as u64;
+        let before = c
+            .waiting
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+                (max == 0 || w < max).then_some(w + 1)
+            });
+        match before {
+            Ok(w) => {
+                c.waiting_peak.fetch_max(w + 1, Ordering::Relaxed);
+                Some(Waiting(self.inner.clone()))
+            }
+            Err(_) => {
+                c.rejected.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// The 429 of a request [`Self::admit`] turned away: `Retry-After` and the
+    /// endpoint's error shape.
+    fn too_busy(&self, endpoint: Endpoint) -> Response<RespBody> {
+        let cfg = &self.inner.cfg;
+        let msg = format!(
+            "{} requests are already waiting (max_waiting {}); retry after {} s",
+            self.inner.counters.waiting.load(Ordering::Relaxed),
+            cfg.max_waiting,
+            cfg.retry_after_secs
+        );
+        let mut resp = match endpoint {
+            Endpoint::Messages => anthropic_error(StatusCode::TOO_MANY_REQUESTS, &msg),
+            _ => error_response(StatusCode::TOO_MANY_REQUESTS, &msg, "rate_limit_error"),
+        };
+        resp.headers_mut().insert(
+            hyper::header::RETRY_AFTER,
+            HeaderValue::from(cfg.retry_after_secs),
+        );
+        resp
     }
 
     /// The whole request body, or the error answer (413 past `max_body_bytes`).
@@ -695,6 +890,9 @@ impl Engine {
             Ok(sim) => sim,
             Err(msg) => return fail(StatusCode::BAD_REQUEST, &msg),
         };
+        let Some(waiting) = self.admit() else {
+            return self.too_busy(endpoint);
+        };
         let work: Vec<PromptWork> = sim
             .prompts
             .iter()
@@ -723,7 +921,7 @@ impl Engine {
             let engine = self.clone();
             tokio::spawn(async move {
                 tokio::select! {
-                    () = engine.stream(&shape, &sim, &work, arrival, &tx) => {}
+                    () = engine.stream(&shape, &sim, &work, arrival, waiting, &tx) => {}
                     () = tx.closed() => {}
                 }
             });
@@ -734,7 +932,7 @@ impl Engine {
             );
             resp
         } else {
-            let (pre, _running) = self.prefill(&work, arrival).await;
+            let (pre, _running) = self.prefill(&work, arrival, waiting).await;
             let n = sim.max_tokens;
             let decode = self.inner.cfg.itl.as_secs_f64() * n.saturating_sub(1) as f64;
             let last = pre.end + self.scaled_secs(decode);
@@ -744,11 +942,17 @@ impl Engine {
         }
     }
 
-    /// Queues for the prefill slot, looks the prompts up in the cache and waits
-    /// out the prefill. The returned guard keeps the request counted as running.
-    async fn prefill(&self, work: &[PromptWork], arrival: Instant) -> (Prefilled, GaugeGuard<'_>) {
+    /// Queues for the prefill slot (counted in `waiting` by the admitted
+    /// `waiting` until the slot is held), looks the prompts up in the cache and
+    /// waits out the prefill. The returned guard keeps the request counted as
+    /// running.
+    async fn prefill(
+        &self,
+        work: &[PromptWork],
+        arrival: Instant,
+        waiting: Waiting,
+    ) -> (Prefilled, GaugeGuard<'_>) {
         let c = &self.inner.counters;
-        let waiting = GaugeGuard::new(&c.waiting);
         let mut last_end = self.inner.prefill.lock().await;
         drop(waiting);
         let running = GaugeGuard::new(&c.running);
@@ -793,9 +997,10 @@ impl Engine {
         sim: &SimRequest,
         work: &[PromptWork],
         arrival: Instant,
+        waiting: Waiting,
         tx: &mpsc::Sender<Bytes>,
     ) {
-        let (pre, _running) = self.prefill(work, arrival).await;
+        let (pre, _running) = self.prefill(work, arrival, waiting).await;
         let itl = self.scaled_secs(self.inner.cfg.itl.as_secs_f64());
         let n = sim.max_tokens;
         if shape.endpoint == Endpoint::Messages {
@@ -1116,6 +1321,7 @@ fn anthropic_error(status: StatusCode, message: &str) -> Response<RespBody> {
     let kind = match status {
         StatusCode::PAYLOAD_TOO_LARGE => "request_too_large",
         StatusCode::NOT_FOUND => "not_found_error",
+        StatusCode::TOO_MANY_REQUESTS => "rate_limit_error",
         _ => "invalid_request_error",
     };
     json_response(
@@ -1758,6 +1964,69 @@ mod tests {
         assert_eq!(cache.cached_tokens(&ha, na), 4);
         assert_eq!(cache.cached_tokens(&hb, nb), 2);
         assert_eq!(cache.len(), 4);
+    }
+
+    #[test]
+    fn metrics_flavor_parses_and_prints() {
+        assert_eq!("vllm".parse(), Ok(MetricsFlavor::Vllm));
+        assert_eq!(" SGLang ".parse(), Ok(MetricsFlavor::Sglang));
+        assert!("tgi".parse::<MetricsFlavor>().is_err());
+        assert_eq!(MetricsFlavor::Sglang.to_string(), "sglang");
+        assert_eq!(MetricsFlavor::default(), MetricsFlavor::Vllm);
+    }
+
+    #[test]
+    fn admission_stops_at_max_waiting_and_tracks_the_peak() {
+        let e = Engine::new(EngineConfig {
+            max_waiting: 2,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let a = e.admit().expect("first admitted");
+        let b = e.admit().expect("second admitted");
+        assert!(e.admit().is_none(), "third finds 2 waiting");
+        let s = e.stats();
+        assert_eq!((s.waiting, s.waiting_peak, s.rejected), (2, 2, 1));
+        drop(a);
+        let c = e.admit().expect("room again");
+        drop((b, c));
+        let s = e.stats();
+        assert_eq!((s.waiting, s.waiting_peak, s.rejected), (0, 2, 1));
+        // 0 = unbounded.
+        let u = Engine::new(EngineConfig::default()).unwrap();
+        let held: Vec<_> = (0..100).map(|_| u.admit().unwrap()).collect();
+        assert_eq!(u.stats().waiting_peak, 100);
+        drop(held);
+        assert!(
+            u.metrics_text()
+                .contains("sim:num_requests_waiting_peak{engine=\"0\",model_name=\"m\"} 100\n")
+        );
+    }
+
+    #[test]
+    fn sglang_flavor_uses_sglang_names_only() {
+        let e = Engine::new(EngineConfig {
+            metrics_flavor: MetricsFlavor::Sglang,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let text = e.metrics_text();
+        for name in [
+            "sglang:num_queue_reqs",
+            "sglang:num_running_reqs",
+            "sglang:token_usage",
+            "sglang:cache_hit_rate",
+            "sglang:prompt_tokens_total",
+            "sglang:generation_tokens_total",
+            "sim:num_requests_waiting_peak",
+            "sim:rejected_total",
+        ] {
+            assert!(
+                text.contains(&format!("\n{name}{{model_name=\"m\"}} ")),
+                "{name} missing from\n{text}"
+            );
+        }
+        assert!(!text.contains("vllm:"));
     }
 
     fn shape(endpoint: Endpoint) -> Shape {

@@ -180,6 +180,32 @@ pub struct EngineParams {
     pub max_output_tokens: u64,
     /// Served model id.
     pub model: String,
+    /// Metric names of `/metrics`: `vllm` or `sglang` (`--metrics-flavor`).
+    pub metrics_flavor: crate::engine::MetricsFlavor,
+    /// Most requests waiting for prefill before 429 (0 = unbounded; `--max-waiting`).
+    pub max_waiting: usize,
+    /// `Retry-After` of a 429, in whole seconds (`--retry-after-secs`).
+    pub retry_after_secs: u64,
+}
+
+impl Default for EngineParams {
+    /// `sim-engine`'s own defaults.
+    fn default() -> Self {
+        let e = crate::engine::EngineConfig::default();
+        Self {
+            kv_blocks: e.kv_blocks,
+            block_size: e.block_size,
+            ttft_base_ms: e.ttft_base.as_secs_f64() * 1e3,
+            prefill_us_per_token: e.prefill_per_token.as_secs_f64() * 1e6,
+            itl_ms: e.itl.as_secs_f64() * 1e3,
+            time_factor: e.time_factor,
+            max_output_tokens: e.max_output_tokens,
+            model: e.model,
+            metrics_flavor: e.metrics_flavor,
+            max_waiting: e.max_waiting,
+            retry_after_secs: e.retry_after_secs,
+        }
+    }
 }
 
 impl EngineParams {
@@ -205,6 +231,9 @@ impl EngineParams {
             ("--time-factor", self.time_factor.to_string()),
             ("--max-output-tokens", self.max_output_tokens.to_string()),
             ("--model", self.model.clone()),
+            ("--metrics-flavor", self.metrics_flavor.to_string()),
+            ("--max-waiting", self.max_waiting.to_string()),
+            ("--retry-after-secs", self.retry_after_secs.to_string()),
         ] {
             a.push(k.into());
             a.push(v);
@@ -726,8 +755,20 @@ mod tests {
             time_factor: 0.0,
             max_output_tokens: 20,
             model: "m".into(),
+            metrics_flavor: crate::engine::MetricsFlavor::Sglang,
+            max_waiting: 3,
+            retry_after_secs: 2,
         };
         let a = p.args("e0", 0);
+        let flag = |f: &str| &a[a.iter().position(|x| x == f).unwrap() + 1];
+        assert_eq!(
+            (
+                flag("--metrics-flavor").as_str(),
+                flag("--max-waiting").as_str(),
+                flag("--retry-after-secs").as_str()
+            ),
+            ("sglang", "3", "2")
+        );
         assert_eq!(
             &a[..6],
             ["--host", "127.0.0.1", "--port", "0", "--name", "e0"]

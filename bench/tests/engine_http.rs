@@ -1,7 +1,8 @@
 //! The simulated engine over real HTTP on 127.0.0.1:0: vLLM response shapes,
-//! prefix-cache hits on a repeated prompt, SSE framing and error bodies.
+//! prefix-cache hits on a repeated prompt, SSE framing and error bodies; 429 with
+//! Retry-After past `max_waiting`, the waiting high-water mark, SGLang metric names.
 
-use bench::engine::{self, EngineConfig, RunningEngine};
+use bench::engine::{self, EngineConfig, MetricsFlavor, RunningEngine};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode};
@@ -171,4 +172,162 @@ async fn side_endpoints_and_bad_requests() {
     }
     let (status, _, _) = send(&c, &e, Method::GET, "/nope", "").await;
     assert_eq!(status, StatusCode::NOT_FOUND);
+}
+
+/// An engine whose prefill takes `prefill_ms` of wall time per request (no decode
+/// time), so requests can be held in the queue on purpose.
+async fn start_slow(prefill_ms: u64, max_waiting: usize, flavor: MetricsFlavor) -> RunningEngine {
+    let cfg = EngineConfig {
+        name: "e-slow".into(),
+        ttft_base: std::time::Duration::from_millis(prefill_ms),
+        prefill_per_token: std::time::Duration::ZERO,
+        itl: std::time::Duration::ZERO,
+        time_factor: 1.0,
+        max_waiting,
+        retry_after_secs: 3,
+        metrics_flavor: flavor,
+        ..EngineConfig::default()
+    };
+    engine::start(cfg).await.expect("engine starts")
+}
+
+/// Polls `cond` on the engine's stats every ms for up to 5 s.
+async fn until(e: &RunningEngine, what: &str, cond: impl Fn(&engine::EngineStats) -> bool) {
+    for _ in 0..5000 {
+        if cond(&e.engine().stats()) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+    }
+    panic!("timed out waiting for {what}: {:?}", e.engine().stats());
+}
+
+fn chat_body(salt: &str) -> String {
+    json!({"model": "m", "messages": [{"role": "user", "content": format!("hello {salt}")}],
+           "max_tokens": 1})
+    .to_string()
+}
+
+#[tokio::test]
+async fn full_queue_answers_429_with_retry_after_and_counts_peak() {
+    let e = start_slow(400, 1, MetricsFlavor::Vllm).await;
+    let c = client();
+    let url = e.url();
+    let post = |path: &'static str, body: String| {
+        let c = c.clone();
+        let url = url.clone();
+        async move {
+            let req = Request::builder()
+                .method(Method::POST)
+                .uri(format!("{url}{path}"))
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(body)))
+                .unwrap();
+            let resp = c.request(req).await.unwrap();
+            let status = resp.status();
+            let retry = resp
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().to_owned());
+            let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+            (status, retry, String::from_utf8(bytes.to_vec()).unwrap())
+        }
+    };
+    // A takes the prefill slot, B waits behind it: the queue (1) is full.
+    let a = tokio::spawn(post("/v1/chat/completions", chat_body("a")));
+    until(&e, "A running", |s| s.running == 1).await;
+    let b = tokio::spawn(post("/v1/chat/completions", chat_body("b")));
+    until(&e, "B waiting", |s| s.waiting == 1).await;
+
+    let t0 = std::time::Instant::now();
+    let (status, retry, text) = post("/v1/chat/completions", chat_body("c")).await;
+    assert!(
+        t0.elapsed() < std::time::Duration::from_millis(200),
+        "answered at once"
+    );
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(retry.as_deref(), Some("3"));
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(v["error"]["type"], "rate_limit_error");
+    assert_eq!(v["error"]["code"], 429);
+    assert!(v["error"]["message"].as_str().unwrap().contains("waiting"));
+
+    let msg = json!({"model": "m", "max_tokens": 1,
+                     "messages": [{"role": "user", "content": "hi"}]});
+    let (status, retry, text) = post("/v1/messages", msg.to_string()).await;
+    assert_eq!(
+        (status, retry.as_deref()),
+        (StatusCode::TOO_MANY_REQUESTS, Some("3"))
+    );
+    let v: Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(
+        (v["type"].as_str(), v["error"]["type"].as_str()),
+        (Some("error"), Some("rate_limit_error"))
+    );
+
+    let (status, _, metrics) = send(&c, &e, Method::GET, "/metrics", "").await;
+    assert_eq!(status, StatusCode::OK);
+    for row in [
+        "sim:rejected_total{engine=\"0\",model_name=\"m\"} 2",
+        "sim:num_requests_waiting_peak{engine=\"0\",model_name=\"m\"} 1",
+        "vllm:num_requests_waiting{engine=\"0\",model_name=\"m\"} 1",
+    ] {
+        assert!(metrics.contains(row), "{row} missing from\n{metrics}");
+    }
+
+    // The admitted ones finish normally; the rejected ones left no trace.
+    assert_eq!(a.await.unwrap().0, StatusCode::OK);
+    assert_eq!(b.await.unwrap().0, StatusCode::OK);
+    let s = e.engine().stats();
+    assert_eq!((s.requests_finished, s.rejected, s.waiting_peak), (2, 2, 1));
+    assert_eq!((s.running, s.waiting), (0, 0));
+    // With the queue drained, a new request is admitted again.
+    let (status, _, _) = post("/v1/chat/completions", chat_body("d")).await;
+    assert_eq!(status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn unbounded_queue_tracks_its_peak_and_sglang_names() {
+    let e = start_slow(150, 0, MetricsFlavor::Sglang).await;
+    let c = client();
+    let mut tasks = Vec::new();
+    for i in 0..4 {
+        let c = c.clone();
+        let url = e.url();
+        tasks.push(tokio::spawn(async move {
+            let req = Request::builder()
+                .method(Method::POST)
+                .uri(format!("{url}/v1/chat/completions"))
+                .header("content-type", "application/json")
+                .body(Full::new(Bytes::from(chat_body(&i.to_string()))))
+                .unwrap();
+            c.request(req).await.unwrap().status()
+        }));
+    }
+    // One in prefill, three behind it.
+    until(&e, "3 waiting", |s| s.waiting == 3).await;
+    let (_, _, metrics) = send(&c, &e, Method::GET, "/metrics", "").await;
+    for row in [
+        "sglang:num_queue_reqs{model_name=\"m\"} 3",
+        "sglang:num_running_reqs{model_name=\"m\"} 1",
+        "sglang:token_usage{model_name=\"m\"} ",
+        "sglang:cache_hit_rate{model_name=\"m\"} ",
+        "sglang:prompt_tokens_total{model_name=\"m\"} ",
+        "sglang:generation_tokens_total{model_name=\"m\"} ",
+        "# TYPE sglang:num_queue_reqs gauge",
+        "# TYPE sglang:prompt_tokens_total counter",
+        "sim:num_requests_waiting_peak{model_name=\"m\"} 3",
+        "sim:rejected_total{model_name=\"m\"} 0",
+    ] {
+        assert!(metrics.contains(row), "{row} missing from\n{metrics}");
+    }
+    assert!(
+        !metrics.contains("vllm:"),
+        "no vLLM names with sglang:\n{metrics}"
+    );
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    let s = e.engine().stats();
+    assert_eq!((s.waiting, s.waiting_peak, s.rejected), (0, 3, 0));
 }

@@ -220,6 +220,7 @@ impl Env {
             time_factor,
             max_output_tokens,
             model: "m".into(),
+            ..EngineParams::default()
         }
     }
 

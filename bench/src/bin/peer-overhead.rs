@@ -330,6 +330,7 @@ async fn engines_round(
         time_factor: 0.0,
         max_output_tokens: 4096,
         model: "m".into(),
+        ..EngineParams::default()
     };
     let mut urls = Vec::with_capacity(n);
     for i in 0..n {

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use bench::engine::{Engine, EngineConfig};
+use bench::engine::{Engine, EngineConfig, MetricsFlavor};
 use clap::Parser;
 
 /// Simulated vLLM engine: OpenAI API, prefix cache with LRU, queueing model on timers.
@@ -48,6 +48,20 @@ struct Cli {
     /// Largest accepted request body, in bytes.
     #[arg(long, default_value_t = 64 << 20)]
     max_body_bytes: usize,
+    /// Metric names of GET /metrics: `vllm` (vllm:num_requests_waiting,
+    /// vllm:num_requests_running, vllm:kv_cache_usage_perc, ...) or `sglang`
+    /// (sglang:num_queue_reqs, sglang:num_running_reqs, sglang:token_usage, ...).
+    /// Both add sim:num_requests_waiting_peak and sim:rejected_total.
+    #[arg(long, default_value_t = MetricsFlavor::Vllm)]
+    metrics_flavor: MetricsFlavor,
+    /// Most requests waiting for the prefill slot (requests); a generation
+    /// request arriving when this many wait is answered 429 with Retry-After
+    /// (0 = unbounded, never 429).
+    #[arg(long, default_value_t = 0)]
+    max_waiting: usize,
+    /// Retry-After of a 429, in whole seconds.
+    #[arg(long, default_value_t = 1)]
+    retry_after_secs: u64,
 }
 
 fn duration(value: f64, unit_s: f64, flag: &str) -> Result<Duration, String> {
@@ -94,6 +108,9 @@ async fn run(cli: Cli) -> Result<(), String> {
         time_factor: cli.time_factor,
         max_output_tokens: cli.max_output_tokens,
         max_body_bytes: cli.max_body_bytes,
+        metrics_flavor: cli.metrics_flavor,
+        max_waiting: cli.max_waiting,
+        retry_after_secs: cli.retry_after_secs,
     };
     let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
     let listener = bench::engine::bind((cli.host.as_str(), cli.port))

@@ -231,6 +231,7 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
             time_factor,
             max_output_tokens: cli.max_output_tokens,
             model: cli.model.clone(),
+            ..EngineParams::default()
         },
         time_scale: cli.time_scale,
         concurrency: cli.concurrency,
