@@ -10,11 +10,13 @@
 //! matrix   start engines + router per policy, replay, one markdown table
 //! procs    child processes (engines, router): start, wait ready, stop; /proc usage
 //! load     closed-loop HTTP load (one keep-alive connection per worker), bursts
+//! workloads synthetic traces in the Mooncake format (the hot-prefix trace)
 //! ```
 //!
 //! Binaries: `sim-engine`, `replay`, `trace-matrix` (the demo; also runs the peer
 //! routers), `overhead` (what the router costs: added latency, saturation, 5,000
-//! streams, tree memory), `peer-overhead` (the same against sglang-router and
+//! streams, tree memory), `hot-prefix-trace` (writes `bench/data/hot_prefix.jsonl`),
+//! `peer-overhead` (the same against sglang-router and
 //! vllm-router; `bench/peers/run.sh` installs them and runs both comparisons).
 
 #![forbid(unsafe_code)]
@@ -26,3 +28,4 @@ pub mod procs;
 pub mod prompts;
 pub mod replay;
 pub mod stats;
+pub mod workloads;
