@@ -26,7 +26,107 @@ use crate::procs::{
 };
 pub use crate::procs::{ChildProc, EngineParams, ProcError, sibling_binary};
 use crate::replay::{self, PreparedRequest, ReplayConfig, ReplayError, RequestResult};
-use crate::stats::{Summary, summarize};
+use crate::stats::{EngineLoad, QueueStats, Summary, parse_engine_load, summarize};
+
+/// How often [`QueueSampler`] polls every engine's `/metrics` (wall clock).
+pub const QUEUE_SAMPLE_EVERY: Duration = Duration::from_millis(100);
+
+/// Polls every engine's `GET /metrics` at a fixed wall-clock interval on a
+/// background task and accumulates [`QueueStats`]: per-engine peak waiting and
+/// how often a queue stood while another engine was idle. Stopped by
+/// [`QueueSampler::finish`]; dropping it aborts the task.
+#[derive(Debug)]
+pub struct QueueSampler {
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: tokio::task::JoinHandle<QueueStats>,
+}
+
+impl QueueSampler {
+    /// Starts polling `urls` (engine base URLs, named `names`) every `every`;
+    /// needs a tokio runtime.
+    pub fn start(names: &[String], urls: &[String], every: Duration) -> Self {
+        use hyper_util::client::legacy::Client;
+        use hyper_util::client::legacy::connect::HttpConnector;
+        use hyper_util::rt::TokioExecutor;
+        let targets: Vec<Option<hyper::Uri>> = urls
+            .iter()
+            .map(|u| format!("{}/metrics", u.trim_end_matches('/')).parse().ok())
+            .collect();
+        let client: Client<HttpConnector, http_body_util::Empty<Bytes>> =
+            Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+        let (stop, mut stopped) = tokio::sync::oneshot::channel();
+        let mut stats = QueueStats::new(names);
+        let task = tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tokio::select! {
+                    _ = &mut stopped => break,
+                    _ = tick.tick() => stats.record(&poll_loads(&client, &targets).await),
+                }
+            }
+            // One last read for the engines' own high-water marks.
+            stats.record_peaks(&poll_loads(&client, &targets).await);
+            stats
+        });
+        Self {
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// Stops polling and returns what was seen.
+    pub async fn finish(mut self) -> QueueStats {
+        if let Some(stop) = self.stop.take() {
+            let _ = stop.send(());
+        }
+        (&mut self.task).await.unwrap_or_default()
+    }
+}
+
+impl Drop for QueueSampler {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// One `GET /metrics` per target, all at once (1 s limit each); `None` where a
+/// target did not answer 2xx with readable queue gauges.
+async fn poll_loads(
+    client: &hyper_util::client::legacy::Client<
+        hyper_util::client::legacy::connect::HttpConnector,
+        http_body_util::Empty<Bytes>,
+    >,
+    targets: &[Option<hyper::Uri>],
+) -> Vec<Option<EngineLoad>> {
+    use http_body_util::BodyExt;
+    let mut set = tokio::task::JoinSet::new();
+    for (i, uri) in targets.iter().enumerate() {
+        let (client, uri) = (client.clone(), uri.clone());
+        set.spawn(async move {
+            let read = async {
+                let resp = client.get(uri?).await.ok()?;
+                if !resp.status().is_success() {
+                    return None;
+                }
+                let body = resp.into_body().collect().await.ok()?.to_bytes();
+                parse_engine_load(&String::from_utf8_lossy(&body))
+            };
+            let load = tokio::time::timeout(Duration::from_secs(1), read)
+                .await
+                .ok()
+                .flatten();
+            (i, load)
+        });
+    }
+    let mut out = vec![None; targets.len()];
+    while let Some(joined) = set.join_next().await {
+        if let Ok((i, load)) = joined {
+            out[i] = load;
+        }
+    }
+    out
+}
 
 /// Router policies the demo compares by default, in table order.
 pub const DEFAULT_POLICIES: [&str; 3] = ["cache_aware", "round_robin", "least_load"];
@@ -646,7 +746,9 @@ async fn run_contender_inner(
         .as_ref()
         .map(|r| procs::tree_usage(r.pid).unwrap_or_default());
     let watch = procs::Disturbance::start(procs.iter().filter_map(ChildProc::pid).collect());
+    let sampler = QueueSampler::start(&names, &urls, QUEUE_SAMPLE_EVERY);
     let results = replay::run(requests, &replay_cfg).await?;
+    let queue = sampler.finish().await;
     let other_cpu = watch.finish();
     let decisions = match (&router, contender.router()) {
         (Some(r), Some((RouterKind::Ours, _))) => routing_decisions(&r.url).await,
@@ -671,7 +773,8 @@ async fn run_contender_inner(
     if let Some(out) = &cfg.out_dir {
         write_results(out, &label, &results)?;
     }
-    let summary = summarize(&results, &names);
+    let mut summary = summarize(&results, &names);
+    summary.queue = Some(queue);
     if summary.errors > 0
         && let Some(r) = &router
     {
@@ -713,7 +816,10 @@ pub fn write_results(
 }
 
 /// The comparison table (markdown), one row per contender. Hit rates are also
-/// shown as a share of the `ideal` row's, when there is one.
+/// shown as a share of the `ideal` row's, when there is one. "longest queue" is
+/// the most requests waiting for prefill on one engine ([`QueueStats::longest_queue`]),
+/// "queued while idle" the share of queue samples in which an engine had ≥ 2
+/// waiting while another had nothing waiting or running (– with one engine).
 pub fn render_table(rows: &[(String, Result<ContenderRun, String>)]) -> String {
     let ideal_label = Contender::Ideal.label();
     let ideal = rows.iter().find_map(|(l, r)| match r {
@@ -721,8 +827,8 @@ pub fn render_table(rows: &[(String, Result<ContenderRun, String>)]) -> String {
         _ => None,
     });
     let mut t = String::from(
-        "| contender | requests | errors | hit rate | of ideal | TTFT p50 / p99 (ms) | end-to-end p50 / p99 (ms) | throughput (req/s, out tok/s) | max/mean req per worker | router peak RSS | router CPU s |\n\
-         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+        "| contender | requests | errors | hit rate | of ideal | TTFT p50 / p99 (ms) | end-to-end p50 / p99 (ms) | throughput (req/s, out tok/s) | max/mean req per worker | longest queue | queued while idle | router peak RSS | router CPU s |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
     );
     for (label, row) in rows {
         match row {
@@ -756,9 +862,20 @@ pub fn render_table(rows: &[(String, Result<ContenderRun, String>)]) -> String {
                 } else {
                     "–".into()
                 };
+                let (longest, idle) = match &s.queue {
+                    Some(q) => (
+                        q.longest_queue().to_string(),
+                        if q.engines.len() > 1 && q.samples > 0 {
+                            format!("{:.1} %", 100.0 * q.queued_while_idle_share())
+                        } else {
+                            "–".into()
+                        },
+                    ),
+                    None => ("–".into(), "–".into()),
+                };
                 let _ = writeln!(
                     t,
-                    "| {label} | {} | {} | {:.3} | {of_ideal} | {timing} | {spread} | {rss} | {cpu} |",
+                    "| {label} | {} | {} | {:.3} | {of_ideal} | {timing} | {spread} | {longest} | {idle} | {rss} | {cpu} |",
                     s.requests, s.errors, s.hit_rate,
                 );
             }
@@ -766,7 +883,7 @@ pub fn render_table(rows: &[(String, Result<ContenderRun, String>)]) -> String {
                 let first = e.lines().next().unwrap_or("");
                 let _ = writeln!(
                     t,
-                    "| {label} | – | – | – | – | – | – | – | – | – | failed: {first} |"
+                    "| {label} | – | – | – | – | – | – | – | – | – | – | – | failed: {first} |"
                 );
             }
         }
@@ -875,6 +992,82 @@ mod tests {
         assert!(v.display_line().starts_with(
             "HF_ENDPOINT=http://127.0.0.1:9 HF_HUB_OFFLINE=1 /v/bin/vllm-router --host"
         ));
+    }
+
+    #[test]
+    fn table_has_the_queue_columns() {
+        let mut q = QueueStats::new(&engine_names(2));
+        let l = |waiting, running| {
+            Some(EngineLoad {
+                waiting,
+                running,
+                waiting_peak: None,
+            })
+        };
+        q.record(&[l(3, 1), l(0, 0)]);
+        q.record(&[l(0, 1), l(0, 1)]);
+        let run = ContenderRun {
+            summary: Summary {
+                requests: 10,
+                queue: Some(q),
+                ..Summary::default()
+            },
+            router: None,
+            how: String::new(),
+            other_cpu: None,
+        };
+        let t = render_table(&[
+            ("least_load".into(), Ok(run)),
+            ("cache_aware".into(), Err("boom".into())),
+        ]);
+        let lines: Vec<&str> = t.lines().collect();
+        assert!(lines[0].contains("| longest queue | queued while idle |"));
+        let cells = |l: &str| l.split(" | ").count();
+        assert!(lines.iter().all(|l| cells(l) == cells(lines[0])), "{t}");
+        assert!(lines[2].contains("| 3 | 50.0 % |"), "{t}");
+    }
+
+    #[tokio::test]
+    async fn sampler_sees_a_queue_next_to_an_idle_engine() {
+        use crate::engine::{self, EngineConfig};
+        let slow = engine::start(EngineConfig {
+            ttft_base: Duration::from_millis(300),
+            itl: Duration::ZERO,
+            ..EngineConfig::default()
+        })
+        .await
+        .unwrap();
+        let idle = engine::start(EngineConfig::default()).await.unwrap();
+        let names = engine_names(2);
+        let sampler =
+            QueueSampler::start(&names, &[slow.url(), idle.url()], Duration::from_millis(10));
+        let client: hyper_util::client::legacy::Client<_, http_body_util::Full<Bytes>> =
+            hyper_util::client::legacy::Client::builder(hyper_util::rt::TokioExecutor::new())
+                .build(hyper_util::client::legacy::connect::HttpConnector::new());
+        let mut sent = Vec::new();
+        for i in 0..3 {
+            let req = hyper::Request::post(format!("{}/v1/completions", slow.url()))
+                .header("content-type", "application/json")
+                .body(http_body_util::Full::new(Bytes::from(format!(
+                    r#"{{"prompt": "p{i}", "max_tokens": 1}}"#
+                ))))
+                .unwrap();
+            sent.push(tokio::spawn(client.request(req)));
+        }
+        for _ in 0..2000 {
+            if slow.engine().stats().waiting == 2 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let q = sampler.finish().await;
+        assert!(q.samples >= 3, "{q:?}");
+        assert!(q.queued_while_idle >= 1, "{q:?}");
+        assert_eq!(q.peak_waiting, [2, 0], "{q:?}");
+        for t in sent {
+            t.abort();
+        }
     }
 
     #[test]

@@ -70,6 +70,155 @@ pub struct Summary {
     pub max_lateness_ms: f64,
     /// The first error message, for the report.
     pub first_error: Option<String>,
+    /// Engine queues sampled during the replay (`None`: not sampled; see
+    /// [`QueueStats`]).
+    pub queue: Option<QueueStats>,
+}
+
+/// What one engine's `GET /metrics` says about its queue, in requests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct EngineLoad {
+    /// Waiting for prefill: `vllm:num_requests_waiting` or `sglang:num_queue_reqs`.
+    pub waiting: u64,
+    /// Running: `vllm:num_requests_running` or `sglang:num_running_reqs`.
+    pub running: u64,
+    /// The engine's own high-water mark of `waiting`
+    /// (`sim:num_requests_waiting_peak`, sim-engine only).
+    pub waiting_peak: Option<u64>,
+}
+
+/// Reads [`EngineLoad`] from Prometheus text (vLLM or SGLang names; values of
+/// several label sets of one name add up). `None` unless both a waiting and a
+/// running gauge are present.
+pub fn parse_engine_load(text: &str) -> Option<EngineLoad> {
+    let (mut waiting, mut running, mut peak) = (None::<f64>, None::<f64>, None::<f64>);
+    for line in text.lines() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') {
+            continue;
+        }
+        let name_end = line.find(['{', ' ']).unwrap_or(line.len());
+        let name = &line[..name_end];
+        let slot = match name {
+            "vllm:num_requests_waiting" | "sglang:num_queue_reqs" => &mut waiting,
+            "vllm:num_requests_running" | "sglang:num_running_reqs" => &mut running,
+            "sim:num_requests_waiting_peak" => &mut peak,
+            _ => continue,
+        };
+        // The value follows the labels (which may hold spaces inside quotes).
+        let rest = match line[name_end..].strip_prefix('{') {
+            Some(labels) => labels.rsplit_once('}').map_or("", |(_, v)| v),
+            None => &line[name_end..],
+        };
+        if let Some(v) = rest
+            .split_whitespace()
+            .next()
+            .and_then(|v| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite() && *v >= 0.0)
+        {
+            *slot = Some(slot.unwrap_or(0.0) + v);
+        }
+    }
+    Some(EngineLoad {
+        waiting: waiting?.round() as u64,
+        running: running?.round() as u64,
+        waiting_peak: peak.map(|p| p.round() as u64),
+    })
+}
+
+/// Engine queues over a replay, from polling every engine's `/metrics` at a fixed
+/// interval (see `matrix::QueueSampler`).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct QueueStats {
+    /// Engine names, in the order of the samples.
+    pub engines: Vec<String>,
+    /// Longest queue seen per engine, in requests: the most `waiting` of any
+    /// sample, or the engine's own high-water mark if it reports a higher one.
+    pub peak_waiting: Vec<u64>,
+    /// Samples in which every engine answered.
+    pub samples: u64,
+    /// Of those, samples in which some engine had ≥ 2 requests waiting while
+    /// another had nothing waiting and nothing running.
+    pub queued_while_idle: u64,
+    /// Samples dropped because some engine did not answer.
+    pub incomplete: u64,
+}
+
+impl QueueStats {
+    /// No samples yet, for `engines`.
+    pub fn new(engines: &[String]) -> Self {
+        Self {
+            engines: engines.to_vec(),
+            peak_waiting: vec![0; engines.len()],
+            ..Self::default()
+        }
+    }
+
+    /// Peaks of one poll only (e.g. after the replay, for the engines' own
+    /// high-water marks), not counted as a sample.
+    pub fn record_peaks(&mut self, loads: &[Option<EngineLoad>]) {
+        for (peak, load) in self.peak_waiting.iter_mut().zip(loads) {
+            if let Some(l) = load {
+                *peak = (*peak).max(l.waiting).max(l.waiting_peak.unwrap_or(0));
+            }
+        }
+    }
+
+    /// One poll of every engine (`None`: that engine did not answer).
+    pub fn record(&mut self, loads: &[Option<EngineLoad>]) {
+        self.record_peaks(loads);
+        let all: Option<Vec<EngineLoad>> = loads.iter().copied().collect();
+        let Some(all) = all.filter(|a| a.len() == self.engines.len()) else {
+            self.incomplete += 1;
+            return;
+        };
+        self.samples += 1;
+        let queued_while_idle = all.iter().enumerate().any(|(i, q)| {
+            q.waiting >= 2
+                && all
+                    .iter()
+                    .enumerate()
+                    .any(|(j, o)| j != i && o.waiting == 0 && o.running == 0)
+        });
+        self.queued_while_idle += u64::from(queued_while_idle);
+    }
+
+    /// Longest queue of any engine, in requests.
+    pub fn longest_queue(&self) -> u64 {
+        self.peak_waiting.iter().copied().max().unwrap_or(0)
+    }
+
+    /// Share of samples "queued while idle" (0–1; 0 without samples).
+    pub fn queued_while_idle_share(&self) -> f64 {
+        if self.samples == 0 {
+            0.0
+        } else {
+            self.queued_while_idle as f64 / self.samples as f64
+        }
+    }
+}
+
+impl fmt::Display for QueueStats {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let peaks: Vec<String> = self
+            .engines
+            .iter()
+            .zip(&self.peak_waiting)
+            .map(|(e, p)| format!("{e}={p}"))
+            .collect();
+        write!(
+            f,
+            "longest queue {} (per engine {}); queued while idle in {:.1} % of {} samples",
+            self.longest_queue(),
+            peaks.join(" "),
+            100.0 * self.queued_while_idle_share(),
+            self.samples
+        )?;
+        if self.incomplete > 0 {
+            write!(f, " ({} incomplete samples dropped)", self.incomplete)?;
+        }
+        Ok(())
+    }
 }
 
 /// Summarises `results`; `engines` names replicas that should appear in the
@@ -135,6 +284,7 @@ pub fn summarize(results: &[RequestResult], engines: &[String]) -> Summary {
             .map(|r| r.sent_ms - r.scheduled_ms)
             .fold(0.0, f64::max),
         first_error: results.iter().find_map(|r| r.error.clone()),
+        queue: None,
     }
 }
 
@@ -175,6 +325,9 @@ impl fmt::Display for Summary {
             self.max_over_mean
         )?;
         write!(f, "max send lateness {:.0} ms", self.max_lateness_ms)?;
+        if let Some(q) = &self.queue {
+            write!(f, "\nqueues           {q}")?;
+        }
         if let Some(e) = &self.first_error {
             write!(f, "\nfirst error      {e}")?;
         }
@@ -192,5 +345,71 @@ mod tests {
         let p = Percentiles::of(&v);
         assert_eq!((p.p50, p.p90, p.p99), (50.0, 90.0, 99.0));
         assert_eq!(Percentiles::of(&[7.0]).p99, 7.0);
+    }
+
+    #[test]
+    fn engine_load_reads_vllm_and_sglang_names() {
+        let vllm = "# HELP vllm:num_requests_waiting x\n# TYPE vllm:num_requests_waiting gauge\n\
+                    vllm:num_requests_waiting{engine=\"0\",model_name=\"a b\"} 3\n\
+                    vllm:num_requests_waiting{engine=\"1\",model_name=\"a b\"} 2.0\n\
+                    vllm:num_requests_running{engine=\"0\",model_name=\"m\"} 1\n\
+                    vllm:num_requests_waiting_total 99\n\
+                    sim:num_requests_waiting_peak{engine=\"0\"} 7\n";
+        assert_eq!(
+            parse_engine_load(vllm),
+            Some(EngineLoad {
+                waiting: 5,
+                running: 1,
+                waiting_peak: Some(7)
+            })
+        );
+        let sglang = "sglang:num_queue_reqs{model_name=\"m\"} 4.0\nsglang:num_running_reqs 0\n";
+        assert_eq!(
+            parse_engine_load(sglang),
+            Some(EngineLoad {
+                waiting: 4,
+                running: 0,
+                waiting_peak: None
+            })
+        );
+        assert_eq!(parse_engine_load("vllm:num_requests_waiting 1\n"), None);
+    }
+
+    #[test]
+    fn queue_stats_count_queued_while_idle() {
+        let names: Vec<String> = ["e0", "e1", "e2"].map(String::from).to_vec();
+        let mut q = QueueStats::new(&names);
+        let l = |waiting, running| {
+            Some(EngineLoad {
+                waiting,
+                running,
+                waiting_peak: None,
+            })
+        };
+        // e0 queues 2 while e2 is idle: counted.
+        q.record(&[l(2, 1), l(0, 1), l(0, 0)]);
+        // A queue of 1 does not count; neither does a busy but unqueued engine.
+        q.record(&[l(1, 1), l(0, 0), l(0, 0)]);
+        q.record(&[l(3, 1), l(0, 1), l(0, 1)]);
+        // An engine that did not answer: dropped, but its peers' peaks count.
+        q.record(&[l(9, 1), None, l(0, 0)]);
+        assert_eq!((q.samples, q.queued_while_idle, q.incomplete), (3, 1, 1));
+        assert!((q.queued_while_idle_share() - 1.0 / 3.0).abs() < 1e-9);
+        q.record_peaks(&[
+            None,
+            Some(EngineLoad {
+                waiting: 0,
+                running: 0,
+                waiting_peak: Some(4),
+            }),
+            l(0, 0),
+        ]);
+        assert_eq!(q.peak_waiting, [9, 4, 0]);
+        assert_eq!(q.longest_queue(), 9);
+        assert_eq!(q.samples, 3);
+        assert!(
+            q.to_string()
+                .starts_with("longest queue 9 (per engine e0=9 e1=4 e2=0)")
+        );
     }
 }

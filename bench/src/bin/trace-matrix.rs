@@ -11,6 +11,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
+use bench::engine::MetricsFlavor;
 use bench::matrix::{self, Contender, EngineParams, MatrixConfig, MatrixError, PeerSetup};
 use bench::prompts::read_trace;
 use bench::replay;
@@ -23,20 +24,27 @@ const SLICE: &str = "bench/data/mooncake_conversation_slice.jsonl";
 #[derive(Debug, Parser)]
 #[command(name = "trace-matrix", version)]
 struct Cli {
-    /// Mooncake jsonl trace [default: bench/data/mooncake_conversation_slice.jsonl,
+    /// Mooncake jsonl trace, e.g. bench/data/hot_prefix.jsonl (see hot-prefix-trace)
+    /// [default: bench/data/mooncake_conversation_slice.jsonl,
     /// found from the working directory or the bench crate's source directory].
     #[arg(long)]
     trace: Option<PathBuf>,
     /// Replay only the first N lines (0 = all lines of the trace).
     #[arg(long, default_value_t = 0)]
     limit: usize,
-    /// Multiplier on trace timestamps (0.07 = the slice's 11 min in 47 s).
+    /// Base multiplier on trace timestamps (0.07 = the slice's 11 min in 47 s);
+    /// the replay uses --time-scale / --load.
     #[arg(long, default_value_t = 0.07)]
     time_scale: f64,
     /// Multiplier on simulated engine times [default: same as --time-scale, so
-    /// engine load relative to arrivals is as at full scale].
+    /// engine load relative to arrivals is as at full scale]. Not changed by --load.
     #[arg(long)]
     time_factor: Option<f64>,
+    /// Offered load: arrivals X times as fast at the same engine speed (the replay
+    /// runs at time scale --time-scale / X, the engines keep --time-factor); 1 =
+    /// the trace's own rate, 1.5 = 50 % more requests per second.
+    #[arg(long, default_value_t = 1.0)]
+    load: f64,
     /// Comma-separated contenders: our router's policies; `sglang:POLICY` and
     /// `vllm:POLICY` (peer routers, see --peer-venv); `direct` (client round robin,
     /// no router); `ideal` (one engine with an unbounded KV cache, no router).
@@ -77,6 +85,16 @@ struct Cli {
     /// Model id.
     #[arg(long, default_value = "m")]
     model: String,
+    /// Metric names the engines serve on /metrics: `vllm` or `sglang`.
+    #[arg(long, default_value_t = MetricsFlavor::Vllm)]
+    metrics_flavor: MetricsFlavor,
+    /// Engines answer 429 (with Retry-After) to a request that finds this many
+    /// waiting for prefill, in requests (0 = unbounded, never 429).
+    #[arg(long, default_value_t = 0)]
+    max_waiting: usize,
+    /// Retry-After of the engines' 429, in whole seconds.
+    #[arg(long, default_value_t = 1)]
+    retry_after_secs: u64,
     /// sim-engine executable [default: next to this executable].
     #[arg(long)]
     engine_bin: Option<PathBuf>,
@@ -193,7 +211,15 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     if cli.engines == 0 {
         return Err("--engines must be at least 1".into());
     }
+    if !cli.load.is_finite() || cli.load <= 0.0 {
+        return Err(format!(
+            "--load must be a finite number > 0, got {}",
+            cli.load
+        ));
+    }
+    // The engines run at the base speed; only arrivals speed up with --load.
     let time_factor = cli.time_factor.unwrap_or(cli.time_scale);
+    let time_scale = cli.time_scale / cli.load;
     let mut peers = PeerSetup::from_venv(
         &cli.peer_venv,
         (cli.peer_log_level != "default").then(|| cli.peer_log_level.clone()),
@@ -231,9 +257,11 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
             time_factor,
             max_output_tokens: cli.max_output_tokens,
             model: cli.model.clone(),
-            ..EngineParams::default()
+            metrics_flavor: cli.metrics_flavor,
+            max_waiting: cli.max_waiting,
+            retry_after_secs: cli.retry_after_secs,
         },
-        time_scale: cli.time_scale,
+        time_scale,
         concurrency: cli.concurrency,
         request_timeout: secs(cli.request_timeout_s, "--request-timeout-s")?,
         startup_timeout: secs(cli.startup_timeout_s, "--startup-timeout-s")?,
@@ -258,15 +286,16 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         .saturating_sub(records[0].timestamp) as f64
         / 1000.0;
     let params = format!(
-        "trace {} (first {} lines, {} prompt tokens, span {:.0} s) × time scale {} = {:.0} s per contender\n\
+        "trace {} (first {} lines, {} prompt tokens, span {:.0} s) × time scale {} (load {}) = {:.0} s per contender\n\
          {} engines × {} KV blocks of {} tokens ({:.2} M tokens each); prefill {} ms + {} µs/token (FIFO), \
-         ITL {} ms, all × time factor {}; output tokens min(trace, {}); concurrency cap {}",
+         ITL {} ms, all × time factor {}; output tokens min(trace, {}); concurrency cap {}{}",
         trace.display(),
         records.len(),
         prompt_tokens,
         span_s,
-        cli.time_scale,
-        span_s * cli.time_scale,
+        time_scale,
+        cli.load,
+        span_s * time_scale,
         cli.engines,
         cli.kv_blocks,
         cli.block_size,
@@ -277,6 +306,20 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         time_factor,
         cli.max_output_tokens,
         cli.concurrency,
+        if cli.max_waiting > 0 || cli.metrics_flavor != MetricsFlavor::Vllm {
+            format!(
+                "; engine metrics {}, max waiting {} (429, Retry-After {} s)",
+                cli.metrics_flavor,
+                if cli.max_waiting > 0 {
+                    cli.max_waiting.to_string()
+                } else {
+                    "unbounded".into()
+                },
+                cli.retry_after_secs
+            )
+        } else {
+            String::new()
+        },
     );
     eprintln!("{params}");
     let mut rows = Vec::new();
@@ -328,7 +371,11 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     println!(
         "hit rate = Σ cached / Σ prompt tokens from the engines' usage; TTFT and end-to-end are \
          wall-clock ms at time factor {time_factor} (÷ {time_factor} ≈ full-scale simulated ms); \
-         open loop, so throughput follows the offered load unless a pool falls behind. Router \
+         open loop, so throughput follows the offered load unless a pool falls behind. Longest \
+         queue is the most requests waiting for prefill on one engine (GET /metrics of every \
+         engine polled every 100 ms, and the engines' own high-water mark); queued while idle \
+         is the share of those samples in which one engine had ≥ 2 waiting while another had \
+         nothing waiting or running. Router \
          peak RSS is VmHWM of the router process at the end of the replay, router CPU s its \
          utime+stime during the replay (/proc). Routers are ready when GET /health and a \
          1-token chat request answer 2xx."
