@@ -1959,6 +1959,70 @@ mod tests {
     const ONE: &str = "workers:\n  - url: http://127.0.0.1:8001\n";
 
     #[test]
+    fn engine_signal_keys_and_their_defaults() {
+        let c = load(&[("a.yaml", ONE)]).unwrap();
+        assert!(!c.engine_metrics.enabled);
+        assert_eq!(c.engine_metrics.path, "/metrics");
+        assert_eq!(c.engine_metrics.interval, Duration::from_secs(1));
+        assert_eq!(c.engine_metrics.stale, Duration::from_secs(5));
+        assert_eq!(c.cache.engine_block_tokens, 16);
+        let c = load(&[("a.yaml", &format!("policy: cost_aware\n{ONE}"))]).unwrap();
+        assert!(c.engine_metrics.enabled, "on by default for cost_aware");
+        let c = load(&[(
+            "a.yaml",
+            "policy: lmcache_aware\nworkers:\n  - url: http://a:1\n    lmcache: {endpoint: /lmcache, refresh_secs: 0.5}\n  - url: http://b:1\n    lmcache: {endpoint: \"http://cache:9000/stats\"}\n",
+        )])
+        .unwrap();
+        let l = c.workers[0].lmcache.as_ref().unwrap();
+        assert_eq!(
+            (l.endpoint.as_str(), l.refresh, l.stale),
+            (
+                "/lmcache",
+                Duration::from_millis(500),
+                Duration::from_secs(10)
+            )
+        );
+        assert_eq!(
+            c.workers[1].lmcache.as_ref().unwrap().refresh,
+            Duration::from_secs(2)
+        );
+        for (doc, key) in [
+            (format!("policy: lmcache_aware\n{ONE}"), "lmcache"),
+            (
+                "workers:\n  - url: http://a:1\n    lmcache: {endpoint: \"ftp://x\"}\n".into(),
+                "lmcache.endpoint",
+            ),
+            (
+                "workers:\n  - url: http://a:1\n    lmcache: {endpoint: \"http://u:p@x:1/s\"}\n"
+                    .into(),
+                "lmcache.endpoint",
+            ),
+            (
+                "workers:\n  - url: http://a:1\n    lmcache: {endpoint: /s, stale_secs: 0}\n"
+                    .into(),
+                "lmcache.stale_secs",
+            ),
+            (
+                format!("engine_metrics: {{interval_ms: 10}}\n{ONE}"),
+                "engine_metrics.interval_ms",
+            ),
+            (
+                format!("engine_metrics: {{path: metrics}}\n{ONE}"),
+                "engine_metrics.path",
+            ),
+            (format!("engine_metrics: {{every: 1}}\n{ONE}"), "every"),
+            (
+                format!("cache: {{engine_block_tokens: 0}}\n{ONE}"),
+                "cache.engine_block_tokens",
+            ),
+        ] {
+            let e = err(&[("a.yaml", &doc)]);
+            assert!(e.contains(key), "{doc}: {e}");
+        }
+        assert!(!err(&[("a.yaml", "workers:\n  - url: http://a:1\n    lmcache: {endpoint: \"http://u:hunter2@x:1/s\"}\n")]).contains("hunter2"));
+    }
+
+    #[test]
     fn minimal_config_gets_documented_defaults() {
         let c = load(&[("a.yaml", ONE)]).unwrap();
         assert_eq!(c.policy, PolicyKind::CacheAware);

@@ -11,6 +11,17 @@
 //! cost(w)  = queue(w) + base + own(w) · per_token                        (seconds)
 //! ```
 //!
+//! A worker that has not answered [`MIN_SAMPLES`] streamed requests yet is costed at the
+//! mean rate of the usable workers that have (the prior only while none has): a fixed
+//! prior far from the fleet's real speed would make new workers look slower or faster
+//! than they are and pull traffic away from or onto them.
+//!
+//! When every usable worker has requests queued (no idle capacity anywhere), the work a
+//! worker would add beyond the least any worker needs (`own(w) − min own`, s) is added
+//! once more: the requests that queue behind it wait for that recompute too, so under
+//! saturation a diverted hit costs the pool twice what it costs the request. With an
+//! idle worker nothing waits behind it, and the plain cost holds.
+//!
 //! and the pick is the least cost (ties stable by the session or prompt digest, as in
 //! [`least_loaded`]). `pending` is what the router has sent there and not yet seen a
 //! first byte of; `waiting` is the engine's own queue from its last fresh scrape
@@ -26,13 +37,20 @@
 //! is recorded for the worker that served it, so a hot prefix that spills to a second
 //! worker lives on both from then on.
 //!
+//! The tree holds at most `cache.max_prompt_bytes` of each prompt. For a longer prompt
+//! whose whole cut text a worker holds, the router cannot see how much of the rest that
+//! worker has: it remembers, per cut text (xxh3) and worker, the longest prompt that
+//! worker served with it ([`BEYOND_CUT_ENTRIES`] texts, least recently used first), and
+//! counts the match up to that length. A conversation's next turn so counts the whole
+//! previous turn as cached, as the engine does.
+//!
 //! Reasons: [`Reason::CacheHit`] when the chosen worker holds the longest usable match
 //! (at least one block), [`Reason::HitOverloaded`] when another usable worker held more
 //! of the prompt (a diverted hit: its queue cost more than the recompute), otherwise
 //! [`Reason::Miss`] / [`Reason::EmptyText`].
 
-use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use rand::{Rng, RngCore};
@@ -41,12 +59,19 @@ use super::cache_aware::CacheAware;
 use super::select::{MIN_HIT_BYTES, tie_rank, usable};
 use super::{BoxFuture, Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::Config;
+use crate::pool::prefill::{MIN_SAMPLES, PrefillRate};
 use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
 use crate::tree::{SharedTree, WorkerMask};
 
 /// Workers whose matches are kept on the stack; more spill to the heap.
 const INLINE: usize = 64;
+
+/// Cut routing texts remembered with the longest prompt each worker served with them.
+pub const BEYOND_CUT_ENTRIES: usize = 65_536;
+
+/// Per cut text: (worker, longest prompt served with it, bytes).
+type Beyond = lru::LruCache<u64, Vec<(WorkerId, usize)>>;
 
 /// The `cost_aware` policy: the tree of `cache_aware` (recording, eviction) and the cost.
 pub struct CostAware {
@@ -55,6 +80,7 @@ pub struct CostAware {
     /// Engine scrapes are read when on (`engine_metrics.enabled`).
     engine_metrics: bool,
     stale: Duration,
+    beyond: Mutex<Beyond>,
 }
 
 impl CostAware {
@@ -64,6 +90,19 @@ impl CostAware {
             block_tokens: config.cache.engine_block_tokens.max(1),
             engine_metrics: config.engine_metrics.enabled,
             stale: config.engine_metrics.stale,
+            beyond: Mutex::new(lru::LruCache::new(
+                std::num::NonZeroUsize::new(BEYOND_CUT_ENTRIES).expect("non-zero"),
+            )),
+        }
+    }
+
+    fn beyond(&self) -> std::sync::MutexGuard<'_, Beyond> {
+        self.beyond.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn forget(&self, worker: WorkerId) {
+        for (_, served) in self.beyond().iter_mut() {
+            served.retain(|(w, _)| *w != worker);
         }
     }
 }
@@ -111,6 +150,13 @@ struct Cost {
     matched_tokens: u64,
     /// Tokens to prefill.
     own_tokens: u64,
+    /// Whether requests are queued ahead of it there.
+    queued: bool,
+    /// Requests queued there now: about as many as will queue behind it (Little's law
+    /// at a steady arrival rate).
+    behind: f64,
+    /// Its own prefill time, s.
+    own_s: f64,
 }
 
 impl CostAware {
@@ -120,9 +166,18 @@ impl CostAware {
         matched_bytes: usize,
         prompt_bytes: usize,
         now: std::time::Instant,
+        count_neutral: bool,
+        fleet: Option<PrefillRate>,
     ) -> Cost {
         let prefill = w.prefill();
-        let rate = prefill.rate();
+        let rate = match (prefill.rate(), fleet) {
+            // Not learned yet: as fast as the pool's learned workers, not the prior.
+            (r, Some(f)) if r.samples < MIN_SAMPLES => PrefillRate {
+                tokens_per_byte: r.tokens_per_byte,
+                ..f
+            },
+            (r, _) => r,
+        };
         let prompt_tokens = (prompt_bytes as f64 * rate.tokens_per_byte).max(1.0);
         let block = self.block_tokens as f64;
         let matched_tokens =
@@ -140,15 +195,21 @@ impl CostAware {
                     rate.cost_s(load.waiting, load.waiting * prefill.mean_request_tokens())
                 }
                 None => {
-                    w.signals().neutral_reads.fetch_add(1, Ordering::Relaxed);
+                    if count_neutral {
+                        w.signals().neutral_reads.fetch_add(1, Ordering::Relaxed);
+                    }
                     0.0
                 }
             }
         } else {
             0.0
         };
+        let queue = router_queue.max(engine_queue);
         Cost {
-            seconds: router_queue.max(engine_queue) + rate.cost_s(1.0, own),
+            seconds: queue + rate.cost_s(1.0, own),
+            queued: pending_requests > 0 || queue > 0.0,
+            behind: pending_requests as f64,
+            own_s: own * rate.secs_per_token,
             matched_bytes: if matched_tokens > 0.0 {
                 matched_bytes
             } else {
@@ -160,13 +221,36 @@ impl CostAware {
     }
 }
 
+/// The mean learned rate of the usable workers that have learned one (`None` when none
+/// has): what a worker that has not answered enough yet is assumed to be.
+fn fleet_rate(set: &WorkerSet, candidates: &[Candidate]) -> Option<PrefillRate> {
+    let (mut n, mut base, mut per_token) = (0.0, 0.0, 0.0);
+    for c in usable(candidates) {
+        let Some(w) = set.get(c.id) else { continue };
+        let r = w.prefill().rate();
+        if r.samples >= MIN_SAMPLES {
+            n += 1.0;
+            base += r.base_s;
+            per_token += r.secs_per_token;
+        }
+    }
+    (n > 0.0).then(|| PrefillRate {
+        base_s: base / n,
+        secs_per_token: per_token / n,
+        tokens_per_byte: crate::pool::prefill::PRIOR_TOKENS_PER_BYTE,
+        samples: 0,
+    })
+}
+
 impl PoolListener for CostAware {
     fn worker_left(&self, worker: &Worker) {
         self.tree.worker_left(worker);
+        self.forget(worker.id());
     }
 
     fn worker_down(&self, worker: &Worker) {
         self.tree.worker_down(worker);
+        self.forget(worker.id());
     }
 }
 
@@ -203,14 +287,42 @@ impl Policy for CostAware {
                     }
                 });
         }
+        // A cut prompt whose whole cut text a worker holds: as far as it served before.
+        let cut = !text.is_empty() && text.len() < prompt_bytes;
+        if cut {
+            let key = xxhash_rust::xxh3::xxh3_64(text);
+            if let Some(served) = self.beyond().get(&key) {
+                for &(w, len) in served {
+                    if matches.get(w) == text.len() {
+                        matches.set(w, len.min(prompt_bytes));
+                    }
+                }
+            }
+        }
         let now = crate::clock::now();
         let mut best: Option<(&Candidate, Cost, u64)> = None;
         let mut most_tokens = 0u64;
         let mut ties = 0u32;
+        // No worker idle: recompute on one worker delays the requests that queue behind
+        // it there as much as it delays this one, so the work a worker would add beyond
+        // the least any worker needs is charged twice (see the module docs).
+        let fleet = fleet_rate(set, candidates);
+        let mut everywhere_queued = true;
+        let mut least_own_s = f64::MAX;
         for c in usable(candidates) {
             let Some(w) = set.get(c.id) else { continue };
             let matched = if c.cache_aware { matches.get(c.id) } else { 0 };
-            let cost = self.cost(w, matched, prompt_bytes, now);
+            let cost = self.cost(w, matched, prompt_bytes, now, false, fleet);
+            everywhere_queued &= cost.queued;
+            least_own_s = least_own_s.min(cost.own_s);
+        }
+        for c in usable(candidates) {
+            let Some(w) = set.get(c.id) else { continue };
+            let matched = if c.cache_aware { matches.get(c.id) } else { 0 };
+            let mut cost = self.cost(w, matched, prompt_bytes, now, true, fleet);
+            if everywhere_queued {
+                cost.seconds += (cost.own_s - least_own_s) * cost.behind.max(1.0);
+            }
             most_tokens = most_tokens.max(cost.matched_tokens);
             let rank = req.tie.map_or(0, |k| tie_rank(k, c));
             match &best {
@@ -259,8 +371,20 @@ impl Policy for CostAware {
     }
 
     fn observe(&self, req: &RouteRequest<'_>, pick: &Pick, _: &Worker, outcome: Outcome) {
-        if outcome == Outcome::Served {
-            self.tree.record_served(req, pick);
+        if outcome != Outcome::Served {
+            return;
+        }
+        self.tree.record_served(req, pick);
+        let text = req.text();
+        let Some(ctx) = req.ctx else { return };
+        if let (Some(w), true) = (pick.worker, pick.cache_aware && text.len() < ctx.total_len) {
+            let key = xxhash_rust::xxh3::xxh3_64(text);
+            let mut beyond = self.beyond();
+            let served = beyond.get_or_insert_mut(key, Vec::new);
+            match served.iter_mut().find(|(id, _)| *id == w) {
+                Some((_, len)) => *len = (*len).max(ctx.total_len),
+                None => served.push((w, ctx.total_len)),
+            }
         }
     }
 

@@ -273,10 +273,19 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         peers,
         ideal_kv_blocks,
         ideal_time_factor: cli.ideal_time_factor,
-        router_extra_yaml: if cli.router_yaml.is_empty() || cli.router_yaml.ends_with('\n') {
-            cli.router_yaml.clone()
-        } else {
-            format!("{}\n", cli.router_yaml)
+        router_extra_yaml: {
+            let mut y = if cli.router_yaml.is_empty() || cli.router_yaml.ends_with('\n') {
+                cli.router_yaml.clone()
+            } else {
+                format!("{}\n", cli.router_yaml)
+            };
+            // The engines run `time_factor` times faster than full scale: so do the
+            // router's engine scrapes (1 s and 5 s stale at full scale), or a reading
+            // would be 1/time_factor times staler than in production.
+            if !y.contains("engine_metrics") {
+                y.push_str(&engine_metrics_yaml(time_factor));
+            }
+            y
         },
     };
     let requests = replay::prepare(&records, &cli.model, cli.max_output_tokens, 0);
@@ -419,4 +428,14 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// `engine_metrics:` at the production defaults (1 s scrapes, stale after 5 s) scaled by
+/// the engines' `time_factor`, within the router's bounds (≥ 50 ms, ≥ 0.01 s).
+fn engine_metrics_yaml(time_factor: f64) -> String {
+    let interval_ms = (1000.0 * time_factor).round().clamp(50.0, 600_000.0) as u64;
+    let stale = (5.0 * time_factor)
+        .clamp(0.01, 1e6)
+        .max(2.0 * interval_ms as f64 / 1000.0);
+    format!("engine_metrics: {{ interval_ms: {interval_ms}, stale_secs: {stale} }}\n")
 }
