@@ -161,9 +161,17 @@ fn main() {
         }
     }
 
+    // cost_aware walks the same tree (a copy: its own).
+    let cost_cfg = config("cost_aware");
+    let cost_pool = Pool::new(&cost_cfg.workers, &cost_cfg.circuit_breaker);
+    let cost_aware = policy::build(&cost_cfg, &cost_pool);
+    *cost_aware.tree().expect("cost_aware keeps a tree").lock() =
+        cache_aware.tree().expect("tree").lock().clone();
+
     // 3. Every policy through the seam, as the proxy calls it.
     for name in [
         "cache_aware",
+        "cost_aware",
         "round_robin",
         "random",
         "least_load",
@@ -172,6 +180,8 @@ fn main() {
     ] {
         let (pool, policy) = if name == "cache_aware" {
             (pool.set(), std::sync::Arc::clone(&cache_aware))
+        } else if name == "cost_aware" {
+            (cost_pool.set(), std::sync::Arc::clone(&cost_aware))
         } else {
             let cfg = config(name);
             let p = Pool::new(&cfg.workers, &cfg.circuit_breaker);

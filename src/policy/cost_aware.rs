@@ -6,7 +6,7 @@
 //!
 //! ```text
 //! own(w)   = prompt tokens − the prefix w holds, in whole engine blocks
-//! queue(w) = max(router:  pending_requests(w) · base + pending_tokens(w) · per_token,
+//! queue(w) = max(router:  drain(w) − now,
 //!                engine:  waiting(w) · (base + mean_request_tokens(w) · per_token))
 //! cost(w)  = queue(w) + base + own(w) · per_token                        (seconds)
 //! ```
@@ -23,8 +23,9 @@
 //! idle worker nothing waits behind it, and the plain cost holds.
 //!
 //! and the pick is the least cost (ties stable by the session or prompt digest, as in
-//! [`least_loaded`]). `pending` is what the router has sent there and not yet seen a
-//! first byte of; `waiting` is the engine's own queue from its last fresh scrape
+//! [`least_loaded`]). `drain` is when the prefill the router has sent there and not yet
+//! seen a first byte of is predicted to end (`pool::prefill`, re-anchored on every
+//! answer); `waiting` is the engine's own queue from its last fresh scrape
 //! (`engine_metrics:`; missing or stale = 0, and the router's view stands). Both views
 //! count the same queue, so the larger one is taken, never their sum.
 //!
@@ -187,8 +188,8 @@ impl CostAware {
             .min(((prompt_tokens - 1.0) / block).floor() * block)
             .max(0.0);
         let own = prompt_tokens - matched_tokens;
-        let (pending_requests, pending_tokens) = prefill.pending();
-        let router_queue = rate.cost_s(pending_requests as f64, pending_tokens as f64);
+        let (pending_requests, _) = prefill.pending();
+        let router_queue = prefill.queue_s(now, &rate);
         let engine_queue = if self.engine_metrics {
             match w.signals().engine_fresh(now, self.stale) {
                 Some(load) => {

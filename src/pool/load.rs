@@ -37,6 +37,9 @@ pub struct PrefillTicket {
     pub sent: Instant,
     /// Time to its first response byte, once that arrived.
     pub first_byte: Option<std::time::Duration>,
+    /// Its predicted prefill end (ns past `clock::epoch`) and cost (ns) in the drain.
+    pub predicted_end: u64,
+    pub cost_ns: u64,
 }
 
 impl InFlightGuard {
@@ -63,14 +66,20 @@ impl InFlightGuard {
     /// just before the request is sent. Replaces an earlier reservation.
     pub fn reserve_prefill(&mut self, tokens: u64, prompt_bytes: u64) {
         self.release_prefill();
-        let (ahead_requests, ahead_tokens) = self.worker.prefill().reserve(tokens);
+        let p = self.worker.prefill();
+        let sent = now();
+        let cost_ns = (p.rate().cost_s(1.0, tokens as f64) * 1e9) as u64;
+        let predicted_end = p.extend_drain(cost_ns, sent);
+        let (ahead_requests, ahead_tokens) = p.reserve(tokens);
         self.prefill = Some(PrefillTicket {
             tokens,
             ahead_requests,
             ahead_tokens,
             prompt_bytes,
-            sent: now(),
+            sent,
             first_byte: None,
+            predicted_end,
+            cost_ns,
         });
     }
 
@@ -79,8 +88,11 @@ impl InFlightGuard {
         if let Some(t) = &mut self.prefill
             && t.first_byte.is_none()
         {
-            t.first_byte = Some(now().saturating_duration_since(t.sent));
-            self.worker.prefill().release(t.tokens);
+            let at = now();
+            t.first_byte = Some(at.saturating_duration_since(t.sent));
+            let p = self.worker.prefill();
+            p.release(t.tokens);
+            p.settle_drain(t.predicted_end, t.cost_ns, true, at);
         }
     }
 
@@ -90,10 +102,11 @@ impl InFlightGuard {
         let Some(t) = &self.prefill else { return };
         let p = self.worker.prefill();
         p.learn_tokens_per_byte(prompt_tokens, t.prompt_bytes);
-        if let (true, Some(ttft)) = (streamed, t.first_byte) {
+        // Only an answer that waited for nothing of the router's: its TTFT is its own.
+        if let (true, 0, Some(ttft)) = (streamed, t.ahead_requests, t.first_byte) {
             p.learn(super::prefill::Sample {
-                requests: t.ahead_requests as f64 + 1.0,
-                tokens: t.ahead_tokens as f64 + prompt_tokens.saturating_sub(cached_tokens) as f64,
+                requests: 1.0,
+                tokens: prompt_tokens.saturating_sub(cached_tokens) as f64,
                 ttft_s: ttft.as_secs_f64(),
             });
         }
@@ -108,7 +121,9 @@ impl InFlightGuard {
         if let Some(t) = self.prefill.take()
             && t.first_byte.is_none()
         {
-            self.worker.prefill().release(t.tokens);
+            let p = self.worker.prefill();
+            p.release(t.tokens);
+            p.settle_drain(t.predicted_end, t.cost_ns, false, now());
         }
     }
 
@@ -240,5 +255,44 @@ mod tests {
         assert_eq!(w.prefill().pending(), (1, 300));
         drop(g2); // never answered: released on drop
         assert_eq!(w.prefill().pending(), (0, 0));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_drain_re_anchors_on_each_first_byte() {
+        let w = worker(None);
+        let p = w.prefill();
+        // Priors: 20 ms + 100 µs per token; 1000 tokens = 120 ms each.
+        let mut g1 = InFlightGuard::try_acquire(&w).unwrap();
+        g1.reserve_prefill(1000, 4000);
+        let mut g2 = InFlightGuard::try_acquire(&w).unwrap();
+        g2.reserve_prefill(1000, 4000);
+        let now = crate::clock::now();
+        assert!(
+            (p.queue_s(now, &p.rate()) - 0.240).abs() < 1e-6,
+            "{}",
+            p.queue_s(now, &p.rate())
+        );
+        // The first answers after 50 ms, 70 ms early: the second is expected 70 ms
+        // earlier too, so 120 ms of queue remain.
+        tokio::time::advance(std::time::Duration::from_millis(50)).await;
+        g1.first_byte();
+        let now = crate::clock::now();
+        assert!(
+            (p.queue_s(now, &p.rate()) - 0.120).abs() < 1e-6,
+            "{}",
+            p.queue_s(now, &p.rate())
+        );
+        // The second is dropped before answering: nothing pending, no queue.
+        drop(g2);
+        assert_eq!(p.queue_s(crate::clock::now(), &p.rate()), 0.0);
+        drop(g1);
+        // A request dropped from the middle takes its own cost back out.
+        let mut a = InFlightGuard::try_acquire(&w).unwrap();
+        a.reserve_prefill(1000, 4000);
+        let mut b = InFlightGuard::try_acquire(&w).unwrap();
+        b.reserve_prefill(1000, 4000);
+        drop(b);
+        assert!((p.queue_s(crate::clock::now(), &p.rate()) - 0.120).abs() < 1e-6);
+        drop(a);
     }
 }

@@ -8,13 +8,24 @@
 //! decode too, so its reservation over-covers (the engine's own `waiting` count, scraped
 //! by `signals::engine_metrics`, is the other view of the same queue).
 //!
-//! **Learned speed.** Each streamed answer that reports `usage` gives one sample: its
-//! TTFT `y` (s, from the request leaving the router to its first byte), the requests
-//! `n` it waited for plus itself (router-queued ones ahead, + 1), and the prefill tokens
-//! `x` those stood for (the ahead reservations plus its own `prompt_tokens −
-//! cached_tokens`). The model is `y = base · n + per_token · x`, fitted by least squares
+//! **Drain time.** Each reservation also extends the worker's predicted *drain* instant,
+//! when the prefill of everything the router has pending there ends: `drain =
+//! max(now, drain) + base + tokens · per_token`. When a first byte arrives, the drain
+//! moves by how far that request was late or early against its prediction, so the
+//! estimate re-anchors on every answer instead of drifting; a request dropped before its
+//! first byte takes its own cost back out. The queue a new request would wait behind is
+//! `drain − now` ([`Prefill::queue_s`]): work already done on the request in service is
+//! not counted again, as a sum of pending tokens would. It is floored at the cost of the
+//! pending requests but one, so a worker that stops answering (no first byte re-anchors
+//! its drain) is not taken for drained.
+//!
+//! **Learned speed.** Each streamed answer that reports `usage` and found nothing of the
+//! router's pending ahead of it gives one sample: its TTFT `y` (s, from the request
+//! leaving the router to its first byte) and its own prefill tokens `x` (`prompt_tokens −
+//! cached_tokens`). The model is `y = base + per_token · x`, fitted by least squares
 //! with exponential forgetting ([`FORGET`]), so a worker that slows down (a noisy
-//! neighbour, a long context) is relearned within a few dozen answers. Until
+//! neighbour, a long context) is relearned within a few dozen answers. Answers that
+//! queued behind others are left out: their wait is the drain's business. Until
 //! [`MIN_SAMPLES`] have arrived the priors hold ([`PRIOR_BASE_S`],
 //! [`PRIOR_SECS_PER_TOKEN`]). The same answers teach the prompt's tokens per byte of
 //! routing text ([`PRIOR_TOKENS_PER_BYTE`] before any).
@@ -134,6 +145,8 @@ pub struct Prefill {
     pending_tokens: AtomicU64,
     /// `f64` bits: moving average of the tokens a request reserves here.
     mean_tokens: AtomicU64,
+    /// Predicted end of the pending prefill, ns past `clock::epoch` (0 = none pending).
+    drain_ns: AtomicU64,
     fit: Mutex<Fit>,
     /// `f64` bits of the published [`PrefillRate`] fields.
     base_s: AtomicU64,
@@ -148,6 +161,7 @@ impl Default for Prefill {
             pending_requests: AtomicU64::new(0),
             pending_tokens: AtomicU64::new(0),
             mean_tokens: AtomicU64::new(0f64.to_bits()),
+            drain_ns: AtomicU64::new(0),
             fit: Mutex::new(Fit::default()),
             base_s: AtomicU64::new(PRIOR_BASE_S.to_bits()),
             secs_per_token: AtomicU64::new(PRIOR_SECS_PER_TOKEN.to_bits()),
@@ -170,6 +184,62 @@ impl Prefill {
     /// 1 − [`FORGET`] per request): what one request queued inside the engine stands for.
     pub fn mean_request_tokens(&self) -> f64 {
         f64::from_bits(self.mean_tokens.load(Ordering::Relaxed))
+    }
+
+    /// Seconds of pending prefill a request sent at `now` would wait behind, at `rate`
+    /// (0 when nothing is pending): the drain (see the module docs), but never less than
+    /// the cost of the pending requests but one (the one in service may be nearly done),
+    /// so a worker that stops answering does not look drained on schedule.
+    pub fn queue_s(&self, now: std::time::Instant, rate: &PrefillRate) -> f64 {
+        let (n, tokens) = self.pending();
+        let d = self.drain_ns.load(Ordering::Relaxed);
+        if n == 0 {
+            return 0.0;
+        }
+        let drain = d.saturating_sub(crate::clock::nanos(now)) as f64 / 1e9;
+        let floor = rate.cost_s(n as f64, tokens as f64) * (n - 1) as f64 / n as f64;
+        drain.max(floor)
+    }
+
+    /// Extends the drain by `cost_ns` from `now`; returns the reservation's predicted
+    /// end (ns past `clock::epoch`).
+    pub(super) fn extend_drain(&self, cost_ns: u64, now: std::time::Instant) -> u64 {
+        let now_ns = crate::clock::nanos(now);
+        let mut end = 0;
+        let _ = self
+            .drain_ns
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |d| {
+                end = d.max(now_ns).saturating_add(cost_ns);
+                Some(end)
+            });
+        end
+    }
+
+    /// Moves the drain after a reservation ended at `now`: by `now − predicted_end` when
+    /// it started answering (`answered`), else back by its own `cost_ns`; never before
+    /// `now`, and cleared when nothing is pending any more.
+    pub(super) fn settle_drain(
+        &self,
+        predicted_end: u64,
+        cost_ns: u64,
+        answered: bool,
+        now: std::time::Instant,
+    ) {
+        let now_ns = crate::clock::nanos(now);
+        let empty = self.pending_requests.load(Ordering::Relaxed) == 0;
+        let _ = self
+            .drain_ns
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |d| {
+                if empty {
+                    return Some(0);
+                }
+                let moved = if answered {
+                    (d as i128 + now_ns as i128 - predicted_end as i128).max(0) as u64
+                } else {
+                    d.saturating_sub(cost_ns)
+                };
+                Some(moved.max(now_ns))
+            });
     }
 
     /// Reserves `tokens`; returns what was pending before.

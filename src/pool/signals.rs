@@ -87,16 +87,10 @@ pub struct Signals {
     pub lmcache_polls: PollCounts,
     /// Signals read while missing or stale (counted by the policy that read them).
     pub neutral_reads: AtomicU64,
-    /// Saturated until this many ns past [`epoch`] (0 = not saturated).
+    /// Saturated until this many ns past `clock::epoch` (0 = not saturated).
     saturated_until_ns: AtomicU64,
     /// 429/503 answers that marked it saturated.
     pub back_pressure: AtomicU64,
-}
-
-/// The process's reference instant for the saturation deadline.
-fn epoch() -> Instant {
-    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    *EPOCH.get_or_init(|| crate::clock::now() - Duration::from_secs(1))
 }
 
 impl Signals {
@@ -135,7 +129,7 @@ impl Signals {
 
     /// Marks the worker saturated until `until` (a later deadline wins).
     pub fn saturate(&self, until: Instant) {
-        let ns = until.saturating_duration_since(epoch()).as_nanos() as u64;
+        let ns = crate::clock::nanos(until);
         self.saturated_until_ns.fetch_max(ns, Ordering::Relaxed);
         self.back_pressure.fetch_add(1, Ordering::Relaxed);
     }
@@ -143,13 +137,13 @@ impl Signals {
     /// Whether the engine asked for no new requests until after `now`.
     pub fn is_saturated(&self, now: Instant) -> bool {
         let until = self.saturated_until_ns.load(Ordering::Relaxed);
-        until != 0 && (now.saturating_duration_since(epoch()).as_nanos() as u64) < until
+        until != 0 && crate::clock::nanos(now) < until
     }
 
     /// Seconds of saturation left at `now` (0 when none), for `/workers`.
     pub fn saturated_for(&self, now: Instant) -> f64 {
         let until = self.saturated_until_ns.load(Ordering::Relaxed);
-        let now_ns = now.saturating_duration_since(epoch()).as_nanos() as u64;
+        let now_ns = crate::clock::nanos(now);
         until.saturating_sub(now_ns) as f64 / 1e9
     }
 }
