@@ -397,3 +397,127 @@ impl Policy for CostAware {
         self.tree.background(pool, shutdown)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::prompt::{Endpoint, extract};
+    use rand::SeedableRng;
+    use rand::rngs::StdRng;
+
+    fn setup(extra: &str) -> (Config, Pool, CostAware) {
+        let yaml = format!(
+            "policy: cost_aware\nengine_metrics: {{enabled: false}}\n{extra}workers:\n  - url: http://a:1\n  - url: http://b:1\n"
+        );
+        let config = Config::from_sources([(std::path::Path::new("t.yaml"), yaml.as_str())])
+            .expect("config");
+        let pool = Pool::new(&config.workers, &config.circuit_breaker);
+        let policy = CostAware::new(&config);
+        (config, pool, policy)
+    }
+
+    fn body(words: usize, tail: &str) -> Vec<u8> {
+        let text: String = (0..words).map(|i| format!("word{i} ")).collect();
+        serde_json::json!({"model": "m", "messages": [{"role": "user", "content": format!("{text}{tail}")}]})
+            .to_string()
+            .into_bytes()
+    }
+
+    fn cands(set: &WorkerSet) -> Vec<Candidate> {
+        set.workers()
+            .iter()
+            .map(|w| Candidate {
+                id: w.id(),
+                load: 0,
+                usable: true,
+                cache_aware: true,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_cut_prompt_counts_as_far_as_its_worker_served_it() {
+        // The tree keeps 1 KiB of each prompt; the conversation is ~8 KiB.
+        let (config, pool, policy) = setup("cache:\n  max_prompt_bytes: 1024\n");
+        let set = pool.set();
+        let c = cands(&set);
+        let mut rng = StdRng::seed_from_u64(1);
+        let first = body(800, "first question");
+        let ctx = extract(
+            Endpoint::ChatCompletions,
+            &first,
+            config.cache.max_prompt_bytes,
+        );
+        assert!(ctx.text.len() < ctx.total_len);
+        let req = RouteRequest {
+            ctx: Some(&ctx),
+            ..Default::default()
+        };
+        let pick = policy.pick(&req, &set, &c, &mut rng);
+        let served = set.get(pick.worker.unwrap()).unwrap();
+        policy.observe(&req, &pick, served, Outcome::Served);
+        // The next turn: same first 1 KiB, longer. The worker that served the first
+        // turn is expected to reuse all of it, not just the 1 KiB the tree holds.
+        let next = body(800, "first question answer and a second question");
+        let ctx2 = extract(
+            Endpoint::ChatCompletions,
+            &next,
+            config.cache.max_prompt_bytes,
+        );
+        let req2 = RouteRequest {
+            ctx: Some(&ctx2),
+            ..Default::default()
+        };
+        let pick2 = policy.pick(&req2, &set, &c, &mut rng);
+        assert_eq!(pick2.worker, pick.worker);
+        assert_eq!(pick2.reason, Reason::CacheHit);
+        assert_eq!(pick2.matched, ctx.total_len);
+        // The prefill it reserves is the new part only (at 0.25 tokens per byte).
+        let new_tokens = ((ctx2.total_len - ctx.total_len) as f64 * 0.25) as u64;
+        assert!(
+            pick2.prefill_tokens <= new_tokens + 16,
+            "{} vs {new_tokens}",
+            pick2.prefill_tokens
+        );
+        // A worker that leaves forgets it.
+        policy.worker_left(served);
+        let pick3 = policy.pick(&req2, &set, &c, &mut rng);
+        assert_eq!(pick3.reason, Reason::Miss);
+    }
+
+    #[test]
+    fn equal_workers_split_a_cold_prompt_and_empty_text_is_reported() {
+        let (_, pool, policy) = setup("");
+        let set = pool.set();
+        let c = cands(&set);
+        let mut rng = StdRng::seed_from_u64(3);
+        let mut seen = [0; 2];
+        for i in 0..200 {
+            let b = body(50, &format!("q{i}"));
+            let ctx = extract(Endpoint::ChatCompletions, &b, 32 * 1024);
+            let req = RouteRequest {
+                ctx: Some(&ctx),
+                ..Default::default()
+            };
+            let p = policy.pick(&req, &set, &c, &mut rng);
+            assert_eq!(p.reason, Reason::Miss);
+            seen[p.worker.unwrap().0 as usize] += 1;
+        }
+        assert!(seen.iter().all(|n| *n > 60), "{seen:?}");
+        let p = policy.pick(&RouteRequest::default(), &set, &c, &mut rng);
+        assert_eq!(p.reason, Reason::EmptyText);
+        let none: Vec<Candidate> = c
+            .iter()
+            .map(|x| Candidate {
+                usable: false,
+                ..*x
+            })
+            .collect();
+        assert_eq!(
+            policy
+                .pick(&RouteRequest::default(), &set, &none, &mut rng)
+                .reason,
+            Reason::NoWorker
+        );
+    }
+}
