@@ -81,6 +81,8 @@ struct EngineView {
     scrapes_ok: u64,
     scrapes_failed: u64,
     scrapes_unparsable: u64,
+    /// Decisions that found this worker's signal missing or stale (neutral).
+    neutral_reads: u64,
 }
 
 /// A worker's LMCache signal in `/workers`.
@@ -133,6 +135,7 @@ fn engine_view(
         scrapes_ok: ok,
         scrapes_failed: failed,
         scrapes_unparsable: unparsable,
+        neutral_reads: sig.neutral_reads.load(std::sync::atomic::Ordering::Relaxed),
     }
 }
 

@@ -152,6 +152,7 @@ struct SignalFamilies {
     scrapes: Family<WorkerResultLabels, Counter>,
     lmcache_occupancy: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
     lmcache_polls: Family<WorkerResultLabels, Counter>,
+    neutral_reads: Family<WorkerLabels, Counter>,
     saturated: Family<WorkerLabels, Gauge>,
     back_pressure: Family<WorkerLabels, Counter>,
     pending_tokens: Family<WorkerLabels, Gauge>,
@@ -377,6 +378,11 @@ impl Metrics {
             "lmcache_polls",
             "LMCache signal polls per worker by result: ok, failed, unparsable",
             g.lmcache_polls.clone(),
+        );
+        r.register(
+            "signal_neutral_reads",
+            "Routing decisions that found the worker's engine or LMCache signal missing or stale, so neutral",
+            g.neutral_reads.clone(),
         );
         r.register(
             "worker_saturated",
@@ -684,6 +690,7 @@ impl Metrics {
         g.lmcache_polls.clear();
         g.saturated.clear();
         g.pending_tokens.clear();
+        g.neutral_reads.clear();
         for w in set.workers() {
             let labels = WorkerLabels {
                 worker: Arc::clone(w.label()),
@@ -719,6 +726,9 @@ impl Metrics {
             g.saturated
                 .get_or_create(&labels)
                 .set(i64::from(sig.is_saturated(now)));
+            g.neutral_reads
+                .get_or_create(&labels)
+                .inc_by(sig.neutral_reads.load(std::sync::atomic::Ordering::Relaxed));
             let _ = g.back_pressure.get_or_create(&labels);
             let (_, tokens) = w.prefill().pending();
             g.pending_tokens.get_or_create(&labels).set(tokens as i64);

@@ -40,7 +40,7 @@
 //!
 //! The tree holds at most `cache.max_prompt_bytes` of each prompt. For a longer prompt
 //! whose whole cut text a worker holds, the router cannot see how much of the rest that
-//! worker has: it remembers, per cut text (xxh3) and worker, the longest prompt that
+//! worker has: it remembers, per cut text (`RouteContext::cut_digest`) and worker, the longest prompt that
 //! worker served with it ([`BEYOND_CUT_ENTRIES`] texts, least recently used first), and
 //! counts the match up to that length. A conversation's next turn so counts the whole
 //! previous turn as cached, as the engine does.
@@ -289,14 +289,12 @@ impl Policy for CostAware {
                 });
         }
         // A cut prompt whose whole cut text a worker holds: as far as it served before.
-        let cut = !text.is_empty() && text.len() < prompt_bytes;
-        if cut {
-            let key = xxhash_rust::xxh3::xxh3_64(text);
-            if let Some(served) = self.beyond().get(&key) {
-                for &(w, len) in served {
-                    if matches.get(w) == text.len() {
-                        matches.set(w, len.min(prompt_bytes));
-                    }
+        if let Some(key) = req.ctx.and_then(|c| c.cut_digest)
+            && let Some(served) = self.beyond().get(&key)
+        {
+            for &(w, len) in served {
+                if matches.get(w) == text.len() {
+                    matches.set(w, len.min(prompt_bytes));
                 }
             }
         }
@@ -376,10 +374,8 @@ impl Policy for CostAware {
             return;
         }
         self.tree.record_served(req, pick);
-        let text = req.text();
         let Some(ctx) = req.ctx else { return };
-        if let (Some(w), true) = (pick.worker, pick.cache_aware && text.len() < ctx.total_len) {
-            let key = xxhash_rust::xxh3::xxh3_64(text);
+        if let (Some(w), true, Some(key)) = (pick.worker, pick.cache_aware, ctx.cut_digest) {
             let mut beyond = self.beyond();
             let served = beyond.get_or_insert_mut(key, Vec::new);
             match served.iter_mut().find(|(id, _)| *id == w) {

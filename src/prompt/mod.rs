@@ -83,6 +83,11 @@ pub struct RouteContext<'a> {
     /// `previous_response_id`, else its `conversation` id. The worker that holds that
     /// state must answer it (see `policy::session`).
     pub continues: Option<u64>,
+    /// xxh3-64 of the prompt up to the cut (the routing text and any media before it),
+    /// when the prompt was longer than `max_prompt_bytes`; `None` when nothing was cut.
+    /// Equal for prompts whose kept text is equal, at no extra hashing (the digest's
+    /// hasher is read at the cut).
+    pub cut_digest: Option<u64>,
 }
 
 /// Reads the routing context of `body` for `endpoint`. `max_prompt_bytes` bounds the
@@ -111,6 +116,8 @@ pub fn raw_body(body: &[u8], max_prompt_bytes: usize) -> RouteContext<'_> {
         source: Source::RawBody,
         has_remote_media: false,
         continues: None,
+        cut_digest: (body.len() > max_prompt_bytes)
+            .then(|| xxhash_rust::xxh3::xxh3_64(&body[..max_prompt_bytes])),
     }
 }
 
@@ -122,6 +129,7 @@ pub struct PromptBuilder {
     hasher: Xxh3,
     has_remote_media: bool,
     continues: Option<u64>,
+    cut_digest: Option<u64>,
 }
 
 impl PromptBuilder {
@@ -134,6 +142,14 @@ impl PromptBuilder {
             hasher: Xxh3::new(),
             has_remote_media: false,
             continues: None,
+            cut_digest: None,
+        }
+    }
+
+    /// Reads the digest at the cut, once: called when the text is full and more comes.
+    fn note_cut(&mut self) {
+        if self.cut_digest.is_none() {
+            self.cut_digest = Some(self.hasher.digest());
         }
     }
 
@@ -145,20 +161,28 @@ impl PromptBuilder {
 
     /// Appends text: to the routing text (while under the cap), the length and the digest.
     pub fn text(&mut self, s: &str) {
+        if s.is_empty() {
+            return;
+        }
         self.total_len += s.len();
-        self.hasher.update(s.as_bytes());
         let room = self.cap - self.text.len();
         if room == 0 {
+            self.note_cut();
+            self.hasher.update(s.as_bytes());
             return;
         }
         if s.len() <= room {
             self.text.push_str(s);
+            self.hasher.update(s.as_bytes());
         } else {
             let mut end = room;
             while !s.is_char_boundary(end) {
                 end -= 1;
             }
             self.text.push_str(&s[..end]);
+            self.hasher.update(&s.as_bytes()[..end]);
+            self.note_cut();
+            self.hasher.update(&s.as_bytes()[end..]);
         }
     }
 
@@ -176,6 +200,9 @@ impl PromptBuilder {
     /// Counts media bytes (an image's data URL or JSON) towards length and digest, and
     /// puts a placeholder with their hash in the text: `<image:0123456789abcdef>`.
     pub fn media(&mut self, kind: &str, raw: &[u8]) {
+        if self.text.len() == self.cap {
+            self.note_cut();
+        }
         self.total_len += raw.len();
         self.hasher.update(raw);
         let h = xxhash_rust::xxh3::xxh3_64(raw);
@@ -205,6 +232,7 @@ impl PromptBuilder {
             source: Source::Extracted,
             has_remote_media: self.has_remote_media,
             continues: self.continues,
+            cut_digest: self.cut_digest,
         }
     }
 }
@@ -411,7 +439,37 @@ mod tests {
                 source: self.source,
                 has_remote_media: self.has_remote_media,
                 continues: self.continues,
+                cut_digest: self.cut_digest,
             }
         }
+    }
+
+    #[test]
+    fn the_cut_digest_names_the_kept_text_and_the_digest_the_whole() {
+        let mut a = PromptBuilder::new(8);
+        a.text("hello ");
+        a.text("world, and more");
+        let a = a.finish();
+        let mut b = PromptBuilder::new(8);
+        b.text("hello wo");
+        b.text("rld! other tail");
+        let b = b.finish();
+        assert_eq!(a.text, b.text);
+        assert_eq!(a.cut_digest, b.cut_digest);
+        assert_eq!(a.cut_digest, Some(xxhash_rust::xxh3::xxh3_64(b"hello wo")));
+        assert_ne!(a.digest, b.digest);
+        // The whole-prompt digest is as before: of everything, in one piece.
+        assert_eq!(
+            a.digest,
+            xxhash_rust::xxh3::xxh3_64(b"hello world, and more")
+        );
+        let mut c = PromptBuilder::new(64);
+        c.text("short");
+        assert_eq!(c.finish().cut_digest, None);
+        assert_eq!(
+            raw_body(b"0123456789", 4).cut_digest,
+            Some(xxhash_rust::xxh3::xxh3_64(b"0123"))
+        );
+        assert_eq!(raw_body(b"0123", 4).cut_digest, None);
     }
 }
