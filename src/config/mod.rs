@@ -1006,13 +1006,25 @@ impl RawLmcache {
             }
             Some(Secs(s)) => Err((
                 key,
-                format!("{s} is out of range (seconds, {MIN_SECS} to 1e6)"),
+                format!("`{s}` is out of range (seconds: {MIN_SECS} to 1e6)"),
             )),
         };
+        let refresh = secs("lmcache.refresh_secs", self.refresh_secs, 2.0)?;
+        let stale = secs("lmcache.stale_secs", self.stale_secs, 10.0)?;
+        if stale < refresh {
+            return Err((
+                "lmcache.stale_secs",
+                format!(
+                    "{} s is shorter than lmcache.refresh_secs ({} s): every signal would go stale before the next poll",
+                    stale.as_secs_f64(),
+                    refresh.as_secs_f64()
+                ),
+            ));
+        }
         Ok(LmcacheConfig {
             endpoint,
-            refresh: secs("lmcache.refresh_secs", self.refresh_secs, 2.0)?,
-            stale: secs("lmcache.stale_secs", self.stale_secs, 10.0)?,
+            refresh,
+            stale,
         })
     }
 }
@@ -1859,7 +1871,7 @@ impl Config {
             return Err(ck.bad(
                 "engine_metrics.path",
                 path,
-                "is not a path starting with `/`",
+                "is not a URL path starting with `/` (no spaces or control characters)",
             ));
         }
         let interval_ms = em.interval_ms.unwrap_or(1000);
@@ -1876,6 +1888,15 @@ impl Config {
             interval: Duration::from_millis(interval_ms),
             stale: ck.secs("engine_metrics.stale_secs", em.stale_secs, 5.0, None)?,
         };
+        if engine_metrics.stale < engine_metrics.interval {
+            return Err(ck.err(
+                "engine_metrics.stale_secs",
+                format!(
+                    "{} s is shorter than engine_metrics.interval_ms ({interval_ms} ms): every reading would go stale before the next one arrives (give at least the interval, e.g. 5 × it)",
+                    engine_metrics.stale.as_secs_f64()
+                ),
+            ));
+        }
         if policy == PolicyKind::LmcacheAware
             && !workers.is_empty()
             && workers.iter().all(|w| w.lmcache.is_none())
@@ -2015,6 +2036,8 @@ mod tests {
                 format!("cache: {{engine_block_tokens: 0}}\n{ONE}"),
                 "cache.engine_block_tokens",
             ),
+            (format!("engine_metrics: {{interval_ms: 5000, stale_secs: 1}}\n{ONE}"), "engine_metrics.stale_secs"),
+            ("workers:\n  - url: http://a:1\n    lmcache: {endpoint: /s, refresh_secs: 5, stale_secs: 0.5}\n".into(), "lmcache.stale_secs"),
         ] {
             let e = err(&[("a.yaml", &doc)]);
             assert!(e.contains(key), "{doc}: {e}");

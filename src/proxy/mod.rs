@@ -206,10 +206,17 @@ impl Router {
         // A retryable answer kept until another worker takes the request: when none is
         // left, the client gets the worker's own answer (e.g. its 503), not ours.
         let mut held: Option<(Response<Incoming>, InFlightGuard, AccessLog)> = None;
+        // Whether `held` is a push-back (429, 503 + Retry-After).
+        let mut held_pushed_back = false;
         let retries = self.config.proxy.max_retries;
         let mut started = route.started;
         for attempt in 0..=retries {
             if attempt > 0 {
+                // Every worker left asked to be left alone: the client gets the first
+                // engine's own answer now instead of a round of refusals.
+                if held_pushed_back && !self.any_unsaturated(set, &tried) {
+                    break;
+                }
                 tokio::time::sleep(self.backoff(attempt)).await;
                 started = Instant::now();
             }
@@ -220,7 +227,6 @@ impl Router {
                 self.metrics.decision(Reason::NoWorker, started.elapsed());
                 return Err(last_error);
             };
-            held = None;
             let worker = Arc::clone(guard.worker());
             let decision = Decision {
                 reason: pick.reason,
@@ -305,6 +311,7 @@ impl Router {
                         "retryable status; trying another worker"
                     );
                     held = Some((resp, guard, log));
+                    held_pushed_back = pushed_back.is_some();
                 }
                 Err(e) => {
                     tracing::warn!(request_id = ?request_id, worker = %worker.url(), error = %e, "upstream attempt failed");
@@ -316,6 +323,14 @@ impl Router {
             Some((resp, guard, log)) => Ok(self.respond(resp, guard, log)),
             None => Err(last_error),
         }
+    }
+
+    /// Whether a worker not yet tried is usable and has not pushed back.
+    fn any_unsaturated(&self, set: &WorkerSet, tried: &WorkerMask) -> bool {
+        let now = crate::pool::now();
+        set.workers().iter().any(|w| {
+            !tried.contains(w.id()) && w.is_routable(now) && !w.signals().is_saturated(now)
+        })
     }
 
     /// One decision plus the in-flight slot on the chosen worker. A worker that filled
@@ -512,23 +527,38 @@ impl AccessLog {
 const MAX_BACK_PRESSURE: Duration = Duration::from_secs(60);
 
 /// How long `resp` asks the router to stay away: a 429 (its `Retry-After`, else 1 s) or a
-/// 503 that carries `Retry-After`; `None` for any other answer. `Retry-After` is read in
-/// its delta-seconds form (RFC 9110 §10.2.3); an HTTP-date counts as 1 s. Capped at
-/// [`MAX_BACK_PRESSURE`].
+/// 503 that carries a readable `Retry-After`; `None` for any other answer. `Retry-After`
+/// is read in both forms of RFC 9110 §10.2.3, delay-seconds (a value too large for any
+/// integer counts as the cap) and HTTP-date; the first header counts. Clamped to
+/// 100 ms ..= [`MAX_BACK_PRESSURE`].
 fn back_pressure(resp: &Response<Incoming>) -> Option<Duration> {
-    let after = resp.headers().get(header::RETRY_AFTER);
-    let secs = |v: &HeaderValue| {
-        v.to_str()
-            .ok()
-            .and_then(|s| s.trim().parse::<u64>().ok())
-            .map_or(Duration::from_secs(1), Duration::from_secs)
-    };
+    let after = resp
+        .headers()
+        .get(header::RETRY_AFTER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(retry_after);
     match resp.status() {
-        StatusCode::TOO_MANY_REQUESTS => Some(after.map_or(Duration::from_secs(1), secs)),
-        StatusCode::SERVICE_UNAVAILABLE => after.map(secs),
+        StatusCode::TOO_MANY_REQUESTS => Some(after.unwrap_or(Duration::from_secs(1))),
+        StatusCode::SERVICE_UNAVAILABLE => after,
         _ => None,
     }
     .map(|d| d.clamp(Duration::from_millis(100), MAX_BACK_PRESSURE))
+}
+
+/// A `Retry-After` value as a duration from now; `None` when it is neither form.
+fn retry_after(v: &str) -> Option<Duration> {
+    let v = v.trim();
+    if !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()) {
+        return Some(
+            v.parse::<u64>()
+                .map_or(MAX_BACK_PRESSURE, Duration::from_secs),
+        );
+    }
+    let at = httpdate::parse_http_date(v).ok()?;
+    Some(
+        at.duration_since(std::time::SystemTime::now())
+            .unwrap_or(Duration::ZERO),
+    )
 }
 
 /// Endpoint label of a request, for logs and metrics.
@@ -553,5 +583,27 @@ fn shown_path(path: &str) -> String {
     match path.char_indices().nth(100) {
         Some((i, _)) => format!("{}…", &path[..i]),
         None => path.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_reads_both_forms() {
+        assert_eq!(retry_after("5"), Some(Duration::from_secs(5)));
+        assert_eq!(retry_after(" 0 "), Some(Duration::ZERO));
+        assert_eq!(retry_after("99999999999999999999"), Some(MAX_BACK_PRESSURE));
+        for bad in ["", "abc", "-5", "1.5"] {
+            assert_eq!(retry_after(bad), None, "{bad:?}");
+        }
+        let soon = std::time::SystemTime::now() + Duration::from_secs(30);
+        let d = retry_after(&httpdate::fmt_http_date(soon)).unwrap();
+        assert!((28..=30).contains(&d.as_secs()), "{d:?}");
+        assert_eq!(
+            retry_after("Wed, 21 Oct 2015 07:28:00 GMT"),
+            Some(Duration::ZERO)
+        );
     }
 }

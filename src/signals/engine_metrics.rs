@@ -27,6 +27,9 @@ use crate::shutdown::Shutdown;
 /// Largest metrics page read, in bytes (vLLM's is ~100 KiB with its histograms).
 pub const MAX_SCRAPE_BYTES: usize = 8 << 20;
 
+/// Largest value read from a series (and of a sum of them): 1e9.
+const MAX_VALUE: f64 = 1e9;
+
 /// What one page said, before it is stamped with a time.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Parsed {
@@ -81,10 +84,11 @@ fn series(name: &str) -> Option<(EngineKind, Series)> {
 }
 
 /// Reads the engine's load from a Prometheus text page. Sums `waiting` and `running`
-/// over label sets (DP ranks), takes the largest KV usage (the rank closest to
-/// preempting), and `None` when the page holds neither engine's queue gauges (a
-/// different server, an HTML error page, garbage). Never panics; lines it cannot read
-/// are skipped.
+/// over label sets (DP ranks; a series repeated with the same labels is summed too),
+/// takes the largest KV usage (the rank closest to preempting), and `None` when the page
+/// holds neither engine's queue gauges (a different server, an HTML error page,
+/// garbage). Values that are not finite, negative or above 1e9 are skipped, as are lines
+/// it cannot read. Never panics. (The scraper refuses a page that is not UTF-8 whole.)
 pub fn parse(text: &str) -> Option<Parsed> {
     let mut engine = None;
     let (mut waiting, mut running) = (None::<f64>, None::<f64>);
@@ -96,7 +100,9 @@ pub fn parse(text: &str) -> Option<Parsed> {
         let Some((kind, s)) = series(name) else {
             continue;
         };
-        if !value.is_finite() || value < 0.0 {
+        // A gauge past a billion is no engine's queue: skip it rather than let a sum
+        // overflow to infinity.
+        if !value.is_finite() || !(0.0..=MAX_VALUE).contains(&value) {
             continue;
         }
         // One engine per page: the first one seen.
@@ -117,6 +123,11 @@ pub fn parse(text: &str) -> Option<Parsed> {
     if waiting.is_none() && running.is_none() {
         return None;
     }
+    // Sums of at most a few thousand bounded series stay finite; clamp all the same.
+    let (waiting, running) = (
+        waiting.map(|w| w.min(MAX_VALUE)),
+        running.map(|r| r.min(MAX_VALUE)),
+    );
     let prefix_hit_rate = match (rate, queries, hits) {
         (Some(r), _, _) => Some(r.min(1.0)),
         (None, Some(q), Some(h)) if q > 0.0 => Some((h / q).min(1.0)),
@@ -300,10 +311,19 @@ vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="m"} 12
             "process_cpu_seconds_total 12.5\nhttp_requests_total{code=\"200\"} 3\n",
             "vllm:num_requests_waiting{engine=\"0\" 3\n",
             "vllm:num_requests_waiting NaN\nvllm:num_requests_running -1\n",
+            "vllm:num_requests_waiting 1e308\nvllm:num_requests_running +Inf\n",
             "\u{0}\u{1}vllm:num_requests_waiting",
         ] {
             assert_eq!(parse(page), None, "{page:?}");
         }
+    }
+
+    #[test]
+    fn sums_stay_finite() {
+        let page = "vllm:num_requests_waiting{engine=\"0\"} 9e8\nvllm:num_requests_waiting{engine=\"1\"} 9e8\nvllm:num_requests_running 1\n";
+        let p = parse(page).unwrap();
+        assert_eq!(p.waiting, 1e9);
+        assert!(p.waiting.is_finite());
     }
 
     #[test]

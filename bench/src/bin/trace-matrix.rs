@@ -92,8 +92,11 @@ struct Cli {
     /// waiting for prefill, in requests (0 = unbounded, never 429).
     #[arg(long, default_value_t = 0)]
     max_waiting: usize,
-    /// Retry-After of the engines' 429, in whole seconds.
-    #[arg(long, default_value_t = 1)]
+    /// Retry-After of the engines' 429, in whole (wall-clock) seconds. Default 0: the
+    /// header allows no fraction, and at a time factor of 0.07 one second is 14
+    /// simulated seconds; 0 makes the router stay away for its 100 ms minimum (1.4
+    /// simulated seconds).
+    #[arg(long, default_value_t = 0)]
     retry_after_secs: u64,
     /// sim-engine executable [default: next to this executable].
     #[arg(long)]
