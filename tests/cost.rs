@@ -559,3 +559,41 @@ async fn a_push_back_is_what_the_client_gets_when_the_retry_cannot_connect() {
     }
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_simulated_engines_metrics_are_read_in_both_flavors() {
+    let vllm = engine::start(EngineConfig {
+        name: "v".into(),
+        time_factor: 0.0,
+        ..EngineConfig::default()
+    })
+    .await
+    .unwrap();
+    let sglang = engine::start(EngineConfig {
+        name: "s".into(),
+        time_factor: 0.0,
+        metrics_flavor: engine::MetricsFlavor::Sglang,
+        ..EngineConfig::default()
+    })
+    .await
+    .unwrap();
+    let router = start_router(&yaml_for_urls(
+        &[vllm.url(), sglang.url()],
+        "policy: cost_aware\nengine_metrics: {interval_ms: 50}\nhealth: {interval_secs: 60}",
+    ))
+    .await;
+    let addr = router.addr;
+    wait_until("both engines read", Duration::from_secs(5), || async {
+        let w = get_workers(addr).await;
+        w["workers"][0]["engine"]["kind"] == "vllm" && w["workers"][1]["engine"]["kind"] == "sglang"
+    })
+    .await;
+    let w = get_workers(addr).await;
+    for i in 0..2 {
+        let e = &w["workers"][i]["engine"];
+        assert_eq!(e["waiting"], 0.0, "{e}");
+        assert_eq!(e["fresh"], true, "{e}");
+        assert!(e["kv_cache_usage"].as_f64().is_some(), "{e}");
+    }
+    router.shutdown().await;
+}
