@@ -1,33 +1,33 @@
 //! `cost_aware`: the usable worker with the least expected time to first token.
 //!
 //! For each usable worker `w`, with its learned prefill speed (`pool::prefill`: a fixed
-//! cost per request `base` and a cost per uncached token `per_token`, priors until it
-//! has answered enough streamed requests):
+//! cost per request `base` and a cost per uncached token `per_token`, both seconds):
 //!
 //! ```text
 //! own(w)   = prompt tokens − the prefix w holds, in whole engine blocks
 //! queue(w) = max(router:  drain(w) − now,
 //!                engine:  waiting(w) · (base + mean_request_tokens(w) · per_token))
-//! cost(w)  = queue(w) + base + own(w) · per_token                        (seconds)
+//! cost(w)  = queue(w) + base + own(w) · per_token
+//!          + (own(w) − min own) · per_token · queued(w)   only when no worker is idle
 //! ```
 //!
-//! A worker that has not answered [`MIN_SAMPLES`] streamed requests yet is costed at the
-//! mean rate of the usable workers that have (the prior only while none has): a fixed
-//! prior far from the fleet's real speed would make new workers look slower or faster
-//! than they are and pull traffic away from or onto them.
+//! and the pick is the least cost, in seconds (ties stable by the session or prompt
+//! digest, as in [`least_loaded`](super::select::least_loaded)).
 //!
-//! When every usable worker has requests queued (no idle capacity anywhere), the work a
-//! worker would add beyond the least any worker needs (`own(w) − min own`, s) is added
-//! once more: the requests that queue behind it wait for that recompute too, so under
-//! saturation a diverted hit costs the pool twice what it costs the request. With an
-//! idle worker nothing waits behind it, and the plain cost holds.
-//!
-//! and the pick is the least cost (ties stable by the session or prompt digest, as in
-//! [`least_loaded`]). `drain` is when the prefill the router has sent there and not yet
-//! seen a first byte of is predicted to end (`pool::prefill`, re-anchored on every
-//! answer); `waiting` is the engine's own queue from its last fresh scrape
-//! (`engine_metrics:`; missing or stale = 0, and the router's view stands). Both views
-//! count the same queue, so the larger one is taken, never their sum.
+//! - `drain` is when the prefill the router has sent to `w` and not yet seen a first
+//!   byte of is predicted to end (`pool::prefill`, re-anchored on every answer);
+//!   `waiting` is the engine's own queue from its last fresh scrape (`engine_metrics:`;
+//!   missing or stale = 0, and the router's view stands). Both views count the same
+//!   queue, so the larger is taken, never their sum.
+//! - The last term applies under saturation (every usable worker has requests queued):
+//!   a recompute then delays the requests that queue behind it as much as this one, so
+//!   the work `w` would add beyond the least any worker needs is charged once per
+//!   request queued there (`queued(w)`, about as many as will arrive behind it by
+//!   Little's law at a steady rate). With an idle worker nothing waits behind.
+//! - A worker that has not answered [`MIN_SAMPLES`] unqueued streamed requests yet is
+//!   costed at the mean rate of the usable workers that have (the priors only while none
+//!   has): a fixed prior far from the fleet's real speed would make new workers look
+//!   slower or faster than they are.
 //!
 //! Prompt tokens are estimated from the prompt's bytes with the worker's learned tokens
 //! per byte; the prefix a worker holds is its longest match in the radix tree of what it
@@ -40,10 +40,10 @@
 //!
 //! The tree holds at most `cache.max_prompt_bytes` of each prompt. For a longer prompt
 //! whose whole cut text a worker holds, the router cannot see how much of the rest that
-//! worker has: it remembers, per cut text (`RouteContext::cut_digest`) and worker, the longest prompt that
-//! worker served with it ([`BEYOND_CUT_ENTRIES`] texts, least recently used first), and
-//! counts the match up to that length. A conversation's next turn so counts the whole
-//! previous turn as cached, as the engine does.
+//! worker has: it remembers, per cut text (`RouteContext::cut_digest`) and worker, the
+//! longest prompt that worker served with it ([`BEYOND_CUT_ENTRIES`] texts, least
+//! recently used first), and counts the match up to that length. A conversation's next
+//! turn so counts the whole previous turn as cached, as the engine does.
 //!
 //! Reasons: [`Reason::CacheHit`] when the chosen worker holds the longest usable match
 //! (at least one block), [`Reason::HitOverloaded`] when another usable worker held more
@@ -304,7 +304,8 @@ impl Policy for CostAware {
         let mut ties = 0u32;
         // No worker idle: recompute on one worker delays the requests that queue behind
         // it there as much as it delays this one, so the work a worker would add beyond
-        // the least any worker needs is charged twice (see the module docs).
+        // the least any worker needs is charged once per request queued there (see the
+        // module docs).
         let fleet = fleet_rate(set, candidates);
         let mut everywhere_queued = true;
         let mut least_own_s = f64::MAX;
