@@ -8,6 +8,9 @@
 //! best-scoring worker is taken unless it is overloaded against the least-loaded one by
 //! `cache.balance_*` (the guard of `cache_aware`, [`is_overloaded`]): a signal refreshed
 //! every `refresh_secs` must not pull every request onto one worker in between.
+//!
+//! Reasons: [`Reason::CacheSignal`] when the signal chose, [`Reason::Miss`] when load did
+//! (no fresh signal, or the best one overloaded).
 
 use std::sync::atomic::Ordering;
 
@@ -84,9 +87,9 @@ impl Policy for LmcacheAware {
         .copied()
         .unwrap_or(*least);
         let (worker, reason) = if is_overloaded(&self.params, best.load, least.load) {
-            (least.id, Reason::HitOverloaded)
+            (least.id, Reason::Miss)
         } else {
-            (best.id, Reason::CacheHit)
+            (best.id, Reason::CacheSignal)
         };
         Pick {
             reason,

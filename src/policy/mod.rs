@@ -77,6 +77,8 @@ pub enum Reason {
     Session,
     /// Sent to the worker holding the `/v1/responses` state it continues.
     Conversation,
+    /// Followed a worker's cache signal (`lmcache_aware`: the most LMCache room).
+    CacheSignal,
 }
 
 impl Reason {
@@ -90,6 +92,7 @@ impl Reason {
             Reason::NoWorker => "no_worker",
             Reason::Session => "session",
             Reason::Conversation => "conversation",
+            Reason::CacheSignal => "cache_signal",
         }
     }
 }

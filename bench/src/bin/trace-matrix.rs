@@ -440,5 +440,5 @@ fn engine_metrics_yaml(time_factor: f64) -> String {
     let stale = (5.0 * time_factor)
         .clamp(0.01, 1e6)
         .max(2.0 * interval_ms as f64 / 1000.0);
-    format!("engine_metrics: {{ interval_ms: {interval_ms}, stale_secs: {stale} }}\n")
+    format!("engine_metrics: {{ interval_ms: {interval_ms}, stale_secs: {stale:.3} }}\n")
 }
