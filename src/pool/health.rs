@@ -6,28 +6,19 @@
 //! pool's listeners ([`Pool::mark_down`]): its KV cache is presumed cold when it returns,
 //! so the policy drops its routing memory (tree entries; in precise mode its blocks, and
 //! its KV-event feeds start over). Probes carry the backend API key like proxied
-//! requests do (the [`Prober`] is the proxy's upstream client).
+//! requests do (the [`Fetch`] is the proxy's upstream client).
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use tokio::task::JoinSet;
 use tokio::time::MissedTickBehavior;
 
-use super::{Pool, ProbeRun, Worker};
+use super::{Fetch, Pool, ProbeRun, Target};
 use crate::config::HealthConfig;
 use crate::shutdown::Shutdown;
 
-/// Sends one health probe: `GET path` below the worker's prefix, bounded by `timeout`;
-/// the status, or why there was none.
-pub trait Prober: Clone + Send + Sync + 'static {
-    fn probe(
-        &self,
-        worker: &Worker,
-        path: &str,
-        timeout: Duration,
-    ) -> impl std::future::Future<Output = Result<http::StatusCode, String>> + Send;
-}
+/// Largest probe answer read, in bytes (a health body is small; the rest is refused).
+const MAX_PROBE_BYTES: usize = 64 * 1024;
 
 /// Folds one probe result into a worker's run of results. Returns the new health when
 /// it changes.
@@ -44,7 +35,7 @@ pub fn observe(run: &mut ProbeRun, healthy: bool, ok: bool, cfg: &HealthConfig) 
 }
 
 /// Probes every worker of the current set each interval until shutdown.
-pub async fn run<P: Prober>(pool: Arc<Pool>, cfg: HealthConfig, prober: P, mut shutdown: Shutdown) {
+pub async fn run<F: Fetch>(pool: Arc<Pool>, cfg: HealthConfig, fetch: F, mut shutdown: Shutdown) {
     let mut tick = tokio::time::interval(cfg.interval);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     loop {
@@ -56,10 +47,13 @@ pub async fn run<P: Prober>(pool: Arc<Pool>, cfg: HealthConfig, prober: P, mut s
         let mut probes = JoinSet::new();
         for worker in set.workers() {
             let worker = Arc::clone(worker);
-            let prober = prober.clone();
+            let fetch = fetch.clone();
             let (path, timeout) = (cfg.endpoint.clone(), cfg.timeout);
             probes.spawn(async move {
-                let result = prober.probe(&worker, &path, timeout).await;
+                let result = fetch
+                    .get(&worker, Target::Path(&path), timeout, MAX_PROBE_BYTES)
+                    .await
+                    .map(|(status, _)| status);
                 (worker.id(), result)
             });
         }

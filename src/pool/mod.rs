@@ -13,6 +13,7 @@
 //! the KV-event supervisor depend on it, never the other way round.
 
 pub mod breaker;
+mod fetch;
 pub mod health;
 mod load;
 pub mod prefill;
@@ -25,6 +26,7 @@ use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 
 use arc_swap::ArcSwap;
 
+pub use fetch::{Fetch, Target};
 pub(crate) use load::now;
 pub use load::{InFlightGuard, PrefillTicket};
 pub use set::{CachedAnswer, ModelsCache, WorkerSet};

@@ -133,22 +133,11 @@ fn is_stale_connection(e: &hyper_util::client::legacy::Error) -> bool {
     false
 }
 
-impl crate::pool::health::Prober for Upstream {
-    fn probe(
-        &self,
-        worker: &Worker,
-        path: &str,
-        timeout: std::time::Duration,
-    ) -> impl std::future::Future<Output = Result<http::StatusCode, String>> + Send {
-        Upstream::probe(self, worker, path, timeout)
-    }
-}
-
-impl crate::signals::Fetch for Upstream {
+impl crate::pool::Fetch for Upstream {
     fn get(
         &self,
         worker: &Worker,
-        target: crate::signals::Target<'_>,
+        target: crate::pool::Target<'_>,
         timeout: std::time::Duration,
         max_bytes: usize,
     ) -> impl std::future::Future<Output = Result<(http::StatusCode, Bytes), String>> + Send {
@@ -157,36 +146,18 @@ impl crate::signals::Fetch for Upstream {
 }
 
 impl Upstream {
-    /// `GET` of `path` below the worker's prefix with the backend key (health probes),
-    /// bounded by `timeout`; resolves to the status once the whole (small) body is read.
-    pub async fn probe(
-        &self,
-        worker: &Worker,
-        path: &str,
-        timeout: std::time::Duration,
-    ) -> Result<http::StatusCode, String> {
-        self.get(
-            worker,
-            crate::signals::Target::Path(path),
-            timeout,
-            64 * 1024,
-        )
-        .await
-        .map(|(status, _)| status)
-    }
-
     /// `GET` of `target` (a path below the worker's prefix, with its backend key; or an
     /// absolute URL, without any key), bounded by `timeout` and `max_bytes` of body.
     pub async fn get(
         &self,
         worker: &Worker,
-        target: crate::signals::Target<'_>,
+        target: crate::pool::Target<'_>,
         timeout: std::time::Duration,
         max_bytes: usize,
     ) -> Result<(http::StatusCode, Bytes), String> {
         let mut req = Request::new(Full::new(Bytes::new()));
         match target {
-            crate::signals::Target::Path(path) => {
+            crate::pool::Target::Path(path) => {
                 *req.uri_mut() = worker.url().uri_for(path).map_err(|e| e.to_string())?;
                 if let Ok(host) = HeaderValue::from_str(worker.url().authority()) {
                     req.headers_mut().insert(header::HOST, host);
@@ -196,7 +167,7 @@ impl Upstream {
                         .insert(header::AUTHORIZATION, key.bearer().clone());
                 }
             }
-            crate::signals::Target::Url(url) => {
+            crate::pool::Target::Url(url) => {
                 let uri: http::Uri = url
                     .parse()
                     .map_err(|e: http::uri::InvalidUri| e.to_string())?;

@@ -18,9 +18,9 @@ use std::sync::Arc;
 use tokio::task::JoinSet;
 use tokio::time::MissedTickBehavior;
 
-use super::{Fetch, Target};
 use crate::config::EngineMetricsConfig;
 use crate::pool::signals::{EngineKind, EngineLoad};
+use crate::pool::{Fetch, Target};
 use crate::pool::{Pool, WorkerId};
 use crate::shutdown::Shutdown;
 

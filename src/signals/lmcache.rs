@@ -13,8 +13,8 @@ use std::time::{Duration, Instant};
 
 use tokio::task::JoinSet;
 
-use super::{Fetch, Target};
 use crate::pool::signals::LmcacheSignal;
+use crate::pool::{Fetch, Target};
 use crate::pool::{Pool, WorkerId};
 use crate::shutdown::Shutdown;
 
