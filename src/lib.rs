@@ -18,8 +18,9 @@
 //! policy       trait Policy (pick pure, observe = the only writer of routing memory),
 //!              build(); select; one module per policy; session (conversation state
 //!              and sessions around any policy); precise (KV-event policy, supervisor)
-//! pool         workers, stable ids, membership, health, breaker, in-flight guards, fetch,
-//!              (the one way tasks reach a worker), pending prefill and learned prefill rate, each worker's signal slots
+//! pool         workers, stable ids, membership, health, breaker, in-flight guards,
+//!              fetch (how tasks reach a worker), pending prefill and the learned
+//!              prefill rate, each worker's signal slots
 //! signals      background sources for those slots: engine /metrics scrapes, LMCache
 //! tree         RadixTree (owned by cache_aware) + eviction task
 //! precise      KV-event state: events, sequence, index, feed, consumer
