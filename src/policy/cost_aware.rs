@@ -167,7 +167,6 @@ impl CostAware {
         matched_bytes: usize,
         prompt_bytes: usize,
         now: std::time::Instant,
-        count_neutral: bool,
         fleet: Option<PrefillRate>,
     ) -> Cost {
         let prefill = w.prefill();
@@ -196,9 +195,7 @@ impl CostAware {
                     rate.cost_s(load.waiting, load.waiting * prefill.mean_request_tokens())
                 }
                 None => {
-                    if count_neutral {
-                        w.signals().neutral_reads.fetch_add(1, Ordering::Relaxed);
-                    }
+                    w.signals().neutral_reads.fetch_add(1, Ordering::Relaxed);
                     0.0
                 }
             }
@@ -299,31 +296,31 @@ impl Policy for CostAware {
             }
         }
         let now = crate::clock::now();
-        let mut best: Option<(&Candidate, Cost, u64)> = None;
-        let mut most_tokens = 0u64;
-        let mut ties = 0u32;
+        let fleet = fleet_rate(set, candidates);
+        let costs: Vec<(&Candidate, Cost)> = usable(candidates)
+            .filter_map(|c| {
+                let w = set.get(c.id)?;
+                let matched = if c.cache_aware { matches.get(c.id) } else { 0 };
+                Some((c, self.cost(w, matched, prompt_bytes, now, fleet)))
+            })
+            .collect();
         // No worker idle: recompute on one worker delays the requests that queue behind
         // it there as much as it delays this one, so the work a worker would add beyond
         // the least any worker needs is charged once per request queued there (see the
         // module docs).
-        let fleet = fleet_rate(set, candidates);
-        let mut everywhere_queued = true;
-        let mut least_own_s = f64::MAX;
-        for c in usable(candidates) {
-            let Some(w) = set.get(c.id) else { continue };
-            let matched = if c.cache_aware { matches.get(c.id) } else { 0 };
-            let cost = self.cost(w, matched, prompt_bytes, now, false, fleet);
-            everywhere_queued &= cost.queued;
-            least_own_s = least_own_s.min(cost.own_s);
-        }
-        for c in usable(candidates) {
-            let Some(w) = set.get(c.id) else { continue };
-            let matched = if c.cache_aware { matches.get(c.id) } else { 0 };
-            let mut cost = self.cost(w, matched, prompt_bytes, now, true, fleet);
+        let everywhere_queued = costs.iter().all(|(_, c)| c.queued);
+        let least_own_s = costs.iter().map(|(_, c)| c.own_s).fold(f64::MAX, f64::min);
+        let most_tokens = costs
+            .iter()
+            .map(|(_, c)| c.matched_tokens)
+            .max()
+            .unwrap_or(0);
+        let mut best: Option<(&Candidate, Cost, u64)> = None;
+        let mut ties = 0u32;
+        for (c, mut cost) in costs {
             if everywhere_queued {
                 cost.seconds += (cost.own_s - least_own_s) * cost.behind.max(1.0);
             }
-            most_tokens = most_tokens.max(cost.matched_tokens);
             let rank = req.tie.map_or(0, |k| tie_rank(k, c));
             match &best {
                 Some((_, b, _)) if cost.seconds > b.seconds + 1e-9 => {}

@@ -28,9 +28,8 @@ pub struct InFlightGuard {
 pub struct PrefillTicket {
     /// Its own estimated uncached prompt tokens.
     pub tokens: u64,
-    /// Requests and tokens the router had pending there before it.
+    /// Requests the router had pending there before it (0: its TTFT is its own).
     pub ahead_requests: u64,
-    pub ahead_tokens: u64,
     /// Bytes of its prompt (for the tokens-per-byte estimate).
     pub prompt_bytes: u64,
     /// When it was sent.
@@ -70,11 +69,10 @@ impl InFlightGuard {
         let sent = now();
         let cost_ns = (p.rate().cost_s(1.0, tokens as f64) * 1e9) as u64;
         let predicted_end = p.extend_drain(cost_ns, sent);
-        let (ahead_requests, ahead_tokens) = p.reserve(tokens);
+        let ahead_requests = p.reserve(tokens);
         self.prefill = Some(PrefillTicket {
             tokens,
             ahead_requests,
-            ahead_tokens,
             prompt_bytes,
             sent,
             first_byte: None,
@@ -105,7 +103,6 @@ impl InFlightGuard {
         // Only an answer that waited for nothing of the router's: its TTFT is its own.
         if let (true, 0, Some(ttft)) = (streamed, t.ahead_requests, t.first_byte) {
             p.learn(super::prefill::Sample {
-                requests: 1.0,
                 tokens: prompt_tokens.saturating_sub(cached_tokens) as f64,
                 ttft_s: ttft.as_secs_f64(),
             });
@@ -242,7 +239,7 @@ mod tests {
         assert_eq!(w.prefill().pending(), (2, 1300));
         // g2 saw g1 ahead of it.
         let t = g2.prefill_ticket().unwrap();
-        assert_eq!((t.ahead_requests, t.ahead_tokens), (1, 1000));
+        assert_eq!(t.ahead_requests, 1);
         tokio::time::advance(std::time::Duration::from_millis(50)).await;
         g1.first_byte();
         g1.first_byte();

@@ -73,24 +73,23 @@ impl PrefillRate {
     }
 }
 
-/// One learning sample (see the module docs).
+/// One learning sample: an answer that waited for nothing (see the module docs).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Sample {
-    /// Requests waited for, itself included (≥ 1).
-    pub requests: f64,
-    /// Prefill tokens those stood for.
+    /// Its own prefill tokens (`prompt_tokens − cached_tokens`).
     pub tokens: f64,
     /// Observed TTFT, s.
     pub ttft_s: f64,
 }
 
-/// Decayed sums of the least-squares fit `y = a·n + b·x`.
+/// Decayed sums of the least-squares fit `y = base + per_token·x` (`w` the decayed
+/// sample weight).
 #[derive(Debug, Default, Clone, Copy)]
 struct Fit {
-    nn: f64,
-    nx: f64,
+    w: f64,
+    x: f64,
     xx: f64,
-    ny: f64,
+    y: f64,
     xy: f64,
     samples: u64,
     tpb: f64,
@@ -99,11 +98,11 @@ struct Fit {
 
 impl Fit {
     fn add(&mut self, s: Sample) {
-        let (n, x, y) = (s.requests, s.tokens, s.ttft_s);
-        self.nn = self.nn * FORGET + n * n;
-        self.nx = self.nx * FORGET + n * x;
+        let (x, y) = (s.tokens, s.ttft_s);
+        self.w = self.w * FORGET + 1.0;
+        self.x = self.x * FORGET + x;
         self.xx = self.xx * FORGET + x * x;
-        self.ny = self.ny * FORGET + n * y;
+        self.y = self.y * FORGET + y;
         self.xy = self.xy * FORGET + x * y;
         self.samples += 1;
     }
@@ -113,22 +112,19 @@ impl Fit {
         if self.samples < MIN_SAMPLES {
             return None;
         }
-        let det = self.nn * self.xx - self.nx * self.nx;
-        // Tokens nearly proportional to requests (every prompt alike): the two costs
-        // cannot be told apart; keep the prior base and fit the per-token cost alone.
-        let (base, per_token) = if det > 1e-6 * self.nn * self.xx {
+        let det = self.w * self.xx - self.x * self.x;
+        // Every prompt about as long: the two costs cannot be told apart; keep the
+        // prior base and fit the per-token cost alone.
+        let (base, per_token) = if det > 1e-6 * self.w * self.xx {
             (
-                (self.ny * self.xx - self.xy * self.nx) / det,
-                (self.nn * self.xy - self.nx * self.ny) / det,
+                (self.y * self.xx - self.xy * self.x) / det,
+                (self.w * self.xy - self.x * self.y) / det,
             )
         } else if self.xx > 0.0 {
-            let per_token = (self.xy - PRIOR_BASE_S * self.nx) / self.xx;
+            let per_token = (self.xy - PRIOR_BASE_S * self.x) / self.xx;
             (PRIOR_BASE_S, per_token)
         } else {
-            (
-                self.ny / self.nn.max(f64::MIN_POSITIVE),
-                PRIOR_SECS_PER_TOKEN,
-            )
+            (self.y / self.w.max(f64::MIN_POSITIVE), PRIOR_SECS_PER_TOKEN)
         };
         // A fit outside these bounds is noise (a negative cost, a prefill slower than a
         // second per token); clamp rather than route on it.
@@ -242,8 +238,8 @@ impl Prefill {
             });
     }
 
-    /// Reserves `tokens`; returns what was pending before.
-    pub(super) fn reserve(&self, tokens: u64) -> (u64, u64) {
+    /// Reserves `tokens`; returns the requests that were pending before.
+    pub(super) fn reserve(&self, tokens: u64) -> u64 {
         // Racing updates may lose one sample: an estimate, not a count.
         let old = self.mean_request_tokens();
         let new = if old == 0.0 {
@@ -252,9 +248,8 @@ impl Prefill {
             old * FORGET + tokens as f64 * (1.0 - FORGET)
         };
         self.mean_tokens.store(new.to_bits(), Ordering::Relaxed);
-        let r = self.pending_requests.fetch_add(1, Ordering::Relaxed);
-        let t = self.pending_tokens.fetch_add(tokens, Ordering::Relaxed);
-        (r, t)
+        self.pending_tokens.fetch_add(tokens, Ordering::Relaxed);
+        self.pending_requests.fetch_add(1, Ordering::Relaxed)
     }
 
     /// Gives back one reservation of `tokens`.
@@ -290,8 +285,7 @@ impl Prefill {
         let sane = s.ttft_s.is_finite()
             && (0.0..3600.0).contains(&s.ttft_s)
             && s.tokens.is_finite()
-            && s.tokens >= 0.0
-            && s.requests >= 1.0;
+            && s.tokens >= 0.0;
         if !sane {
             return;
         }
@@ -328,11 +322,10 @@ impl Prefill {
 mod tests {
     use super::*;
 
-    fn engine(base: f64, per_token: f64, n: f64, x: f64) -> Sample {
+    fn engine(base: f64, per_token: f64, x: f64) -> Sample {
         Sample {
-            requests: n,
             tokens: x,
-            ttft_s: base * n + per_token * x,
+            ttft_s: base + per_token * x,
         }
     }
 
@@ -340,42 +333,40 @@ mod tests {
     fn priors_until_enough_samples() {
         let p = Prefill::default();
         for _ in 0..MIN_SAMPLES - 1 {
-            p.learn(engine(0.05, 1e-3, 1.0, 1000.0));
+            p.learn(engine(0.05, 1e-3, 1000.0));
         }
         let r = p.rate();
         assert_eq!(
             (r.base_s, r.secs_per_token),
             (PRIOR_BASE_S, PRIOR_SECS_PER_TOKEN)
         );
-        p.learn(engine(0.05, 1e-3, 1.0, 1000.0));
+        p.learn(engine(0.05, 1e-3, 1000.0));
         assert!(p.rate().samples == MIN_SAMPLES);
     }
 
     #[test]
     fn fits_both_costs_and_follows_a_slowdown() {
         let p = Prefill::default();
-        let shapes = [(1.0, 200.0), (2.0, 3000.0), (1.0, 1500.0), (3.0, 600.0)];
+        let shapes = [200.0, 3000.0, 1500.0, 600.0];
         for i in 0..40 {
-            let (n, x) = shapes[i % 4];
-            p.learn(engine(0.02, 80e-6, n, x));
+            p.learn(engine(0.02, 80e-6, shapes[i % 4]));
         }
         let r = p.rate();
         assert!((r.base_s - 0.02).abs() < 1e-3, "{r:?}");
         assert!((r.secs_per_token - 80e-6).abs() < 2e-6, "{r:?}");
         // Three times slower: relearned within a few dozen answers.
         for i in 0..60 {
-            let (n, x) = shapes[i % 4];
-            p.learn(engine(0.02, 240e-6, n, x));
+            p.learn(engine(0.02, 240e-6, shapes[i % 4]));
         }
         let r = p.rate();
         assert!((r.secs_per_token / 240e-6 - 1.0).abs() < 0.05, "{r:?}");
     }
 
     #[test]
-    fn proportional_samples_keep_the_prior_base() {
+    fn samples_of_one_length_keep_the_prior_base() {
         let p = Prefill::default();
         for _ in 0..20 {
-            p.learn(engine(PRIOR_BASE_S, 50e-6, 1.0, 2000.0));
+            p.learn(engine(PRIOR_BASE_S, 50e-6, 2000.0));
         }
         let r = p.rate();
         assert!((r.secs_per_token - 50e-6).abs() < 1e-7, "{r:?}");
@@ -387,13 +378,12 @@ mod tests {
         let p = Prefill::default();
         for bad in [f64::NAN, -1.0, 1e9] {
             p.learn(Sample {
-                requests: 1.0,
                 tokens: 10.0,
                 ttft_s: bad,
             });
         }
         assert_eq!(p.rate().samples, 0);
-        assert_eq!(p.reserve(100), (0, 0));
+        assert_eq!(p.reserve(100), 0);
         assert_eq!(p.pending(), (1, 100));
         p.release(100);
         p.release(100);

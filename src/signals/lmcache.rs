@@ -6,7 +6,7 @@
 //! fields (or of the wrong types) keeps the last good signal until it goes stale after
 //! `stale_secs`, and is counted.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -50,7 +50,7 @@ pub async fn run<F: Fetch>(pool: Arc<Pool>, fetch: F, mut shutdown: Shutdown) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut due: HashMap<WorkerId, Instant> = HashMap::new();
     let mut polls: JoinSet<Polled> = JoinSet::new();
-    let mut in_flight: HashMap<WorkerId, ()> = HashMap::new();
+    let mut in_flight: HashSet<WorkerId> = HashSet::new();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -70,11 +70,11 @@ pub async fn run<F: Fetch>(pool: Arc<Pool>, fetch: F, mut shutdown: Shutdown) {
                 continue;
             };
             let id = worker.id();
-            if in_flight.contains_key(&id) || due.get(&id).is_some_and(|t| now < *t) {
+            if in_flight.contains(&id) || due.get(&id).is_some_and(|t| now < *t) {
                 continue;
             }
             due.insert(id, now + cfg.refresh);
-            in_flight.insert(id, ());
+            in_flight.insert(id);
             let worker = Arc::clone(worker);
             let fetch = fetch.clone();
             polls.spawn(async move {
