@@ -258,6 +258,7 @@ pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
         policy.tree().map(|t| &**t),
         policy.precise().map(|p| &**p),
         policy.sessions(),
+        router.response_cache().and_then(|c| c.stats()),
     );
     let mut resp = http::Response::new(
         http_body_util::Full::new(bytes::Bytes::from(text))

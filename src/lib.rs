@@ -53,6 +53,7 @@
 
 pub mod admin;
 pub mod app;
+pub mod cache;
 pub mod clock;
 pub mod config;
 pub mod error;

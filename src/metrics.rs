@@ -143,6 +143,30 @@ fn decision_histogram() -> Histogram {
 /// back-pressure, `pool::prefill`), read from the workers at scrape time; every worker
 /// has every series from the first scrape (a signal never read shows as absent only in
 /// the value gauges, whose meaning needs a reading).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OpLabels {
+    op: &'static str,
+}
+
+/// The response cache (`crate::cache`): every label value exists at 0 from start-up.
+#[derive(Debug, Default)]
+struct ResponseCacheFamilies {
+    hits: Family<KindLabels, Counter>,
+    misses: Counter,
+    bypasses: Family<CauseLabels, Counter>,
+    stores: Family<ResultLabels, Counter>,
+    store_errors: Family<OpLabels, Counter>,
+    entries: Gauge,
+    bytes: Gauge,
+    evictions: Counter,
+    seen_evictions: AtomicU64,
+}
+
 #[derive(Debug, Default)]
 struct SignalFamilies {
     waiting: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
@@ -189,6 +213,7 @@ pub struct Metrics {
     reloads: Family<ResultLabels, Counter>,
     precise: PreciseFamilies,
     signals: SignalFamilies,
+    response_cache: ResponseCacheFamilies,
     /// Set-level totals already added to `evicted`/`skipped_inserts` (they live in
     /// each `WorkerSet` and restart at 0 with a new set).
     seen_evicted: AtomicU64,
@@ -230,6 +255,7 @@ impl Metrics {
             reloads: Family::default(),
             precise: PreciseFamilies::default(),
             signals: SignalFamilies::default(),
+            response_cache: ResponseCacheFamilies::default(),
             seen_evicted: AtomicU64::new(0),
             seen_skipped: AtomicU64::new(0),
             registry: Registry::default(),
@@ -497,6 +523,60 @@ impl Metrics {
             "Precise-mode decisions: path precise (cause: token source x_token_ids, prompt_token_ids, tokenizer) or fallback to the approximate tree (cause no_tokens, bad_tokens, short_prompt, no_fresh_worker, untokenizable, tokenizer_busy, unscored_miss)",
             p.decisions.clone(),
         );
+        let c = &m.response_cache;
+        for kind in crate::cache::HIT_KINDS {
+            let _ = c.hits.get_or_create(&KindLabels { kind });
+        }
+        for b in crate::cache::Bypass::ALL {
+            let _ = c.bypasses.get_or_create(&CauseLabels { cause: b.as_str() });
+        }
+        for result in crate::cache::STORE_RESULTS {
+            let _ = c.stores.get_or_create(&ResultLabels { result });
+        }
+        for op in crate::cache::STORE_OPS {
+            let _ = c.store_errors.get_or_create(&OpLabels { op });
+        }
+        r.register(
+            "response_cache_hits",
+            "Requests answered from the response cache, by lookup kind (exact, semantic)",
+            c.hits.clone(),
+        );
+        r.register(
+            "response_cache_misses",
+            "Requests looked up in the response cache and not found (sent to a worker)",
+            c.misses.clone(),
+        );
+        r.register(
+            "response_cache_bypasses",
+            "Requests that skipped the response cache, by cause (endpoint, no_store, no_cache, api_key, choices, unreadable, store_error, store_down)",
+            c.bypasses.clone(),
+        );
+        r.register(
+            "response_cache_stores",
+            "Routed answers offered to the response cache, by result (stored; failed, incomplete, too_large, not_cacheable: not stored; error: the store failed)",
+            c.stores.clone(),
+        );
+        r.register(
+            "response_cache_store_errors",
+            "Response-cache store and embeddings failures, by operation (get, put, recent, remember, embed)",
+            c.store_errors.clone(),
+        );
+        r.register(
+            "response_cache_entries",
+            "Answers held by the in-process response cache (0 with Redis)",
+            c.entries.clone(),
+        );
+        r.register_with_unit(
+            "response_cache",
+            "Weight held by the in-process response cache: bodies, content types and per-entry overhead (0 with Redis)",
+            Unit::Bytes,
+            c.bytes.clone(),
+        );
+        r.register(
+            "response_cache_evictions",
+            "Answers dropped from the in-process response cache to stay within max_bytes",
+            c.evictions.clone(),
+        );
         Metrics { registry: r, ..m }
     }
 
@@ -585,6 +665,43 @@ impl Metrics {
             .inc();
     }
 
+    /// A response-cache hit of `kind` (`exact`, `semantic`).
+    pub fn response_cache_hit(&self, kind: &'static str) {
+        self.response_cache
+            .hits
+            .get_or_create(&KindLabels { kind })
+            .inc();
+    }
+
+    /// A response-cache miss.
+    pub fn response_cache_miss(&self) {
+        self.response_cache.misses.inc();
+    }
+
+    /// A request that skipped the response cache, for `cause`.
+    pub fn response_cache_bypass(&self, cause: &'static str) {
+        self.response_cache
+            .bypasses
+            .get_or_create(&CauseLabels { cause })
+            .inc();
+    }
+
+    /// What became of a routed answer offered to the response cache.
+    pub fn response_cache_store(&self, result: &'static str) {
+        self.response_cache
+            .stores
+            .get_or_create(&ResultLabels { result })
+            .inc();
+    }
+
+    /// A failed response-cache store call or embeddings call.
+    pub fn response_cache_store_error(&self, op: &'static str) {
+        self.response_cache
+            .store_errors
+            .get_or_create(&OpLabels { op })
+            .inc();
+    }
+
     /// A reload attempt: `applied`, `rejected` or `invalid`.
     pub fn reload(&self, result: &'static str) {
         self.reloads.get_or_create(&ResultLabels { result }).inc();
@@ -598,7 +715,15 @@ impl Metrics {
         tree: Option<&SharedTree>,
         precise: Option<&Precise>,
         sessions: Option<SessionStats>,
+        response_cache: Option<crate::cache::store::StoreStats>,
     ) -> String {
+        if let Some(st) = response_cache {
+            let c = &self.response_cache;
+            c.entries.set(st.entries as i64);
+            c.bytes.set(st.bytes as i64);
+            let before = c.seen_evictions.swap(st.evictions, Ordering::Relaxed);
+            c.evictions.inc_by(st.evictions.saturating_sub(before));
+        }
         if let Some(st) = sessions {
             self.sessions_held.set(st.held as i64);
             let add = |i: usize, counter: &Counter, now: u64| {

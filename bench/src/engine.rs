@@ -27,9 +27,12 @@
 //! timing model with chat; JSON or Anthropic SSE events) and
 //! `POST /v1/messages/count_tokens`; `POST /tokenize`, `POST /detokenize`,
 //! `POST /v1/chat/completions/render`, `POST /v1/completions/render` (vLLM's
-//! tokenizer endpoints, answered at once: see [`token_id`]); `GET /health`,
-//! `GET /v1/models`, `GET /metrics` (Prometheus text with vLLM's metric names, or
-//! SGLang's with [`MetricsFlavor::Sglang`], plus the simulator's own `sim:` rows).
+//! tokenizer endpoints, answered at once: see [`token_id`]); `POST /v1/embeddings`
+//! (OpenAI shape, deterministic vectors of [`crate::embeddings`], answered at once:
+//! no prefill queue, no prefix cache, counted in `sim:embedding_requests_total`);
+//! `GET /health`, `GET /v1/models`, `GET /metrics` (Prometheus text with vLLM's
+//! metric names, or SGLang's with [`MetricsFlavor::Sglang`], plus the simulator's
+//! own `sim:` rows).
 //! Every response carries `x-sim-engine: NAME`. Bad requests get a 400 JSON error,
 //! never a panic.
 //!
@@ -78,6 +81,7 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 use xxhash_rust::xxh3::Xxh3;
 
+use crate::embeddings;
 use crate::prompts::WORDS;
 
 /// Response header naming the replica that served a request.
@@ -408,6 +412,8 @@ pub struct EngineStats {
     pub waiting_peak: u64,
     /// Generation requests answered 429 because `max_waiting` requests waited.
     pub rejected: u64,
+    /// `POST /v1/embeddings` requests answered 200 (not in any other counter).
+    pub embedding_requests: u64,
     /// Blocks held in the prefix cache.
     pub kv_blocks_used: u64,
 }
@@ -423,6 +429,7 @@ struct Counters {
     waiting: AtomicU64,
     waiting_peak: AtomicU64,
     rejected: AtomicU64,
+    embedding_requests: AtomicU64,
     next_id: AtomicU64,
 }
 
@@ -558,6 +565,7 @@ impl Engine {
             waiting: r(&c.waiting),
             waiting_peak: r(&c.waiting_peak),
             rejected: r(&c.rejected),
+            embedding_requests: r(&c.embedding_requests),
             kv_blocks_used: self.lock_cache().len() as u64,
         }
     }
@@ -616,6 +624,7 @@ impl Engine {
             (Method::POST, "/v1/completions") => self.generate(Endpoint::Completions, req).await,
             (Method::POST, "/v1/messages") => self.generate(Endpoint::Messages, req).await,
             (Method::POST, "/v1/messages/count_tokens") => self.count_tokens(req).await,
+            (Method::POST, "/v1/embeddings") => self.embeddings(req).await,
             (Method::POST, "/tokenize") => self.tokenize(req).await,
             (Method::POST, "/detokenize") => self.detokenize(req).await,
             (Method::POST, "/v1/chat/completions/render") => self.render(Endpoint::Chat, req).await,
@@ -625,6 +634,7 @@ impl Engine {
             (_, "/health" | "/v1/models" | "/metrics")
             | (_, "/v1/chat/completions" | "/v1/completions" | "/v1/messages")
             | (_, "/v1/messages/count_tokens" | "/tokenize" | "/detokenize")
+            | (_, "/v1/embeddings")
             | (_, "/v1/chat/completions/render" | "/v1/completions/render") => error_response(
                 StatusCode::METHOD_NOT_ALLOWED,
                 "method not allowed",
@@ -678,8 +688,9 @@ impl Engine {
 
     /// Prometheus text exposition: vLLM's or SGLang's metric names (see
     /// [`MetricsFlavor`]), then the simulator's own rows, in both flavors:
-    /// `sim:num_requests_waiting_peak` (gauge, requests) and `sim:rejected_total`
-    /// (counter, requests answered 429).
+    /// `sim:num_requests_waiting_peak` (gauge, requests), `sim:rejected_total`
+    /// (counter, requests answered 429) and `sim:embedding_requests_total`
+    /// (counter, `/v1/embeddings` requests answered 200).
     pub fn metrics_text(&self) -> String {
         let s = self.stats();
         let model = escape_label(&self.inner.cfg.model);
@@ -806,6 +817,12 @@ impl Engine {
             "counter",
             "Generation requests answered 429 because max_waiting requests were queued.",
             s.rejected.to_string(),
+        ));
+        rows.push((
+            "sim:embedding_requests_total",
+            "counter",
+            "Embedding requests answered (outside the prefill queue and the prefix cache).",
+            s.embedding_requests.to_string(),
         ));
         let mut out = String::new();
         for (name, kind, help, value) in rows {
@@ -1213,6 +1230,27 @@ impl Engine {
                 "invalid_request_error",
             ),
         }
+    }
+
+    /// `POST /v1/embeddings`: `{"input": "…" | ["…", …], "model"?, "encoding_format"?:
+    /// "float"}` → the OpenAI list of [`crate::embeddings::embed`] vectors. Answered at
+    /// once, outside the prefill queue, the prefix cache and the 429 admission; only
+    /// `embedding_requests` counts it.
+    async fn embeddings(&self, req: Request<Incoming>) -> Response<RespBody> {
+        let body = match self.read_body(req).await {
+            Ok(body) => body,
+            Err((status, msg)) => return error_response(status, &msg, "invalid_request_error"),
+        };
+        let emb = match embeddings::parse_request(&body) {
+            Ok(emb) => emb,
+            Err(msg) => {
+                return error_response(StatusCode::BAD_REQUEST, &msg, "invalid_request_error");
+            }
+        };
+        let resp = embeddings::response_body(&emb, &self.inner.cfg.model);
+        let c = &self.inner.counters;
+        c.embedding_requests.fetch_add(1, Ordering::Relaxed);
+        json_response(StatusCode::OK, &resp)
     }
 
     /// `POST /v1/messages/count_tokens` → `{"input_tokens": n}`: the prompt tokens

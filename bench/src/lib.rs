@@ -5,6 +5,7 @@
 //! prompts  trace line (hash_ids) -> deterministic prompt text (port of expand_prompts.py)
 //! engine   simulated vLLM replica: OpenAI API, prefix cache of 16-token blocks, LRU,
 //!          FIFO prefill + concurrent decode on tokio timers, vLLM metrics
+//! embeddings deterministic 256-d feature-hashing vectors of /v1/embeddings
 //! replay   open-loop replay of a trace against one URL (or several, round robin)
 //! stats    per-request results -> summary (hit rate, TTFT percentiles, throughput)
 //! matrix   start engines + router per policy, replay, one markdown table
@@ -21,6 +22,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod embeddings;
 pub mod engine;
 pub mod load;
 pub mod matrix;

@@ -22,10 +22,12 @@ use crate::tokenize::chat_template::ContentFormat;
 use crate::tokenize::{LoadError, PromptTokenizer};
 
 mod passthrough;
+mod response_cache;
 mod secret;
 pub mod source;
 
 pub use passthrough::Passthrough;
+pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticConfig};
 pub use secret::Secret;
 
 /// `cache-aware-router` command line.
@@ -102,6 +104,7 @@ pub struct Config {
     pub consistent_hash: ConsistentHashConfig,
     pub session: SessionConfig,
     pub engine_metrics: EngineMetricsConfig,
+    pub response_cache: ResponseCacheConfig,
 }
 
 /// `engine_metrics:` — scraping each engine's Prometheus endpoint for its own load
@@ -736,6 +739,8 @@ struct RawConfig {
     session: RawSession,
     #[serde(default)]
     engine_metrics: RawEngineMetrics,
+    #[serde(default)]
+    response_cache: response_cache::RawResponseCache,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -1907,7 +1912,10 @@ impl Config {
             ));
         }
 
+        let response_cache = raw.response_cache.validate(ck)?;
+
         Ok(Config {
+            response_cache,
             engine_metrics,
             session,
             consistent_hash,
@@ -1958,6 +1966,9 @@ impl Config {
         }
         if self.engine_metrics != other.engine_metrics {
             return Some("engine_metrics");
+        }
+        if self.response_cache != other.response_cache {
+            return Some("response_cache");
         }
         None
     }

@@ -26,6 +26,8 @@ pub struct BodyTap {
     pub scanner: Option<UsageScanner>,
     /// An SSE answer: its first data frame is the first token (TTFT).
     pub streamed: bool,
+    /// Copies the body for the response cache (a miss whose answer may be stored).
+    pub record: Option<crate::cache::Recorder>,
     pub log: AccessLog,
 }
 
@@ -95,6 +97,9 @@ impl GuardedBody {
                     tap.policy.answered(w, &answer);
                 }
             }
+            if let Some(r) = tap.record {
+                r.finish(how == "complete");
+            }
             tap.log.write(how);
         }
     }
@@ -132,10 +137,13 @@ impl Body for GuardedBody {
                     // The first byte ends the prefill reservation (once; cheap after).
                     g.first_byte();
                 }
-                if let (Some(data), Some(tap)) = (frame.data_ref(), this.tap.as_mut())
-                    && let Some(scanner) = tap.scanner.as_mut()
-                {
-                    scanner.feed(data);
+                if let (Some(data), Some(tap)) = (frame.data_ref(), this.tap.as_mut()) {
+                    if let Some(scanner) = tap.scanner.as_mut() {
+                        scanner.feed(data);
+                    }
+                    if let Some(r) = tap.record.as_mut() {
+                        r.feed(data);
+                    }
                 }
                 if this.inner.is_end_stream() {
                     // A sized body's last frame: hyper will not poll for the end.

@@ -7,6 +7,8 @@ pub static REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
 /// Response header naming the worker that served the request
 /// (`proxy.add_routed_peer_header`).
 pub static ROUTED_PEER: HeaderName = HeaderName::from_static("x-routed-peer");
+/// The response cache's verdict on a request: `hit`, `miss` or `bypass`.
+pub static X_CACHE: HeaderName = HeaderName::from_static("x-cache");
 
 /// Sent to a vLLM server with several data-parallel ranks to pick the rank that holds
 /// the prompt's prefix (vLLM `_get_data_parallel_rank`: "router can inject it").

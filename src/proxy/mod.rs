@@ -26,6 +26,7 @@ use hyper::body::Incoming;
 
 pub use body::GuardedBody;
 
+use crate::cache::{self, Lookup, Pending, ResponseCache};
 use crate::config::{Config, RemoteMediaPolicy, Role};
 use crate::error::ProxyError;
 use crate::metrics::Metrics;
@@ -46,8 +47,12 @@ pub struct Router {
     policy: Arc<dyn Policy>,
     client: upstream::Upstream,
     metrics: Arc<Metrics>,
+    /// `response_cache:` when enabled.
+    cache: Option<Arc<ResponseCache>>,
     /// Worker label of answers the router gave itself.
     no_worker: Arc<str>,
+    /// Worker label of answers replayed from the response cache.
+    cache_worker: Arc<str>,
 }
 
 impl Router {
@@ -56,14 +61,33 @@ impl Router {
     pub fn new(config: Config) -> Self {
         let pool = Arc::new(Pool::new(&config.workers, &config.circuit_breaker));
         let policy = policy::build(&config, &pool);
+        let client = upstream::Upstream::new(&config.proxy);
+        let metrics = Arc::new(Metrics::new());
+        let rc = &config.response_cache;
+        let cache = rc.enabled.then(|| {
+            let bearer = rc
+                .semantic
+                .as_ref()
+                .and_then(|s| embeddings_key(&config, &s.embeddings_url));
+            ResponseCache::new(rc, &client, bearer, Arc::clone(&metrics))
+                .inspect_err(|e| tracing::error!(error = %e, "response cache off: it cannot start"))
+                .ok()
+        });
         Router {
-            client: upstream::Upstream::new(&config.proxy),
+            client,
             pool,
             policy,
-            metrics: Arc::new(Metrics::new()),
+            metrics,
+            cache: cache.flatten(),
             no_worker: Arc::from("none"),
+            cache_worker: Arc::from("cache"),
             config,
         }
+    }
+
+    /// The response cache, when `response_cache.enabled`.
+    pub fn response_cache(&self) -> Option<&Arc<ResponseCache>> {
+        self.cache.as_ref()
     }
 
     /// The metrics registry (also fed by reload and `/metrics`).
@@ -102,6 +126,9 @@ impl Router {
         let path = req.uri().path();
         let label = endpoint_label(&method, path);
         let request_id = headers::request_id(req.headers());
+        // `x-cache` on every answer while the cache is on: bypass unless the lookup
+        // says otherwise.
+        let mut x_cache = self.cache.as_ref().map(|_| cache::Status::Bypass);
         let result = if label == "models" {
             models::get(self, req, &request_id).await
         } else if label == "other" && !self.config.proxy.passthrough.allows(path) {
@@ -110,7 +137,7 @@ impl Router {
                 rule: self.config.proxy.passthrough.describe(),
             })
         } else {
-            self.proxy(req, &request_id, label).await
+            self.proxy(req, &request_id, label, &mut x_cache).await
         };
         let mut resp = result.unwrap_or_else(|e| {
             let status = e.status().as_u16();
@@ -129,6 +156,10 @@ impl Router {
         });
         resp.headers_mut()
             .insert(headers::REQUEST_ID.clone(), request_id);
+        if let Some(status) = x_cache {
+            resp.headers_mut()
+                .insert(headers::X_CACHE.clone(), status.header());
+        }
         resp
     }
 
@@ -138,6 +169,7 @@ impl Router {
         req: Request<Incoming>,
         request_id: &HeaderValue,
         label: &'static str,
+        x_cache: &mut Option<cache::Status>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let arrived = Instant::now();
         let (parts, body) = req.into_parts();
@@ -151,6 +183,20 @@ impl Router {
         let endpoint = (parts.method == Method::POST)
             .then(|| Endpoint::from_path(parts.uri.path()))
             .flatten();
+        // The response cache first: a hit skips extraction and the pick.
+        let mut pending = None;
+        if let (Some(c), Some(e)) = (&self.cache, endpoint) {
+            match c.lookup(e, &parts.headers, &body).await {
+                Lookup::Hit { entry, kind } => {
+                    *x_cache = Some(cache::Status::Hit);
+                    return Ok(self.replay(&entry, kind, label, request_id, arrived));
+                }
+                Lookup::Route { status, pending: p } => {
+                    *x_cache = Some(status);
+                    pending = p;
+                }
+            }
+        }
         let started = Instant::now();
         let ctx = endpoint.map(|e| prompt::extract(e, &body, self.config.cache.max_prompt_bytes));
         if let (Some(c), RemoteMediaPolicy::Reject(status)) =
@@ -184,6 +230,7 @@ impl Router {
             },
             arrived,
             started,
+            cache: pending,
         };
         self.forward(&set, &parts, body.clone(), &route, request_id)
             .await
@@ -222,7 +269,7 @@ impl Router {
             }
             let Some((pick, mut guard)) = self.pick(set, route, &tried) else {
                 if let Some((resp, guard, log)) = held {
-                    return Ok(self.respond(resp, guard, log));
+                    return Ok(self.respond(resp, guard, log, route.cache.clone()));
                 }
                 self.metrics.decision(Reason::NoWorker, started.elapsed());
                 return Err(last_error);
@@ -302,7 +349,7 @@ impl Router {
                     let retryable = pushed_back.is_some()
                         || self.config.proxy.retryable_statuses.contains(&status);
                     if attempt == retries || !retryable {
-                        return Ok(self.respond(resp, guard, log));
+                        return Ok(self.respond(resp, guard, log, route.cache.clone()));
                     }
                     tracing::warn!(
                         request_id = ?request_id,
@@ -320,7 +367,7 @@ impl Router {
             }
         }
         match held {
-            Some((resp, guard, log)) => Ok(self.respond(resp, guard, log)),
+            Some((resp, guard, log)) => Ok(self.respond(resp, guard, log, route.cache.clone())),
             None => Err(last_error),
         }
     }
@@ -395,8 +442,10 @@ impl Router {
         resp: Response<Incoming>,
         guard: InFlightGuard,
         log: AccessLog,
+        pending: Option<Pending>,
     ) -> Response<ProxyBody> {
         self.metrics.request(log.endpoint, &log.worker, log.status);
+        let record = pending.and_then(|p| cache::Recorder::start(p, resp.status(), resp.headers()));
         self.metrics.first_byte(&log.worker, log.arrived.elapsed());
         let (mut parts, incoming) = resp.into_parts();
         if headers::strip_hop_by_hop(&mut parts.headers) {
@@ -429,12 +478,57 @@ impl Router {
             policy: Arc::clone(&self.policy),
             scanner: usage::UsageScanner::for_response(&parts.headers),
             streamed: is_sse,
+            record,
             log,
         };
         let body =
             GuardedBody::new(incoming, guard, self.config.proxy.request_timeout, tap).boxed();
         Response::from_parts(parts, body)
     }
+}
+
+impl Router {
+    /// A response-cache hit: the stored answer, counted and logged like a routed one
+    /// (worker `cache`, reason `response_cache`).
+    fn replay(
+        &self,
+        entry: &cache::entry::Entry,
+        kind: &'static str,
+        label: &'static str,
+        request_id: &HeaderValue,
+        arrived: Instant,
+    ) -> Response<ProxyBody> {
+        self.metrics.request(label, &self.cache_worker, 200);
+        tracing::info!(
+            target: "cache_aware_router::access",
+            request_id = request_id.to_str().unwrap_or("-"),
+            endpoint = label,
+            worker = "cache",
+            reason = "response_cache",
+            cache = kind,
+            status = 200,
+            bytes = entry.body.len(),
+            duration_ms = format_args!("{:.1}", arrived.elapsed().as_secs_f64() * 1e3),
+            outcome = "complete",
+            "request"
+        );
+        entry.replay()
+    }
+}
+
+/// The backend key to send an embeddings endpoint that is one of the workers (same
+/// scheme and authority): that worker's `api_key`, else `proxy.api_key`.
+fn embeddings_key(config: &Config, url: &str) -> Option<HeaderValue> {
+    let url = crate::config::WorkerUrl::parse(url).ok()?;
+    let worker = config
+        .workers
+        .iter()
+        .find(|w| w.url.authority() == url.authority())?;
+    worker
+        .api_key
+        .as_ref()
+        .or(config.proxy.api_key.as_ref())
+        .map(|k| k.bearer().clone())
 }
 
 /// One attempt's pick, told to the policy exactly once: how it ended, or
@@ -474,6 +568,8 @@ struct Route<'a> {
     arrived: Instant,
     /// When the decision started (for its latency).
     started: Instant,
+    /// Where the answer goes in the response cache, on a miss.
+    cache: Option<Pending>,
 }
 
 /// How a worker was chosen for one attempt.

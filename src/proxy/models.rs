@@ -34,6 +34,7 @@ pub(super) async fn get(
     let (parts, _) = req.into_parts();
     let now = Instant::now();
     let route = Route {
+        cache: None,
         label: "models",
         req: RouteRequest::default(),
         arrived: now,

@@ -180,6 +180,49 @@ impl Upstream {
                 *req.uri_mut() = uri;
             }
         }
+        self.bounded(req, timeout, max_bytes).await
+    }
+
+    /// `POST` of a JSON `body` to an absolute `http://` URL (not a worker path), with
+    /// `bearer` as its `Authorization` when given; bounded like [`Upstream::get`].
+    pub async fn post_json(
+        &self,
+        url: &str,
+        body: Bytes,
+        bearer: Option<&HeaderValue>,
+        timeout: std::time::Duration,
+        max_bytes: usize,
+    ) -> Result<(http::StatusCode, Bytes), String> {
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| e.to_string())?;
+        let mut req = Request::new(Full::new(body));
+        *req.method_mut() = Method::POST;
+        let h = req.headers_mut();
+        if let Some(host) = uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        {
+            h.insert(header::HOST, host);
+        }
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        if let Some(b) = bearer {
+            h.insert(header::AUTHORIZATION, b.clone());
+        }
+        *req.uri_mut() = uri;
+        self.bounded(req, timeout, max_bytes).await
+    }
+
+    /// Sends `req` and reads its status and at most `max_bytes` of body within `timeout`.
+    async fn bounded(
+        &self,
+        req: Request<Full<Bytes>>,
+        timeout: std::time::Duration,
+        max_bytes: usize,
+    ) -> Result<(http::StatusCode, Bytes), String> {
         let call = async {
             let resp = self.client.request(req).await.map_err(|e| describe(&e))?;
             let status = resp.status();

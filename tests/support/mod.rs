@@ -18,6 +18,7 @@
 #![allow(dead_code)]
 
 pub mod binary;
+pub mod redis;
 
 use std::collections::HashMap;
 use std::future::Future;

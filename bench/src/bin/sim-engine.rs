@@ -51,7 +51,8 @@ struct Cli {
     /// Metric names of GET /metrics: `vllm` (vllm:num_requests_waiting,
     /// vllm:num_requests_running, vllm:kv_cache_usage_perc, ...) or `sglang`
     /// (sglang:num_queue_reqs, sglang:num_running_reqs, sglang:token_usage, ...).
-    /// Both add sim:num_requests_waiting_peak and sim:rejected_total.
+    /// Both add sim:num_requests_waiting_peak, sim:rejected_total and
+    /// sim:embedding_requests_total.
     #[arg(long, default_value_t = MetricsFlavor::Vllm)]
     metrics_flavor: MetricsFlavor,
     /// Most requests waiting for the prefill slot (requests); a generation

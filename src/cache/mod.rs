@@ -1,0 +1,568 @@
+//! The response cache: whole answers stored and replayed, exact and semantic.
+//!
+//! [`ResponseCache::lookup`] runs after the body is read and before the routing
+//! decision: a hit is answered from the store (no worker, no pick); a miss goes to a
+//! worker with a [`Pending`] that becomes a [`Recorder`] on a 200 JSON / SSE answer and
+//! stores it once the body completed and [`entry::verdict`] accepts it (in a task: the
+//! client's stream never waits for the store). The client's `x-cache` header is
+//! [`Status`].
+//!
+//! Fail open: a store that errs or times out turns the request into a bypass (counted,
+//! logged at most once per [`LOG_EVERY`]) and keeps later requests off the store for
+//! [`DOWN_FOR`]; an embeddings endpoint that fails turns a semantic lookup into an exact
+//! miss. The cache never causes an error response.
+
+pub mod entry;
+pub mod key;
+pub mod memory;
+pub mod redis;
+pub mod semantic;
+pub mod store;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use http::StatusCode;
+use http::header::{self, HeaderMap, HeaderValue};
+
+use crate::config::{ResponseCacheConfig, Secret};
+use crate::metrics::Metrics;
+use crate::prompt::Endpoint;
+use crate::proxy::upstream::Upstream;
+use entry::{Entry, NotStored};
+use key::{Key, Unkeyable};
+use semantic::Embedder;
+use store::{Candidate, Store, StoreError, StoreStats};
+
+/// Largest answer stored, in bytes (further capped by `max_bytes`).
+pub const MAX_ENTRY_BYTES: usize = 8 << 20;
+/// How long requests skip a store that just failed.
+pub const DOWN_FOR: Duration = Duration::from_secs(1);
+/// Least time between two log lines about store or embeddings failures.
+pub const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// The `x-cache` value of a response.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Status {
+    Hit,
+    Miss,
+    Bypass,
+}
+
+impl Status {
+    pub fn header(self) -> HeaderValue {
+        HeaderValue::from_static(match self {
+            Status::Hit => "hit",
+            Status::Miss => "miss",
+            Status::Bypass => "bypass",
+        })
+    }
+}
+
+/// Why a request did not use the cache (metric label `cause`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Bypass {
+    /// `response_cache.endpoints` does not list the endpoint.
+    Endpoint,
+    /// `Cache-Control: no-store`.
+    NoStore,
+    /// `Cache-Control: no-cache`: not looked up, stored.
+    NoCache,
+    /// The caller's key is in `uncacheable_api_keys`.
+    ApiKey,
+    /// `n` > 1.
+    Choices,
+    /// Not a JSON object.
+    Unreadable,
+    /// The store failed on this request.
+    StoreError,
+    /// The store failed less than [`DOWN_FOR`] ago.
+    StoreDown,
+}
+
+impl Bypass {
+    pub const ALL: [Bypass; 8] = [
+        Bypass::Endpoint,
+        Bypass::NoStore,
+        Bypass::NoCache,
+        Bypass::ApiKey,
+        Bypass::Choices,
+        Bypass::Unreadable,
+        Bypass::StoreError,
+        Bypass::StoreDown,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Bypass::Endpoint => "endpoint",
+            Bypass::NoStore => "no_store",
+            Bypass::NoCache => "no_cache",
+            Bypass::ApiKey => "api_key",
+            Bypass::Choices => "choices",
+            Bypass::Unreadable => "unreadable",
+            Bypass::StoreError => "store_error",
+            Bypass::StoreDown => "store_down",
+        }
+    }
+}
+
+/// What became of a finished answer (metric label `result`).
+pub const STORE_RESULTS: [&str; 6] = [
+    "stored",
+    "failed",
+    "incomplete",
+    "too_large",
+    "not_cacheable",
+    "error",
+];
+
+/// Which lookup found a hit (metric label `kind`).
+pub const HIT_KINDS: [&str; 2] = ["exact", "semantic"];
+
+/// Store operations whose errors are counted (metric label `op`).
+pub const STORE_OPS: [&str; 5] = ["get", "put", "recent", "remember", "embed"];
+
+/// The outcome of [`ResponseCache::lookup`].
+#[derive(Debug)]
+pub enum Lookup {
+    /// Replay this answer; `kind` is `exact` or `semantic`.
+    Hit { entry: Entry, kind: &'static str },
+    /// Route the request; store its answer when `pending` is given.
+    Route {
+        status: Status,
+        pending: Option<Pending>,
+    },
+}
+
+/// What the answer of a routed request is stored under.
+#[derive(Debug, Clone)]
+pub struct Pending {
+    cache: Arc<ResponseCache>,
+    key: Key,
+    stream: bool,
+    /// The semantic candidate to add once stored.
+    semantic: Option<(Key, Arc<[f32]>)>,
+}
+
+/// The response cache of one router (see the module docs).
+pub struct ResponseCache {
+    cfg: ResponseCacheConfig,
+    store: Box<dyn Store>,
+    embedder: Option<Embedder>,
+    metrics: Arc<Metrics>,
+    entry_cap: usize,
+    born: Instant,
+    /// Milliseconds since `born` until which the store is skipped.
+    down_until_ms: AtomicU64,
+    /// Milliseconds since `born` of the last failure log line (0: none yet).
+    logged_ms: AtomicU64,
+    /// Failures since that line.
+    unlogged: AtomicU64,
+}
+
+impl std::fmt::Debug for ResponseCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResponseCache")
+            .field("redis", &self.cfg.redis_url)
+            .field("semantic", &self.embedder.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ResponseCache {
+    /// The cache for `cfg` (enabled): Redis when `redis_url` is set (connected on first
+    /// use), else in-process. `bearer` is the backend key sent to an embeddings endpoint
+    /// that is one of the workers.
+    pub fn new(
+        cfg: &ResponseCacheConfig,
+        upstream: &Upstream,
+        bearer: Option<HeaderValue>,
+        metrics: Arc<Metrics>,
+    ) -> Result<Arc<Self>, String> {
+        let store: Box<dyn Store> = match &cfg.redis_url {
+            Some(url) => Box::new(
+                redis::RedisStore::new(url.expose(), &cfg.namespace, cfg.ttl)
+                    .map_err(|e| e.to_string())?,
+            ),
+            None => Box::new(memory::MemoryStore::new(cfg.max_bytes, cfg.ttl)),
+        };
+        let embedder = cfg
+            .semantic
+            .clone()
+            .map(|s| Embedder::new(s, upstream.clone(), bearer));
+        Ok(Arc::new(ResponseCache {
+            entry_cap: MAX_ENTRY_BYTES.min(cfg.max_bytes as usize),
+            cfg: cfg.clone(),
+            store,
+            embedder,
+            metrics,
+            born: Instant::now(),
+            down_until_ms: AtomicU64::new(0),
+            logged_ms: AtomicU64::new(0),
+            unlogged: AtomicU64::new(0),
+        }))
+    }
+
+    /// What the store holds (in-process only).
+    pub fn stats(&self) -> Option<StoreStats> {
+        self.store.stats()
+    }
+
+    /// Looks the request up (see the module docs). Counts the hit, miss or bypass.
+    pub async fn lookup(
+        self: &Arc<Self>,
+        endpoint: Endpoint,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Lookup {
+        let found = self.find(endpoint, headers, body).await;
+        match &found {
+            Lookup::Hit { kind, .. } => self.metrics.response_cache_hit(kind),
+            Lookup::Route {
+                status: Status::Miss,
+                ..
+            } => self.metrics.response_cache_miss(),
+            Lookup::Route { .. } => {}
+        }
+        found
+    }
+
+    async fn find(
+        self: &Arc<Self>,
+        endpoint: Endpoint,
+        headers: &HeaderMap,
+        body: &[u8],
+    ) -> Lookup {
+        let bypass = |cause: Bypass, pending: Option<Pending>| {
+            self.metrics.response_cache_bypass(cause.as_str());
+            Lookup::Route {
+                status: Status::Bypass,
+                pending,
+            }
+        };
+        if !self.cfg.endpoints.contains(&endpoint) {
+            return bypass(Bypass::Endpoint, None);
+        }
+        let control = CacheControl::read(headers);
+        if control.no_store {
+            return bypass(Bypass::NoStore, None);
+        }
+        if self.uncacheable(headers) {
+            return bypass(Bypass::ApiKey, None);
+        }
+        let lookup_semantic = self.embedder.is_some() && !control.no_cache;
+        let req = match key::analyse(endpoint, body, &key::tenant(headers), lookup_semantic) {
+            Ok(r) => r,
+            Err(Unkeyable::Unreadable) => return bypass(Bypass::Unreadable, None),
+            Err(Unkeyable::Choices) => return bypass(Bypass::Choices, None),
+        };
+        if self.is_down() {
+            return bypass(Bypass::StoreDown, None);
+        }
+        let mut pending = Pending {
+            cache: Arc::clone(self),
+            key: req.key,
+            stream: req.stream,
+            semantic: None,
+        };
+        if control.no_cache {
+            return bypass(Bypass::NoCache, Some(pending));
+        }
+        match self.store.get(&req.key).await {
+            Ok(Some(entry)) if entry.is_sse() == req.stream => {
+                return Lookup::Hit {
+                    entry,
+                    kind: "exact",
+                };
+            }
+            Ok(_) => {}
+            Err(e) => {
+                self.failed("get", &e);
+                return bypass(Bypass::StoreError, None);
+            }
+        }
+        if let (Some(embedder), Some(sem)) = (&self.embedder, req.semantic) {
+            match embedder.embed(&sem.text).await {
+                Err(e) => self.failed_embedding(&e),
+                Ok(v) => {
+                    match self
+                        .semantic_hit(embedder, &sem.partition, &v, req.stream)
+                        .await
+                    {
+                        Ok(Some(entry)) => {
+                            return Lookup::Hit {
+                                entry,
+                                kind: "semantic",
+                            };
+                        }
+                        Ok(None) => pending.semantic = Some((sem.partition, v)),
+                        Err(()) => return bypass(Bypass::StoreError, None),
+                    }
+                }
+            }
+        }
+        Lookup::Route {
+            status: Status::Miss,
+            pending: Some(pending),
+        }
+    }
+
+    /// The stored answer of the partition's closest candidate at or above the threshold;
+    /// `Err` when the store failed (already counted).
+    async fn semantic_hit(
+        &self,
+        embedder: &Embedder,
+        partition: &Key,
+        v: &[f32],
+        stream: bool,
+    ) -> Result<Option<Entry>, ()> {
+        let candidates = self
+            .store
+            .recent(partition, embedder.max_candidates())
+            .await
+            .map_err(|e| self.failed("recent", &e))?;
+        let Some((best, _)) = semantic::best(&candidates, v, embedder.threshold()) else {
+            return Ok(None);
+        };
+        match self.store.get(&best.key).await {
+            // A stored content type that disagrees with the caller's stream flag: a miss.
+            Ok(found) => Ok(found.filter(|e| e.is_sse() == stream)),
+            Err(e) => {
+                self.failed("get", &e);
+                Err(())
+            }
+        }
+    }
+
+    /// Whether the caller's key is listed in `uncacheable_api_keys`.
+    fn uncacheable(&self, headers: &HeaderMap) -> bool {
+        if self.cfg.uncacheable_api_keys.is_empty() {
+            return false;
+        }
+        let bearer = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| {
+                v.strip_prefix("Bearer ")
+                    .or_else(|| v.strip_prefix("bearer "))
+            });
+        let api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
+        self.cfg
+            .uncacheable_api_keys
+            .iter()
+            .map(Secret::expose)
+            .any(|k| Some(k) == bearer.map(str::trim) || Some(k) == api_key.map(str::trim))
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.born.elapsed().as_millis() as u64
+    }
+
+    fn is_down(&self) -> bool {
+        self.now_ms() < self.down_until_ms.load(Ordering::Relaxed)
+    }
+
+    /// Counts a store failure of `op`, keeps requests off an unavailable store for
+    /// [`DOWN_FOR`], and logs at most once per [`LOG_EVERY`].
+    fn failed(&self, op: &'static str, e: &StoreError) {
+        if let StoreError::Unavailable(_) = e {
+            self.down_until_ms.store(
+                self.now_ms() + DOWN_FOR.as_millis() as u64,
+                Ordering::Relaxed,
+            );
+        }
+        self.count_failure(op, &e.to_string(), true);
+    }
+
+    /// Counts and logs a failed embeddings call.
+    fn failed_embedding(&self, error: &str) {
+        self.count_failure("embed", error, false);
+    }
+
+    fn count_failure(&self, op: &'static str, error: &str, store: bool) {
+        self.metrics.response_cache_store_error(op);
+        let now = self.now_ms();
+        let missed = self.unlogged.fetch_add(1, Ordering::Relaxed);
+        let last = self.logged_ms.load(Ordering::Relaxed);
+        let due = last == 0 || now.saturating_sub(last) >= LOG_EVERY.as_millis() as u64;
+        if due
+            && self
+                .logged_ms
+                .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+        {
+            self.unlogged.store(0, Ordering::Relaxed);
+            let error = crate::redact::line(error);
+            if store {
+                tracing::warn!(op, %error, failures_since_last_line = missed + 1, "response cache store failed; requests go to workers without the cache until it answers");
+            } else {
+                tracing::warn!(op, %error, failures_since_last_line = missed + 1, "embeddings endpoint failed; semantic lookups are exact misses until it answers");
+            }
+        }
+    }
+
+    /// Validates and stores a finished answer (in a task of its own).
+    fn store(self: Arc<Self>, pending: Pending, content_type: HeaderValue, body: Bytes) {
+        tokio::spawn(async move {
+            let sse = entry::is_sse(&content_type);
+            let verdict = entry::verdict(&body, sse);
+            if let Err(why) = verdict {
+                self.metrics.response_cache_store(match why {
+                    NotStored::Failed => "failed",
+                    NotStored::Incomplete => "incomplete",
+                });
+                return;
+            }
+            let entry = Entry { content_type, body };
+            if let Err(e) = self.store.put(pending.key, entry).await {
+                self.failed("put", &e);
+                self.metrics.response_cache_store("error");
+                return;
+            }
+            self.metrics.response_cache_store("stored");
+            if let (Some((partition, vector)), Some(embedder)) = (pending.semantic, &self.embedder)
+            {
+                let c = Candidate {
+                    key: pending.key,
+                    vector,
+                };
+                if let Err(e) = self
+                    .store
+                    .remember(partition, c, embedder.max_candidates())
+                    .await
+                {
+                    self.failed("remember", &e);
+                }
+            }
+        });
+    }
+}
+
+/// The request's `Cache-Control` directives the cache obeys (RFC 9111 §5.2.1).
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+struct CacheControl {
+    no_cache: bool,
+    no_store: bool,
+}
+
+impl CacheControl {
+    fn read(headers: &HeaderMap) -> Self {
+        let mut c = CacheControl::default();
+        for v in headers.get_all(header::CACHE_CONTROL) {
+            let Ok(v) = v.to_str() else { continue };
+            for d in v.split(',') {
+                let d = d.trim();
+                let name = d.split('=').next().unwrap_or(d).trim();
+                if name.eq_ignore_ascii_case("no-store") {
+                    c.no_store = true;
+                } else if name.eq_ignore_ascii_case("no-cache") {
+                    c.no_cache = true;
+                }
+            }
+        }
+        c
+    }
+}
+
+/// Copies a routed answer's body as it passes (reference-counted chunks, no copy until
+/// the end) and stores it when the body completed.
+#[derive(Debug)]
+pub struct Recorder {
+    pending: Pending,
+    content_type: HeaderValue,
+    chunks: Vec<Bytes>,
+    size: usize,
+    too_large: bool,
+}
+
+impl Recorder {
+    /// A recorder for an answer with this status and headers: a 200, uncompressed, JSON
+    /// for a non-streaming request or SSE for a streaming one. `None` (counted
+    /// `not_cacheable`) for anything else.
+    pub fn start(pending: Pending, status: StatusCode, headers: &HeaderMap) -> Option<Recorder> {
+        let encoded = headers
+            .get(header::CONTENT_ENCODING)
+            .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+        let ct = headers.get(header::CONTENT_TYPE);
+        let fits = ct.is_some_and(|ct| {
+            if pending.stream {
+                entry::is_sse(ct)
+            } else {
+                entry::is_json(ct)
+            }
+        });
+        if status != StatusCode::OK || encoded || !fits {
+            pending.cache.metrics.response_cache_store("not_cacheable");
+            return None;
+        }
+        Some(Recorder {
+            content_type: ct.expect("checked").clone(),
+            pending,
+            chunks: Vec::new(),
+            size: 0,
+            too_large: false,
+        })
+    }
+
+    /// One body chunk, as it goes to the client.
+    pub fn feed(&mut self, data: &Bytes) {
+        if self.too_large {
+            return;
+        }
+        self.size += data.len();
+        if self.size > self.pending.cache.entry_cap {
+            self.too_large = true;
+            self.chunks = Vec::new();
+        } else {
+            self.chunks.push(data.clone());
+        }
+    }
+
+    /// The body ended: stored when `complete` (the worker finished it), else dropped.
+    pub fn finish(self, complete: bool) {
+        let cache = Arc::clone(&self.pending.cache);
+        if !complete {
+            cache.metrics.response_cache_store("incomplete");
+            return;
+        }
+        if self.too_large {
+            cache.metrics.response_cache_store("too_large");
+            return;
+        }
+        let body = match self.chunks.len() {
+            1 => self.chunks[0].clone(),
+            _ => {
+                let mut b = BytesMut::with_capacity(self.size);
+                self.chunks.iter().for_each(|c| b.extend_from_slice(c));
+                b.freeze()
+            }
+        };
+        cache.store(self.pending, self.content_type, body);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cache_control_directives() {
+        let mut h = HeaderMap::new();
+        assert_eq!(CacheControl::read(&h), CacheControl::default());
+        h.append(
+            header::CACHE_CONTROL,
+            "max-age=0, No-Cache".parse().unwrap(),
+        );
+        assert_eq!(
+            CacheControl::read(&h),
+            CacheControl {
+                no_cache: true,
+                no_store: false
+            }
+        );
+        h.append(header::CACHE_CONTROL, "no-store".parse().unwrap());
+        assert!(CacheControl::read(&h).no_store);
+    }
+}

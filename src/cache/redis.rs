@@ -1,0 +1,212 @@
+//! The Redis store: answers and semantic candidates shared by every router replica that
+//! names the same `redis_url` and `namespace`.
+//!
+//! Keys: `<namespace>:rc:v1:e:<hex key>` holds an encoded [`Entry`] (`SET … PX ttl`);
+//! `<namespace>:rc:v1:s:<hex partition>` is a list of candidates, newest first
+//! (`LPUSH`, `LTRIM`, `PEXPIRE`), each the 32-byte key then the vector as little-endian
+//! `f32`s. One `redis` `ConnectionManager`, connected lazily and reconnected by the crate;
+//! every call is bounded by [`OP_TIMEOUT`], so a slow or dead Redis costs a request at
+//! most that long (and the cache's down window keeps later ones from waiting at all).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::future::{BoxFuture, FutureExt};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+
+use super::entry::Entry;
+use super::key::{Key, LAYOUT};
+use super::store::{Candidate, Store, StoreError, StoreStats};
+
+/// Longest one Redis call may take, connecting included.
+pub const OP_TIMEOUT: Duration = Duration::from_millis(250);
+
+pub struct RedisStore {
+    conn: ConnectionManager,
+    prefix: String,
+    ttl_ms: u64,
+}
+
+impl RedisStore {
+    /// A store on `url` (checked by config) under `namespace`; connects on first use.
+    pub fn new(url: &str, namespace: &str, ttl: Duration) -> Result<Self, StoreError> {
+        let client =
+            redis::Client::open(url).map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        let cfg = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(OP_TIMEOUT))
+            .set_response_timeout(Some(OP_TIMEOUT))
+            .set_number_of_retries(1)
+            .set_max_delay(Duration::from_secs(1));
+        let conn = ConnectionManager::new_lazy_with_config(client, cfg)
+            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+        Ok(RedisStore {
+            conn,
+            prefix: format!("{namespace}:rc:{LAYOUT}"),
+            ttl_ms: ttl.as_millis().max(1) as u64,
+        })
+    }
+
+    fn entry_key(&self, key: &Key) -> String {
+        format!("{}:e:{}", self.prefix, hex(key))
+    }
+
+    fn list_key(&self, partition: &Key) -> String {
+        format!("{}:s:{}", self.prefix, hex(partition))
+    }
+
+    async fn call<T: redis::FromRedisValue>(&self, cmd: CmdOrPipe) -> Result<T, StoreError> {
+        let mut conn = self.conn.clone();
+        let run = async {
+            match cmd {
+                CmdOrPipe::Cmd(c) => c.query_async(&mut conn).await,
+                CmdOrPipe::Pipe(p) => p.query_async(&mut conn).await,
+            }
+        };
+        match tokio::time::timeout(OP_TIMEOUT, run).await {
+            Ok(Ok(v)) => Ok(v),
+            // A reply of the wrong type is garbage; anything else is the connection's.
+            Ok(Err(e)) if e.kind() == redis::ErrorKind::Parse => {
+                Err(StoreError::Garbage(format!("redis: {e}")))
+            }
+            Ok(Err(e)) => Err(StoreError::Unavailable(format!("redis: {e}"))),
+            Err(_) => Err(StoreError::Unavailable(format!(
+                "redis: no answer within {OP_TIMEOUT:?}"
+            ))),
+        }
+    }
+}
+
+enum CmdOrPipe {
+    Cmd(redis::Cmd),
+    Pipe(redis::Pipeline),
+}
+
+fn hex(k: &Key) -> String {
+    use std::fmt::Write;
+    k.iter().fold(String::with_capacity(64), |mut s, b| {
+        let _ = write!(s, "{b:02x}");
+        s
+    })
+}
+
+/// A candidate as a list item: key, then the vector's `f32`s little-endian.
+fn encode_candidate(c: &Candidate) -> Vec<u8> {
+    let mut out = Vec::with_capacity(32 + 4 * c.vector.len());
+    out.extend_from_slice(&c.key);
+    for x in c.vector.iter() {
+        out.extend_from_slice(&x.to_le_bytes());
+    }
+    out
+}
+
+fn decode_candidate(b: &[u8]) -> Result<Candidate, StoreError> {
+    if b.len() < 36 || !(b.len() - 32).is_multiple_of(4) {
+        return Err(StoreError::Garbage(format!(
+            "redis: a semantic candidate of {} bytes is not a key and a vector",
+            b.len()
+        )));
+    }
+    let key: Key = b[..32].try_into().expect("32 bytes");
+    let vector: Arc<[f32]> = b[32..]
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+        .collect();
+    Ok(Candidate { key, vector })
+}
+
+impl Store for RedisStore {
+    fn get<'a>(&'a self, key: &'a Key) -> BoxFuture<'a, Result<Option<Entry>, StoreError>> {
+        async move {
+            let mut c = redis::cmd("GET");
+            c.arg(self.entry_key(key));
+            let raw: Option<Bytes> = self.call(CmdOrPipe::Cmd(c)).await?;
+            raw.map(|b| Entry::decode(b).map_err(|e| StoreError::Garbage(format!("redis: {e}"))))
+                .transpose()
+        }
+        .boxed()
+    }
+
+    fn put(&self, key: Key, entry: Entry) -> BoxFuture<'_, Result<(), StoreError>> {
+        async move {
+            let mut c = redis::cmd("SET");
+            c.arg(self.entry_key(&key))
+                .arg(entry.encode())
+                .arg("PX")
+                .arg(self.ttl_ms);
+            self.call::<()>(CmdOrPipe::Cmd(c)).await
+        }
+        .boxed()
+    }
+
+    fn recent<'a>(
+        &'a self,
+        partition: &'a Key,
+        n: usize,
+    ) -> BoxFuture<'a, Result<Vec<Candidate>, StoreError>> {
+        async move {
+            let mut c = redis::cmd("LRANGE");
+            c.arg(self.list_key(partition))
+                .arg(0)
+                .arg(n.max(1) as i64 - 1);
+            let items: Vec<Bytes> = self.call(CmdOrPipe::Cmd(c)).await?;
+            items.iter().map(|b| decode_candidate(b)).collect()
+        }
+        .boxed()
+    }
+
+    fn remember(
+        &self,
+        partition: Key,
+        candidate: Candidate,
+        keep: usize,
+    ) -> BoxFuture<'_, Result<(), StoreError>> {
+        async move {
+            let list = self.list_key(&partition);
+            let item = encode_candidate(&candidate);
+            let mut p = redis::pipe();
+            p.atomic()
+                .cmd("LREM")
+                .arg(&list)
+                .arg(0)
+                .arg(&item)
+                .ignore()
+                .cmd("LPUSH")
+                .arg(&list)
+                .arg(&item)
+                .ignore()
+                .cmd("LTRIM")
+                .arg(&list)
+                .arg(0)
+                .arg(keep.max(1) as i64 - 1)
+                .ignore()
+                .cmd("PEXPIRE")
+                .arg(&list)
+                .arg(self.ttl_ms)
+                .ignore();
+            self.call::<()>(CmdOrPipe::Pipe(p)).await
+        }
+        .boxed()
+    }
+
+    fn stats(&self) -> Option<StoreStats> {
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn candidates_round_trip_and_refuse_garbage() {
+        let c = Candidate {
+            key: [3; 32],
+            vector: Arc::from(vec![0.5f32, -1.25, 3.0]),
+        };
+        assert_eq!(decode_candidate(&encode_candidate(&c)).unwrap(), c);
+        assert!(decode_candidate(&[0; 32]).is_err());
+        assert!(decode_candidate(&[0; 37]).is_err());
+        assert_eq!(hex(&[0xab; 32]).len(), 64);
+    }
+}

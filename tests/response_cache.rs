@@ -1,0 +1,588 @@
+//! The response cache as a client sees it, against the in-process store and a real
+//! `redis-server` (tests/support/redis.rs starts one per test): miss then hit for JSON
+//! and SSE (replayed byte for byte, event by event), `Cache-Control`, TTL, tenants,
+//! answers that must never be stored, semantic partitions and threshold (embeddings
+//! from a real `sim-engine`), Redis killed and back, and two router processes sharing
+//! one Redis.
+
+mod support;
+
+use std::time::Duration;
+
+use bench::engine::{self, EngineConfig};
+use support::redis::RedisServer;
+use support::*;
+
+/// A chat answer with a distinct id, so a replay is told from a fresh answer.
+fn answer(id: &str) -> String {
+    format!(
+        r#"{{"id":"{id}","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"hello"}},"finish_reason":"stop"}}],"usage":{}}}"#,
+        usage_json(10, 0)
+    )
+}
+
+/// The SSE events of a streamed answer, `[DONE]` last.
+fn stream_events(id: &str) -> Vec<String> {
+    let mut ev: Vec<String> = (0..4).map(sse_event).collect();
+    ev.insert(0, format!(r#"{{"id":"{id}","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"role":"assistant"}}}}]}}"#));
+    ev.push(r#"{"id":"c","object":"chat.completion.chunk","choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#.into());
+    ev.push("[DONE]".into());
+    ev
+}
+
+/// A worker that answers every request freshly: JSON or SSE as asked, the id naming
+/// the request's arrival index.
+async fn fresh_worker() -> FakeWorker {
+    FakeWorker::start_with(|r| {
+        let id = format!("fresh-{}", r.index);
+        if r.body_str().contains(r#""stream":true"#) {
+            Reply::sse(&stream_events(&id), Duration::ZERO)
+        } else {
+            Reply::json(200, &answer(&id))
+        }
+    })
+    .await
+}
+
+/// Router YAML with the cache on (Redis when given), `extra` under `response_cache:`.
+fn config(w: &FakeWorker, redis: Option<&RedisServer>, extra: &str) -> String {
+    let mut rc = String::from("response_cache:\n  enabled: true\n");
+    if let Some(r) = redis {
+        rc.push_str(&format!("  redis_url: \"{}\"\n", r.url()));
+    }
+    for line in extra.lines() {
+        rc.push_str("  ");
+        rc.push_str(line);
+        rc.push('\n');
+    }
+    yaml_for(&[w], &format!("health:\n  interval_secs: 3600\n{rc}"))
+}
+
+fn chat(prompt: &str, stream: bool) -> Req {
+    Req::post("/v1/chat/completions", chat_body(prompt, stream))
+        .header("content-type", "application/json")
+}
+
+async fn metric(addr: std::net::SocketAddr, name: &str, labels: &[(&str, &str)]) -> f64 {
+    scrape(addr).await.get(name, labels).unwrap_or(0.0)
+}
+
+/// Waits until `n` answers were stored (the store runs in a task after the body ends).
+async fn wait_stored(addr: std::net::SocketAddr, n: f64) {
+    wait_until("answers stored", Duration::from_secs(5), || async {
+        metric(
+            addr,
+            "cache_aware_router_response_cache_stores_total",
+            &[("result", "stored")],
+        )
+        .await
+            >= n
+    })
+    .await;
+}
+
+async fn miss_then_hit(redis: Option<&RedisServer>) {
+    let w = fresh_worker().await;
+    let router = start_router(&config(&w, redis, "")).await;
+    let a = router.addr;
+
+    // JSON: miss, then a hit with the worker's first answer, byte for byte.
+    let first = send(a, &chat("what is a cat", false)).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    assert_eq!(first.header("x-cache"), Some("miss"));
+    wait_stored(a, 1.0).await;
+    let again = send(a, &chat("what is a cat", false)).await;
+    assert_eq!(again.status, 200);
+    assert_eq!(again.header("x-cache"), Some("hit"));
+    assert_eq!(again.body, first.body, "the stored bytes, not a new answer");
+    assert_eq!(again.header("content-type"), Some("application/json"));
+    assert_eq!(w.count(), 1, "a hit never reaches a worker");
+    assert!(again.has_header("x-request-id"));
+
+    // The same question streamed is another entry: a miss, then a replayed stream.
+    let s1 = send(a, &chat("what is a cat", true)).await;
+    assert_eq!(s1.header("x-cache"), Some("miss"));
+    assert!(s1.text().contains("fresh-1"), "{}", s1.text());
+    wait_stored(a, 2.0).await;
+    let s2 = send(a, &chat("what is a cat", true)).await;
+    assert_eq!(s2.header("x-cache"), Some("hit"));
+    assert_eq!(s2.header("content-type"), Some("text/event-stream"));
+    assert_eq!(s2.text(), s1.text(), "replayed SSE is byte-identical");
+    assert_eq!(
+        s2.pieces.len(),
+        stream_events("x").len(),
+        "one piece per event: {:?}",
+        s2.pieces
+    );
+    assert_eq!(w.count(), 2);
+
+    let m = scrape(a).await;
+    let hits = m.get(
+        "cache_aware_router_response_cache_hits_total",
+        &[("kind", "exact")],
+    );
+    assert_eq!(hits, Some(2.0));
+    assert_eq!(
+        m.get("cache_aware_router_response_cache_misses_total", &[]),
+        Some(2.0)
+    );
+    assert_eq!(
+        m.get(
+            "cache_aware_router_requests_total",
+            &[
+                ("endpoint", "chat_completions"),
+                ("worker", "cache"),
+                ("status", "200")
+            ]
+        ),
+        Some(2.0)
+    );
+    // A hit skips the routing decision.
+    let decisions: f64 = m
+        .all("cache_aware_router_routing_decisions_total")
+        .iter()
+        .map(|s| s.value)
+        .sum();
+    assert_eq!(decisions, 2.0, "only the two misses were routed");
+    if redis.is_none() {
+        let held = m
+            .get("cache_aware_router_response_cache_bytes", &[])
+            .unwrap_or(0.0);
+        assert!(held > first.body.len() as f64, "bytes held: {held}");
+        assert_eq!(
+            m.get("cache_aware_router_response_cache_entries", &[]),
+            Some(2.0)
+        );
+    }
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn miss_then_hit_in_process() {
+    miss_then_hit(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn miss_then_hit_on_redis() {
+    let redis = RedisServer::start();
+    miss_then_hit(Some(&redis)).await;
+    assert_eq!(
+        redis.keys("cache-aware-router:rc:v1:e:*").len(),
+        2,
+        "entries live in Redis under the namespace"
+    );
+}
+
+async fn control_ttl_and_tenants(redis: Option<&RedisServer>) {
+    let w = fresh_worker().await;
+    let router = start_router(&config(&w, redis, "ttl_secs: 1")).await;
+    let a = router.addr;
+
+    // no-store: neither looked up nor stored.
+    let r = send(a, &chat("q1", false).header("cache-control", "no-store")).await;
+    assert_eq!(r.header("x-cache"), Some("bypass"));
+    let r = send(a, &chat("q1", false)).await;
+    assert_eq!(
+        r.header("x-cache"),
+        Some("miss"),
+        "no-store left nothing behind"
+    );
+    wait_stored(a, 1.0).await;
+    // no-cache: not looked up (a fresh answer), but stored for the next caller.
+    let r = send(a, &chat("q1", false).header("cache-control", "no-cache")).await;
+    assert_eq!(r.header("x-cache"), Some("bypass"));
+    assert!(r.text().contains("fresh-2"), "{}", r.text());
+    wait_stored(a, 2.0).await;
+    let r = send(a, &chat("q1", false)).await;
+    assert_eq!(r.header("x-cache"), Some("hit"));
+    assert!(
+        r.text().contains("fresh-2"),
+        "the no-cache answer replaced the old one"
+    );
+
+    // Tenants: the same body under two credentials never shares an entry.
+    let alice = |p: &str| chat(p, false).header("authorization", "Bearer alice");
+    let bob = |p: &str| chat(p, false).header("authorization", "Bearer bob");
+    assert_eq!(send(a, &alice("t")).await.header("x-cache"), Some("miss"));
+    wait_stored(a, 3.0).await;
+    assert_eq!(send(a, &bob("t")).await.header("x-cache"), Some("miss"));
+    assert_eq!(send(a, &alice("t")).await.header("x-cache"), Some("hit"));
+    let anthropic_key = chat("t", false).header("x-api-key", "alice");
+    assert_eq!(
+        send(a, &anthropic_key).await.header("x-cache"),
+        Some("miss")
+    );
+
+    // TTL: after ttl_secs the entry is gone.
+    tokio::time::sleep(Duration::from_millis(1300)).await;
+    assert_eq!(
+        send(a, &alice("t")).await.header("x-cache"),
+        Some("miss"),
+        "expired"
+    );
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_ttl_and_tenants_in_process() {
+    control_ttl_and_tenants(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_ttl_and_tenants_on_redis() {
+    let redis = RedisServer::start();
+    control_ttl_and_tenants(Some(&redis)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_cut_and_odd_answers_are_never_stored() {
+    // Each prompt names what the worker does with it.
+    let w = FakeWorker::start_with(|r| {
+        let body = r.body_str();
+        if body.contains("server-error") {
+            Reply::json(500, r#"{"error":{"message":"boom"}}"#)
+        } else if body.contains("finish-error") {
+            Reply::json(200, r#"{"id":"e","choices":[{"index":0,"finish_reason":"error","message":{"content":""}}]}"#)
+        } else if body.contains("cut-stream") {
+            // Two events, then the connection drops without [DONE] or the last chunk.
+            Reply::raw(vec![Step::Write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n10\r\ndata: {\"a\":1}\n\n\r\n"
+                    .to_vec(),
+            )])
+        } else if body.contains("no-done") {
+            // A stream that ends cleanly but never said it was finished.
+            Reply::sse(&[sse_event(0)], Duration::ZERO)
+        } else if body.contains("compressed") {
+            Reply::json(200, &answer("z")).header("content-encoding", "gzip")
+        } else if body.contains("plain-text") {
+            Reply::status(200).header("content-type", "text/plain").body(b"hi".to_vec())
+        } else {
+            Reply::json(200, &answer(&format!("ok-{}", r.index)))
+        }
+    })
+    .await;
+    let router = start_router(&config(&w, None, "")).await;
+    let a = router.addr;
+    // The cut stream's client sees the cut; read what comes and move on.
+    let cut = async {
+        let mut c = Conn::connect(a).await;
+        c.send(&chat("cut-stream", true)).await.expect("send");
+        let head = c.read_head().await;
+        assert_eq!(head.header("x-cache"), Some("miss"));
+        while let Ok(Some(_)) = c.try_next_piece().await {}
+    };
+    cut.await;
+    cut_again(a, &w).await;
+    for (prompt, stream) in [
+        ("server-error", false),
+        ("finish-error", false),
+        ("no-done", true),
+        ("compressed", false),
+        ("plain-text", false),
+    ] {
+        let _ = send(a, &chat(prompt, stream)).await;
+        let before = w.count();
+        let r = send(a, &chat(prompt, stream)).await;
+        assert_eq!(
+            r.header("x-cache"),
+            Some("miss"),
+            "{prompt} must not be stored"
+        );
+        assert_eq!(w.count(), before + 1, "{prompt}: the worker answered again");
+    }
+    let m = scrape(a).await;
+    let stored = m.get(
+        "cache_aware_router_response_cache_stores_total",
+        &[("result", "stored")],
+    );
+    assert_eq!(stored, Some(0.0));
+    for result in ["failed", "incomplete", "not_cacheable"] {
+        let n = m
+            .get(
+                "cache_aware_router_response_cache_stores_total",
+                &[("result", result)],
+            )
+            .unwrap_or(0.0);
+        assert!(n >= 2.0, "{result}: {n}");
+    }
+    router.shutdown().await;
+}
+
+/// The cut stream again: still a miss (nothing was stored), and the worker asked again.
+async fn cut_again(a: std::net::SocketAddr, w: &FakeWorker) {
+    let before = w.count();
+    let mut c = Conn::connect(a).await;
+    c.send(&chat("cut-stream", true)).await.expect("send");
+    let head = c.read_head().await;
+    assert_eq!(
+        head.header("x-cache"),
+        Some("miss"),
+        "a cut stream is never stored"
+    );
+    while let Ok(Some(_)) = c.try_next_piece().await {}
+    assert_eq!(w.count(), before + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bypasses_say_why() {
+    let w = fresh_worker().await;
+    let yaml = config(
+        &w,
+        None,
+        "endpoints: [chat_completions]\nuncacheable_api_keys: [sk-eval-1]",
+    );
+    let router = start_router(&yaml).await;
+    let a = router.addr;
+    let n2 = Req::post(
+        "/v1/chat/completions",
+        r#"{"model":"m","n":2,"messages":[{"role":"user","content":"x"}]}"#,
+    );
+    let key = chat("x", false).header("authorization", "Bearer sk-eval-1");
+    let completions = Req::post("/v1/completions", r#"{"model":"m","prompt":"x"}"#);
+    let broken = Req::post("/v1/chat/completions", "{not json");
+    for (req, cause) in [
+        (&n2, "choices"),
+        (&key, "api_key"),
+        (&completions, "endpoint"),
+        (&broken, "unreadable"),
+    ] {
+        for _ in 0..2 {
+            let r = send(a, req).await;
+            assert_eq!(r.header("x-cache"), Some("bypass"), "{cause}");
+        }
+        let n = metric(
+            a,
+            "cache_aware_router_response_cache_bypasses_total",
+            &[("cause", cause)],
+        )
+        .await;
+        assert_eq!(n, 2.0, "{cause}");
+    }
+    assert_eq!(w.count(), 8, "every bypass reached the worker");
+    // Models and other paths carry the header too.
+    let models = get(a, "/v1/models").await;
+    assert_eq!(models.header("x-cache"), Some("bypass"));
+    router.shutdown().await;
+}
+
+/// A real sim-engine serving `/v1/embeddings` (similar texts embed close).
+async fn embedder() -> engine::RunningEngine {
+    engine::start(EngineConfig {
+        name: "embed".into(),
+        ..EngineConfig::default()
+    })
+    .await
+    .expect("start sim-engine")
+}
+
+fn chat_with(system: &str, prompt: &str, extra: serde_json::Value) -> Req {
+    let mut body = serde_json::json!({
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": prompt},
+        ],
+    });
+    if let (Some(b), Some(e)) = (body.as_object_mut(), extra.as_object()) {
+        b.extend(e.clone());
+    }
+    Req::post("/v1/chat/completions", body.to_string())
+}
+
+async fn semantic(redis: Option<&RedisServer>) {
+    let emb = embedder().await;
+    let w = fresh_worker().await;
+    let extra = format!(
+        "semantic:\n  embeddings_url: {}/v1/embeddings\n  model: embed\n  threshold: 0.92",
+        emb.url()
+    );
+    let router = start_router(&config(&w, redis, &extra)).await;
+    let a = router.addr;
+    let q = "please tell me what the capital city of france is and why it became the capital";
+    let near = "please tell me what the capital city of france is and why it became the capital?";
+    let far = "write a python function that returns the fibonacci numbers below one thousand";
+    let none = serde_json::json!({});
+
+    let first = send(a, &chat_with("answer in German", q, none.clone())).await;
+    assert_eq!(first.header("x-cache"), Some("miss"));
+    wait_stored(a, 1.0).await;
+    // The same question in other words (well above the threshold): replayed.
+    let r = send(a, &chat_with("answer in German", near, none.clone())).await;
+    assert_eq!(r.header("x-cache"), Some("hit"));
+    assert_eq!(r.body, first.body);
+    assert_eq!(
+        metric(
+            a,
+            "cache_aware_router_response_cache_hits_total",
+            &[("kind", "semantic")]
+        )
+        .await,
+        1.0
+    );
+    // Below the threshold: a miss.
+    let r = send(a, &chat_with("answer in German", far, none.clone())).await;
+    assert_eq!(r.header("x-cache"), Some("miss"));
+    // Same text, another partition: system prompt, temperature, tools, streaming.
+    for (system, extra) in [
+        ("answer in Japanese", none.clone()),
+        ("answer in German", serde_json::json!({"temperature": 1.5})),
+        (
+            "answer in German",
+            serde_json::json!({"tools": [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]}),
+        ),
+        ("answer in German", serde_json::json!({"stream": true})),
+    ] {
+        let r = send(a, &chat_with(system, near, extra.clone())).await;
+        assert_eq!(r.header("x-cache"), Some("miss"), "{system} {extra}");
+    }
+    // Images bypass the semantic lookup before any embedding call.
+    let embeds_before = emb.engine().stats().embedding_requests;
+    let image = Req::post(
+        "/v1/chat/completions",
+        serde_json::json!({"model": "m", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": q},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]})
+        .to_string(),
+    );
+    assert_eq!(send(a, &image).await.header("x-cache"), Some("miss"));
+    assert_eq!(emb.engine().stats().embedding_requests, embeds_before);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn semantic_in_process() {
+    semantic(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn semantic_on_redis() {
+    let redis = RedisServer::start();
+    semantic(Some(&redis)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_embeddings_endpoint_is_an_exact_miss() {
+    let w = fresh_worker().await;
+    let extra = format!(
+        "semantic:\n  embeddings_url: {}/v1/embeddings\n  model: embed",
+        closed_port_url()
+    );
+    let router = start_router(&config(&w, None, &extra)).await;
+    let a = router.addr;
+    let r = send(a, &chat("q", false)).await;
+    assert_eq!(r.status, 200);
+    assert_eq!(r.header("x-cache"), Some("miss"));
+    wait_stored(a, 1.0).await;
+    assert_eq!(
+        send(a, &chat("q", false)).await.header("x-cache"),
+        Some("hit"),
+        "exact still works"
+    );
+    let errors = metric(
+        a,
+        "cache_aware_router_response_cache_store_errors_total",
+        &[("op", "embed")],
+    )
+    .await;
+    assert!(errors >= 1.0, "{errors}");
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_then_back() {
+    let mut redis = RedisServer::start();
+    let w = fresh_worker().await;
+    let router = start_router(&config(&w, Some(&redis), "")).await;
+    let a = router.addr;
+    assert_eq!(
+        send(a, &chat("q", false)).await.header("x-cache"),
+        Some("miss")
+    );
+    wait_stored(a, 1.0).await;
+    assert_eq!(
+        send(a, &chat("q", false)).await.header("x-cache"),
+        Some("hit")
+    );
+
+    // Garbage under the key: a store error, never a 5xx.
+    let keys = redis.keys("cache-aware-router:rc:v1:e:*");
+    assert_eq!(keys.len(), 1);
+    redis.command(&["SET", &keys[0], "garbage"]).expect("SET");
+    let r = send(a, &chat("q", false)).await;
+    assert_eq!((r.status, r.header("x-cache")), (200, Some("bypass")));
+
+    redis.kill();
+    for i in 0..10 {
+        let r = send(a, &chat(&format!("down {i}"), false)).await;
+        assert_eq!(r.status, 200, "{}", r.text());
+        assert_eq!(r.header("x-cache"), Some("bypass"));
+    }
+    let m = scrape(a).await;
+    let get_errors = m
+        .get(
+            "cache_aware_router_response_cache_store_errors_total",
+            &[("op", "get")],
+        )
+        .unwrap_or(0.0);
+    assert!(
+        get_errors >= 2.0,
+        "garbage and the outage counted: {get_errors}"
+    );
+    assert_eq!(
+        m.get(
+            "cache_aware_router_response_cache_bypasses_total",
+            &[("cause", "store_error")]
+        ),
+        Some(2.0),
+        "the garbage and the first request of the outage"
+    );
+    let down = m
+        .get(
+            "cache_aware_router_response_cache_bypasses_total",
+            &[("cause", "store_down")],
+        )
+        .unwrap_or(0.0);
+    assert!(
+        down >= 5.0,
+        "requests skip a store that just failed: {down}"
+    );
+
+    redis.restart();
+    // Hits resume: within the down window requests bypass, then miss, store, hit.
+    wait_until(
+        "a miss once Redis answers",
+        Duration::from_secs(5),
+        || async { send(a, &chat("back", false)).await.header("x-cache") == Some("miss") },
+    )
+    .await;
+    wait_until(
+        "a hit after Redis is back",
+        Duration::from_secs(5),
+        || async { send(a, &chat("back", false)).await.header("x-cache") == Some("hit") },
+    )
+    .await;
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_router_processes_share_one_redis() {
+    let redis = RedisServer::start();
+    let w = fresh_worker().await;
+    let yaml = format!(
+        "server: {{host: 127.0.0.1, port: 0}}\nlog: {{format: json}}\n{}",
+        config(&w, Some(&redis), "")
+    );
+    let file = TempFile::new("shared.yaml", &yaml);
+    let one = binary::serve(&[&file.path]);
+    let two = binary::serve(&[&file.path]);
+    let first = send(one.addr, &chat("shared question", false)).await;
+    assert_eq!(first.header("x-cache"), Some("miss"), "{}", one.output());
+    wait_until("stored in Redis", Duration::from_secs(5), || async {
+        redis.keys("cache-aware-router:rc:v1:e:*").len() == 1
+    })
+    .await;
+    let second = send(two.addr, &chat("shared question", false)).await;
+    assert_eq!(second.header("x-cache"), Some("hit"), "{}", two.output());
+    assert_eq!(second.body, first.body);
+    assert_eq!(w.count(), 1);
+}
