@@ -246,7 +246,22 @@ struct Workers {
     /// The session layer (`session:`), when on.
     #[serde(skip_serializing_if = "Option::is_none")]
     sessions: Option<crate::policy::session::SessionStats>,
+    /// The response cache (`response_cache:`), when on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    response_cache: Option<ResponseCacheView>,
     workers: Vec<WorkerView>,
+}
+
+#[derive(Serialize)]
+struct ResponseCacheView {
+    /// `memory` or `redis`.
+    store: &'static str,
+    semantic: bool,
+    /// In-process store only: answers held and their weight in bytes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    entries: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    bytes: Option<u64>,
 }
 
 /// `GET /metrics`: Prometheus text exposition (see `metrics.rs`).
@@ -346,6 +361,15 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
         tree_nodes: nodes,
         tree_bytes: bytes,
         sessions: policy.sessions(),
+        response_cache: router.response_cache().map(|c| {
+            let st = c.stats();
+            ResponseCacheView {
+                store: if st.is_some() { "memory" } else { "redis" },
+                semantic: router.config().response_cache.semantic.is_some(),
+                entries: st.map(|s| s.entries),
+                bytes: st.map(|s| s.bytes),
+            }
+        }),
         precise: policy.precise().map(|precise| PreciseView {
             block_size: precise.config().block_size,
             max_blocks: precise.config().max_blocks.get(),

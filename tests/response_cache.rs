@@ -144,7 +144,13 @@ async fn miss_then_hit(redis: Option<&RedisServer>) {
         .map(|s| s.value)
         .sum();
     assert_eq!(decisions, 2.0, "only the two misses were routed");
+    let view = &get_workers(a).await["response_cache"];
+    assert_eq!(
+        view["store"],
+        if redis.is_some() { "redis" } else { "memory" }
+    );
     if redis.is_none() {
+        assert_eq!(view["entries"], 2);
         let held = m
             .get("cache_aware_router_response_cache_bytes", &[])
             .unwrap_or(0.0);

@@ -249,3 +249,96 @@ impl RawSemantic {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::config::Config;
+
+    const ONE: &str = "workers:\n  - url: http://127.0.0.1:8001\n";
+
+    fn load(doc: &str) -> Result<Config, String> {
+        Config::from_sources([(Path::new("a.yaml"), doc)]).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn defaults_and_a_full_section() {
+        let c = load(ONE).unwrap().response_cache;
+        assert_eq!(c, ResponseCacheConfig::default());
+        assert!(!c.enabled);
+        assert_eq!(c.ttl, Duration::from_secs(300));
+        assert_eq!(c.max_bytes, 256 << 20);
+        assert_eq!(c.endpoints.len(), 4);
+        let doc = format!(
+            "response_cache:\n  enabled: true\n  ttl_secs: 10\n  max_bytes: 2097152\n  redis_url: \"redis://:pw@r:6379/1\"\n  namespace: prod.eu\n  endpoints: [messages, messages, completions]\n  uncacheable_api_keys: [sk-1]\n  semantic: {{embeddings_url: \"http://e:8000/v1/embeddings/\", model: bge, threshold: 0.9, max_candidates: 8}}\n{ONE}"
+        );
+        let c = load(&doc).unwrap().response_cache;
+        assert!(c.enabled);
+        assert_eq!(c.endpoints, vec![Endpoint::Messages, Endpoint::Completions]);
+        assert_eq!(
+            c.redis_url.as_ref().unwrap().expose(),
+            "redis://:pw@r:6379/1"
+        );
+        assert!(!format!("{c:?}").contains("pw@"), "{c:?}");
+        let s = c.semantic.unwrap();
+        assert_eq!(s.embeddings_url, "http://e:8000/v1/embeddings");
+        assert_eq!((s.threshold, s.max_candidates), (0.9, 8));
+    }
+
+    #[test]
+    fn the_example_config_is_valid() {
+        let text = include_str!("../../config.example.yaml");
+        Config::from_sources([(Path::new("config.example.yaml"), text)])
+            .unwrap_or_else(|e| panic!("config.example.yaml: {e}"));
+    }
+
+    #[test]
+    fn bad_values_name_their_key() {
+        for (section, key) in [
+            ("{max_bytes: 10}", "response_cache.max_bytes"),
+            ("{ttl_secs: 0}", "response_cache.ttl_secs"),
+            ("{redis_url: \"http://x\"}", "response_cache.redis_url"),
+            ("{redis_url: \"rediss://x:1\"}", "response_cache.redis_url"),
+            ("{namespace: \"a b\"}", "response_cache.namespace"),
+            ("{endpoints: [chat]}", "response_cache.endpoints[0]"),
+            (
+                "{uncacheable_api_keys: [\"a b\"]}",
+                "response_cache.uncacheable_api_keys[0]",
+            ),
+            (
+                "{semantic: {embeddings_url: \"http://e:1\", model: m}}",
+                "response_cache.semantic.embeddings_url",
+            ),
+            (
+                "{semantic: {embeddings_url: \"https://e:1/v1/embeddings\", model: m}}",
+                "response_cache.semantic.embeddings_url",
+            ),
+            (
+                "{semantic: {embeddings_url: \"http://e:1/v1/embeddings\", model: \" \"}}",
+                "response_cache.semantic.model",
+            ),
+            (
+                "{semantic: {embeddings_url: \"http://e:1/v1/embeddings\", model: m, threshold: 1.5}}",
+                "response_cache.semantic.threshold",
+            ),
+            (
+                "{semantic: {embeddings_url: \"http://e:1/v1/embeddings\", model: m, max_candidates: 0}}",
+                "response_cache.semantic.max_candidates",
+            ),
+            ("{semantic: {model: m}}", "embeddings_url"),
+            ("{enable: true}", "enable"),
+        ] {
+            let doc = format!("response_cache: {section}\n{ONE}");
+            let e = load(&doc).expect_err(&doc);
+            assert!(e.contains(key), "{doc}: {e}");
+        }
+        let e = load(&format!(
+            "response_cache: {{redis_url: \"redis://:hunter2@x:99999\"}}\n{ONE}"
+        ));
+        if let Err(e) = e {
+            assert!(!e.contains("hunter2"), "{e}");
+        }
+    }
+}
