@@ -40,6 +40,8 @@ struct WorkerView {
     /// `primary` or `fallback` (takes requests only while no primary is usable).
     role: &'static str,
     in_flight: usize,
+    /// Requests the other router replicas have in flight here (`state:`; 0 alone).
+    remote_in_flight: usize,
     healthy: bool,
     breaker: &'static str,
     max_load: Option<usize>,
@@ -249,7 +251,24 @@ struct Workers {
     /// The response cache (`response_cache:`), when on.
     #[serde(skip_serializing_if = "Option::is_none")]
     response_cache: Option<ResponseCacheView>,
+    /// Routing state shared with other router replicas (`state:`), when on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fleet: Option<FleetView>,
     workers: Vec<WorkerView>,
+}
+
+#[derive(Serialize)]
+struct FleetView {
+    /// Subscribed to the fleet channel now.
+    connected: bool,
+    /// Chunk hashes held from the other replicas.
+    remote_records: usize,
+    messages_out: u64,
+    bytes_out: u64,
+    messages_in: u64,
+    bytes_in: u64,
+    /// Records dropped because the publisher fell behind.
+    dropped: u64,
 }
 
 #[derive(Serialize)]
@@ -274,6 +293,7 @@ pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
         policy.precise().map(|p| &**p),
         policy.sessions(),
         router.response_cache().and_then(|c| c.stats()),
+        router.fleet().map(|f| &**f),
     );
     let mut resp = http::Response::new(
         http_body_util::Full::new(bytes::Bytes::from(text))
@@ -336,6 +356,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
             key: w.key().to_string(),
             role: w.config().role.as_str(),
             in_flight: w.in_flight(),
+            remote_in_flight: w.remote_in_flight(),
             healthy: w.is_healthy(),
             breaker: w.breaker_state(now).as_str(),
             max_load: w.config().max_load.map(|m| m.get()),
@@ -361,6 +382,19 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
         tree_nodes: nodes,
         tree_bytes: bytes,
         sessions: policy.sessions(),
+        fleet: router.fleet().map(|f| {
+            let c = &f.counts;
+            let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+            FleetView {
+                connected: c.connected.load(std::sync::atomic::Ordering::Relaxed),
+                remote_records: f.remote_records(),
+                messages_out: n(&c.messages_out),
+                bytes_out: n(&c.bytes_out),
+                messages_in: n(&c.messages_in),
+                bytes_in: n(&c.bytes_in),
+                dropped: n(&c.dropped),
+            }
+        }),
         response_cache: router.response_cache().map(|c| {
             let st = c.stats();
             ResponseCacheView {

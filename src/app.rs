@@ -71,6 +71,10 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
         router.upstream().clone(),
         shutdown.clone(),
     ));
+    // Routing state shared with the other router replicas (`state.redis_url`).
+    if let Some(fleet) = router.fleet() {
+        tokio::spawn(Arc::clone(fleet).run(shutdown.clone()));
+    }
     // The policy's own upkeep: tree eviction, KV-event consumers.
     if let Some(task) = router
         .policy()

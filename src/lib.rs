@@ -57,6 +57,7 @@ pub mod cache;
 pub mod clock;
 pub mod config;
 pub mod error;
+pub mod fleet;
 pub mod metrics;
 pub mod policy;
 pub mod pool;

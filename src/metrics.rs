@@ -153,6 +153,27 @@ struct OpLabels {
     op: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct DirectionLabels {
+    direction: &'static str,
+}
+
+/// The fleet channel (`crate::fleet`), read from its counters at scrape time.
+#[derive(Debug, Default)]
+struct FleetFamilies {
+    messages: Family<DirectionLabels, Counter>,
+    bytes: Family<DirectionLabels, Counter>,
+    records: Family<DirectionLabels, Counter>,
+    dropped: Counter,
+    malformed: Counter,
+    errors: Family<OpLabels, Counter>,
+    connected: Gauge,
+    remote_records: Gauge,
+    remote_in_flight: Family<WorkerLabels, Gauge>,
+    /// Totals already added, in the order of [`Metrics::encode_fleet`].
+    seen: [AtomicU64; 10],
+}
+
 /// The response cache (`crate::cache`): every label value exists at 0 from start-up.
 #[derive(Debug, Default)]
 struct ResponseCacheFamilies {
@@ -214,6 +235,7 @@ pub struct Metrics {
     precise: PreciseFamilies,
     signals: SignalFamilies,
     response_cache: ResponseCacheFamilies,
+    fleet: FleetFamilies,
     /// Set-level totals already added to `evicted`/`skipped_inserts` (they live in
     /// each `WorkerSet` and restart at 0 with a new set).
     seen_evicted: AtomicU64,
@@ -256,6 +278,7 @@ impl Metrics {
             precise: PreciseFamilies::default(),
             signals: SignalFamilies::default(),
             response_cache: ResponseCacheFamilies::default(),
+            fleet: FleetFamilies::default(),
             seen_evicted: AtomicU64::new(0),
             seen_skipped: AtomicU64::new(0),
             registry: Registry::default(),
@@ -577,6 +600,53 @@ impl Metrics {
             "Answers dropped from the in-process response cache to stay within max_bytes",
             c.evictions.clone(),
         );
+        let f = &m.fleet;
+        r.register(
+            "fleet_messages",
+            "Fleet channel messages (state.redis_url) published (out) and applied (in, others' only)",
+            f.messages.clone(),
+        );
+        r.register_with_unit(
+            "fleet",
+            "Fleet channel payload bytes published (out) and applied (in)",
+            Unit::Bytes,
+            f.bytes.clone(),
+        );
+        r.register(
+            "fleet_records",
+            "Fleet records (prefix, load) published (out) and applied (in)",
+            f.records.clone(),
+        );
+        r.register(
+            "fleet_dropped_records",
+            "Prefix records dropped because the fleet publisher fell behind",
+            f.dropped.clone(),
+        );
+        r.register(
+            "fleet_malformed_messages",
+            "Messages on the fleet channel that were not fleet messages",
+            f.malformed.clone(),
+        );
+        r.register(
+            "fleet_errors",
+            "Fleet Redis failures, by operation (publish, subscribe)",
+            f.errors.clone(),
+        );
+        r.register(
+            "fleet_connected",
+            "1 while subscribed to the fleet channel",
+            f.connected.clone(),
+        );
+        r.register(
+            "fleet_remote_prefix_records",
+            "Chunk hashes held from the other router replicas",
+            f.remote_records.clone(),
+        );
+        r.register(
+            "worker_remote_in_flight",
+            "Requests the other router replicas have in flight on the worker, as last published",
+            f.remote_in_flight.clone(),
+        );
         Metrics { registry: r, ..m }
     }
 
@@ -716,7 +786,11 @@ impl Metrics {
         precise: Option<&Precise>,
         sessions: Option<SessionStats>,
         response_cache: Option<crate::cache::store::StoreStats>,
+        fleet: Option<&crate::fleet::Fleet>,
     ) -> String {
+        if let Some(f) = fleet {
+            self.encode_fleet(set, f);
+        }
         if let Some(st) = response_cache {
             let c = &self.response_cache;
             c.entries.set(st.entries as i64);
@@ -795,6 +869,45 @@ impl Metrics {
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
         out
+    }
+
+    /// Reads the fleet's counters and every worker's remote in-flight share.
+    fn encode_fleet(&self, set: &WorkerSet, fleet: &crate::fleet::Fleet) {
+        let g = &self.fleet;
+        let c = &fleet.counts;
+        let dir = |direction| DirectionLabels { direction };
+        let op = |op| OpLabels { op };
+        // One family guard at a time: holding one while another label is created would
+        // wait on the family's own lock.
+        let mut i = 0;
+        let mut add = |counter: &Counter, source: &AtomicU64| {
+            catch_up(counter, &g.seen[i], source);
+            i += 1;
+        };
+        add(&g.messages.get_or_create(&dir("out")), &c.messages_out);
+        add(&g.messages.get_or_create(&dir("in")), &c.messages_in);
+        add(&g.bytes.get_or_create(&dir("out")), &c.bytes_out);
+        add(&g.bytes.get_or_create(&dir("in")), &c.bytes_in);
+        add(&g.records.get_or_create(&dir("out")), &c.records_out);
+        add(&g.records.get_or_create(&dir("in")), &c.records_in);
+        add(&g.dropped, &c.dropped);
+        add(&g.malformed, &c.malformed);
+        add(&g.errors.get_or_create(&op("publish")), &c.publish_errors);
+        add(
+            &g.errors.get_or_create(&op("subscribe")),
+            &c.subscribe_errors,
+        );
+        g.connected
+            .set(i64::from(c.connected.load(Ordering::Relaxed)));
+        g.remote_records.set(fleet.remote_records() as i64);
+        g.remote_in_flight.clear();
+        for w in set.workers() {
+            g.remote_in_flight
+                .get_or_create(&WorkerLabels {
+                    worker: Arc::clone(w.label()),
+                })
+                .set(w.remote_in_flight() as i64);
+        }
     }
 
     /// Reads every worker's signals and prefill state into the signal families.

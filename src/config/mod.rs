@@ -25,10 +25,12 @@ mod passthrough;
 mod response_cache;
 mod secret;
 pub mod source;
+mod state;
 
 pub use passthrough::Passthrough;
 pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticConfig};
 pub use secret::Secret;
+pub use state::StateConfig;
 
 /// `cache-aware-router` command line.
 #[derive(Debug, Parser)]
@@ -105,6 +107,7 @@ pub struct Config {
     pub session: SessionConfig,
     pub engine_metrics: EngineMetricsConfig,
     pub response_cache: ResponseCacheConfig,
+    pub state: StateConfig,
 }
 
 /// `engine_metrics:` — scraping each engine's Prometheus endpoint for its own load
@@ -741,6 +744,8 @@ struct RawConfig {
     engine_metrics: RawEngineMetrics,
     #[serde(default)]
     response_cache: response_cache::RawResponseCache,
+    #[serde(default)]
+    state: state::RawState,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -1913,8 +1918,10 @@ impl Config {
         }
 
         let response_cache = raw.response_cache.validate(ck)?;
+        let state = raw.state.validate(ck)?;
 
         Ok(Config {
+            state,
             response_cache,
             engine_metrics,
             session,
@@ -1969,6 +1976,9 @@ impl Config {
         }
         if self.response_cache != other.response_cache {
             return Some("response_cache");
+        }
+        if self.state != other.state {
+            return Some("state");
         }
         None
     }

@@ -60,6 +60,26 @@ pub struct SemanticConfig {
 pub struct RedisUrl(String);
 
 impl RedisUrl {
+    /// Checks a `redis://` URL at `key` (the error never shows a password).
+    pub(super) fn parse(ck: &Checker<'_>, key: &str, u: String) -> Result<RedisUrl, ConfigError> {
+        if let Err(e) = redis::Client::open(u.as_str()) {
+            return Err(ck.err(
+                key,
+                format!(
+                    "`{}` is not a Redis URL ({e}); expected redis://[:password@]host[:port][/db]",
+                    crate::redact::url(&u)
+                ),
+            ));
+        }
+        if u.starts_with("rediss") {
+            return Err(ck.err(
+                key,
+                "rediss:// (TLS) is not supported yet; use redis:// on a private network",
+            ));
+        }
+        Ok(RedisUrl(u))
+    }
+
     /// The URL itself, for connecting.
     pub fn expose(&self) -> &str {
         &self.0
@@ -120,40 +140,11 @@ impl RawResponseCache {
                 "is out of range (bytes, 1 MiB to 1 TiB)",
             ));
         }
-        let redis_url = match self.redis_url {
-            Some(u) => {
-                if let Err(e) = redis::Client::open(u.as_str()) {
-                    return Err(ck.err(
-                        "response_cache.redis_url",
-                        format!(
-                            "`{}` is not a Redis URL ({e}); expected redis://[:password@]host[:port][/db]",
-                            crate::redact::url(&u)
-                        ),
-                    ));
-                }
-                if u.starts_with("rediss") {
-                    return Err(ck.err(
-                        "response_cache.redis_url",
-                        "rediss:// (TLS) is not supported yet; use redis:// on a private network",
-                    ));
-                }
-                Some(RedisUrl(u))
-            }
-            None => None,
-        };
-        let namespace = self.namespace.unwrap_or(d.namespace);
-        if namespace.is_empty()
-            || namespace.len() > 64
-            || !namespace
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
-        {
-            return Err(ck.bad(
-                "response_cache.namespace",
-                &namespace,
-                "must be 1 to 64 characters of letters, digits, `-`, `_`, `.` or `:`",
-            ));
-        }
+        let redis_url = self
+            .redis_url
+            .map(|u| RedisUrl::parse(ck, "response_cache.redis_url", u))
+            .transpose()?;
+        let namespace = namespace(ck, "response_cache.namespace", self.namespace)?;
         let endpoints = match self.endpoints {
             None => d.endpoints,
             Some(names) => {
@@ -201,6 +192,29 @@ impl RawResponseCache {
             semantic,
         })
     }
+}
+
+/// A namespace at `key` (default `cache-aware-router`): 1 to 64 characters of letters,
+/// digits, `-`, `_`, `.` or `:`.
+pub(super) fn namespace(
+    ck: &Checker<'_>,
+    key: &str,
+    v: Option<String>,
+) -> Result<String, ConfigError> {
+    let namespace = v.unwrap_or_else(|| "cache-aware-router".into());
+    if namespace.is_empty()
+        || namespace.len() > 64
+        || !namespace
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b))
+    {
+        return Err(ck.bad(
+            key,
+            &namespace,
+            "must be 1 to 64 characters of letters, digits, `-`, `_`, `.` or `:`",
+        ));
+    }
+    Ok(namespace)
 }
 
 impl RawSemantic {

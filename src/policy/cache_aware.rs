@@ -29,7 +29,7 @@ use super::{Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
 use crate::pool::{Pool, PoolListener, Worker, WorkerSet};
 use crate::shutdown::Shutdown;
-use crate::tree::{RadixTree, SharedTree, WorkerMask};
+use crate::tree::{RadixTree, RemotePrefixes, SharedTree, WorkerMask};
 
 /// The `cache_aware` policy: its tree and thresholds.
 pub struct CacheAware {
@@ -65,7 +65,16 @@ impl CacheAware {
         rng: &mut dyn RngCore,
     ) -> Pick {
         let tree = self.tree.lock();
-        pick_cache_aware(&self.params, req.text(), candidates, &tree, req.tie, rng)
+        let remote = self.tree.remote();
+        pick_cache_aware(
+            &self.params,
+            req.text(),
+            candidates,
+            &tree,
+            remote,
+            req.tie,
+            rng,
+        )
     }
 
     /// Records the served request's prompt for the worker that served it.
@@ -81,11 +90,14 @@ impl CacheAware {
 impl PoolListener for CacheAware {
     fn worker_left(&self, worker: &Worker) {
         self.tree.lock().remove_worker(worker.id());
+        if let Some(r) = self.tree.remote() {
+            r.forget(worker.id());
+        }
     }
 
     /// Its cache is presumed cold when it returns.
     fn worker_down(&self, worker: &Worker) {
-        self.tree.lock().remove_worker(worker.id());
+        self.worker_left(worker);
     }
 }
 
@@ -127,14 +139,16 @@ impl Policy for CacheAware {
     }
 }
 
-/// The cache-aware decision (steps 1–6 of the module docs) on `tree`; records nothing
-/// (the policy records the served worker in [`Policy::observe`]). `tie` breaks load ties
-/// stably (see [`least_loaded`]).
+/// The cache-aware decision (steps 1–6 of the module docs) on `tree` and, when shared,
+/// the other replicas' records (`remote`; the longer match wins, equal ones merge);
+/// records nothing (the policy records the served worker in [`Policy::observe`]). `tie`
+/// breaks load ties stably (see [`least_loaded`]).
 pub fn pick_cache_aware(
     params: &CacheParams,
     text: &[u8],
     candidates: &[Candidate],
     tree: &RadixTree,
+    remote: Option<&dyn RemotePrefixes>,
     tie: Option<u64>,
     rng: &mut dyn RngCore,
 ) -> Pick {
@@ -159,7 +173,15 @@ pub fn pick_cache_aware(
         .filter(|c| c.usable && c.cache_aware)
         .map(|c| c.id)
         .collect();
-    let m = tree.longest_prefix(text, &eligible);
+    let mut m = tree.longest_prefix(text, &eligible);
+    if let Some(r) = remote {
+        let other = r.longest_prefix(text, &eligible);
+        if other.matched > m.matched {
+            m = other;
+        } else if other.matched == m.matched && other.matched > 0 {
+            m.workers = m.workers.union(&other.workers);
+        }
+    }
     // The floor never exceeds the prompt: an exact repeat of a short prompt still hits.
     let is_hit = m.matched >= MIN_HIT_BYTES.min(text.len())
         && (m.matched as f64 >= params.threshold * text.len() as f64
@@ -205,7 +227,7 @@ mod tests {
         t: &mut RadixTree,
         rng: &mut StdRng,
     ) -> Pick {
-        let pick = pick_cache_aware(p, text, c, t, None, rng);
+        let pick = pick_cache_aware(p, text, c, t, None, None, rng);
         if let Some(id) = pick.worker
             && pick.cache_aware
             && !text.is_empty()

@@ -276,14 +276,20 @@ impl Policy for CostAware {
                 .map(|c| c.id)
                 .collect();
             let floor = MIN_HIT_BYTES.min(text.len());
-            self.tree
-                .shared_tree()
-                .lock()
-                .prefix_per_worker(text, &eligible, |w, n| {
-                    if n >= floor {
+            let shared = self.tree.shared_tree();
+            shared.lock().prefix_per_worker(text, &eligible, |w, n| {
+                if n >= floor {
+                    matches.set(w, n)
+                }
+            });
+            // Other router replicas' records: whichever holds more.
+            if let Some(r) = shared.remote() {
+                r.prefix_per_worker(text, &eligible, &mut |w, n| {
+                    if n >= floor && n > matches.get(w) {
                         matches.set(w, n)
                     }
                 });
+            }
         }
         // A cut prompt whose whole cut text a worker holds: as far as it served before.
         if let Some(key) = req.ctx.and_then(|c| c.cut_digest)

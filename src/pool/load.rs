@@ -45,7 +45,10 @@ impl InFlightGuard {
     /// Takes a slot on `worker` if it is under its `max_load` (atomically, so two
     /// racing requests cannot both take the last slot); `None` when full.
     pub fn try_acquire(worker: &Arc<Worker>) -> Option<Self> {
-        let max = worker.config().max_load.map_or(usize::MAX, |m| m.get());
+        // The other router replicas' requests count against max_load too.
+        let max = worker.config().max_load.map_or(usize::MAX, |m| {
+            m.get().saturating_sub(worker.remote_in_flight())
+        });
         // Relaxed: the counter publishes no other memory; only its own value matters.
         worker
             .in_flight

@@ -25,6 +25,9 @@ pub struct Worker {
     key_hash: u64,
     /// Requests forwarded and not yet finished (body ended or dropped).
     pub(super) in_flight: AtomicUsize,
+    /// Requests the other router replicas have in flight here (`crate::fleet`; 0 when
+    /// not shared or when their shares expired).
+    remote_in_flight: AtomicUsize,
     healthy: AtomicBool,
     /// One lock for the whole state machine: a transition is one step.
     breaker: Mutex<CircuitBreaker>,
@@ -61,6 +64,7 @@ impl Worker {
             feeds,
             config,
             in_flight: AtomicUsize::new(0),
+            remote_in_flight: AtomicUsize::new(0),
             healthy: AtomicBool::new(true),
             breaker: Mutex::new(CircuitBreaker::new(breaker)),
             probes: Mutex::new(ProbeRun::default()),
@@ -155,9 +159,20 @@ impl Worker {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    /// In-flight count plus the configured penalty: what load comparisons use.
+    /// Requests the other router replicas have in flight here, as they last published.
+    pub fn remote_in_flight(&self) -> usize {
+        self.remote_in_flight.load(Ordering::Relaxed)
+    }
+
+    /// Sets [`Worker::remote_in_flight`] (the fleet task, from the replicas' shares).
+    pub fn set_remote_in_flight(&self, n: usize) {
+        self.remote_in_flight.store(n, Ordering::Relaxed);
+    }
+
+    /// In-flight count (this replica's and the others') plus the configured penalty:
+    /// what load comparisons use.
     pub fn load(&self) -> usize {
-        self.in_flight() + self.config.load_penalty as usize
+        self.in_flight() + self.remote_in_flight() + self.config.load_penalty as usize
     }
 
     pub fn is_healthy(&self) -> bool {
@@ -178,6 +193,6 @@ impl Worker {
     pub(super) fn has_capacity(&self) -> bool {
         self.config
             .max_load
-            .is_none_or(|max| self.in_flight() < max.get())
+            .is_none_or(|max| self.in_flight() + self.remote_in_flight() < max.get())
     }
 }

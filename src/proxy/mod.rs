@@ -29,6 +29,7 @@ pub use body::GuardedBody;
 use crate::cache::{self, Lookup, Pending, ResponseCache};
 use crate::config::{Config, RemoteMediaPolicy, Role};
 use crate::error::ProxyError;
+use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::policy::{
     self, Candidate, Outcome, Pick, Policy, Prepared, Reason, RequestParts, RouteRequest,
@@ -49,6 +50,8 @@ pub struct Router {
     metrics: Arc<Metrics>,
     /// `response_cache:` when enabled.
     cache: Option<Arc<ResponseCache>>,
+    /// Routing state shared with other router replicas (`state.redis_url`).
+    fleet: Option<Arc<Fleet>>,
     /// Worker label of answers the router gave itself.
     no_worker: Arc<str>,
     /// Worker label of answers replayed from the response cache.
@@ -61,6 +64,14 @@ impl Router {
     pub fn new(config: Config) -> Self {
         let pool = Arc::new(Pool::new(&config.workers, &config.circuit_breaker));
         let policy = policy::build(&config, &pool);
+        let fleet = config.state.redis_url.as_ref().and_then(|_| {
+            Fleet::new(&config.state, Arc::clone(&pool))
+                .inspect_err(|e| tracing::error!(error = %e, "state sharing off: it cannot start"))
+                .ok()
+        });
+        if let (Some(f), Some(tree)) = (&fleet, policy.tree()) {
+            tree.share(Arc::clone(f) as Arc<dyn crate::tree::RemotePrefixes>);
+        }
         let client = upstream::Upstream::new(&config.proxy);
         let metrics = Arc::new(Metrics::new());
         let rc = &config.response_cache;
@@ -79,10 +90,16 @@ impl Router {
             policy,
             metrics,
             cache: cache.flatten(),
+            fleet,
             no_worker: Arc::from("none"),
             cache_worker: Arc::from("cache"),
             config,
         }
+    }
+
+    /// The fleet (shared routing state), when `state.redis_url` is set.
+    pub fn fleet(&self) -> Option<&Arc<Fleet>> {
+        self.fleet.as_ref()
     }
 
     /// The response cache, when `response_cache.enabled`.

@@ -100,6 +100,15 @@ impl WorkerMask {
         }
     }
 
+    /// The workers in either set.
+    pub fn union(&self, other: &WorkerMask) -> WorkerMask {
+        let mut out = self.clone();
+        for w in other.iter() {
+            out.insert(w);
+        }
+        out
+    }
+
     /// The members in increasing id order.
     pub fn iter(&self) -> impl Iterator<Item = WorkerId> + '_ {
         std::iter::once(self.low)

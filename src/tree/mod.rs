@@ -44,6 +44,27 @@ pub struct SharedTree {
     pub skipped_inserts: std::sync::atomic::AtomicU64,
     /// Nodes removed by eviction passes.
     pub evicted_nodes: std::sync::atomic::AtomicU64,
+    /// What other router replicas' workers hold (`state.redis_url`, see `crate::fleet`).
+    remote: std::sync::OnceLock<std::sync::Arc<dyn RemotePrefixes>>,
+}
+
+/// Prefix records learned from other router replicas, consulted beside the tree and
+/// told what this replica's workers served (implemented by `crate::fleet`). Its matches
+/// are in whole chunks of the routing text; bytes, like the tree's.
+pub trait RemotePrefixes: Send + Sync + std::fmt::Debug {
+    /// As [`RadixTree::longest_prefix`], over the other replicas' records.
+    fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask) -> PrefixMatch;
+    /// As [`RadixTree::prefix_per_worker`], over the other replicas' records.
+    fn prefix_per_worker(
+        &self,
+        text: &[u8],
+        eligible: &WorkerMask,
+        f: &mut dyn FnMut(WorkerId, usize),
+    );
+    /// This replica's `worker` served `text`: tell the other replicas.
+    fn learned(&self, text: &[u8], worker: WorkerId);
+    /// The worker left or went down: its records go.
+    fn forget(&self, worker: WorkerId);
 }
 
 impl SharedTree {
@@ -64,11 +85,24 @@ impl SharedTree {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// Records `text` as held by `worker`, unless an eviction pass runs (then the insert
-    /// is skipped and counted).
+    /// Shares this tree with the other router replicas through `remote` (once).
+    pub fn share(&self, remote: std::sync::Arc<dyn RemotePrefixes>) {
+        let _ = self.remote.set(remote);
+    }
+
+    /// The other replicas' records, when shared.
+    pub fn remote(&self) -> Option<&dyn RemotePrefixes> {
+        self.remote.get().map(|r| &**r)
+    }
+
+    /// Records `text` as held by `worker` (and tells the other replicas, when shared),
+    /// unless an eviction pass runs (then the insert is skipped and counted).
     pub fn record(&self, text: &[u8], worker: WorkerId) {
         if text.is_empty() {
             return;
+        }
+        if let Some(r) = self.remote() {
+            r.learned(text, worker);
         }
         if self.is_evicting() {
             self.skipped_inserts

@@ -1,0 +1,533 @@
+//! Many router replicas that route as one: routing state shared through Redis
+//! (`state: {redis_url, namespace}`).
+//!
+//! Each replica publishes, on the Redis pub/sub channel `<namespace>:fleet:v1`, batches
+//! of [`wire::Record`]s: the prefixes its workers served (chained hashes of 128-byte
+//! chunks of the routing text, never the text) and, every [`LOAD_EVERY`], its requests
+//! in flight per worker. It applies what the others publish: their prefix records go to
+//! an index beside the tree ([`Fleet`] implements [`RemotePrefixes`]; `cache_aware` and
+//! `cost_aware` take the longer of the two matches), and their in-flight shares are
+//! summed into each worker's `remote_in_flight` (load comparisons and `max_load`), each
+//! replica's share expiring [`LOAD_TTL`] after its last publish.
+//!
+//! Routing never waits on Redis: the request path only hashes the served prompt and
+//! hands the record to a bounded channel (dropped and counted when full); publishing and
+//! applying run in two tasks. A Redis outage degrades to per-process routing (the other
+//! replicas' loads expire; their prefix records stay, they were true) and is counted and
+//! logged; both tasks reconnect and sharing resumes. Precise mode needs none of this:
+//! every replica follows the engines' own KV events.
+//!
+//! Not yet: session bindings, a bootstrap snapshot for a replica that starts late (it
+//! learns from the records published after it joined), and `/v1/responses` ids.
+
+pub mod wire;
+
+use std::collections::HashMap;
+use std::num::NonZeroUsize;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use futures_util::StreamExt;
+use lru::LruCache;
+use tokio::sync::mpsc;
+
+use crate::config::StateConfig;
+use crate::pool::{Pool, WorkerId};
+use crate::shutdown::Shutdown;
+use crate::tree::{PrefixMatch, RemotePrefixes, WorkerMask};
+use wire::{Batch, Record};
+
+/// Bytes of routing text per hashed chunk: the granularity of a shared match.
+pub const CHUNK_BYTES: usize = 128;
+/// How often a replica publishes its in-flight counts.
+pub const LOAD_EVERY: Duration = Duration::from_millis(100);
+/// A replica's in-flight share counts this long after its last publish.
+pub const LOAD_TTL: Duration = Duration::from_secs(1);
+/// Longest a prefix record waits to be batched.
+pub const FLUSH_EVERY: Duration = Duration::from_millis(20);
+/// Chunk hashes kept from the other replicas (least recently stored go first); ~100
+/// bytes each.
+pub const MAX_RECORDS: usize = 1 << 20;
+/// Records waiting for the publisher; past it new ones are dropped (and counted).
+const QUEUE: usize = 4096;
+/// Longest one Redis call may take.
+const OP_TIMEOUT: Duration = Duration::from_millis(500);
+/// Least time between two log lines about Redis failures.
+const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Counters of the fleet channel, for `/metrics` and `/workers`.
+#[derive(Debug, Default)]
+pub struct FleetCounts {
+    pub messages_out: AtomicU64,
+    pub bytes_out: AtomicU64,
+    pub records_out: AtomicU64,
+    pub messages_in: AtomicU64,
+    pub bytes_in: AtomicU64,
+    pub records_in: AtomicU64,
+    /// Records dropped because the publisher fell behind.
+    pub dropped: AtomicU64,
+    /// Messages that were not fleet messages (another program on the channel).
+    pub malformed: AtomicU64,
+    pub publish_errors: AtomicU64,
+    pub subscribe_errors: AtomicU64,
+    /// Whether the subscriber is connected now.
+    pub connected: AtomicBool,
+}
+
+/// One replica's published in-flight counts (worker key hash, requests) and when.
+type Share = (Instant, Vec<(u64, u32)>);
+
+/// This replica's view of the fleet (see the module docs).
+pub struct Fleet {
+    /// Random, per process: told apart from the others' messages.
+    replica: u64,
+    channel: String,
+    client: redis::Client,
+    pool: Arc<Pool>,
+    tx: mpsc::Sender<Record>,
+    rx: Mutex<Option<mpsc::Receiver<Record>>>,
+    index: Mutex<LruCache<u64, WorkerMask>>,
+    /// Per other replica: when it last published, and its share.
+    loads: Mutex<HashMap<u64, Share>>,
+    pub counts: FleetCounts,
+    logged: Mutex<Option<Instant>>,
+}
+
+impl std::fmt::Debug for Fleet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Fleet")
+            .field("replica", &format_args!("{:016x}", self.replica))
+            .field("channel", &self.channel)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The chained hashes of `text`'s whole [`CHUNK_BYTES`] chunks: `h[i]` = xxh3 of chunk
+/// `i` seeded with `h[i-1]` (0 for the first), so equal hashes mean equal prefixes.
+pub fn chain(text: &[u8]) -> impl Iterator<Item = u64> + '_ {
+    text.chunks_exact(CHUNK_BYTES).scan(0u64, |prev, c| {
+        *prev = xxhash_rust::xxh3::xxh3_64_with_seed(c, *prev);
+        Some(*prev)
+    })
+}
+
+impl Fleet {
+    /// The fleet for `cfg` (its `redis_url` set), over `pool`'s workers; connects when
+    /// [`Fleet::run`] starts. `Err` when the URL cannot be used (config checked it).
+    pub fn new(cfg: &StateConfig, pool: Arc<Pool>) -> Result<Arc<Self>, String> {
+        let url = cfg.redis_url.as_ref().ok_or("state.redis_url is not set")?;
+        let client = redis::Client::open(url.expose()).map_err(|e| e.to_string())?;
+        let (tx, rx) = mpsc::channel(QUEUE);
+        Ok(Arc::new(Fleet {
+            replica: rand::random(),
+            channel: format!("{}:fleet:v1", cfg.namespace),
+            client,
+            pool,
+            tx,
+            rx: Mutex::new(Some(rx)),
+            index: Mutex::new(LruCache::new(
+                NonZeroUsize::new(MAX_RECORDS).expect("non-zero"),
+            )),
+            loads: Mutex::new(HashMap::new()),
+            counts: FleetCounts::default(),
+            logged: Mutex::new(None),
+        }))
+    }
+
+    /// Chunk hashes held from the other replicas.
+    pub fn remote_records(&self) -> usize {
+        self.index.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// The publisher and the subscriber, until shutdown.
+    pub async fn run(self: Arc<Self>, shutdown: Shutdown) {
+        let Some(rx) = self.rx.lock().unwrap_or_else(|p| p.into_inner()).take() else {
+            return;
+        };
+        tokio::join!(
+            Arc::clone(&self).publish(rx, shutdown.clone()),
+            Arc::clone(&self).subscribe(shutdown)
+        );
+    }
+
+    async fn publish(self: Arc<Self>, mut rx: mpsc::Receiver<Record>, mut shutdown: Shutdown) {
+        let cfg = redis::aio::ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(OP_TIMEOUT))
+            .set_response_timeout(Some(OP_TIMEOUT))
+            .set_number_of_retries(1);
+        let conn = match redis::aio::ConnectionManager::new_lazy_with_config(
+            self.client.clone(),
+            cfg,
+        ) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::error!(error = %crate::redact::line(&e.to_string()), "fleet publisher cannot start; routing stays per-process");
+                return;
+            }
+        };
+        let mut flush = tokio::time::interval(FLUSH_EVERY);
+        flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut last_load = Instant::now() - LOAD_EVERY;
+        let mut batch = Batch::new(self.replica);
+        loop {
+            tokio::select! {
+                _ = shutdown.wait() => return,
+                r = rx.recv() => match r {
+                    Some(rec) => batch.push(&rec),
+                    None => return,
+                },
+                _ = flush.tick() => {
+                    if last_load.elapsed() >= LOAD_EVERY {
+                        last_load = Instant::now();
+                        batch.push(&Record::Load(self.local_loads()));
+                    }
+                    if !batch.is_empty() {
+                        let full = std::mem::replace(&mut batch, Batch::new(self.replica));
+                        self.send(&conn, full).await;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn send(&self, conn: &redis::aio::ConnectionManager, batch: Batch) {
+        let (records, bytes) = (batch.records(), batch.len());
+        let mut conn = conn.clone();
+        let mut cmd = redis::cmd("PUBLISH");
+        cmd.arg(&self.channel).arg(batch.into_bytes());
+        let sent = tokio::time::timeout(OP_TIMEOUT, cmd.query_async::<i64>(&mut conn)).await;
+        match sent {
+            Ok(Ok(_)) => {
+                let c = &self.counts;
+                c.messages_out.fetch_add(1, Ordering::Relaxed);
+                c.bytes_out.fetch_add(bytes as u64, Ordering::Relaxed);
+                c.records_out.fetch_add(records as u64, Ordering::Relaxed);
+            }
+            Ok(Err(e)) => self.failed(&self.counts.publish_errors, &e.to_string()),
+            Err(_) => self.failed(&self.counts.publish_errors, "no answer within 500 ms"),
+        }
+    }
+
+    async fn subscribe(self: Arc<Self>, mut shutdown: Shutdown) {
+        let mut backoff = Duration::from_millis(200);
+        let mut expire = tokio::time::interval(LOAD_TTL / 4);
+        loop {
+            let connected = async {
+                let mut ps = self.client.get_async_pubsub().await?;
+                ps.subscribe(&self.channel).await?;
+                Ok::<_, redis::RedisError>(ps)
+            };
+            let ps = tokio::select! {
+                _ = shutdown.wait() => return,
+                r = tokio::time::timeout(OP_TIMEOUT * 4, connected) => r,
+            };
+            match ps {
+                Ok(Ok(ps)) => {
+                    backoff = Duration::from_millis(200);
+                    self.counts.connected.store(true, Ordering::Relaxed);
+                    tracing::info!(channel = %self.channel, "fleet: sharing routing state");
+                    let mut messages = ps.into_on_message();
+                    loop {
+                        tokio::select! {
+                            _ = shutdown.wait() => return,
+                            _ = expire.tick() => self.apply_loads(),
+                            m = messages.next() => match m {
+                                Some(m) => self.apply(m.get_payload_bytes()),
+                                None => break,
+                            },
+                        }
+                    }
+                    self.counts.connected.store(false, Ordering::Relaxed);
+                    self.failed(&self.counts.subscribe_errors, "subscription closed");
+                }
+                Ok(Err(e)) => self.failed(&self.counts.subscribe_errors, &e.to_string()),
+                Err(_) => self.failed(&self.counts.subscribe_errors, "no answer within 2 s"),
+            }
+            // Per-process until Redis answers again: the others' loads expire.
+            self.apply_loads();
+            tokio::select! {
+                _ = shutdown.wait() => return,
+                _ = tokio::time::sleep(backoff) => {}
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+        }
+    }
+
+    /// Applies one message from the channel (own messages and garbage are skipped).
+    fn apply(&self, payload: &[u8]) {
+        let c = &self.counts;
+        let Ok((replica, records)) = wire::decode(payload) else {
+            c.malformed.fetch_add(1, Ordering::Relaxed);
+            return;
+        };
+        if replica == self.replica {
+            return;
+        }
+        c.messages_in.fetch_add(1, Ordering::Relaxed);
+        c.bytes_in
+            .fetch_add(payload.len() as u64, Ordering::Relaxed);
+        c.records_in
+            .fetch_add(records.len() as u64, Ordering::Relaxed);
+        let set = self.pool.set();
+        let by_key: HashMap<u64, WorkerId> = set
+            .workers()
+            .iter()
+            .map(|w| (w.key_hash(), w.id()))
+            .collect();
+        let mut load = None;
+        {
+            let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
+            for r in records {
+                match r {
+                    Record::Prefix { worker, chain } => {
+                        let Some(&id) = by_key.get(&worker) else {
+                            continue;
+                        };
+                        for h in chain {
+                            index.get_or_insert_mut(h, WorkerMask::default).insert(id);
+                        }
+                    }
+                    Record::Load(l) => load = Some(l),
+                }
+            }
+        }
+        if let Some(l) = load {
+            self.loads
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .insert(replica, (Instant::now(), l));
+            self.apply_loads();
+        }
+    }
+
+    /// Sums the live replicas' in-flight shares into each worker; drops expired shares.
+    fn apply_loads(&self) {
+        let mut sums: HashMap<u64, usize> = HashMap::new();
+        {
+            let mut loads = self.loads.lock().unwrap_or_else(|p| p.into_inner());
+            loads.retain(|_, (at, _)| at.elapsed() < LOAD_TTL);
+            for (_, l) in loads.values() {
+                for &(w, n) in l {
+                    *sums.entry(w).or_default() += n as usize;
+                }
+            }
+        }
+        for w in self.pool.set().workers() {
+            w.set_remote_in_flight(sums.get(&w.key_hash()).copied().unwrap_or(0));
+        }
+    }
+
+    fn local_loads(&self) -> Vec<(u64, u32)> {
+        self.pool
+            .set()
+            .workers()
+            .iter()
+            .map(|w| (w.key_hash(), w.in_flight() as u32))
+            .collect()
+    }
+
+    fn failed(&self, counter: &AtomicU64, error: &str) {
+        counter.fetch_add(1, Ordering::Relaxed);
+        let mut logged = self.logged.lock().unwrap_or_else(|p| p.into_inner());
+        if logged.is_none_or(|t| t.elapsed() >= LOG_EVERY) {
+            *logged = Some(Instant::now());
+            tracing::warn!(error = %crate::redact::line(error), channel = %self.channel, "fleet: Redis failed; routing per-process until it answers");
+        }
+    }
+}
+
+impl RemotePrefixes for Fleet {
+    fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask) -> PrefixMatch {
+        let mut best = PrefixMatch {
+            matched: 0,
+            workers: WorkerMask::default(),
+        };
+        let index = self.index.lock().unwrap_or_else(|p| p.into_inner());
+        if index.is_empty() {
+            return best;
+        }
+        for (i, h) in chain(text).enumerate() {
+            let Some(holders) = index.peek(&h).map(|m| m.intersection(eligible)) else {
+                break;
+            };
+            if holders.is_empty() {
+                break;
+            }
+            best.matched = (i + 1) * CHUNK_BYTES;
+            best.workers = holders;
+        }
+        best
+    }
+
+    fn prefix_per_worker(
+        &self,
+        text: &[u8],
+        eligible: &WorkerMask,
+        f: &mut dyn FnMut(WorkerId, usize),
+    ) {
+        let index = self.index.lock().unwrap_or_else(|p| p.into_inner());
+        if index.is_empty() {
+            return;
+        }
+        let mut last: Vec<(WorkerId, usize)> = Vec::new();
+        for (i, h) in chain(text).enumerate() {
+            let Some(holders) = index.peek(&h).map(|m| m.intersection(eligible)) else {
+                break;
+            };
+            if holders.is_empty() {
+                break;
+            }
+            for w in holders.iter() {
+                match last.iter_mut().find(|(x, _)| *x == w) {
+                    Some(e) => e.1 = (i + 1) * CHUNK_BYTES,
+                    None => last.push((w, (i + 1) * CHUNK_BYTES)),
+                }
+            }
+        }
+        for (w, n) in last {
+            f(w, n);
+        }
+    }
+
+    fn learned(&self, text: &[u8], worker: WorkerId) {
+        if text.len() < CHUNK_BYTES {
+            return;
+        }
+        let Some(w) = self.pool.set().get(worker).map(|w| w.key_hash()) else {
+            return;
+        };
+        let chain: Vec<u64> = chain(text).take(wire::MAX_CHAIN).collect();
+        if self
+            .tx
+            .try_send(Record::Prefix { worker: w, chain })
+            .is_err()
+        {
+            self.counts.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn forget(&self, worker: WorkerId) {
+        let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
+        let mut empty = Vec::new();
+        for (h, m) in index.iter_mut() {
+            if m.remove(worker) && m.is_empty() {
+                empty.push(*h);
+            }
+        }
+        for h in empty {
+            index.pop(&h);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Config;
+
+    fn fleet() -> Arc<Fleet> {
+        let c = Config::from_sources([(
+            std::path::Path::new("t.yaml"),
+            "state: {redis_url: \"redis://127.0.0.1:1/\"}\nworkers:\n  - url: http://a:1\n  - url: http://b:1\n",
+        )])
+        .unwrap();
+        let pool = Arc::new(Pool::new(&c.workers, &c.circuit_breaker));
+        Fleet::new(&c.state, pool).unwrap()
+    }
+
+    fn message(from: u64, records: &[Record]) -> Vec<u8> {
+        let mut b = Batch::new(from);
+        for r in records {
+            b.push(r);
+        }
+        b.into_bytes()
+    }
+
+    #[test]
+    fn applied_records_match_by_whole_chunks_per_worker() {
+        let f = fleet();
+        let set = f.pool.set();
+        let (a, b) = (&set.workers()[0], &set.workers()[1]);
+        let text = vec![b'x'; CHUNK_BYTES * 4 + 10];
+        let hashes: Vec<u64> = chain(&text).collect();
+        f.apply(&message(
+            7,
+            &[
+                Record::Prefix {
+                    worker: a.key_hash(),
+                    chain: hashes[..3].to_vec(),
+                },
+                Record::Prefix {
+                    worker: b.key_hash(),
+                    chain: hashes[..1].to_vec(),
+                },
+                // A worker this replica does not have: ignored.
+                Record::Prefix {
+                    worker: 99,
+                    chain: hashes.clone(),
+                },
+            ],
+        ));
+        let all: WorkerMask = [a.id(), b.id()].into_iter().collect();
+        let m = f.longest_prefix(&text, &all);
+        assert_eq!(m.matched, 3 * CHUNK_BYTES);
+        assert!(m.workers.contains(a.id()) && !m.workers.contains(b.id()));
+        let only_b: WorkerMask = [b.id()].into_iter().collect();
+        assert_eq!(f.longest_prefix(&text, &only_b).matched, CHUNK_BYTES);
+        let mut per = Vec::new();
+        f.prefix_per_worker(&text, &all, &mut |w, n| per.push((w, n)));
+        per.sort();
+        assert_eq!(per, vec![(a.id(), 3 * CHUNK_BYTES), (b.id(), CHUNK_BYTES)]);
+        // Its own messages are never applied.
+        let before = f.remote_records();
+        f.apply(&message(
+            f.replica,
+            &[Record::Prefix {
+                worker: b.key_hash(),
+                chain: hashes.clone(),
+            }],
+        ));
+        assert_eq!(f.remote_records(), before);
+        f.apply(b"garbage");
+        assert_eq!(f.counts.malformed.load(Ordering::Relaxed), 1);
+        f.forget(a.id());
+        assert_eq!(f.longest_prefix(&text, &all).matched, CHUNK_BYTES);
+        f.forget(b.id());
+        assert_eq!(f.remote_records(), 0);
+    }
+
+    #[test]
+    fn remote_loads_sum_over_replicas() {
+        let f = fleet();
+        let set = f.pool.set();
+        let (a, b) = (&set.workers()[0], &set.workers()[1]);
+        f.apply(&message(
+            1,
+            &[Record::Load(vec![(a.key_hash(), 2), (b.key_hash(), 1)])],
+        ));
+        f.apply(&message(2, &[Record::Load(vec![(a.key_hash(), 3)])]));
+        assert_eq!((a.remote_in_flight(), b.remote_in_flight()), (5, 1));
+        assert_eq!(a.load(), 5);
+        // A newer share from replica 1 replaces its old one.
+        f.apply(&message(1, &[Record::Load(vec![(a.key_hash(), 0)])]));
+        assert_eq!((a.remote_in_flight(), b.remote_in_flight()), (3, 0));
+    }
+
+    #[test]
+    fn chain_is_prefix_closed_and_ignores_the_partial_tail() {
+        let a = vec![b'a'; CHUNK_BYTES * 3 + 5];
+        let mut b = a.clone();
+        b[CHUNK_BYTES * 2 + 1] = b'b';
+        let ha: Vec<u64> = chain(&a).collect();
+        let hb: Vec<u64> = chain(&b).collect();
+        assert_eq!(ha.len(), 3);
+        assert_eq!(ha[..2], hb[..2]);
+        assert_ne!(ha[2], hb[2]);
+        assert_ne!(
+            ha[0], ha[1],
+            "the chain seeds each chunk with the one before"
+        );
+        assert_eq!(chain(&a[..CHUNK_BYTES - 1]).count(), 0);
+    }
+}

@@ -1,0 +1,215 @@
+//! Router replicas that route as one through a real Redis (`state.redis_url`;
+//! tests/support/redis.rs starts one per test): a prefix learned through one replica is
+//! a cache hit through the other, in-flight requests through one count in the other's
+//! load and `max_load`, and a Redis outage leaves both serving, then sharing resumes.
+
+mod support;
+
+use std::time::Duration;
+
+use support::redis::RedisServer;
+use support::*;
+
+/// A long shared prefix (a system prompt of ~2 KiB), distinct per `k`.
+fn system(k: usize) -> String {
+    (0..120)
+        .map(|i| format!("rule {k}.{i}: be precise. "))
+        .collect::<String>()
+}
+
+fn chat_with(system: &str, question: &str) -> Req {
+    Req::post(
+        "/v1/chat/completions",
+        serde_json::json!({
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": question},
+            ],
+        })
+        .to_string(),
+    )
+}
+
+fn state(redis: &RedisServer) -> String {
+    format!(
+        "health:\n  interval_secs: 3600\nstate:\n  redis_url: \"{}\"\n",
+        redis.url()
+    )
+}
+
+async fn wait_connected(addr: std::net::SocketAddr) {
+    wait_until(
+        "subscribed to the fleet channel",
+        Duration::from_secs(5),
+        || async { get_workers(addr).await["fleet"]["connected"] == true },
+    )
+    .await;
+}
+
+async fn remote_records(addr: std::net::SocketAddr) -> u64 {
+    get_workers(addr).await["fleet"]["remote_records"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+async fn hits(addr: std::net::SocketAddr) -> f64 {
+    scrape(addr).await.value(
+        "cache_aware_router_routing_decisions_total",
+        &[("reason", "cache_hit")],
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_learned_through_one_replica_routes_the_same_through_the_other() {
+    let redis = RedisServer::start();
+    let w0 = FakeWorker::start().await;
+    let w1 = FakeWorker::start().await;
+    // Replica 1 knows only w1, so everything it serves lands there; replica 2 has both.
+    let one = start_router(&yaml_for(&[&w1], &state(&redis))).await;
+    let two = start_router(&yaml_for(&[&w0, &w1], &state(&redis))).await;
+    wait_connected(one.addr).await;
+    wait_connected(two.addr).await;
+    for k in 0..6 {
+        let before = remote_records(two.addr).await;
+        let r = send(one.addr, &chat_with(&system(k), "first question")).await;
+        assert_eq!(r.status, 200);
+        wait_until(
+            "replica 2 applied the record",
+            Duration::from_secs(5),
+            || async { remote_records(two.addr).await > before },
+        )
+        .await;
+        let (r, by) = send_tagged(
+            two.addr,
+            &[&w0, &w1],
+            chat_with(&system(k), "another question"),
+        )
+        .await;
+        assert_eq!(r.status, 200);
+        assert_eq!(
+            by, 1,
+            "prefix {k} is held by w1 (learned through replica 1)"
+        );
+    }
+    assert_eq!(
+        hits(two.addr).await,
+        6.0,
+        "each was a cache hit on shared records"
+    );
+    let view = get_workers(two.addr).await;
+    assert!(
+        view["fleet"]["messages_in"].as_u64().unwrap() >= 6,
+        "{view}"
+    );
+    // Sharing is both ways (replica 2 served the follow-ups on w1), and replica 1 never
+    // applies its own messages: it applied only what replica 2 sent.
+    let own = get_workers(one.addr).await;
+    assert!(
+        own["fleet"]["remote_records"].as_u64().unwrap() > 0,
+        "{own}"
+    );
+    assert!(
+        own["fleet"]["messages_in"].as_u64().unwrap()
+            <= view["fleet"]["messages_out"].as_u64().unwrap(),
+        "{own} vs {view}"
+    );
+    one.shutdown().await;
+    two.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_flight_through_one_replica_counts_in_the_others_guard() {
+    let redis = RedisServer::start();
+    let gate = Gate::new();
+    let held = gate.clone();
+    let w0 = FakeWorker::start().await;
+    let w1 = FakeWorker::start_with(move |r| {
+        if r.body_str().contains("hold") {
+            Reply::ok().after_gate(&held)
+        } else {
+            Reply::ok()
+        }
+    })
+    .await;
+    let one = start_router(&yaml_for(&[&w1], &state(&redis))).await;
+    let two_yaml = format!(
+        "{}workers:\n  - url: \"{}\"\n  - url: \"{}\"\n    max_load: 1\n",
+        state(&redis),
+        w0.url(),
+        w1.url()
+    );
+    let two = start_router(&two_yaml).await;
+    wait_connected(one.addr).await;
+    wait_connected(two.addr).await;
+
+    let a = one.addr;
+    let pending = tokio::spawn(async move { send(a, &chat_with("s", "hold")).await });
+    w1.wait_for_requests(1).await;
+    wait_until(
+        "replica 2 sees w1's request",
+        Duration::from_secs(5),
+        || async { get_workers(two.addr).await["workers"][1]["remote_in_flight"] == 1 },
+    )
+    .await;
+    // w1 is at max_load for replica 2 through replica 1's request: everything goes to w0.
+    for i in 0..4 {
+        let (r, by) = send_tagged(two.addr, &[&w0, &w1], chat_with("s", &format!("q{i}"))).await;
+        assert_eq!(r.status, 200);
+        assert_eq!(by, 0, "w1 is full");
+    }
+    gate.open();
+    assert_eq!(within("held request", pending).await.unwrap().status, 200);
+    wait_until(
+        "the share goes back to 0",
+        Duration::from_secs(5),
+        || async { get_workers(two.addr).await["workers"][1]["remote_in_flight"] == 0 },
+    )
+    .await;
+    one.shutdown().await;
+    two.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_outage_leaves_both_serving_then_sharing_resumes() {
+    let mut redis = RedisServer::start();
+    let w0 = FakeWorker::start().await;
+    let w1 = FakeWorker::start().await;
+    let one = start_router(&yaml_for(&[&w1], &state(&redis))).await;
+    let two = start_router(&yaml_for(&[&w0, &w1], &state(&redis))).await;
+    wait_connected(one.addr).await;
+    wait_connected(two.addr).await;
+
+    redis.kill();
+    for i in 0..5 {
+        for r in [one.addr, two.addr] {
+            let resp = send(r, &chat_with("s", &format!("down {i}"))).await;
+            assert_eq!(resp.status, 200, "serves per-process while Redis is down");
+        }
+    }
+    wait_until("the outage is seen", Duration::from_secs(5), || async {
+        get_workers(two.addr).await["fleet"]["connected"] == false
+    })
+    .await;
+    let errors = scrape(two.addr).await.value(
+        "cache_aware_router_fleet_errors_total",
+        &[("op", "subscribe")],
+    );
+    assert!(errors >= 1.0, "{errors}");
+
+    redis.restart();
+    wait_connected(one.addr).await;
+    wait_connected(two.addr).await;
+    let before = hits(two.addr).await;
+    let r = send(one.addr, &chat_with(&system(9), "first")).await;
+    assert_eq!(r.status, 200);
+    wait_until("records flow again", Duration::from_secs(5), || async {
+        remote_records(two.addr).await > 0
+    })
+    .await;
+    let (_, by) = send_tagged(two.addr, &[&w0, &w1], chat_with(&system(9), "second")).await;
+    assert_eq!(by, 1);
+    assert_eq!(hits(two.addr).await, before + 1.0);
+    one.shutdown().await;
+    two.shutdown().await;
+}
