@@ -213,3 +213,38 @@ async fn redis_outage_leaves_both_serving_then_sharing_resumes() {
     one.shutdown().await;
     two.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_bound_through_one_replica_is_honoured_by_the_other() {
+    let redis = RedisServer::start();
+    let w0 = FakeWorker::start().await;
+    let w1 = FakeWorker::start().await;
+    let one = start_router(&yaml_for(&[&w1], &state(&redis))).await;
+    let two = start_router(&yaml_for(&[&w0, &w1], &state(&redis))).await;
+    wait_connected(one.addr).await;
+    wait_connected(two.addr).await;
+    let sessions = |addr| async move {
+        scrape(addr).await.value(
+            "cache_aware_router_routing_decisions_total",
+            &[("reason", "session")],
+        )
+    };
+    for k in 0..6 {
+        let id = format!("user-{k}");
+        // Short prompts: nothing for the prefix records, only the binding travels.
+        let r = send(one.addr, &chat_with("s", "hi").header("x-session-id", &id)).await;
+        assert_eq!(r.status, 200);
+        let tagged = chat_with("s", &format!("again {k}")).header("x-session-id", &id);
+        wait_until(
+            "replica 2 holds the binding",
+            Duration::from_secs(5),
+            || async { get_workers(two.addr).await["sessions"]["held"] == k + 1 },
+        )
+        .await;
+        let (_, by) = send_tagged(two.addr, &[&w0, &w1], tagged.clone()).await;
+        assert_eq!(by, 1, "session {id} is bound to w1 through replica 1");
+    }
+    assert_eq!(sessions(two.addr).await, 6.0, "each followed its binding");
+    one.shutdown().await;
+    two.shutdown().await;
+}

@@ -17,8 +17,11 @@
 //! logged; both tasks reconnect and sharing resumes. Precise mode needs none of this:
 //! every replica follows the engines' own KV events.
 //!
-//! Not yet: session bindings, a bootstrap snapshot for a replica that starts late (it
-//! learns from the records published after it joined), and `/v1/responses` ids.
+//! Session and `/v1/responses` bindings travel the same way ([`Fleet::bound`] out,
+//! [`BindingSink`] in): a session bound through one replica is followed by all.
+//!
+//! Not yet: a bootstrap snapshot for a replica that starts late (it
+//! learns from the records published after it joined).
 
 pub mod wire;
 
@@ -33,7 +36,7 @@ use lru::LruCache;
 use tokio::sync::mpsc;
 
 use crate::config::StateConfig;
-use crate::pool::{Pool, WorkerId};
+use crate::pool::{Pool, Worker, WorkerId};
 use crate::shutdown::Shutdown;
 use crate::tree::{PrefixMatch, RemotePrefixes, WorkerMask};
 use wire::{Batch, Record};
@@ -55,6 +58,21 @@ const QUEUE: usize = 4096;
 const OP_TIMEOUT: Duration = Duration::from_millis(500);
 /// Least time between two log lines about Redis failures.
 const LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// Which binding map a [`wire::Record::Binding`] names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BindingKind {
+    /// A session key (`session:`).
+    Session,
+    /// A `/v1/responses` response or conversation id.
+    Conversation,
+}
+
+/// Where the other replicas' bindings go (the session layer's memory).
+pub trait BindingSink: Send + Sync + std::fmt::Debug {
+    /// Another replica bound `key` (a hash) to `worker`.
+    fn apply_binding(&self, kind: BindingKind, key: u64, worker: &Worker);
+}
 
 /// Counters of the fleet channel, for `/metrics` and `/workers`.
 #[derive(Debug, Default)]
@@ -90,6 +108,8 @@ pub struct Fleet {
     index: Mutex<LruCache<u64, WorkerMask>>,
     /// Per other replica: when it last published, and its share.
     loads: Mutex<HashMap<u64, Share>>,
+    /// The session layer's bindings, when the policy shares them.
+    bindings: std::sync::OnceLock<Arc<dyn BindingSink>>,
     pub counts: FleetCounts,
     logged: Mutex<Option<Instant>>,
 }
@@ -130,9 +150,28 @@ impl Fleet {
                 NonZeroUsize::new(MAX_RECORDS).expect("non-zero"),
             )),
             loads: Mutex::new(HashMap::new()),
+            bindings: std::sync::OnceLock::new(),
             counts: FleetCounts::default(),
             logged: Mutex::new(None),
         }))
+    }
+
+    /// Where the other replicas' bindings are applied (set once by the policy).
+    pub fn set_bindings(&self, sink: Arc<dyn BindingSink>) {
+        let _ = self.bindings.set(sink);
+    }
+
+    /// This replica bound `key` to `worker`: tell the others (dropped and counted when
+    /// the publisher is behind).
+    pub fn bound(&self, kind: BindingKind, key: u64, worker: &Worker) {
+        let r = Record::Binding {
+            kind,
+            key,
+            worker: worker.key_hash(),
+        };
+        if self.tx.try_send(r).is_err() {
+            self.counts.dropped.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     /// Chunk hashes held from the other replicas.
@@ -276,6 +315,7 @@ impl Fleet {
             .map(|w| (w.key_hash(), w.id()))
             .collect();
         let mut load = None;
+        let mut bindings = Vec::new();
         {
             let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
             for r in records {
@@ -289,6 +329,14 @@ impl Fleet {
                         }
                     }
                     Record::Load(l) => load = Some(l),
+                    Record::Binding { kind, key, worker } => bindings.push((kind, key, worker)),
+                }
+            }
+        }
+        if let Some(sink) = self.bindings.get() {
+            for (kind, key, worker) in bindings {
+                if let Some(w) = by_key.get(&worker).and_then(|&id| set.get(id)) {
+                    sink.apply_binding(kind, key, w);
                 }
             }
         }

@@ -5,6 +5,7 @@
 //! "CARF" u8 version(1) u64 replica   then records until the end:
 //!   u8 1 (prefix)  u64 worker key hash, u16 n, n × u64 chained chunk hashes
 //!   u8 2 (load)    u16 n, n × (u64 worker key hash, u32 requests in flight)
+//!   u8 3 (binding) u8 map (1 session, 2 conversation), u64 key hash, u64 worker key hash
 //! ```
 //!
 //! A worker is named by the xxh3-64 of its stable key (its `name`, else its normalised
@@ -24,6 +25,12 @@ pub enum Record {
     Prefix { worker: u64, chain: Vec<u64> },
     /// The sender's requests in flight per worker, now.
     Load(Vec<(u64, u32)>),
+    /// A session or conversation (its key's hash) is now bound to the worker.
+    Binding {
+        kind: super::BindingKind,
+        key: u64,
+        worker: u64,
+    },
 }
 
 /// A batch being built.
@@ -54,6 +61,15 @@ impl Batch {
                 for h in chain {
                     self.buf.extend_from_slice(&h.to_le_bytes());
                 }
+            }
+            Record::Binding { kind, key, worker } => {
+                self.buf.push(3);
+                self.buf.push(match kind {
+                    super::BindingKind::Session => 1,
+                    super::BindingKind::Conversation => 2,
+                });
+                self.buf.extend_from_slice(&key.to_le_bytes());
+                self.buf.extend_from_slice(&worker.to_le_bytes());
             }
             Record::Load(loads) => {
                 let loads = &loads[..loads.len().min(u16::MAX as usize)];
@@ -113,6 +129,16 @@ pub fn decode(b: &[u8]) -> Result<(u64, Vec<Record>), &'static str> {
                     .collect::<Result<_, &'static str>>()?;
                 records.push(Record::Load(loads));
             }
+            3 => {
+                let kind = match r.u8()? {
+                    1 => super::BindingKind::Session,
+                    2 => super::BindingKind::Conversation,
+                    _ => return Err("unknown binding map"),
+                };
+                let key = r.u64()?;
+                let worker = r.u64()?;
+                records.push(Record::Binding { kind, key, worker });
+            }
             _ => return Err("unknown fleet record"),
         }
     }
@@ -157,6 +183,11 @@ mod tests {
                 chain: vec![1, 2, 3],
             },
             Record::Load(vec![(7, 3), (9, 0)]),
+            Record::Binding {
+                kind: crate::fleet::BindingKind::Conversation,
+                key: 5,
+                worker: 9,
+            },
             Record::Prefix {
                 worker: 9,
                 chain: vec![],

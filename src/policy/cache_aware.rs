@@ -126,6 +126,11 @@ impl Policy for CacheAware {
         Some(&self.tree)
     }
 
+    fn share(&self, fleet: &Arc<crate::fleet::Fleet>) {
+        self.tree
+            .share(Arc::clone(fleet) as Arc<dyn crate::tree::RemotePrefixes>);
+    }
+
     fn background(
         &self,
         _: Arc<Pool>,

@@ -393,6 +393,10 @@ impl Policy for CostAware {
         Some(self.tree.shared_tree())
     }
 
+    fn share(&self, fleet: &Arc<crate::fleet::Fleet>) {
+        self.tree.share(fleet);
+    }
+
     fn background(&self, pool: Arc<Pool>, shutdown: Shutdown) -> Option<BoxFuture<'static, ()>> {
         self.tree.background(pool, shutdown)
     }

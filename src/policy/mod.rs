@@ -268,6 +268,10 @@ pub trait Policy: PoolListener {
 
     /// The approximate prefix tree, when the policy keeps one (`/workers`, `/metrics`,
     /// `POST /cache/clear`).
+    /// Shares this policy's routing memory with the other router replicas (`state:`):
+    /// the prefix tree, session and conversation bindings. Default: nothing to share.
+    fn share(&self, _fleet: &Arc<crate::fleet::Fleet>) {}
+
     fn tree(&self) -> Option<&Arc<SharedTree>> {
         None
     }

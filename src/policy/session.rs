@@ -34,6 +34,7 @@ use rand::RngCore;
 use super::select::{is_overloaded, least_loaded, usable};
 use super::{CacheParams, Candidate, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::{SessionConfig, SessionMode};
+use crate::fleet::{BindingKind, BindingSink, Fleet};
 use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
 use crate::tree::SharedTree;
@@ -72,18 +73,75 @@ pub struct Affinity {
     inner: std::sync::Arc<dyn Policy>,
     sessions_on: bool,
     mode: SessionMode,
-    ttl: Duration,
     params: CacheParams,
-    /// Most bindings in each map (the maps grow with use: `LruCache::new` would
-    /// allocate for all of them up front).
-    cap: usize,
-    bindings: Mutex<LruCache<u64, Binding>>,
-    /// Response or conversation id (hashed) -> the worker holding its state.
-    conversations: Mutex<LruCache<u64, Binding>>,
+    memory: std::sync::Arc<Memory>,
+    /// The other router replicas, told every binding (`state:`; see `crate::fleet`).
+    fleet: std::sync::OnceLock<std::sync::Arc<Fleet>>,
     hits: AtomicU64,
     rebinds: [AtomicU64; 3],
     conversation_hits: AtomicU64,
     conversation_misses: AtomicU64,
+}
+
+/// The bindings: session key and response / conversation id (hashed, xxh3-64) -> worker.
+/// Shared with the fleet, which applies the other replicas' bindings here.
+#[derive(Debug)]
+pub struct Memory {
+    /// Most bindings in each map (the maps grow with use: `LruCache::new` would
+    /// allocate for all of them up front).
+    cap: usize,
+    ttl: Duration,
+    bindings: Mutex<LruCache<u64, Binding>>,
+    /// Response or conversation id (hashed) -> the worker holding its state.
+    conversations: Mutex<LruCache<u64, Binding>>,
+}
+
+impl Memory {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LruCache<u64, Binding>> {
+        self.bindings.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn conversations(&self) -> std::sync::MutexGuard<'_, LruCache<u64, Binding>> {
+        self.conversations.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn map(&self, kind: BindingKind) -> std::sync::MutexGuard<'_, LruCache<u64, Binding>> {
+        match kind {
+            BindingKind::Session => self.lock(),
+            BindingKind::Conversation => self.conversations(),
+        }
+    }
+
+    /// The live binding of `key` in `map` (an expired one is dropped).
+    fn bound(&self, map: &mut LruCache<u64, Binding>, key: u64) -> Option<Binding> {
+        let b = *map.get(&key)?;
+        if crate::clock::now().saturating_duration_since(b.last_used) > self.ttl {
+            map.pop(&key);
+            return None;
+        }
+        Some(b)
+    }
+
+    fn bind(&self, kind: BindingKind, key: u64, worker: &Worker) {
+        let mut map = self.map(kind);
+        if map.len() >= self.cap && !map.contains(&key) {
+            map.pop_lru();
+        }
+        map.put(
+            key,
+            Binding {
+                worker: worker.id(),
+                key_hash: worker.key_hash(),
+                last_used: crate::clock::now(),
+            },
+        );
+    }
+}
+
+impl BindingSink for Memory {
+    fn apply_binding(&self, kind: BindingKind, key: u64, worker: &Worker) {
+        self.bind(kind, key, worker);
+    }
 }
 
 /// Counters of the affinity layer (`/workers`, `/metrics`).
@@ -116,11 +174,14 @@ impl Affinity {
             inner,
             sessions_on: cfg.enabled,
             mode: cfg.mode,
-            ttl: cfg.ttl,
             params,
-            cap: cfg.max_sessions.get(),
-            bindings: Mutex::new(LruCache::unbounded()),
-            conversations: Mutex::new(LruCache::unbounded()),
+            memory: std::sync::Arc::new(Memory {
+                cap: cfg.max_sessions.get(),
+                ttl: cfg.ttl,
+                bindings: Mutex::new(LruCache::unbounded()),
+                conversations: Mutex::new(LruCache::unbounded()),
+            }),
+            fleet: std::sync::OnceLock::new(),
             hits: AtomicU64::new(0),
             rebinds: Default::default(),
             conversation_hits: AtomicU64::new(0),
@@ -128,48 +189,24 @@ impl Affinity {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, LruCache<u64, Binding>> {
-        self.bindings.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    fn conversations(&self) -> std::sync::MutexGuard<'_, LruCache<u64, Binding>> {
-        self.conversations.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// The live binding of `key` in `map` (an expired one is dropped).
-    fn bound(&self, map: &mut LruCache<u64, Binding>, key: u64) -> Option<Binding> {
-        let b = *map.get(&key)?;
-        if crate::clock::now().saturating_duration_since(b.last_used) > self.ttl {
-            map.pop(&key);
-            return None;
+    /// Binds `key` to `worker` here and tells the other replicas.
+    fn bind(&self, kind: BindingKind, key: u64, worker: &Worker) {
+        self.memory.bind(kind, key, worker);
+        if let Some(f) = self.fleet.get() {
+            f.bound(kind, key, worker);
         }
-        Some(b)
-    }
-
-    fn bind(&self, map: &mut LruCache<u64, Binding>, key: u64, worker: &Worker) {
-        if map.len() >= self.cap && !map.contains(&key) {
-            map.pop_lru();
-        }
-        map.put(
-            key,
-            Binding {
-                worker: worker.id(),
-                key_hash: worker.key_hash(),
-                last_used: crate::clock::now(),
-            },
-        );
     }
 
     /// The counters now.
     pub fn stats(&self) -> SessionStats {
         let r = |c: Rebind| self.rebinds[c as usize].load(Ordering::Relaxed);
         SessionStats {
-            held: self.lock().len(),
+            held: self.memory.lock().len(),
             hits: self.hits.load(Ordering::Relaxed),
             rebinds_unusable: r(Rebind::Unusable),
             rebinds_gone: r(Rebind::Gone),
             rebinds_overloaded: r(Rebind::Overloaded),
-            conversations_held: self.conversations().len(),
+            conversations_held: self.memory.conversations().len(),
             conversation_hits: self.conversation_hits.load(Ordering::Relaxed),
             conversation_misses: self.conversation_misses.load(Ordering::Relaxed),
         }
@@ -183,7 +220,7 @@ impl Affinity {
         candidates: &[Candidate],
         rng: &mut dyn RngCore,
     ) -> Option<Result<WorkerId, Rebind>> {
-        let binding = self.bound(&mut self.lock(), session)?;
+        let binding = self.memory.bound(&mut self.memory.lock(), session)?;
         let same_worker = set
             .get(binding.worker)
             .is_some_and(|w| w.key_hash() == binding.key_hash);
@@ -207,7 +244,7 @@ impl Affinity {
 
     /// The worker holding the `/v1/responses` state `key`, when it is usable.
     fn holder(&self, key: u64, set: &WorkerSet, candidates: &[Candidate]) -> Option<WorkerId> {
-        let b = self.bound(&mut self.conversations(), key)?;
+        let b = self.memory.bound(&mut self.memory.conversations(), key)?;
         let here = set
             .get(b.worker)
             .is_some_and(|w| w.key_hash() == b.key_hash)
@@ -286,11 +323,11 @@ impl Policy for Affinity {
     fn observe(&self, req: &RouteRequest<'_>, pick: &Pick, worker: &Worker, outcome: Outcome) {
         if outcome == Outcome::Served {
             if let Some(session) = req.session.filter(|_| self.sessions_on) {
-                self.bind(&mut self.lock(), session, worker);
+                self.bind(BindingKind::Session, session, worker);
             }
             // A conversation id names state the serving worker now holds.
             if let Some(key) = req.ctx.and_then(|c| c.continues) {
-                self.bind(&mut self.conversations(), key, worker);
+                self.bind(BindingKind::Conversation, key, worker);
             }
         }
         self.inner.observe(req, pick, worker, outcome);
@@ -299,13 +336,19 @@ impl Policy for Affinity {
     fn answered(&self, worker: &Worker, answer: &super::Answer<'_>) {
         if let Some(id) = answer.response_id {
             let key = xxhash_rust::xxh3::xxh3_64(id.as_bytes());
-            self.bind(&mut self.conversations(), key, worker);
+            self.bind(BindingKind::Conversation, key, worker);
         }
         self.inner.answered(worker, answer);
     }
 
     fn tree(&self) -> Option<&std::sync::Arc<SharedTree>> {
         self.inner.tree()
+    }
+
+    fn share(&self, fleet: &std::sync::Arc<Fleet>) {
+        fleet.set_bindings(std::sync::Arc::clone(&self.memory) as std::sync::Arc<dyn BindingSink>);
+        let _ = self.fleet.set(std::sync::Arc::clone(fleet));
+        self.inner.share(fleet);
     }
 
     fn precise(&self) -> Option<&std::sync::Arc<crate::precise::Precise>> {

@@ -69,8 +69,8 @@ impl Router {
                 .inspect_err(|e| tracing::error!(error = %e, "state sharing off: it cannot start"))
                 .ok()
         });
-        if let (Some(f), Some(tree)) = (&fleet, policy.tree()) {
-            tree.share(Arc::clone(f) as Arc<dyn crate::tree::RemotePrefixes>);
+        if let Some(f) = &fleet {
+            policy.share(f);
         }
         let client = upstream::Upstream::new(&config.proxy);
         let metrics = Arc::new(Metrics::new());
