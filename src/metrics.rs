@@ -571,7 +571,7 @@ impl Metrics {
         );
         r.register(
             "response_cache_bypasses",
-            "Requests that skipped the response cache, by cause (endpoint, no_store, no_cache, api_key, choices, unreadable, store_error, store_down)",
+            "Requests that skipped the response cache, by cause (endpoint, no_store, no_cache, api_key, choices, unreadable, stateful, store_error, store_down)",
             c.bypasses.clone(),
         );
         r.register(

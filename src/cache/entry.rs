@@ -157,6 +157,13 @@ pub fn verdict(body: &[u8], sse: bool) -> Result<(), NotStored> {
         if signals_error(&s) {
             return Err(NotStored::Failed);
         }
+        // A whole answer says how each choice ended, and a Responses object that it
+        // completed (not `queued` / `in_progress`: a background run).
+        let unfinished = s.choices.iter().any(|c| c.finish_reason.is_none())
+            || s.status.as_deref().is_some_and(|st| st != "completed");
+        if unfinished {
+            return Err(NotStored::Incomplete);
+        }
         Ok(())
     }
 }
@@ -191,10 +198,11 @@ fn signals_error(s: &Signals<'_>) -> bool {
         )
         || s.choices
             .iter()
-            .any(|c| c.finish_reason.as_deref() == Some("error"))
+            // vLLM and SGLang end an aborted request with `abort`.
+            .any(|c| matches!(c.finish_reason.as_deref(), Some("error" | "abort")))
         || s.status
             .as_deref()
-            .is_some_and(|st| !matches!(st, "completed" | "in_progress" | "queued"))
+            .is_some_and(|st| matches!(st, "failed" | "incomplete" | "cancelled"))
         || s.response.as_deref().is_some_and(signals_error)
 }
 
@@ -325,6 +333,21 @@ mod tests {
             verdict(br#"{"object":"response","status":"failed"}"#, false),
             Err(NotStored::Failed)
         );
+        for unfinished in [
+            &br#"{"object":"response","status":"queued"}"#[..],
+            br#"{"object":"response","status":"in_progress"}"#,
+            br#"{"choices":[{"finish_reason":null,"message":{}}]}"#,
+            br#"{"choices":[{"message":{}}]}"#,
+        ] {
+            assert_eq!(verdict(unfinished, false), Err(NotStored::Incomplete));
+        }
+        assert_eq!(
+            verdict(br#"{"choices":[{"finish_reason":"abort"}]}"#, false),
+            Err(NotStored::Failed)
+        );
+        let aborted =
+            b"data: {\"choices\":[{\"delta\":{},\"finish_reason\":\"abort\"}]}\n\ndata: [DONE]\n\n";
+        assert_eq!(verdict(aborted, true), Err(NotStored::Failed));
 
         let chat = b"data: {\"choices\":[{\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[{\"delta\":{},\"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
         assert_eq!(verdict(chat, true), Ok(()));

@@ -28,8 +28,14 @@ use crate::prompt::Endpoint;
 /// Version of the key layout; part of every key, so a change never reads old entries.
 pub const LAYOUT: &str = "v1";
 /// Longest conversation text sent to the embeddings endpoint, in bytes (cut on a UTF-8
-/// boundary, keeping the end: the latest turns say most about the question).
+/// boundary, keeping the end: the latest turns say most about the question). What is
+/// cut off goes into the partition instead: two requests that differ only there never
+/// match by meaning.
 pub const MAX_SEMANTIC_TEXT: usize = 32 * 1024;
+/// Numbers at or beyond this magnitude lose digits when read (serde_json keeps them
+/// as `f64`): a body holding one is not keyed, or two different seeds would share an
+/// entry.
+const EXACT_NUMBERS: f64 = 9_007_199_254_740_992.0; // 2^53
 
 /// A 32-byte SHA-256 digest.
 pub type Key = [u8; 32];
@@ -41,6 +47,9 @@ pub enum Unkeyable {
     Unreadable,
     /// `n` > 1: several sampled answers, never one to replay.
     Choices,
+    /// The request appends to state kept by the engine (a Responses `conversation`, a
+    /// `background` run): replaying would skip that.
+    Stateful,
 }
 
 /// A request as the cache sees it.
@@ -87,12 +96,22 @@ pub fn analyse(
     let Ok(Value::Object(obj)) = serde_json::from_slice::<Value>(body) else {
         return Err(Unkeyable::Unreadable);
     };
-    if obj
-        .get("n")
-        .and_then(Value::as_f64)
-        .is_some_and(|n| n > 1.0)
-    {
+    let n = match obj.get("n") {
+        Some(Value::String(s)) => s.trim().parse::<f64>().ok(),
+        Some(v) => v.as_f64(),
+        None => None,
+    };
+    if n.is_some_and(|n| n > 1.0) {
         return Err(Unkeyable::Choices);
+    }
+    if endpoint == Endpoint::Responses
+        && (obj.get("conversation").is_some_and(|c| !c.is_null())
+            || obj.get("background") == Some(&Value::Bool(true)))
+    {
+        return Err(Unkeyable::Stateful);
+    }
+    if obj.values().any(imprecise) {
+        return Err(Unkeyable::Unreadable);
     }
     let stream = obj.get("stream").and_then(Value::as_bool) == Some(true);
     let key = {
@@ -110,6 +129,16 @@ pub fn analyse(
         stream,
         semantic,
     })
+}
+
+/// Whether `v` holds a number the parser could not keep exactly.
+fn imprecise(v: &Value) -> bool {
+    match v {
+        Value::Number(n) => n.is_f64() && n.as_f64().is_some_and(|x| x.abs() >= EXACT_NUMBERS),
+        Value::Array(a) => a.iter().any(imprecise),
+        Value::Object(m) => m.values().any(imprecise),
+        _ => false,
+    }
 }
 
 fn hasher(kind: &str, endpoint: Endpoint, tenant: &Key) -> Sha256 {
@@ -173,8 +202,12 @@ fn semantic_input(
     if text.is_empty() {
         return None;
     }
+    let (head, text) = split_tail(text, MAX_SEMANTIC_TEXT);
     let partition = {
         let mut h = hasher("partition", endpoint, tenant);
+        // The text the embedding does not see must match exactly.
+        h.update(head.len().to_le_bytes());
+        h.update(head.as_bytes());
         let skeleton = |k: &str, _: &Value| !matches!(k, "user" | "metadata");
         let mut w = HashWriter(&mut h);
         write_object_with(&mut w, obj, &skeleton, &|w, k, v| {
@@ -208,10 +241,7 @@ fn semantic_input(
         });
         h.finalize().into()
     };
-    Some(SemanticInput {
-        partition,
-        text: keep_tail(text, MAX_SEMANTIC_TEXT),
-    })
+    Some(SemanticInput { partition, text })
 }
 
 /// Appends one turn's text (a string, or text parts only); `None` for any other part.
@@ -239,16 +269,17 @@ fn push_turn(text: &mut String, role: &str, s: &str) {
     text.push('\n');
 }
 
-/// The last `max` bytes of `s`, cut on a char boundary.
-fn keep_tail(s: String, max: usize) -> String {
+/// `s` split before its last `max` bytes (on a char boundary): (head, tail); the head
+/// is empty when `s` fits.
+fn split_tail(s: String, max: usize) -> (String, String) {
     if s.len() <= max {
-        return s;
+        return (String::new(), s);
     }
     let mut start = s.len() - max;
     while !s.is_char_boundary(start) {
         start += 1;
     }
-    s[start..].to_string()
+    (s[..start].to_string(), s[start..].to_string())
 }
 
 /// Feeds canonical JSON into a SHA-256.
@@ -481,8 +512,46 @@ mod tests {
     #[test]
     fn long_text_keeps_its_end_on_a_char_boundary() {
         let s = format!("{}é", "a".repeat(10));
-        let t = keep_tail(s, 2);
-        assert_eq!(t, "é");
-        assert_eq!(keep_tail("abc".into(), 2), "bc");
+        assert_eq!(split_tail(s, 2), ("a".repeat(10), "é".to_string()));
+        assert_eq!(split_tail("abc".into(), 2), ("a".into(), "bc".into()));
+        assert_eq!(split_tail("abc".into(), 9), (String::new(), "abc".into()));
+    }
+
+    #[test]
+    fn texts_that_differ_only_past_the_embedded_tail_are_other_partitions() {
+        let appendix = "appendix text. ".repeat(3000);
+        let body = |price: &str| {
+            serde_json::json!({"model": "m", "messages": [{"role": "user",
+                "content": format!("Contract: the price is {price} dollars. {appendix} What is the price?")}]})
+            .to_string()
+        };
+        let a = chat(&body("ONE")).semantic.unwrap();
+        let b = chat(&body("NINE THOUSAND")).semantic.unwrap();
+        assert_eq!(a.text, b.text, "the embedded tails are the same");
+        assert!(a.text.len() <= MAX_SEMANTIC_TEXT);
+        assert_ne!(a.partition, b.partition, "the cut heads differ");
+    }
+
+    #[test]
+    fn stateful_and_imprecise_requests_are_not_keyed() {
+        for body in [
+            r#"{"model":"m","conversation":"conv_1","input":"and then?"}"#,
+            r#"{"model":"m","background":true,"input":"x"}"#,
+        ] {
+            let e = analyse(Endpoint::Responses, body.as_bytes(), &T, true).unwrap_err();
+            assert_eq!(e, Unkeyable::Stateful, "{body}");
+        }
+        let big = br#"{"model":"m","seed":12345678901234567890123,"prompt":"x"}"#;
+        assert_eq!(
+            analyse(Endpoint::Completions, big, &T, false).unwrap_err(),
+            Unkeyable::Unreadable
+        );
+        let fine = br#"{"model":"m","seed":18446744073709551615,"temperature":0.7,"prompt":"x"}"#;
+        assert!(analyse(Endpoint::Completions, fine, &T, false).is_ok());
+        let n = br#"{"model":"m","n":"2","prompt":"x"}"#;
+        assert_eq!(
+            analyse(Endpoint::Completions, n, &T, false).unwrap_err(),
+            Unkeyable::Choices
+        );
     }
 }

@@ -40,6 +40,23 @@ use store::{Candidate, Store, StoreError, StoreStats};
 pub const MAX_ENTRY_BYTES: usize = 8 << 20;
 /// How long requests skip a store that just failed.
 pub const DOWN_FOR: Duration = Duration::from_secs(1);
+/// How long semantic lookups are skipped after the embeddings endpoint was down or
+/// slow (each such lookup costs up to `semantic::EMBED_TIMEOUT`).
+pub const EMBED_DOWN_FOR: Duration = Duration::from_secs(5);
+/// Most candidate bytes one semantic lookup reads (keys and vectors): a large model's
+/// vectors make fewer candidates, so one Redis read stays well inside its time-out.
+pub const MAX_CANDIDATE_BYTES: usize = 2 << 20;
+
+/// How many candidates of `dims` dimensions a lookup compares: `max_candidates`, fewer
+/// for large vectors (see [`MAX_CANDIDATE_BYTES`]), at least 1.
+fn candidates_within(max_candidates: usize, dims: usize) -> usize {
+    max_candidates
+        .min(MAX_CANDIDATE_BYTES / (32 + 4 * dims))
+        .max(1)
+}
+
+/// Longest content type stored, in bytes (a longer one is not an engine's).
+const MAX_CONTENT_TYPE: usize = 256;
 /// Least time between two log lines about store or embeddings failures.
 pub const LOG_EVERY: Duration = Duration::from_secs(10);
 
@@ -74,8 +91,11 @@ pub enum Bypass {
     ApiKey,
     /// `n` > 1.
     Choices,
-    /// Not a JSON object.
+    /// Not a JSON object, or one holding a number too large to key exactly.
     Unreadable,
+    /// A Responses request that appends to engine-side state (`conversation`,
+    /// `background`).
+    Stateful,
     /// The store failed on this request.
     StoreError,
     /// The store failed less than [`DOWN_FOR`] ago.
@@ -83,13 +103,14 @@ pub enum Bypass {
 }
 
 impl Bypass {
-    pub const ALL: [Bypass; 8] = [
+    pub const ALL: [Bypass; 9] = [
         Bypass::Endpoint,
         Bypass::NoStore,
         Bypass::NoCache,
         Bypass::ApiKey,
         Bypass::Choices,
         Bypass::Unreadable,
+        Bypass::Stateful,
         Bypass::StoreError,
         Bypass::StoreDown,
     ];
@@ -102,6 +123,7 @@ impl Bypass {
             Bypass::ApiKey => "api_key",
             Bypass::Choices => "choices",
             Bypass::Unreadable => "unreadable",
+            Bypass::Stateful => "stateful",
             Bypass::StoreError => "store_error",
             Bypass::StoreDown => "store_down",
         }
@@ -156,6 +178,8 @@ pub struct ResponseCache {
     born: Instant,
     /// Milliseconds since `born` until which the store is skipped.
     down_until_ms: AtomicU64,
+    /// Milliseconds since `born` until which semantic lookups are skipped.
+    embed_down_until_ms: AtomicU64,
     /// Milliseconds since `born` of the last failure log line (0: none yet).
     logged_ms: AtomicU64,
     /// Failures since that line.
@@ -186,7 +210,11 @@ impl ResponseCache {
                 redis::RedisStore::new(url.expose(), &cfg.namespace, cfg.ttl)
                     .map_err(|e| e.to_string())?,
             ),
-            None => Box::new(memory::MemoryStore::new(cfg.max_bytes, cfg.ttl)),
+            None => Box::new(memory::MemoryStore::new(
+                cfg.max_bytes,
+                cfg.ttl,
+                cfg.semantic.is_some(),
+            )),
         };
         let embedder = cfg
             .semantic
@@ -200,6 +228,7 @@ impl ResponseCache {
             metrics,
             born: Instant::now(),
             down_until_ms: AtomicU64::new(0),
+            embed_down_until_ms: AtomicU64::new(0),
             logged_ms: AtomicU64::new(0),
             unlogged: AtomicU64::new(0),
         }))
@@ -257,6 +286,7 @@ impl ResponseCache {
             Ok(r) => r,
             Err(Unkeyable::Unreadable) => return bypass(Bypass::Unreadable, None),
             Err(Unkeyable::Choices) => return bypass(Bypass::Choices, None),
+            Err(Unkeyable::Stateful) => return bypass(Bypass::Stateful, None),
         };
         if self.is_down() {
             return bypass(Bypass::StoreDown, None);
@@ -278,12 +308,15 @@ impl ResponseCache {
                 };
             }
             Ok(_) => {}
+            // Something not ours under the key: a miss, and the answer overwrites it.
+            Err(e @ StoreError::Garbage(_)) => self.failed("get", &e, true),
             Err(e) => {
-                self.failed("get", &e);
+                self.failed("get", &e, true);
                 return bypass(Bypass::StoreError, None);
             }
         }
-        if let (Some(embedder), Some(sem)) = (&self.embedder, req.semantic) {
+        let embed_up = self.now_ms() >= self.embed_down_until_ms.load(Ordering::Relaxed);
+        if let (Some(embedder), Some(sem), true) = (&self.embedder, req.semantic, embed_up) {
             match embedder.embed(&sem.text).await {
                 Err(e) => self.failed_embedding(&e),
                 Ok(v) => {
@@ -320,9 +353,13 @@ impl ResponseCache {
     ) -> Result<Option<Entry>, ()> {
         let candidates = self
             .store
-            .recent(partition, embedder.max_candidates())
+            .recent(
+                partition,
+                candidates_within(embedder.max_candidates(), v.len()),
+            )
             .await
-            .map_err(|e| self.failed("recent", &e))?;
+            // A slow list is not an outage: exact lookups keep going.
+            .map_err(|e| self.failed("recent", &e, false))?;
         let Some((best, _)) = semantic::best(&candidates, v, embedder.threshold()) else {
             return Ok(None);
         };
@@ -330,7 +367,7 @@ impl ResponseCache {
             // A stored content type that disagrees with the caller's stream flag: a miss.
             Ok(found) => Ok(found.filter(|e| e.is_sse() == stream)),
             Err(e) => {
-                self.failed("get", &e);
+                self.failed("get", &e, true);
                 Err(())
             }
         }
@@ -341,19 +378,22 @@ impl ResponseCache {
         if self.cfg.uncacheable_api_keys.is_empty() {
             return false;
         }
-        let bearer = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                v.strip_prefix("Bearer ")
-                    .or_else(|| v.strip_prefix("bearer "))
-            });
-        let api_key = headers.get("x-api-key").and_then(|v| v.to_str().ok());
-        self.cfg
-            .uncacheable_api_keys
+        // Every credential the caller sent: `Authorization: <scheme> <key>` (any scheme,
+        // any case) and `x-api-key`.
+        let authorization = headers
+            .get_all(header::AUTHORIZATION)
             .iter()
-            .map(Secret::expose)
-            .any(|k| Some(k) == bearer.map(str::trim) || Some(k) == api_key.map(str::trim))
+            .filter_map(|v| v.to_str().ok())
+            .map(|v| v.trim().split_once(' ').map_or(v, |(_, k)| k).trim());
+        let api_keys = headers
+            .get_all("x-api-key")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .map(str::trim);
+        let listed = &self.cfg.uncacheable_api_keys;
+        authorization
+            .chain(api_keys)
+            .any(|p| listed.iter().map(Secret::expose).any(|k| k == p))
     }
 
     fn now_ms(&self) -> u64 {
@@ -365,9 +405,10 @@ impl ResponseCache {
     }
 
     /// Counts a store failure of `op`, keeps requests off an unavailable store for
-    /// [`DOWN_FOR`], and logs at most once per [`LOG_EVERY`].
-    fn failed(&self, op: &'static str, e: &StoreError) {
-        if let StoreError::Unavailable(_) = e {
+    /// [`DOWN_FOR`] when `outage` says this call speaks for the store, and logs at most
+    /// once per [`LOG_EVERY`].
+    fn failed(&self, op: &'static str, e: &StoreError, outage: bool) {
+        if outage && matches!(e, StoreError::Unavailable(_)) {
             self.down_until_ms.store(
                 self.now_ms() + DOWN_FOR.as_millis() as u64,
                 Ordering::Relaxed,
@@ -376,9 +417,16 @@ impl ResponseCache {
         self.count_failure(op, &e.to_string(), true);
     }
 
-    /// Counts and logs a failed embeddings call.
-    fn failed_embedding(&self, error: &str) {
-        self.count_failure("embed", error, false);
+    /// Counts and logs a failed embeddings call; one that found the endpoint down or
+    /// slow keeps semantic lookups off for [`EMBED_DOWN_FOR`].
+    fn failed_embedding(&self, e: &semantic::EmbedError) {
+        if e.unavailable {
+            self.embed_down_until_ms.store(
+                self.now_ms() + EMBED_DOWN_FOR.as_millis() as u64,
+                Ordering::Relaxed,
+            );
+        }
+        self.count_failure("embed", &e.message, false);
     }
 
     fn count_failure(&self, op: &'static str, error: &str, store: bool) {
@@ -417,7 +465,7 @@ impl ResponseCache {
             }
             let entry = Entry { content_type, body };
             if let Err(e) = self.store.put(pending.key, entry).await {
-                self.failed("put", &e);
+                self.failed("put", &e, true);
                 self.metrics.response_cache_store("error");
                 return;
             }
@@ -433,7 +481,7 @@ impl ResponseCache {
                     .remember(partition, c, embedder.max_candidates())
                     .await
                 {
-                    self.failed("remember", &e);
+                    self.failed("remember", &e, false);
                 }
             }
         });
@@ -450,6 +498,17 @@ struct CacheControl {
 impl CacheControl {
     fn read(headers: &HeaderMap) -> Self {
         let mut c = CacheControl::default();
+        // HTTP/1.0 `Pragma: no-cache` counts when there is no Cache-Control (§5.4).
+        if !headers.contains_key(header::CACHE_CONTROL) {
+            c.no_cache = headers
+                .get_all(header::PRAGMA)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .any(|v| {
+                    v.split(',')
+                        .any(|d| d.trim().eq_ignore_ascii_case("no-cache"))
+                });
+        }
         for v in headers.get_all(header::CACHE_CONTROL) {
             let Ok(v) = v.to_str() else { continue };
             for d in v.split(',') {
@@ -487,11 +546,12 @@ impl Recorder {
             .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
         let ct = headers.get(header::CONTENT_TYPE);
         let fits = ct.is_some_and(|ct| {
-            if pending.stream {
-                entry::is_sse(ct)
-            } else {
-                entry::is_json(ct)
-            }
+            ct.len() <= MAX_CONTENT_TYPE
+                && if pending.stream {
+                    entry::is_sse(ct)
+                } else {
+                    entry::is_json(ct)
+                }
         });
         if status != StatusCode::OK || encoded || !fits {
             pending.cache.metrics.response_cache_store("not_cacheable");
@@ -548,6 +608,14 @@ mod tests {
     use super::*;
 
     #[test]
+    fn large_vectors_mean_fewer_candidates() {
+        assert_eq!(candidates_within(256, 384), 256);
+        assert_eq!(candidates_within(256, 4096), 127);
+        assert_eq!(candidates_within(256, 16_384), 31);
+        assert_eq!(candidates_within(256, 10_000_000), 1);
+    }
+
+    #[test]
     fn cache_control_directives() {
         let mut h = HeaderMap::new();
         assert_eq!(CacheControl::read(&h), CacheControl::default());
@@ -564,5 +632,10 @@ mod tests {
         );
         h.append(header::CACHE_CONTROL, "no-store".parse().unwrap());
         assert!(CacheControl::read(&h).no_store);
+        let mut p = HeaderMap::new();
+        p.insert(header::PRAGMA, "No-Cache".parse().unwrap());
+        assert!(CacheControl::read(&p).no_cache);
+        p.insert(header::CACHE_CONTROL, "max-age=5".parse().unwrap());
+        assert!(!CacheControl::read(&p).no_cache, "Cache-Control wins");
     }
 }

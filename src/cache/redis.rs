@@ -65,8 +65,19 @@ impl RedisStore {
         };
         match tokio::time::timeout(OP_TIMEOUT, run).await {
             Ok(Ok(v)) => Ok(v),
-            // A reply of the wrong type is garbage; anything else is the connection's.
-            Ok(Err(e)) if e.kind() == redis::ErrorKind::Parse => {
+            // Redis answered, with an error or something not ours (WRONGTYPE, an odd
+            // reply): the store is up and a SET heals the key. Only a connection that
+            // failed is an outage.
+            Ok(Err(e))
+                if !(e.is_io_error() || e.is_timeout() || e.is_connection_dropped())
+                    && matches!(
+                        e.kind(),
+                        redis::ErrorKind::Parse
+                            | redis::ErrorKind::UnexpectedReturnType
+                            | redis::ErrorKind::Extension
+                            | redis::ErrorKind::Server(_)
+                    ) =>
+            {
                 Err(StoreError::Garbage(format!("redis: {e}")))
             }
             Ok(Err(e)) => Err(StoreError::Unavailable(format!("redis: {e}"))),

@@ -20,6 +20,14 @@ const MAX_ANSWER_BYTES: usize = 8 << 20;
 /// Longest vector accepted (the largest embedding models give 4096 dimensions).
 const MAX_DIMENSIONS: usize = 16_384;
 
+/// Why an embeddings call gave no vector.
+#[derive(Debug, Clone)]
+pub struct EmbedError {
+    pub message: String,
+    /// The endpoint is down, slow or failing (not just this request): lookups pause.
+    pub unavailable: bool,
+}
+
 /// Calls the embeddings endpoint.
 pub struct Embedder {
     cfg: SemanticConfig,
@@ -60,7 +68,7 @@ impl Embedder {
 
     /// The unit-length embedding of `text`; `Err` says why there is none (endpoint
     /// down, not 200, not an embeddings answer, zero or non-finite vector).
-    pub async fn embed(&self, text: &str) -> Result<Arc<[f32]>, String> {
+    pub async fn embed(&self, text: &str) -> Result<Arc<[f32]>, EmbedError> {
         let body = serde_json::json!({"model": self.cfg.model, "input": text}).to_string();
         let (status, answer) = self
             .upstream
@@ -71,19 +79,28 @@ impl Embedder {
                 EMBED_TIMEOUT,
                 MAX_ANSWER_BYTES,
             )
-            .await?;
+            .await
+            .map_err(|message| EmbedError {
+                message,
+                unavailable: true,
+            })?;
+        let bad = |message: String| EmbedError {
+            message,
+            // A 5xx is the endpoint's state; a 4xx or a bad answer is this request's.
+            unavailable: status.is_server_error(),
+        };
         if !status.is_success() {
-            return Err(format!("embeddings endpoint answered {status}"));
+            return Err(bad(format!("embeddings endpoint answered {status}")));
         }
         let a: Answer = serde_json::from_slice(&answer)
-            .map_err(|e| format!("embeddings answer unreadable: {e}"))?;
+            .map_err(|e| bad(format!("embeddings answer unreadable: {e}")))?;
         let v = a
             .data
             .into_iter()
             .next()
-            .ok_or("embeddings answer has no data")?
+            .ok_or_else(|| bad("embeddings answer has no data".into()))?
             .embedding;
-        unit(v).ok_or_else(|| "embedding is empty, too long, zero or not finite".into())
+        unit(v).ok_or_else(|| bad("embedding is empty, too long, zero or not finite".into()))
     }
 }
 

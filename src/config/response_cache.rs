@@ -62,19 +62,19 @@ pub struct RedisUrl(String);
 impl RedisUrl {
     /// Checks a `redis://` URL at `key` (the error never shows a password).
     pub(super) fn parse(ck: &Checker<'_>, key: &str, u: String) -> Result<RedisUrl, ConfigError> {
-        if let Err(e) = redis::Client::open(u.as_str()) {
-            return Err(ck.err(
-                key,
-                format!(
-                    "`{}` is not a Redis URL ({e}); expected redis://[:password@]host[:port][/db]",
-                    crate::redact::url(&u)
-                ),
-            ));
-        }
         if u.starts_with("rediss") {
             return Err(ck.err(
                 key,
                 "rediss:// (TLS) is not supported yet; use redis:// on a private network",
+            ));
+        }
+        if let Err(e) = redis::Client::open(u.as_str()) {
+            return Err(ck.err(
+                key,
+                format!(
+                    "`{}` is not a Redis URL ({e}); expected redis://host:port/db (a password goes before the host, as in any URL)",
+                    crate::redact::url(&u)
+                ),
             ));
         }
         Ok(RedisUrl(u))
