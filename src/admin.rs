@@ -269,6 +269,8 @@ struct FleetView {
     bytes_in: u64,
     /// Records dropped because the publisher fell behind.
     dropped: u64,
+    /// Snapshot messages applied on (re)connecting (a replica that started late).
+    snapshot_messages: u64,
 }
 
 #[derive(Serialize)]
@@ -393,6 +395,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
                 messages_in: n(&c.messages_in),
                 bytes_in: n(&c.bytes_in),
                 dropped: n(&c.dropped),
+                snapshot_messages: n(&c.snapshot_messages),
             }
         }),
         response_cache: router.response_cache().map(|c| {

@@ -20,8 +20,10 @@
 //! Session and `/v1/responses` bindings travel the same way ([`Fleet::bound`] out,
 //! [`BindingSink`] in): a session bound through one replica is followed by all.
 //!
-//! Not yet: a bootstrap snapshot for a replica that starts late (it
-//! learns from the records published after it joined).
+//! A replica that starts late, or comes back after an outage, bootstraps from a bounded
+//! snapshot: every message is also kept in the list `<namespace>:fleet:v1:log` (the
+//! newest [`LOG_MESSAGES`]), read and applied, oldest first, right after subscribing
+//! (in-flight shares in it are stale and skipped).
 
 pub mod wire;
 
@@ -52,6 +54,10 @@ pub const FLUSH_EVERY: Duration = Duration::from_millis(20);
 /// Chunk hashes kept from the other replicas (least recently stored go first); ~100
 /// bytes each.
 pub const MAX_RECORDS: usize = 1 << 20;
+/// Messages kept in Redis for replicas that start late.
+pub const LOG_MESSAGES: usize = 1000;
+/// The snapshot list expires this long after its last message (a fleet that stopped).
+const LOG_TTL: Duration = Duration::from_secs(24 * 3600);
 /// Records waiting for the publisher; past it new ones are dropped (and counted).
 const QUEUE: usize = 4096;
 /// Longest one Redis call may take.
@@ -89,6 +95,8 @@ pub struct FleetCounts {
     pub malformed: AtomicU64,
     pub publish_errors: AtomicU64,
     pub subscribe_errors: AtomicU64,
+    /// Snapshot messages applied on (re)connecting.
+    pub snapshot_messages: AtomicU64,
     /// Whether the subscriber is connected now.
     pub connected: AtomicBool,
 }
@@ -101,6 +109,8 @@ pub struct Fleet {
     /// Random, per process: told apart from the others' messages.
     replica: u64,
     channel: String,
+    /// The snapshot list's key.
+    log: String,
     client: redis::Client,
     pool: Arc<Pool>,
     tx: mpsc::Sender<Record>,
@@ -142,6 +152,7 @@ impl Fleet {
         Ok(Arc::new(Fleet {
             replica: rand::random(),
             channel: format!("{}:fleet:v1", cfg.namespace),
+            log: format!("{}:fleet:v1:log", cfg.namespace),
             client,
             pool,
             tx,
@@ -233,9 +244,26 @@ impl Fleet {
     async fn send(&self, conn: &redis::aio::ConnectionManager, batch: Batch) {
         let (records, bytes) = (batch.records(), batch.len());
         let mut conn = conn.clone();
-        let mut cmd = redis::cmd("PUBLISH");
-        cmd.arg(&self.channel).arg(batch.into_bytes());
-        let sent = tokio::time::timeout(OP_TIMEOUT, cmd.query_async::<i64>(&mut conn)).await;
+        let payload = batch.into_bytes();
+        let mut p = redis::pipe();
+        p.cmd("PUBLISH")
+            .arg(&self.channel)
+            .arg(&payload)
+            .ignore()
+            .cmd("LPUSH")
+            .arg(&self.log)
+            .arg(&payload)
+            .ignore()
+            .cmd("LTRIM")
+            .arg(&self.log)
+            .arg(0)
+            .arg(LOG_MESSAGES as i64 - 1)
+            .ignore()
+            .cmd("EXPIRE")
+            .arg(&self.log)
+            .arg(LOG_TTL.as_secs())
+            .ignore();
+        let sent = tokio::time::timeout(OP_TIMEOUT, p.query_async::<()>(&mut conn)).await;
         match sent {
             Ok(Ok(_)) => {
                 let c = &self.counts;
@@ -265,7 +293,10 @@ impl Fleet {
                 Ok(Ok(ps)) => {
                     backoff = Duration::from_millis(200);
                     self.counts.connected.store(true, Ordering::Relaxed);
-                    tracing::info!(channel = %self.channel, "fleet: sharing routing state");
+                    // Subscribed first, so nothing falls between the snapshot and the
+                    // channel (a record seen twice is applied twice: harmless).
+                    let applied = self.bootstrap().await;
+                    tracing::info!(channel = %self.channel, snapshot_messages = applied, "fleet: sharing routing state");
                     let mut messages = ps.into_on_message();
                     loop {
                         tokio::select! {
@@ -293,8 +324,50 @@ impl Fleet {
         }
     }
 
+    /// Reads the snapshot list and applies it oldest first (loads skipped); the number
+    /// of messages applied. A failure is counted and leaves the channel to catch up.
+    async fn bootstrap(&self) -> usize {
+        let read = async {
+            let mut conn = self.client.get_multiplexed_async_connection().await?;
+            redis::cmd("LRANGE")
+                .arg(&self.log)
+                .arg(0)
+                .arg(LOG_MESSAGES as i64 - 1)
+                .query_async::<Vec<bytes::Bytes>>(&mut conn)
+                .await
+        };
+        match tokio::time::timeout(OP_TIMEOUT * 4, read).await {
+            Ok(Ok(messages)) => {
+                for m in messages.iter().rev() {
+                    self.apply_records(m, false);
+                }
+                self.counts
+                    .snapshot_messages
+                    .fetch_add(messages.len() as u64, Ordering::Relaxed);
+                messages.len()
+            }
+            Ok(Err(e)) => {
+                self.failed(&self.counts.subscribe_errors, &e.to_string());
+                0
+            }
+            Err(_) => {
+                self.failed(
+                    &self.counts.subscribe_errors,
+                    "snapshot: no answer within 2 s",
+                );
+                0
+            }
+        }
+    }
+
     /// Applies one message from the channel (own messages and garbage are skipped).
     fn apply(&self, payload: &[u8]) {
+        self.apply_records(payload, true);
+    }
+
+    /// Applies one message; `live` = from the channel now (a snapshot's in-flight shares
+    /// are stale and skipped, and its messages are not counted as received).
+    fn apply_records(&self, payload: &[u8], live: bool) {
         let c = &self.counts;
         let Ok((replica, records)) = wire::decode(payload) else {
             c.malformed.fetch_add(1, Ordering::Relaxed);
@@ -303,11 +376,13 @@ impl Fleet {
         if replica == self.replica {
             return;
         }
-        c.messages_in.fetch_add(1, Ordering::Relaxed);
-        c.bytes_in
-            .fetch_add(payload.len() as u64, Ordering::Relaxed);
-        c.records_in
-            .fetch_add(records.len() as u64, Ordering::Relaxed);
+        if live {
+            c.messages_in.fetch_add(1, Ordering::Relaxed);
+            c.bytes_in
+                .fetch_add(payload.len() as u64, Ordering::Relaxed);
+            c.records_in
+                .fetch_add(records.len() as u64, Ordering::Relaxed);
+        }
         let set = self.pool.set();
         let by_key: HashMap<u64, WorkerId> = set
             .workers()
@@ -328,7 +403,8 @@ impl Fleet {
                             index.get_or_insert_mut(h, WorkerMask::default).insert(id);
                         }
                     }
-                    Record::Load(l) => load = Some(l),
+                    Record::Load(l) if live => load = Some(l),
+                    Record::Load(_) => {}
                     Record::Binding { kind, key, worker } => bindings.push((kind, key, worker)),
                 }
             }
