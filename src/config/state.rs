@@ -32,3 +32,34 @@ impl RawState {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::config::Config;
+
+    const ONE: &str = "workers:\n  - url: http://127.0.0.1:8001\n";
+
+    fn load(doc: &str) -> Result<Config, String> {
+        Config::from_sources([(Path::new("a.yaml"), doc)]).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn absent_is_per_process_and_bad_values_name_their_key() {
+        let c = load(ONE).unwrap();
+        assert!(c.state.redis_url.is_none());
+        assert_eq!(c.state.namespace, "cache-aware-router");
+        let c = load(&format!("state: {{redis_url: \"redis://r:6379/2\", namespace: eu}}\n{ONE}")).unwrap();
+        assert_eq!(c.state.redis_url.unwrap().expose(), "redis://r:6379/2");
+        assert_eq!(c.state.namespace, "eu");
+        for (section, key) in [
+            ("{redis_url: \"http://r\"}", "state.redis_url"),
+            ("{namespace: \"\"}", "state.namespace"),
+            ("{url: x}", "url"),
+        ] {
+            let e = load(&format!("state: {section}\n{ONE}")).unwrap_err();
+            assert!(e.contains(key), "{section}: {e}");
+        }
+    }
+}
