@@ -16,8 +16,8 @@
 //!
 //! Binaries: `sim-engine`, `replay`, `trace-matrix` (the demo; also runs the peer
 //! routers), `overhead` (what the router costs: added latency, saturation, 5,000
-//! streams, tree memory), `hot-prefix-trace` (writes `bench/data/hot_prefix.jsonl`),
-//! `peer-overhead` (the same against sglang-router and
+//! streams, tree memory, response cache), `hot-prefix-trace` (writes
+//! `bench/data/hot_prefix.jsonl`), `peer-overhead` (the same against sglang-router and
 //! vllm-router; `bench/peers/run.sh` installs them and runs both comparisons).
 
 #![forbid(unsafe_code)]

@@ -1,6 +1,6 @@
-//! Child processes of the benchmark binaries: `sim-engine` replicas and the router,
-//! started on 127.0.0.1, waited for until ready, and killed on every exit path;
-//! plus what `/proc` says about them (CPU time, resident memory).
+//! Child processes of the benchmark binaries: `sim-engine` replicas, the router and
+//! `redis-server`, started on 127.0.0.1, waited for until ready, and killed on every
+//! exit path; plus what `/proc` says about them (CPU time, resident memory).
 //!
 //! Child processes are owned by [`ChildProc`] values: stopped explicitly on the
 //! normal and error paths, and killed on drop (`kill_on_drop`) if the future is
@@ -295,6 +295,69 @@ pub async fn start_engine(
     // Keep draining stdout so the child never blocks on a full pipe.
     tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
     Ok(url)
+}
+
+/// Starts `redis-server` (`bin`) on a free port of 127.0.0.1 with no persistence
+/// (`--save "" --appendonly no`, working directory `dir`, output to
+/// `dir/redis.log`) and waits until it answers `PING`. Returns the port. The child
+/// is pushed onto `procs` first, so it is stopped with the others on failure.
+pub async fn start_redis(
+    bin: &Path,
+    dir: &ScratchDir,
+    startup_timeout: Duration,
+    procs: &mut Vec<ChildProc>,
+) -> Result<u16, ProcError> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let port = free_port()?;
+    let log_path = dir.0.join("redis.log");
+    let log = std::fs::File::create(&log_path)
+        .map_err(io_err(format!("create {}", log_path.display())))?;
+    let log2 = log.try_clone().map_err(io_err("dup redis log"))?;
+    let mut cmd = Command::new(bin);
+    cmd.args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args(["--save", "", "--appendonly", "no"])
+        .arg("--dir")
+        .arg(&dir.0)
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(log))
+        .stderr(Stdio::from(log2))
+        .kill_on_drop(true);
+    let child = cmd.spawn().map_err(|source| ProcError::Spawn {
+        path: bin.display().to_string(),
+        source,
+    })?;
+    procs.push(ChildProc {
+        name: "redis-server".into(),
+        child,
+    });
+    let deadline = Instant::now() + startup_timeout;
+    loop {
+        if let Some(p) = procs.last_mut()
+            && let Ok(Some(status)) = p.child.try_wait()
+        {
+            return Err(ProcError::NotReady(format!(
+                "redis-server exited ({status}) before it answered PING\n--- its log ---\n{}",
+                tail(&log_path, 20)
+            )));
+        }
+        let ping = async {
+            let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await?;
+            s.write_all(b"PING\r\n").await?;
+            let mut buf = [0u8; 16];
+            let n = s.read(&mut buf).await?;
+            Ok::<_, std::io::Error>(buf[..n].starts_with(b"+PONG"))
+        };
+        if let Ok(Ok(true)) = tokio::time::timeout(Duration::from_secs(1), ping).await {
+            return Ok(port);
+        }
+        if Instant::now() >= deadline {
+            return Err(ProcError::NotReady(format!(
+                "redis-server on port {port} did not answer PING within {startup_timeout:?}\n--- its log ---\n{}",
+                tail(&log_path, 20)
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
 }
 
 /// The last `lines` lines of a text file (empty if unreadable).

@@ -19,6 +19,16 @@
 //! - `tree`: fills the router's radix tree with distinct prompts until
 //!   `tree_nodes` (from `GET /workers`) reaches `--tree-nodes`; RSS before, during
 //!   and after, and bytes per node.
+//! - `cache`: the response cache. Routers with `response_cache` off, in-process and
+//!   on a `redis-server` it starts (`--redis-server`, loopback, no persistence). At
+//!   concurrency 1, p50/p99 of small chat requests (non-streamed; streamed to end of
+//!   stream) direct to the engine, through the router with the cache off, and through
+//!   each store on a miss (a new body every request) and on a hit (bodies stored
+//!   first); rows alternate as in `added`. Then hits/s at `--cache-concurrency` with
+//!   router (and Redis) CPU per request. Then memory: two fresh routers (cache on,
+//!   cache off) sent the same `--cache-entries` distinct requests; router RSS against
+//!   `response_cache_bytes` / `_entries`, per entry. Every request's cache outcome is
+//!   checked against the router's `response_cache_{hits,misses}_total`.
 //!
 //! Every section starts fresh processes (engines at `--time-factor`, default 0 =
 //! answer at once; router with `log: {level: warn}`) and kills them at its end, on
@@ -28,7 +38,7 @@
 //! a run disturbed by unrelated load shows it.
 //!
 //! Usage: `cargo build --release -p bench -p cache-aware-router`, then
-//! `target/release/overhead` (about 2 minutes on 2 cores; `--only tree` etc.).
+//! `target/release/overhead` (about 3 minutes on 2 cores; `--only tree,cache` etc.).
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -45,8 +55,9 @@ use bench::prompts::{SplitMix64, WORDS};
 use bench::stats::Percentiles;
 use bytes::Bytes;
 use clap::{Parser, ValueEnum};
-use http_body_util::{BodyExt, Empty};
-use hyper::Uri;
+use http_body_util::{BodyExt, Full};
+use hyper::header::HeaderMap;
+use hyper::{StatusCode, Uri};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::TokioExecutor;
@@ -69,18 +80,20 @@ enum Section {
     Streams5k,
     /// Router RSS with a large radix tree.
     Tree,
+    /// Response cache: hit and miss latency, hit throughput, memory per entry.
+    Cache,
 }
 
 /// Measure the router's overhead against simulated vLLM engines on 127.0.0.1.
 #[derive(Debug, Parser)]
 #[command(name = "overhead", version)]
 struct Cli {
-    /// Sections to run, comma-separated: added, saturation, streams5k, tree.
+    /// Sections to run, comma-separated: added, saturation, streams5k, tree, cache.
     #[arg(
         long,
         value_enum,
         value_delimiter = ',',
-        default_value = "added,saturation,streams5k,tree"
+        default_value = "added,saturation,streams5k,tree,cache"
     )]
     only: Vec<Section>,
     /// sim-engine executable [default: next to this executable].
@@ -146,6 +159,24 @@ struct Cli {
     /// Routing text per tree prompt (system + user message), in bytes.
     #[arg(long, default_value_t = 300)]
     tree_prompt_bytes: usize,
+    /// Requests per row and mode at concurrency 1 in the cache section.
+    #[arg(long, default_value_t = 2000)]
+    cache_requests: u64,
+    /// Concurrency of the cache section's hit throughput and memory fills.
+    #[arg(long, default_value_t = 64)]
+    cache_concurrency: usize,
+    /// Length of each hit throughput row of the cache section, in s.
+    #[arg(long, default_value_t = 3.0)]
+    cache_phase_s: f64,
+    /// Distinct answers stored in the cache section's memory rows.
+    #[arg(long, default_value_t = 20_000)]
+    cache_entries: u64,
+    /// max_tokens of the memory rows' requests (sets the answers' size).
+    #[arg(long, default_value_t = 32)]
+    cache_entry_tokens: u64,
+    /// redis-server executable for the cache section (looked up in PATH).
+    #[arg(long, default_value = "redis-server")]
+    redis_server: PathBuf,
     /// Worker threads of this process's tokio runtime (0 = one per CPU).
     #[arg(long, default_value_t = 0)]
     client_threads: usize,
@@ -314,44 +345,67 @@ fn mib(kib: u64) -> String {
     format!("{:.1} MiB", kib as f64 / 1024.0)
 }
 
-/// `GET /workers` of a router.
+/// Admin calls to a router (`GET /workers`, `GET /metrics`) and single requests.
 struct Admin {
-    client: Client<HttpConnector, Empty<Bytes>>,
-    uri: Uri,
+    client: Client<HttpConnector, Full<Bytes>>,
+    base: String,
 }
+
+/// Status, headers and body of one answer.
+type Answer = (StatusCode, HeaderMap, Bytes);
 
 impl Admin {
     fn new(router_url: &str) -> Result<Self, String> {
         Ok(Admin {
             client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
-            uri: format!("{router_url}/workers")
-                .parse()
-                .map_err(|e| format!("bad /workers URL: {e}"))?,
+            base: router_url.trim_end_matches('/').to_string(),
         })
     }
 
-    async fn workers(&self) -> Result<Value, String> {
+    /// One request with `body` (POST when given, else GET), read to the end; at most 10 s.
+    async fn call(&self, path: &str, body: Option<Bytes>) -> Result<Answer, String> {
+        let uri: Uri = format!("{}{path}", self.base)
+            .parse()
+            .map_err(|e| format!("bad URL for {path}: {e}"))?;
+        let what = if body.is_some() { "POST" } else { "GET" };
+        let req = match body {
+            Some(b) => hyper::Request::post(uri)
+                .header(hyper::header::CONTENT_TYPE, "application/json")
+                .body(Full::new(b)),
+            None => hyper::Request::get(uri).body(Full::new(Bytes::new())),
+        }
+        .map_err(|e| format!("cannot build {what} {path}: {e}"))?;
         let call = async {
             let resp = self
                 .client
-                .get(self.uri.clone())
+                .request(req)
                 .await
-                .map_err(|e| format!("GET /workers: {e}"))?;
-            let status = resp.status();
-            let body = resp
-                .into_body()
+                .map_err(|e| format!("{what} {path}: {e}"))?;
+            let (parts, body) = resp.into_parts();
+            let body = body
                 .collect()
                 .await
-                .map_err(|e| format!("GET /workers body: {e}"))?
+                .map_err(|e| format!("{what} {path} body: {e}"))?
                 .to_bytes();
-            if !status.is_success() {
-                return Err(format!("GET /workers answered {status}"));
-            }
-            serde_json::from_slice::<Value>(&body).map_err(|e| format!("GET /workers JSON: {e}"))
+            Ok((parts.status, parts.headers, body))
         };
         tokio::time::timeout(Duration::from_secs(10), call)
             .await
-            .map_err(|_| "GET /workers took over 10 s".to_string())?
+            .map_err(|_| format!("{what} {path} took over 10 s"))?
+    }
+
+    /// A GET that must answer 2xx.
+    async fn get(&self, path: &str) -> Result<Bytes, String> {
+        let (status, _, body) = self.call(path, None).await?;
+        if !status.is_success() {
+            return Err(format!("GET {path} answered {status}"));
+        }
+        Ok(body)
+    }
+
+    async fn workers(&self) -> Result<Value, String> {
+        let body = self.get("/workers").await?;
+        serde_json::from_slice::<Value>(&body).map_err(|e| format!("GET /workers JSON: {e}"))
     }
 }
 
@@ -530,6 +584,7 @@ async fn try_run(cli: Cli, nofile: u64) -> Result<bool, String> {
             Section::Saturation => saturation(&env, &cli, &mut procs).await,
             Section::Streams5k => streams(&env, &cli, nofile, &mut procs).await,
             Section::Tree => tree(&env, &cli, &mut procs).await,
+            Section::Cache => cache(&env, &cli, &mut procs).await,
         };
         // Children started within the section: all their CPU time is the section's.
         let pids: Vec<u32> = procs.iter().filter_map(ChildProc::pid).collect();
@@ -1270,6 +1325,717 @@ async fn tree(env: &Env, cli: &Cli, procs: &mut Vec<ChildProc>) -> Result<(Strin
     );
     if !ok {
         let _ = writeln!(t, "\nrouter log tail:\n```\n{}\n```", router.log_tail());
+    }
+    Ok((t, ok))
+}
+
+/// Small chat requests shaped like [`small_bodies`] (same system prompt and
+/// `max_tokens`), each with a question of its own: request `i` asks question number
+/// `first + i`. Numbers from 1,000,000 up never meet the 256 of [`small_bodies`] and
+/// keep every body the same length, so each one is a response-cache miss.
+fn fresh_bodies(max_tokens: u64, stream: bool, first: u64) -> BodyFn {
+    Arc::new(move |i| {
+        let k = first + i;
+        let mut v = json!({
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": SYSTEM},
+                {"role": "user", "content": format!("Question {k}: which river flows through city number {k}?")},
+            ],
+            "max_tokens": max_tokens,
+            "ignore_eos": true,
+        });
+        if stream {
+            v["stream"] = json!(true);
+            v["stream_options"] = json!({"include_usage": true});
+        }
+        Bytes::from(v.to_string())
+    })
+}
+
+/// Numbers for [`fresh_bodies`]: each run takes a range no other run has used.
+struct Fresh(u64);
+
+impl Fresh {
+    fn take(&mut self, n: u64) -> u64 {
+        let first = self.0;
+        self.0 += n;
+        first
+    }
+}
+
+/// The response-cache families of a router's `GET /metrics`.
+#[derive(Debug, Clone, Copy, Default)]
+struct CacheCounters {
+    hits: u64,
+    misses: u64,
+    bypasses: u64,
+    /// `stores_total{result="stored"}`.
+    stored: u64,
+    /// Every other `stores_total` result.
+    not_stored: u64,
+    store_errors: u64,
+    /// Gauges (in-process store only).
+    entries: u64,
+    bytes: u64,
+    evictions: u64,
+}
+
+impl CacheCounters {
+    /// Counters since `before`; gauges as now.
+    fn since(&self, before: &CacheCounters) -> CacheCounters {
+        CacheCounters {
+            hits: self.hits.saturating_sub(before.hits),
+            misses: self.misses.saturating_sub(before.misses),
+            bypasses: self.bypasses.saturating_sub(before.bypasses),
+            stored: self.stored.saturating_sub(before.stored),
+            not_stored: self.not_stored.saturating_sub(before.not_stored),
+            store_errors: self.store_errors.saturating_sub(before.store_errors),
+            evictions: self.evictions.saturating_sub(before.evictions),
+            ..*self
+        }
+    }
+
+    fn add(&mut self, d: &CacheCounters) {
+        self.hits += d.hits;
+        self.misses += d.misses;
+        self.bypasses += d.bypasses;
+        self.stored += d.stored;
+        self.not_stored += d.not_stored;
+        self.store_errors += d.store_errors;
+        self.evictions += d.evictions;
+        self.entries = d.entries;
+        self.bytes = d.bytes;
+    }
+}
+
+/// Sum of the samples of metric `name` in a Prometheus text exposition, only the
+/// series with exactly `labels` (`kind="exact"`) when given; `None` if absent.
+fn metric_sum(text: &str, name: &str, labels: Option<&str>) -> Option<f64> {
+    let mut found = None;
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let (n, l) = match series.split_once('{') {
+            Some((n, rest)) => (n, Some(rest.trim_end_matches('}'))),
+            None => (series, None),
+        };
+        if n != name || labels.is_some_and(|want| l != Some(want)) {
+            continue;
+        }
+        if let Ok(v) = value.parse::<f64>() {
+            *found.get_or_insert(0.0) += v;
+        }
+    }
+    found
+}
+
+const RC: &str = "cache_aware_router_response_cache_";
+
+async fn cache_counters(admin: &Admin) -> Result<CacheCounters, String> {
+    let body = admin.get("/metrics").await?;
+    let text = String::from_utf8_lossy(&body);
+    let m = |name: &str, labels: Option<&str>| {
+        metric_sum(&text, &format!("{RC}{name}"), labels)
+            .map(|v| v as u64)
+            .ok_or_else(|| format!("GET /metrics has no {RC}{name}"))
+    };
+    let stores = m("stores_total", None)?;
+    let stored = m("stores_total", Some("result=\"stored\""))?;
+    Ok(CacheCounters {
+        hits: m("hits_total", None)?,
+        misses: m("misses_total", None)?,
+        bypasses: m("bypasses_total", None)?,
+        stored,
+        not_stored: stores.saturating_sub(stored),
+        store_errors: m("store_errors_total", None)?,
+        entries: m("entries", None)?,
+        bytes: m("bytes", None)?,
+        evictions: m("evictions_total", None)?,
+    })
+}
+
+/// Polls `/metrics` until `stores_total` (every result) reaches `at_least` or
+/// `max` has passed; the last reading. Answers are stored in a task after the body
+/// ended, a moment after the client saw the end.
+async fn wait_stores(admin: &Admin, at_least: u64, max: Duration) -> Result<CacheCounters, String> {
+    let t0 = Instant::now();
+    loop {
+        let c = cache_counters(admin).await?;
+        if c.stored + c.not_stored >= at_least || t0.elapsed() >= max {
+            return Ok(c);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A router of the cache section and its admin client.
+struct CacheRouter {
+    proc: RouterProc,
+    admin: Admin,
+}
+
+/// One row's target in the cache section.
+#[derive(Clone, Copy)]
+struct CacheTarget<'a> {
+    label: &'static str,
+    addr: SocketAddr,
+    router: Option<&'a CacheRouter>,
+    /// What every request should be: `hit`, `miss`, or `None` (no cache).
+    expect: Option<&'static str>,
+}
+
+impl CacheTarget<'_> {
+    /// Requests that are cache misses get a question of their own.
+    fn fresh(&self) -> bool {
+        self.router.is_some() && self.expect != Some("hit")
+    }
+}
+
+/// What the runs of one row measured.
+#[derive(Default)]
+struct CacheRow {
+    res: load::LoadResult,
+    router_cpu_s: f64,
+    delta: CacheCounters,
+}
+
+impl CacheRow {
+    fn merge(&mut self, other: CacheRow) {
+        self.res.merge(other.res);
+        self.router_cpu_s += other.router_cpu_s;
+        self.delta.add(&other.delta);
+    }
+
+    /// `hit 2000`, `miss 2000`, `–`; bold with the shortfall when some request was
+    /// not what the row is about.
+    fn x_cache(&self, expect: Option<&str>) -> (String, bool) {
+        let n = self.res.samples.len() as u64;
+        let d = &self.delta;
+        let got = match expect {
+            None => return ("–".into(), true),
+            Some("hit") => d.hits,
+            Some(_) => d.misses,
+        };
+        let e = expect.unwrap_or_default();
+        if got == n && d.bypasses == 0 {
+            (format!("{e} {got}"), true)
+        } else {
+            (
+                format!(
+                    "**{e} {got} of {n}** (hits {}, misses {}, bypasses {})",
+                    d.hits, d.misses, d.bypasses
+                ),
+                false,
+            )
+        }
+    }
+}
+
+impl Env {
+    /// One closed-loop run on `t`, with the router's CPU and cache counters around it.
+    async fn cache_run(&self, t: &CacheTarget<'_>, spec: &LoadSpec) -> Result<CacheRow, String> {
+        let Some(r) = t.router else {
+            return Ok(CacheRow {
+                res: load::run(spec).await,
+                ..CacheRow::default()
+            });
+        };
+        let (u0, c0) = (usage(r.proc.pid), cache_counters(&r.admin).await?);
+        let res = load::run(spec).await;
+        let u1 = usage(r.proc.pid);
+        // Misses are stored after their body ended: wait for the last ones, so the next
+        // run's counters do not see them.
+        let c1 = if t.expect == Some("miss") {
+            let offered = c0.stored + c0.not_stored + res.samples.len() as u64;
+            wait_stores(&r.admin, offered, Duration::from_secs(5)).await?
+        } else {
+            cache_counters(&r.admin).await?
+        };
+        Ok(CacheRow {
+            res,
+            router_cpu_s: self.cpu_s(&u0, &u1),
+            delta: c1.since(&c0),
+        })
+    }
+
+    async fn cache_router(
+        &self,
+        workers: &[String],
+        extra_yaml: &str,
+        label: &str,
+        procs: &mut Vec<ChildProc>,
+    ) -> Result<CacheRouter, String> {
+        let proc = self.router(workers, extra_yaml, label, procs).await?;
+        let admin = Admin::new(&proc.url)?;
+        Ok(CacheRouter { proc, admin })
+    }
+}
+
+/// Stores the answers of `body`'s first `n` requests in `r` (one at a time) and
+/// checks that the first is then a hit (`x-cache: hit`).
+async fn warm_keys(
+    env: &Env,
+    r: &CacheRouter,
+    body: &BodyFn,
+    n: u64,
+    stream: bool,
+) -> Result<(), String> {
+    let c0 = cache_counters(&r.admin).await?;
+    let res = load::run(&env.spec(
+        vec![r.proc.addr],
+        1,
+        n,
+        Duration::from_secs(10),
+        body,
+        stream,
+    ))
+    .await;
+    if let Some(e) = res.first_error {
+        return Err(format!(
+            "warming the cache keys: {} errors, first: {e}",
+            res.errors
+        ));
+    }
+    let c1 = wait_stores(
+        &r.admin,
+        c0.stored + c0.not_stored + n,
+        Duration::from_secs(10),
+    )
+    .await?;
+    let (_, headers, _) = r.admin.call(CHAT, Some(body(0))).await?;
+    let x = headers
+        .get("x-cache")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("(none)");
+    if x != "hit" {
+        return Err(format!(
+            "after warming {n} keys ({} stored, {} not stored, {} store errors) the first \
+             answers x-cache: {x}, not hit\nrouter log tail:\n{}",
+            c1.stored.saturating_sub(c0.stored),
+            c1.not_stored.saturating_sub(c0.not_stored),
+            c1.store_errors.saturating_sub(c0.store_errors),
+            r.proc.log_tail()
+        ));
+    }
+    Ok(())
+}
+
+/// One reading of the memory rows.
+#[derive(Debug, Clone, Copy, Default)]
+struct MemPoint {
+    requests: u64,
+    rss_kib: u64,
+    entries: u64,
+    bytes: u64,
+    evictions: u64,
+    tree_nodes: u64,
+}
+
+async fn mem_point(r: &CacheRouter, requests: u64, cache_on: bool) -> Result<MemPoint, String> {
+    let c = if cache_on {
+        cache_counters(&r.admin).await?
+    } else {
+        CacheCounters::default()
+    };
+    let w = r.admin.workers().await?;
+    Ok(MemPoint {
+        requests,
+        rss_kib: usage(r.proc.pid).rss_kib,
+        entries: c.entries,
+        bytes: c.bytes,
+        evictions: c.evictions,
+        tree_nodes: w["tree_nodes"].as_u64().unwrap_or(0),
+    })
+}
+
+/// Section 5: the response cache. Hit and miss latency against the engine at
+/// concurrency 1, hit throughput, memory per stored answer.
+async fn cache(env: &Env, cli: &Cli, procs: &mut Vec<ChildProc>) -> Result<(String, bool), String> {
+    let params = env.engine(cli.time_factor, 4096);
+    let urls = env.engines(1, &params, procs).await?;
+    let engine_pid = procs
+        .last()
+        .and_then(ChildProc::pid)
+        .ok_or("engine exited right after starting")?;
+    let redis_dir = ScratchDir::new("overhead", "redis").map_err(|e| e.to_string())?;
+    let redis_port = procs::start_redis(&cli.redis_server, &redis_dir, env.startup, procs)
+        .await
+        .map_err(|e| {
+            format!("{e} (the cache section needs redis-server: install it or pass --redis-server)")
+        })?;
+    let redis_pid = procs
+        .last()
+        .and_then(ChildProc::pid)
+        .ok_or("redis-server exited right after starting")?;
+    let mem_yaml = "response_cache: { enabled: true, ttl_secs: 600 }\n";
+    let redis_yaml = format!(
+        "response_cache: {{ enabled: true, ttl_secs: 600, redis_url: \"redis://127.0.0.1:{redis_port}/\" }}\n"
+    );
+    let off = env.cache_router(&urls, "", "cache_off", procs).await?;
+    let mem = env
+        .cache_router(&urls, mem_yaml, "cache_mem", procs)
+        .await?;
+    let redis = env
+        .cache_router(&urls, &redis_yaml, "cache_redis", procs)
+        .await?;
+    let direct = addr_of(&urls[0])?;
+    let mut ok = true;
+    let mut fresh = Fresh(1_000_000);
+    let mut t = String::new();
+    let n = cli.cache_requests.max(2);
+    let max = secs(cli.added_max_s / 2.0, "--added-max-s")?;
+    let _ = writeln!(
+        t,
+        "## 5. Response cache\n\n\
+         1 engine (time factor {}); routers with `response_cache` off, in-process \
+         (`{{enabled: true, ttl_secs: 600}}`, moka) and on a local `redis-server` (no \
+         persistence, 127.0.0.1). Small chat requests as in section 1 ({} bytes of JSON, \
+         max_tokens {}). Hit rows replay the 256 bodies of section 1, whose answers were \
+         stored first; miss rows and the cache-off row send a question of their own every \
+         time (the same shape and length), so every one goes to the engine. x-cache is the \
+         router's own count (`{RC}hits_total` / `misses_total` over the row, 0 bypasses) \
+         and must equal the requests.\n",
+        cli.time_factor,
+        small_bodies(cli.max_tokens, false)(0).len(),
+        cli.max_tokens
+    );
+
+    // 1. Latency at concurrency 1.
+    let targets = [
+        CacheTarget {
+            label: "direct to the engine",
+            addr: direct,
+            router: None,
+            expect: None,
+        },
+        CacheTarget {
+            label: "router, cache off",
+            addr: off.proc.addr,
+            router: Some(&off),
+            expect: None,
+        },
+        CacheTarget {
+            label: "router, in-process, miss",
+            addr: mem.proc.addr,
+            router: Some(&mem),
+            expect: Some("miss"),
+        },
+        CacheTarget {
+            label: "router, in-process, **hit**",
+            addr: mem.proc.addr,
+            router: Some(&mem),
+            expect: Some("hit"),
+        },
+        CacheTarget {
+            label: "router, Redis, miss",
+            addr: redis.proc.addr,
+            router: Some(&redis),
+            expect: Some("miss"),
+        },
+        CacheTarget {
+            label: "router, Redis, **hit**",
+            addr: redis.proc.addr,
+            router: Some(&redis),
+            expect: Some("hit"),
+        },
+    ];
+    let _ = writeln!(
+        t,
+        "### Latency at concurrency 1 (µs)\n\n\
+         {n} requests per row, in two halves run in the order of the rows and then back \
+         (drift cancels). added = row − direct, per percentile. Router CPU is utime+stime \
+         over the row's requests.\n"
+    );
+    t.push_str(
+        "| request | path | requests | p50 | p99 | **added p50** | **added p99** | router CPU µs/req | x-cache | errors |\n\
+         | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |\n",
+    );
+    for stream in [false, true] {
+        let repeated = small_bodies(cli.max_tokens, stream);
+        eprintln!("   stream={stream}: storing the 256 hit keys");
+        for r in [&mem, &redis] {
+            warm_keys(env, r, &repeated, 256, stream).await?;
+        }
+        let half = n / 2;
+        let warm = (n / 10).clamp(50, 500);
+        let body_for = |tg: &CacheTarget<'_>, fresh: &mut Fresh, count: u64| {
+            if tg.fresh() {
+                fresh_bodies(cli.max_tokens, stream, fresh.take(count))
+            } else {
+                Arc::clone(&repeated)
+            }
+        };
+        eprintln!("   stream={stream}: c=1, {n} requests per row");
+        for tg in &targets {
+            let body = body_for(tg, &mut fresh, warm);
+            env.cache_run(tg, &env.spec(vec![tg.addr], 1, warm, max, &body, stream))
+                .await?;
+        }
+        let mut rows: Vec<CacheRow> = targets.iter().map(|_| CacheRow::default()).collect();
+        let order: Vec<(usize, u64)> = (0..targets.len())
+            .map(|i| (i, half))
+            .chain((0..targets.len()).rev().map(|i| (i, n - half)))
+            .collect();
+        for (i, count) in order {
+            let tg = &targets[i];
+            let body = body_for(tg, &mut fresh, count);
+            let row = env
+                .cache_run(tg, &env.spec(vec![tg.addr], 1, count, max, &body, stream))
+                .await?;
+            rows[i].merge(row);
+        }
+        let request = if stream {
+            "streamed, end of stream"
+        } else {
+            "non-streamed"
+        };
+        let pd = rows[0].res.latency_us();
+        for (tg, row) in targets.iter().zip(&rows) {
+            let p = row.res.latency_us();
+            let (x, x_ok) = row.x_cache(tg.expect);
+            ok &= x_ok && row.res.errors == 0;
+            if let Some(e) = &row.res.first_error {
+                eprintln!("   {}: {} errors, first: {e}", tg.label, row.res.errors);
+            }
+            let per = row.res.samples.len().max(1) as f64;
+            let (added50, added99) = if tg.router.is_some() {
+                (
+                    format!("**{:+.0}**", p.p50 - pd.p50),
+                    format!("**{:+.0}**", p.p99 - pd.p99),
+                )
+            } else {
+                ("–".into(), "–".into())
+            };
+            let cpu = if tg.router.is_some() {
+                format!("{:.0}", row.router_cpu_s * 1e6 / per)
+            } else {
+                "–".into()
+            };
+            let _ = writeln!(
+                t,
+                "| {request} | {} | {} | {:.0} | {:.0} | {added50} | {added99} | {cpu} | {x} | {} |",
+                tg.label,
+                row.res.samples.len(),
+                p.p50,
+                p.p99,
+                row.res.errors,
+            );
+        }
+    }
+
+    // 2. Hit throughput.
+    let c = cli.cache_concurrency.max(1);
+    let phase = secs(cli.cache_phase_s, "--cache-phase-s")?;
+    let thr_targets = [targets[0], targets[1], targets[3], targets[5]];
+    let me = std::process::id();
+    let _ = writeln!(
+        t,
+        "\n### Hits per second at concurrency {c}\n\n\
+         {:.0} s per row after 1 s of warm-up, the 256 stored bodies (the cache-off row sends \
+         the same ones to the engine). Everything shares the machine's CPUs: the load \
+         generator, router, engine and Redis compete, as in section 2's shared rows. CPU s \
+         are utime+stime over the row.\n",
+        phase.as_secs_f64()
+    );
+    t.push_str(
+        "| request | target | requests | errors | req/s | p50 µs | p99 µs | router CPU s (cores) | router CPU µs/req | engine CPU s | Redis CPU µs/req | client CPU s | x-cache |\n\
+         | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n",
+    );
+    for stream in [false, true] {
+        let body = small_bodies(cli.max_tokens, stream);
+        let request = if stream { "streamed" } else { "non-streamed" };
+        for tg in &thr_targets {
+            eprintln!("   {request}: {} c={c}", tg.label.replace("**", ""));
+            load::run(&env.spec(
+                vec![tg.addr],
+                c,
+                50_000,
+                Duration::from_secs(1),
+                &body,
+                stream,
+            ))
+            .await;
+            let (e0, r0, m0) = (usage(engine_pid), usage(redis_pid), usage(me));
+            let row = env
+                .cache_run(
+                    tg,
+                    &env.spec(vec![tg.addr], c, 5_000_000, phase, &body, stream),
+                )
+                .await?;
+            let (e1, r1, m1) = (usage(engine_pid), usage(redis_pid), usage(me));
+            let (x, x_ok) = row.x_cache(tg.expect);
+            ok &= x_ok && row.res.errors == 0;
+            if let Some(e) = &row.res.first_error {
+                eprintln!("   {} errors, first: {e}", row.res.errors);
+            }
+            let p = row.res.latency_us();
+            let wall = row.res.elapsed.as_secs_f64().max(1e-9);
+            let per = row.res.samples.len().max(1) as f64;
+            let router_cells = if tg.router.is_some() {
+                format!(
+                    "{:.2} ({:.2}) | {:.0}",
+                    row.router_cpu_s,
+                    row.router_cpu_s / wall,
+                    row.router_cpu_s * 1e6 / per
+                )
+            } else {
+                "– | –".into()
+            };
+            let redis_cell = if tg.router.is_some_and(|r| std::ptr::eq(r, &redis)) {
+                format!("{:.0}", env.cpu_s(&r0, &r1) * 1e6 / per)
+            } else {
+                "–".into()
+            };
+            let _ = writeln!(
+                t,
+                "| {request} | {} | {} | {} | {:.0} | {:.0} | {:.0} | {router_cells} | {:.2} | {redis_cell} | {:.2} | {x} |",
+                tg.label,
+                row.res.samples.len(),
+                row.res.errors,
+                row.res.req_per_s(),
+                p.p50,
+                p.p99,
+                env.cpu_s(&e0, &e1),
+                env.cpu_s(&m0, &m1),
+            );
+        }
+    }
+
+    // 3. Memory per stored answer.
+    let entries = cli.cache_entries.max(10);
+    let tenth = entries / 10;
+    let first = fresh.take(entries);
+    let fill_body = |from: u64| fresh_bodies(cli.cache_entry_tokens, false, from);
+    let answer_bytes = {
+        let engine = Admin::new(&urls[0])?;
+        let (status, _, b) = engine.call(CHAT, Some(fill_body(first)(0))).await?;
+        if !status.is_success() {
+            return Err(format!(
+                "the engine answered {status} to a memory-row request"
+            ));
+        }
+        b.len()
+    };
+    let _ = writeln!(
+        t,
+        "\n### Memory per stored answer (in-process store)\n\n\
+         Two fresh routers, one with the in-process cache and one with it off, each sent the \
+         same {entries} distinct non-streamed chat requests (concurrency {c}, {} bytes of \
+         JSON each, max_tokens {}: answers of {answer_bytes} bytes), in two steps: the first \
+         {tenth}, then the rest; each reading after every answer was stored. The cache-off \
+         router grows by its radix tree (the same prompts) and whatever the request path \
+         keeps; the difference is the cache's. Store bytes and entries are \
+         `{RC}bytes` / `{RC}entries`.\n",
+        fill_body(first)(0).len(),
+        cli.cache_entry_tokens,
+    );
+    t.push_str(
+        "| router | point | requests | entries | store bytes | tree_nodes | router RSS |\n\
+         | --- | --- | ---: | ---: | ---: | ---: | ---: |\n",
+    );
+    let mut marginal = Vec::new();
+    for (label, yaml, cache_on) in [
+        ("cache off", "", false),
+        ("in-process cache", mem_yaml, true),
+    ] {
+        eprintln!("   memory: {label}, {entries} distinct requests");
+        let r = env
+            .cache_router(&urls, yaml, &format!("cache_mem_{cache_on}"), procs)
+            .await?;
+        let idle = mem_point(&r, 0, cache_on).await?;
+        let mut points = vec![("idle", idle)];
+        let mut errors = 0;
+        for (step, from, count) in [
+            ("after the first tenth", first, tenth),
+            ("after all", first + tenth, entries - tenth),
+        ] {
+            let res = load::run(&env.spec(
+                vec![r.proc.addr],
+                c,
+                count,
+                Duration::from_secs(30),
+                &fill_body(from),
+                false,
+            ))
+            .await;
+            errors += res.errors;
+            if let Some(e) = &res.first_error {
+                eprintln!("   {} errors, first: {e}", res.errors);
+            }
+            let done = points.last().map_or(0, |p| p.1.requests) + res.samples.len() as u64;
+            if cache_on {
+                wait_stores(&r.admin, done, Duration::from_secs(10)).await?;
+            }
+            points.push((step, mem_point(&r, done, cache_on).await?));
+        }
+        ok &= errors == 0;
+        for (point, p) in &points {
+            let _ = writeln!(
+                t,
+                "| {label} | {point} | {} | {} | {} | {} | {} |",
+                p.requests,
+                if cache_on {
+                    p.entries.to_string()
+                } else {
+                    "–".into()
+                },
+                if cache_on {
+                    mib(p.bytes / 1024)
+                } else {
+                    "–".into()
+                },
+                p.tree_nodes,
+                mib(p.rss_kib)
+            );
+        }
+        let (a, b) = (points[1].1, points[2].1);
+        // Per stored answer with the cache on, per request with it off.
+        let (da, db) = if cache_on {
+            (a.entries, b.entries)
+        } else {
+            (a.requests, b.requests)
+        };
+        let rss = (b.rss_kib.saturating_sub(a.rss_kib) * 1024) as f64;
+        let whole = (b.rss_kib.saturating_sub(idle.rss_kib) * 1024) as f64;
+        marginal.push((
+            rss / db.saturating_sub(da).max(1) as f64,
+            whole / db.max(1) as f64,
+            b,
+        ));
+        if cache_on && b.entries < b.requests {
+            ok = false;
+            let _ = writeln!(
+                t,
+                "\n**only {} of {} answers stored**",
+                b.entries, b.requests
+            );
+        }
+        if errors > 0 {
+            let _ = writeln!(t, "\nrouter log tail:\n```\n{}\n```", r.proc.log_tail());
+        }
+    }
+    if let [(off_m, off_w, _), (on_m, on_w, on_b)] = marginal[..] {
+        let weight = on_b.bytes as f64 / on_b.entries.max(1) as f64;
+        let _ = writeln!(
+            t,
+            "\nRSS growth from the first tenth to all: cache on {on_m:.0} bytes per stored \
+             answer, cache off {off_m:.0} bytes per request; **the cache's share: {:.0} bytes \
+             per entry** (whole fill from idle: {on_w:.0} − {off_w:.0} = {:.0}). The store's own \
+             weight: **{weight:.0} bytes per entry** (`{RC}bytes` / `{RC}entries`: the \
+             {answer_bytes}-byte body, the content type and a fixed 128 bytes of accounted \
+             overhead); the RSS share is {:.1}× that. {} evictions.",
+            on_m - off_m,
+            on_w - off_w,
+            (on_m - off_m) / weight.max(1.0),
+            on_b.evictions,
+        );
+    }
+    if !ok {
+        for r in [&off, &mem, &redis] {
+            let _ = writeln!(t, "\nrouter log tail:\n```\n{}\n```", r.proc.log_tail());
+        }
     }
     Ok((t, ok))
 }
