@@ -101,6 +101,10 @@ impl Store for MemoryStore {
         ready(Ok(())).boxed()
     }
 
+    fn is_local(&self) -> bool {
+        true
+    }
+
     fn stats(&self) -> Option<StoreStats> {
         self.entries.run_pending_tasks();
         self.partitions.run_pending_tasks();

@@ -61,4 +61,8 @@ pub trait Store: Send + Sync + 'static {
     ) -> BoxFuture<'_, Result<(), StoreError>>;
     /// Entries and bytes held, where the store knows (in-process); `None` for Redis.
     fn stats(&self) -> Option<StoreStats>;
+    /// In-process: every call completes at once (no I/O).
+    fn is_local(&self) -> bool {
+        false
+    }
 }

@@ -196,7 +196,7 @@ mod tests {
         for r in &recs {
             b.push(r);
         }
-        assert_eq!(b.records(), 3);
+        assert_eq!(b.records(), 4);
         let bytes = b.into_bytes();
         assert_eq!(decode(&bytes).unwrap(), (42, recs));
         for cut in 0..bytes.len() {
