@@ -71,6 +71,14 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
         router.upstream().clone(),
         shutdown.clone(),
     ));
+    // Workers found at run time (`discovery:`), into the pool's membership path.
+    if let crate::config::DiscoveryConfig::Dns(d) = &router.config().discovery {
+        tokio::spawn(crate::discovery::dns::run(
+            Arc::clone(router.pool()),
+            d.clone(),
+            shutdown.clone(),
+        ));
+    }
     // Routing state shared with the other router replicas (`state.redis_url`).
     if let Some(fleet) = router.fleet() {
         tokio::spawn(Arc::clone(fleet).run(shutdown.clone()));

@@ -56,6 +56,7 @@ pub mod app;
 pub mod cache;
 pub mod clock;
 pub mod config;
+pub mod discovery;
 pub mod error;
 pub mod fleet;
 pub mod metrics;

@@ -21,12 +21,14 @@ use crate::redact;
 use crate::tokenize::chat_template::ContentFormat;
 use crate::tokenize::{LoadError, PromptTokenizer};
 
+mod discovery;
 mod passthrough;
 mod response_cache;
 mod secret;
 pub mod source;
 mod state;
 
+pub use discovery::{DiscoveryConfig, DnsDiscovery};
 pub use passthrough::Passthrough;
 pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticConfig};
 pub use secret::Secret;
@@ -108,6 +110,7 @@ pub struct Config {
     pub engine_metrics: EngineMetricsConfig,
     pub response_cache: ResponseCacheConfig,
     pub state: StateConfig,
+    pub discovery: DiscoveryConfig,
 }
 
 /// `engine_metrics:` — scraping each engine's Prometheus endpoint for its own load
@@ -746,6 +749,7 @@ struct RawConfig {
     response_cache: response_cache::RawResponseCache,
     #[serde(default)]
     state: state::RawState,
+    discovery: Option<Value>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -1470,7 +1474,10 @@ impl Config {
         // does (a half-written file must not take the pool away).
         let missing = raw.workers.is_none();
         let raw_workers = raw.workers.unwrap_or_default();
-        if raw_workers.is_empty() && (require_workers || missing) {
+        // Discovered workers may be the only ones.
+        let discovery = DiscoveryConfig::validate(raw.discovery, ck)?;
+        let discovers = discovery != DiscoveryConfig::Static;
+        if raw_workers.is_empty() && (require_workers || missing) && !discovers {
             return Err(ck.err(
                 "workers",
                 "the worker list is empty: list at least one worker URL (e.g. `- url: http://127.0.0.1:8000`)",
@@ -1921,6 +1928,7 @@ impl Config {
         let state = raw.state.validate(ck)?;
 
         Ok(Config {
+            discovery,
             state,
             response_cache,
             engine_metrics,
@@ -1979,6 +1987,9 @@ impl Config {
         }
         if self.state != other.state {
             return Some("state");
+        }
+        if self.discovery != other.discovery {
+            return Some("discovery");
         }
         None
     }

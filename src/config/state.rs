@@ -50,7 +50,10 @@ mod tests {
         let c = load(ONE).unwrap();
         assert!(c.state.redis_url.is_none());
         assert_eq!(c.state.namespace, "cache-aware-router");
-        let c = load(&format!("state: {{redis_url: \"redis://r:6379/2\", namespace: eu}}\n{ONE}")).unwrap();
+        let c = load(&format!(
+            "state: {{redis_url: \"redis://r:6379/2\", namespace: eu}}\n{ONE}"
+        ))
+        .unwrap();
         assert_eq!(c.state.redis_url.unwrap().expose(), "redis://r:6379/2");
         assert_eq!(c.state.namespace, "eu");
         for (section, key) in [

@@ -56,12 +56,17 @@ pub struct Pool {
     listeners: RwLock<Vec<Arc<dyn PoolListener>>>,
 }
 
-/// Key -> id, with freed ids reused lowest first (so bit sets stay small).
+/// Membership, under one lock: key -> id, with freed ids reused lowest first (so bit
+/// sets stay small), and the two sources of the worker list.
 #[derive(Default)]
 struct Ids {
     by_key: HashMap<String, WorkerId>,
     free: Vec<u32>,
     next: u32,
+    /// `workers:` (SIGHUP replaces it; the admin API adds to and removes from it).
+    configured: Vec<WorkerConfig>,
+    /// What `discovery:` found last (its task replaces it).
+    discovered: Vec<WorkerConfig>,
 }
 
 impl Ids {
@@ -101,6 +106,7 @@ impl Pool {
                 Arc::new(Worker::new(id, cfg.clone(), breaker))
             })
             .collect();
+        ids.configured = workers.to_vec();
         Pool {
             set: ArcSwap::from_pointee(WorkerSet::new(set)),
             ids: Mutex::new(ids),
@@ -122,12 +128,37 @@ impl Pool {
             .push(listener);
     }
 
-    /// Replaces the worker list (SIGHUP reload). A worker whose key stays keeps its id;
-    /// if its config is unchanged it keeps its whole state (health, breaker, in-flight),
-    /// otherwise it starts afresh under the same id. Workers whose key is gone leave.
-    /// Requests in flight keep the set they loaded.
+    /// Replaces the configured worker list (SIGHUP reload); discovered workers stay.
+    /// A worker whose key stays keeps its id; if its config is unchanged it keeps its
+    /// whole state (health, breaker, in-flight), otherwise it starts afresh under the
+    /// same id. Workers whose key is gone leave. Requests in flight keep the set they
+    /// loaded.
     pub fn replace(&self, workers: &[WorkerConfig]) {
         let mut ids = self.lock_ids();
+        ids.configured = workers.to_vec();
+        self.rebuild(&mut ids);
+    }
+
+    /// Replaces the discovered workers (`discovery:`), through the same path as
+    /// [`Pool::replace`]: a new worker joins (health-checked like any other), a vanished
+    /// one leaves (its in-flight requests finish, it gets no new ones, listeners forget
+    /// it). A discovered worker whose key is also configured counts once, as configured.
+    pub fn set_discovered(&self, workers: Vec<WorkerConfig>) {
+        let mut ids = self.lock_ids();
+        ids.discovered = workers;
+        self.rebuild(&mut ids);
+    }
+
+    /// The set for configured + discovered workers (see [`Pool::replace`]).
+    fn rebuild(&self, ids: &mut Ids) {
+        let mut seen = std::collections::HashSet::new();
+        let workers: Vec<WorkerConfig> = ids
+            .configured
+            .iter()
+            .chain(ids.discovered.iter())
+            .filter(|c| seen.insert(c.key().to_string()))
+            .cloned()
+            .collect();
         let old = self.set.load_full();
         let by_key: HashMap<&str, &Arc<Worker>> =
             old.workers().iter().map(|w| (w.key(), w)).collect();
@@ -149,7 +180,7 @@ impl Pool {
             .cloned()
             .collect();
         self.set.store(Arc::new(WorkerSet::new(next)));
-        self.leave(&mut ids, &gone);
+        self.leave(ids, &gone);
     }
 
     /// Adds one worker (admin API). Errors when a worker with that key is in the pool.
@@ -169,10 +200,8 @@ impl Pool {
                 cfg.key()
             ));
         }
-        let id = ids.get_or_assign(cfg.key());
-        let mut next: Vec<Arc<Worker>> = old.workers().to_vec();
-        next.push(Arc::new(Worker::new(id, cfg, &self.breaker)));
-        self.set.store(Arc::new(WorkerSet::new(next)));
+        ids.configured.push(cfg);
+        self.rebuild(&mut ids);
         Ok(())
     }
 
@@ -189,14 +218,11 @@ impl Pool {
         else {
             return false;
         };
-        let next = old
-            .workers()
-            .iter()
-            .filter(|w| w.id() != gone.id())
-            .cloned()
-            .collect();
-        self.set.store(Arc::new(WorkerSet::new(next)));
-        self.leave(&mut ids, &[gone]);
+        // From whichever list holds it (a discovered one returns if discovery finds it
+        // again).
+        ids.configured.retain(|c| c.key() != gone.key());
+        ids.discovered.retain(|c| c.key() != gone.key());
+        self.rebuild(&mut ids);
         true
     }
 

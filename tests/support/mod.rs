@@ -18,6 +18,7 @@
 #![allow(dead_code)]
 
 pub mod binary;
+pub mod dns;
 pub mod redis;
 
 use std::collections::HashMap;
@@ -333,6 +334,7 @@ pub struct FakeWorkerBuilder {
     stale_reset: bool,
     bearer: Option<String>,
     ipv6: bool,
+    bind: Option<String>,
 }
 
 impl FakeWorkerBuilder {
@@ -383,8 +385,19 @@ impl FakeWorkerBuilder {
         self
     }
 
+    /// Listens on `addr` (e.g. `127.0.0.2:40000`: several workers on one port, as
+    /// DNS discovery finds them) instead of an ephemeral loopback port.
+    pub fn bind(mut self, addr: &str) -> Self {
+        self.bind = Some(addr.to_string());
+        self
+    }
+
     pub async fn start(self) -> FakeWorker {
-        let bind = if self.ipv6 { "[::1]:0" } else { "127.0.0.1:0" };
+        let bind = match &self.bind {
+            Some(b) => b.as_str(),
+            None if self.ipv6 => "[::1]:0",
+            None => "127.0.0.1:0",
+        };
         let listener = TcpListener::bind(bind).await.expect("bind mock worker");
         let addr = listener.local_addr().expect("mock worker address");
         let state = Arc::new(State {
@@ -431,6 +444,7 @@ impl FakeWorker {
             stale_reset: false,
             bearer: None,
             ipv6: false,
+            bind: None,
         }
     }
 

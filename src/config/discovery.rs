@@ -1,0 +1,149 @@
+//! `discovery:` — where the worker list comes from besides `workers:` (see
+//! `crate::discovery`).
+
+use std::time::Duration;
+
+use serde::Deserialize;
+use serde_yaml_ng::Value;
+
+use super::{Checker, ConfigError, Secs};
+
+/// `discovery:` — `static` (default: only `workers:`) or `dns: {…}`.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub enum DiscoveryConfig {
+    #[default]
+    Static,
+    Dns(DnsDiscovery),
+}
+
+/// `discovery.dns:` — the A/AAAA records of `name` (a headless Service), each
+/// `http://<address>:<port>`, re-resolved every `interval`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DnsDiscovery {
+    pub name: String,
+    pub port: u16,
+    /// Default 10 s.
+    pub interval: Duration,
+    /// A nameserver `ip:port` to ask; `None` = the system resolver (`/etc/resolv.conf`).
+    pub resolver: Option<std::net::SocketAddr>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDns {
+    name: String,
+    port: u16,
+    interval_secs: Option<Secs>,
+    resolver: Option<String>,
+}
+
+impl DiscoveryConfig {
+    /// Reads `discovery:` (a YAML string or mapping; `None` when absent).
+    pub(super) fn validate(raw: Option<Value>, ck: &Checker<'_>) -> Result<Self, ConfigError> {
+        let Some(v) = raw else {
+            return Ok(DiscoveryConfig::Static);
+        };
+        if v.as_str() == Some("static") {
+            return Ok(DiscoveryConfig::Static);
+        }
+        let Value::Mapping(m) = &v else {
+            return Err(ck.err(
+                "discovery",
+                "expected `static` or `dns: {name, port, interval_secs, resolver}`",
+            ));
+        };
+        if m.len() != 1 {
+            return Err(ck.err("discovery", "give exactly one source: `dns: {…}`"));
+        }
+        let (k, body) = m.iter().next().expect("one entry");
+        match k.as_str() {
+            Some("dns") => {
+                let d: RawDns = serde_yaml_ng::from_value(body.clone())
+                    .map_err(|e| ck.err("discovery.dns", e.to_string()))?;
+                let name = d.name.trim().trim_end_matches('.').to_string();
+                if name.is_empty()
+                    || name.len() > 253
+                    || !name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.' || b == b'_')
+                {
+                    return Err(ck.bad(
+                        "discovery.dns.name",
+                        &d.name,
+                        "is not a DNS name (e.g. engines.default.svc.cluster.local)",
+                    ));
+                }
+                if d.port == 0 {
+                    return Err(ck.bad("discovery.dns.port", 0, "is out of range (1 to 65535)"));
+                }
+                let resolver = d
+                    .resolver
+                    .map(|r| {
+                        r.parse::<std::net::SocketAddr>().map_err(|_| {
+                            ck.bad(
+                                "discovery.dns.resolver",
+                                &r,
+                                "is not an ip:port (e.g. 10.96.0.10:53)",
+                            )
+                        })
+                    })
+                    .transpose()?;
+                Ok(DiscoveryConfig::Dns(DnsDiscovery {
+                    name,
+                    port: d.port,
+                    interval: ck.secs("discovery.dns.interval_secs", d.interval_secs, 10.0, None)?,
+                    resolver,
+                }))
+            }
+            Some("kubernetes") => Err(ck.err(
+                "discovery.kubernetes",
+                "is not supported yet; point `discovery.dns` at a headless Service (its A records are the ready pods)",
+            )),
+            _ => Err(ck.err(
+                "discovery",
+                "unknown source: expected `static` or `dns: {name, port, interval_secs, resolver}`",
+            )),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::config::Config;
+
+    fn load(doc: &str) -> Result<Config, String> {
+        Config::from_sources([(Path::new("a.yaml"), doc)]).map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn dns_needs_no_static_workers_and_bad_values_name_their_key() {
+        let c = load("discovery:\n  dns: {name: engines.default.svc.cluster.local., port: 8000}\n")
+            .unwrap();
+        let DiscoveryConfig::Dns(d) = c.discovery else {
+            panic!("dns")
+        };
+        assert_eq!(d.name, "engines.default.svc.cluster.local");
+        assert_eq!((d.port, d.interval, d.resolver), (8000, Duration::from_secs(10), None));
+        assert!(c.workers.is_empty());
+        let c = load("discovery: static\nworkers:\n  - url: http://a:1\n").unwrap();
+        assert_eq!(c.discovery, DiscoveryConfig::Static);
+        assert!(load("discovery: static\n").unwrap_err().contains("workers"));
+        for (section, key) in [
+            ("dns: {name: \"bad name\", port: 1}", "discovery.dns.name"),
+            ("dns: {name: e, port: 0}", "discovery.dns.port"),
+            ("dns: {name: e, port: 1, resolver: dns.local}", "discovery.dns.resolver"),
+            ("dns: {name: e, port: 1, interval_secs: 0}", "discovery.dns.interval_secs"),
+            ("dns: {name: e}", "discovery.dns"),
+            ("dns: {name: e, port: 1, every: 2}", "discovery.dns"),
+            ("kubernetes: {namespace: x}", "discovery.kubernetes"),
+            ("consul: {}", "discovery"),
+            ("[1]", "discovery"),
+        ] {
+            let e = load(&format!("discovery:\n  {section}\n")).unwrap_err();
+            assert!(e.contains(key), "{section}: {e}");
+        }
+    }
+}
