@@ -126,7 +126,10 @@ mod tests {
             panic!("dns")
         };
         assert_eq!(d.name, "engines.default.svc.cluster.local");
-        assert_eq!((d.port, d.interval, d.resolver), (8000, Duration::from_secs(10), None));
+        assert_eq!(
+            (d.port, d.interval, d.resolver),
+            (8000, Duration::from_secs(10), None)
+        );
         assert!(c.workers.is_empty());
         let c = load("discovery: static\nworkers:\n  - url: http://a:1\n").unwrap();
         assert_eq!(c.discovery, DiscoveryConfig::Static);
@@ -134,8 +137,14 @@ mod tests {
         for (section, key) in [
             ("dns: {name: \"bad name\", port: 1}", "discovery.dns.name"),
             ("dns: {name: e, port: 0}", "discovery.dns.port"),
-            ("dns: {name: e, port: 1, resolver: dns.local}", "discovery.dns.resolver"),
-            ("dns: {name: e, port: 1, interval_secs: 0}", "discovery.dns.interval_secs"),
+            (
+                "dns: {name: e, port: 1, resolver: dns.local}",
+                "discovery.dns.resolver",
+            ),
+            (
+                "dns: {name: e, port: 1, interval_secs: 0}",
+                "discovery.dns.interval_secs",
+            ),
             ("dns: {name: e}", "discovery.dns"),
             ("dns: {name: e, port: 1, every: 2}", "discovery.dns"),
             ("kubernetes: {namespace: x}", "discovery.kubernetes"),

@@ -65,4 +65,45 @@ mod tests {
             assert!(e.contains(key), "{section}: {e}");
         }
     }
+
+    /// The router configs shipped in deploy/kubernetes/ (ConfigMaps, and the Secret's
+    /// admin layer) are valid, layered as the Deployments pass them.
+    #[test]
+    fn the_kubernetes_examples_are_valid_configs() {
+        use serde::Deserialize;
+        for (file, text) in [
+            (
+                "cache-aware-router.yaml",
+                include_str!("../../deploy/kubernetes/cache-aware-router.yaml"),
+            ),
+            (
+                "fleet.yaml",
+                include_str!("../../deploy/kubernetes/fleet.yaml"),
+            ),
+        ] {
+            let mut layers: Vec<(String, String)> = Vec::new();
+            for doc in serde_yaml_ng::Deserializer::from_str(text) {
+                let v = serde_yaml_ng::Value::deserialize(doc).expect("a YAML document");
+                for key in ["data", "stringData"] {
+                    if let Some(m) = v.get(key).and_then(|d| d.as_mapping()) {
+                        for (name, body) in m {
+                            let name = name.as_str().unwrap().to_string();
+                            layers.push((name, body.as_str().unwrap().to_string()));
+                        }
+                    }
+                }
+            }
+            assert!(!layers.is_empty(), "{file}: no config found");
+            let c = Config::from_sources(
+                layers
+                    .iter()
+                    .map(|(n, t)| (Path::new(n.as_str()), t.as_str())),
+            )
+            .unwrap_or_else(|e| panic!("{file}: {e}"));
+            if file == "fleet.yaml" {
+                assert!(c.state.redis_url.is_some() && c.response_cache.redis_url.is_some());
+                assert!(c.server.admin_token.is_some());
+            }
+        }
+    }
 }
