@@ -72,12 +72,22 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
         shutdown.clone(),
     ));
     // Workers found at run time (`discovery:`), into the pool's membership path.
-    if let crate::config::DiscoveryConfig::Dns(d) = &router.config().discovery {
-        tokio::spawn(crate::discovery::dns::run(
-            Arc::clone(router.pool()),
-            d.clone(),
-            shutdown.clone(),
-        ));
+    match &router.config().discovery {
+        crate::config::DiscoveryConfig::Static => {}
+        crate::config::DiscoveryConfig::Dns(d) => {
+            tokio::spawn(crate::discovery::dns::run(
+                Arc::clone(router.pool()),
+                d.clone(),
+                shutdown.clone(),
+            ));
+        }
+        crate::config::DiscoveryConfig::Kubernetes(k) => {
+            tokio::spawn(crate::discovery::kubernetes::run(
+                Arc::clone(router.pool()),
+                k.clone(),
+                shutdown.clone(),
+            ));
+        }
     }
     // Routing state shared with the other router replicas (`state.redis_url`).
     if let Some(fleet) = router.fleet() {

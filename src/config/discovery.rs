@@ -8,12 +8,34 @@ use serde_yaml_ng::Value;
 
 use super::{Checker, ConfigError, Secs};
 
-/// `discovery:` — `static` (default: only `workers:`) or `dns: {…}`.
+/// `discovery:` — `static` (default: only `workers:`), `dns: {…}` or `kubernetes: {…}`.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub enum DiscoveryConfig {
     #[default]
     Static,
     Dns(DnsDiscovery),
+    Kubernetes(KubernetesDiscovery),
+}
+
+/// `discovery.kubernetes:` — the ready endpoints of the EndpointSlices that match
+/// `label_selector` in `namespace`, each `http://<address>:<port named port_name>`,
+/// watched through the API server.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KubernetesDiscovery {
+    /// `None` = the client's default namespace (the pod's own, in-cluster).
+    pub namespace: Option<String>,
+    /// e.g. `kubernetes.io/service-name=vllm` or `app=vllm`.
+    pub label_selector: String,
+    /// The slice port to use; `None` = the slice's only (or first) port.
+    pub port_name: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKubernetes {
+    namespace: Option<String>,
+    label_selector: String,
+    port_name: Option<String>,
 }
 
 /// `discovery.dns:` — the A/AAAA records of `name` (a headless Service), each
@@ -49,11 +71,14 @@ impl DiscoveryConfig {
         let Value::Mapping(m) = &v else {
             return Err(ck.err(
                 "discovery",
-                "expected `static` or `dns: {name, port, interval_secs, resolver}`",
+                "expected `static`, `dns: {name, port, interval_secs, resolver}` or `kubernetes: {namespace, label_selector, port_name}`",
             ));
         };
         if m.len() != 1 {
-            return Err(ck.err("discovery", "give exactly one source: `dns: {…}`"));
+            return Err(ck.err(
+                "discovery",
+                "give exactly one source: `dns: {…}` or `kubernetes: {…}`",
+            ));
         }
         let (k, body) = m.iter().next().expect("one entry");
         match k.as_str() {
@@ -91,17 +116,46 @@ impl DiscoveryConfig {
                 Ok(DiscoveryConfig::Dns(DnsDiscovery {
                     name,
                     port: d.port,
-                    interval: ck.secs("discovery.dns.interval_secs", d.interval_secs, 10.0, None)?,
+                    interval: ck.secs(
+                        "discovery.dns.interval_secs",
+                        d.interval_secs,
+                        10.0,
+                        None,
+                    )?,
                     resolver,
                 }))
             }
-            Some("kubernetes") => Err(ck.err(
-                "discovery.kubernetes",
-                "is not supported yet; point `discovery.dns` at a headless Service (its A records are the ready pods)",
-            )),
+            Some("kubernetes") => {
+                let k: RawKubernetes = serde_yaml_ng::from_value(body.clone())
+                    .map_err(|e| ck.err("discovery.kubernetes", e.to_string()))?;
+                if k.label_selector.trim().is_empty() {
+                    return Err(ck.err(
+                        "discovery.kubernetes.label_selector",
+                        "is empty: select the engines' EndpointSlices, e.g. kubernetes.io/service-name=vllm",
+                    ));
+                }
+                if let Some(ns) = &k.namespace
+                    && (ns.is_empty()
+                        || ns.len() > 63
+                        || !ns
+                            .bytes()
+                            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-'))
+                {
+                    return Err(ck.bad(
+                        "discovery.kubernetes.namespace",
+                        ns,
+                        "is not a namespace name (lowercase letters, digits, `-`)",
+                    ));
+                }
+                Ok(DiscoveryConfig::Kubernetes(KubernetesDiscovery {
+                    namespace: k.namespace,
+                    label_selector: k.label_selector.trim().to_string(),
+                    port_name: k.port_name.filter(|p| !p.is_empty()),
+                }))
+            }
             _ => Err(ck.err(
                 "discovery",
-                "unknown source: expected `static` or `dns: {name, port, interval_secs, resolver}`",
+                "unknown source: expected `static`, `dns: {…}` or `kubernetes: {…}`",
             )),
         }
     }
@@ -131,6 +185,16 @@ mod tests {
             (8000, Duration::from_secs(10), None)
         );
         assert!(c.workers.is_empty());
+        let c = load("discovery:\n  kubernetes: {label_selector: app=vllm, port_name: http}\n")
+            .unwrap();
+        assert_eq!(
+            c.discovery,
+            DiscoveryConfig::Kubernetes(KubernetesDiscovery {
+                namespace: None,
+                label_selector: "app=vllm".into(),
+                port_name: Some("http".into()),
+            })
+        );
         let c = load("discovery: static\nworkers:\n  - url: http://a:1\n").unwrap();
         assert_eq!(c.discovery, DiscoveryConfig::Static);
         assert!(load("discovery: static\n").unwrap_err().contains("workers"));
@@ -148,6 +212,14 @@ mod tests {
             ("dns: {name: e}", "discovery.dns"),
             ("dns: {name: e, port: 1, every: 2}", "discovery.dns"),
             ("kubernetes: {namespace: x}", "discovery.kubernetes"),
+            (
+                "kubernetes: {label_selector: \" \"}",
+                "discovery.kubernetes.label_selector",
+            ),
+            (
+                "kubernetes: {label_selector: a=b, namespace: Prod}",
+                "discovery.kubernetes.namespace",
+            ),
             ("consul: {}", "discovery"),
             ("[1]", "discovery"),
         ] {

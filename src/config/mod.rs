@@ -28,7 +28,7 @@ mod secret;
 pub mod source;
 mod state;
 
-pub use discovery::{DiscoveryConfig, DnsDiscovery};
+pub use discovery::{DiscoveryConfig, DnsDiscovery, KubernetesDiscovery};
 pub use passthrough::Passthrough;
 pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticConfig};
 pub use secret::Secret;

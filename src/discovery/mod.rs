@@ -4,12 +4,13 @@
 //! - `dns`: the A/AAAA records of a name (a Kubernetes headless Service lists its ready
 //!   pods), re-resolved every `interval_secs` ([`dns`]).
 //!
-//! A lookup that fails or finds nothing leaves the list as it was (a resolver hiccup
+//! For DNS, a lookup that fails or finds nothing leaves the list as it was (a resolver hiccup
 //! must not empty the pool); a worker leaves only after it is missing from
 //! [`ABSENT_ROUNDS`] lookups in a row, so a flapping record does not churn the pool (each
 //! leave forgets the worker's routing memory).
 
 pub mod dns;
+pub mod kubernetes;
 
 use std::collections::{BTreeMap, BTreeSet};
 

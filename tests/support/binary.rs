@@ -97,10 +97,16 @@ impl Running {
 /// Starts the binary with `files` (which must set `log.format: json`) and waits for the
 /// line announcing the listening address.
 pub fn serve(files: &[&Path]) -> Running {
+    serve_with_env(files, &[])
+}
+
+/// As [`serve`], with these environment variables set for the binary.
+pub fn serve_with_env(files: &[&Path], env: &[(&str, &str)]) -> Running {
     let mut cmd = Command::new(BIN);
     for f in files {
         cmd.arg("-c").arg(f);
     }
+    cmd.envs(env.iter().copied());
     let child = cmd
         .env_remove("RUST_LOG")
         .stdout(Stdio::piped())

@@ -19,6 +19,7 @@
 
 pub mod binary;
 pub mod dns;
+pub mod kube_api;
 pub mod redis;
 
 use std::collections::HashMap;
