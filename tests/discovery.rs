@@ -20,42 +20,18 @@ fn config(dns: &DnsStub, port: u16) -> String {
     )
 }
 
-async fn urls(addr: std::net::SocketAddr) -> Vec<String> {
-    get_workers(addr).await["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| w["url"].as_str().unwrap().to_string())
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_follow_the_records_and_a_leaving_one_finishes_its_requests() {
     let gate = Gate::new();
-    let held = gate.clone();
-    let a = FakeWorker::builder()
-        .bind("127.0.0.2:0")
-        .reply(move |r| {
-            if r.body_str().contains("hold") {
-                Reply::ok().after_gate(&held)
-            } else {
-                Reply::ok()
-            }
-        })
-        .start()
-        .await;
+    let (a, b) = workers_on_one_port(&gate).await;
     let port = a.port();
-    let b = FakeWorker::builder()
-        .bind(&format!("127.0.0.3:{port}"))
-        .start()
-        .await;
     let dns = DnsStub::start(&[A]).await;
     let router = start_router(&config(&dns, port)).await;
     let r = router.addr;
     let url_a = format!("http://127.0.0.2:{port}");
     let url_b = format!("http://127.0.0.3:{port}");
     wait_until("A discovered", Duration::from_secs(5), || async {
-        urls(r).await == vec![url_a.clone()]
+        worker_urls(r).await == vec![url_a.clone()]
     })
     .await;
     // A long prompt, so that its follow-up is a cache hit on A.
@@ -71,7 +47,7 @@ async fn workers_follow_the_records_and_a_leaving_one_finishes_its_requests() {
     // B joins.
     dns.set(&[A, B]);
     wait_until("B joins", Duration::from_secs(5), || async {
-        urls(r).await.len() == 2
+        worker_urls(r).await.len() == 2
     })
     .await;
 
@@ -87,7 +63,7 @@ async fn workers_follow_the_records_and_a_leaving_one_finishes_its_requests() {
     a.wait_for_requests(2).await;
     dns.set(&[B]);
     wait_until("A leaves", Duration::from_secs(5), || async {
-        urls(r).await == vec![url_b.clone()]
+        worker_urls(r).await == vec![url_b.clone()]
     })
     .await;
     for i in 0..4 {
@@ -112,7 +88,7 @@ async fn workers_follow_the_records_and_a_leaving_one_finishes_its_requests() {
         dns.queries() >= asked + 3
     })
     .await;
-    assert_eq!(urls(r).await, vec![url_b.clone()]);
+    assert_eq!(worker_urls(r).await, vec![url_b.clone()]);
     let (resp, _) = send_tagged(
         r,
         &[&a, &b],

@@ -7,6 +7,7 @@ mod support;
 
 use std::time::Duration;
 
+use cache_aware_router::app;
 use support::redis::RedisServer;
 use support::*;
 
@@ -60,16 +61,28 @@ async fn hits(addr: std::net::SocketAddr) -> f64 {
     )
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_prefix_learned_through_one_replica_routes_the_same_through_the_other() {
+/// A Redis, two workers and two replicas, both subscribed: replica 1 knows only w1 (so
+/// everything it serves lands there), replica 2 knows both.
+async fn pair() -> (
+    RedisServer,
+    FakeWorker,
+    FakeWorker,
+    app::RunningRouter,
+    app::RunningRouter,
+) {
     let redis = RedisServer::start();
     let w0 = FakeWorker::start().await;
     let w1 = FakeWorker::start().await;
-    // Replica 1 knows only w1, so everything it serves lands there; replica 2 has both.
     let one = start_router(&yaml_for(&[&w1], &state(&redis))).await;
     let two = start_router(&yaml_for(&[&w0, &w1], &state(&redis))).await;
     wait_connected(one.addr).await;
     wait_connected(two.addr).await;
+    (redis, w0, w1, one, two)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prefix_learned_through_one_replica_routes_the_same_through_the_other() {
+    let (_redis, w0, w1, one, two) = pair().await;
     for k in 0..6 {
         let before = remote_records(two.addr).await;
         let r = send(one.addr, &chat_with(&system(k), "first question")).await;
@@ -166,13 +179,7 @@ async fn in_flight_through_one_replica_counts_in_the_others_guard() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_outage_leaves_both_serving_then_sharing_resumes() {
-    let mut redis = RedisServer::start();
-    let w0 = FakeWorker::start().await;
-    let w1 = FakeWorker::start().await;
-    let one = start_router(&yaml_for(&[&w1], &state(&redis))).await;
-    let two = start_router(&yaml_for(&[&w0, &w1], &state(&redis))).await;
-    wait_connected(one.addr).await;
-    wait_connected(two.addr).await;
+    let (mut redis, w0, w1, one, two) = pair().await;
 
     redis.kill();
     for i in 0..5 {
@@ -210,13 +217,7 @@ async fn redis_outage_leaves_both_serving_then_sharing_resumes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_session_bound_through_one_replica_is_honoured_by_the_other() {
-    let redis = RedisServer::start();
-    let w0 = FakeWorker::start().await;
-    let w1 = FakeWorker::start().await;
-    let one = start_router(&yaml_for(&[&w1], &state(&redis))).await;
-    let two = start_router(&yaml_for(&[&w0, &w1], &state(&redis))).await;
-    wait_connected(one.addr).await;
-    wait_connected(two.addr).await;
+    let (_redis, w0, w1, one, two) = pair().await;
     let sessions = |addr| async move {
         scrape(addr).await.value(
             "cache_aware_router_routing_decisions_total",

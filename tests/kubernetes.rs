@@ -12,35 +12,11 @@ use std::time::Duration;
 use support::kube_api::{FakeKubeApi, slice};
 use support::*;
 
-async fn urls(addr: std::net::SocketAddr) -> Vec<String> {
-    get_workers(addr).await["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|w| w["url"].as_str().unwrap().to_string())
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn workers_follow_ready_endpoints_of_the_slices() {
     let gate = Gate::new();
-    let held = gate.clone();
-    let a = FakeWorker::builder()
-        .bind("127.0.0.2:0")
-        .reply(move |r| {
-            if r.body_str().contains("hold") {
-                Reply::ok().after_gate(&held)
-            } else {
-                Reply::ok()
-            }
-        })
-        .start()
-        .await;
+    let (a, b) = workers_on_one_port(&gate).await;
     let port = a.port();
-    let b = FakeWorker::builder()
-        .bind(&format!("127.0.0.3:{port}"))
-        .start()
-        .await;
     let (ua, ub) = (
         format!("http://127.0.0.2:{port}"),
         format!("http://127.0.0.3:{port}"),
@@ -63,7 +39,7 @@ async fn workers_follow_ready_endpoints_of_the_slices() {
     wait_until(
         "A discovered from the list",
         Duration::from_secs(10),
-        || async { urls(r).await == vec![ua.clone()] },
+        || async { worker_urls(r).await == vec![ua.clone()] },
     )
     .await;
     let long = "tell me everything about the history of the city and its rivers ".repeat(8);
@@ -82,7 +58,7 @@ async fn workers_follow_ready_endpoints_of_the_slices() {
         &[("127.0.0.2", true), ("127.0.0.3", true)],
     ));
     wait_until("B joins", Duration::from_secs(10), || async {
-        urls(r).await.len() == 2
+        worker_urls(r).await.len() == 2
     })
     .await;
 
@@ -102,7 +78,7 @@ async fn workers_follow_ready_endpoints_of_the_slices() {
         &[("127.0.0.2", false), ("127.0.0.3", true)],
     ));
     wait_until("A leaves", Duration::from_secs(10), || async {
-        urls(r).await == vec![ub.clone()]
+        worker_urls(r).await == vec![ub.clone()]
     })
     .await;
     let (resp, by) = send_tagged(
@@ -130,14 +106,14 @@ async fn workers_follow_ready_endpoints_of_the_slices() {
         ));
     }
     wait_until("A back after flapping", Duration::from_secs(10), || async {
-        urls(r).await.len() == 2
+        worker_urls(r).await.len() == 2
     })
     .await;
 
     // The slice is deleted: its workers go, and the router says there is none.
     api.delete("vllm-1");
     wait_until("no workers", Duration::from_secs(10), || async {
-        urls(r).await.is_empty()
+        worker_urls(r).await.is_empty()
     })
     .await;
     let resp = post(r, "/v1/chat/completions", chat_body("x", false)).await;

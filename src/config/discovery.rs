@@ -163,14 +163,9 @@ impl DiscoveryConfig {
 
 #[cfg(test)]
 mod tests {
-    use std::path::Path;
-
     use super::*;
-    use crate::config::Config;
 
-    fn load(doc: &str) -> Result<Config, String> {
-        Config::from_sources([(Path::new("a.yaml"), doc)]).map_err(|e| e.to_string())
-    }
+    use crate::config::load_text as load;
 
     #[test]
     fn dns_needs_no_static_workers_and_bad_values_name_their_key() {

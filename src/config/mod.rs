@@ -1995,6 +1995,13 @@ impl Config {
     }
 }
 
+/// One YAML text (`a.yaml`) as a config, the error as its message: for the section
+/// modules' tests.
+#[cfg(test)]
+pub(crate) fn load_text(doc: &str) -> Result<Config, String> {
+    Config::from_sources([(Path::new("a.yaml"), doc)]).map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -273,9 +273,7 @@ mod tests {
 
     const ONE: &str = "workers:\n  - url: http://127.0.0.1:8001\n";
 
-    fn load(doc: &str) -> Result<Config, String> {
-        Config::from_sources([(Path::new("a.yaml"), doc)]).map_err(|e| e.to_string())
-    }
+    use crate::config::load_text as load;
 
     #[test]
     fn defaults_and_a_full_section() {

@@ -85,16 +85,7 @@ pub async fn run(pool: Arc<Pool>, cfg: DnsDiscovery, mut shutdown: Shutdown) {
         let Some(urls) = found.update(&seen) else {
             continue;
         };
-        let workers: Vec<_> = urls
-            .iter()
-            .filter_map(|u| {
-                super::worker(u)
-                    .inspect_err(|e| tracing::warn!(url = %u, error = %e, "discovered address is not a worker URL"))
-                    .ok()
-            })
-            .collect();
-        tracing::info!(name = %cfg.name, workers = workers.len(), "DNS discovery: worker list changed");
-        pool.set_discovered(workers);
+        super::publish(&pool, &urls, "dns");
     }
 }
 

@@ -122,19 +122,7 @@ pub async fn run(pool: Arc<Pool>, cfg: KubernetesDiscovery, mut shutdown: Shutdo
         if published.as_ref() == Some(&urls) {
             continue;
         }
-        let workers: Vec<_> = urls
-            .iter()
-            .filter_map(|u| {
-                super::worker(u)
-                    .inspect_err(|e| tracing::warn!(url = %u, error = %e, "discovered address is not a worker URL"))
-                    .ok()
-            })
-            .collect();
-        tracing::info!(
-            workers = workers.len(),
-            "Kubernetes discovery: worker list changed"
-        );
-        pool.set_discovered(workers);
+        super::publish(&pool, &urls, "kubernetes");
         published = Some(urls);
     }
 }

@@ -15,6 +15,7 @@ pub mod kubernetes;
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::config::WorkerConfig;
+use crate::pool::Pool;
 
 /// Consecutive lookups a worker must be missing from before it leaves.
 pub const ABSENT_ROUNDS: u32 = 2;
@@ -49,6 +50,24 @@ impl Found {
 /// is `proxy.api_key`).
 pub fn worker(url: &str) -> Result<WorkerConfig, String> {
     WorkerConfig::from_json(serde_json::json!({ "url": url }).to_string().as_bytes())
+}
+
+/// Hands `pool` the workers at `urls` (`source` names the discovery in the log).
+pub fn publish<'a>(pool: &Pool, urls: impl IntoIterator<Item = &'a String>, source: &str) {
+    let workers: Vec<WorkerConfig> = urls
+        .into_iter()
+        .filter_map(|u| {
+            worker(u)
+                .inspect_err(|e| tracing::warn!(url = %u, error = %e, "discovered address is not a worker URL"))
+                .ok()
+        })
+        .collect();
+    tracing::info!(
+        source,
+        workers = workers.len(),
+        "discovery: worker list changed"
+    );
+    pool.set_discovered(workers);
 }
 
 #[cfg(test)]

@@ -1358,6 +1358,38 @@ pub async fn get_workers(addr: SocketAddr) -> serde_json::Value {
     r.json()
 }
 
+/// The workers' URLs, in `/workers` order.
+pub async fn worker_urls(addr: SocketAddr) -> Vec<String> {
+    get_workers(addr).await["workers"]
+        .as_array()
+        .expect("workers array")
+        .iter()
+        .map(|w| w["url"].as_str().expect("url").to_string())
+        .collect()
+}
+
+/// Two workers on one port, as discovery finds a Deployment's pods: `a` on 127.0.0.2
+/// (holds any request whose body says `hold` until `gate` opens), `b` on 127.0.0.3.
+pub async fn workers_on_one_port(gate: &Gate) -> (FakeWorker, FakeWorker) {
+    let held = gate.clone();
+    let a = FakeWorker::builder()
+        .bind("127.0.0.2:0")
+        .reply(move |r| {
+            if r.body_str().contains("hold") {
+                Reply::ok().after_gate(&held)
+            } else {
+                Reply::ok()
+            }
+        })
+        .start()
+        .await;
+    let b = FakeWorker::builder()
+        .bind(&format!("127.0.0.3:{}", a.port()))
+        .start()
+        .await;
+    (a, b)
+}
+
 /// In-flight count per worker, in `/workers` order.
 pub async fn in_flight(addr: SocketAddr) -> Vec<u64> {
     get_workers(addr).await["workers"]
