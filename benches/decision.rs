@@ -4,14 +4,29 @@
 //! p50/p99/max per decision in µs (a bench binary rather than criterion because the
 //! target is a tail percentile, which criterion does not report).
 //!
+//! `cache_aware` runs three times, interleaved request by request (the order rotating):
+//! sharing off, and twice with sharing on (`state.redis_url`), each over a copy of the
+//! same tree and a [`Fleet`] index holding what a second replica published: "every
+//! prompt" (it served the tree fill's prompts and every distinct request of the run, so
+//! each remote lookup walks the whole 32 KiB: 256 chunks) and "fill only" (it served
+//! the tree fill's prompts, so lookups stop after the shared 2 KiB system prompt). The
+//! Redis URL names a closed port and is never connected (the decision path reads only
+//! the in-process index and queues a record for the publisher, not running here). A
+//! last pass times the remote lookup alone (`Fleet::longest_prefix`, and the chunk
+//! hashing inside it).
+//!
 //! Run: `cargo bench --bench decision` (add `-- --nodes 200000` for a quicker run).
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use cache_aware_router::config::Config;
-use cache_aware_router::policy::{self, Candidate, Outcome, RouteRequest};
-use cache_aware_router::pool::{Pool, WorkerId};
+use cache_aware_router::fleet::wire::{Batch, Record};
+use cache_aware_router::fleet::{Fleet, chain};
+use cache_aware_router::policy::{self, Candidate, Outcome, Policy, RouteRequest};
+use cache_aware_router::pool::{Pool, WorkerId, WorkerSet};
 use cache_aware_router::prompt::{Endpoint, extract};
+use cache_aware_router::tree::{RemotePrefixes, WorkerMask};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -77,15 +92,151 @@ fn percentile(sorted: &[Duration], p: f64) -> f64 {
     sorted[i].as_secs_f64() * 1e6
 }
 
-fn report(name: &str, mut samples: Vec<Duration>) {
+/// Prints p50/p99/max of `samples` and returns (p50, p99) in µs.
+fn report(name: &str, samples: &mut [Duration]) -> (f64, f64) {
     samples.sort();
+    let (p50, p99) = (percentile(samples, 0.50), percentile(samples, 0.99));
     println!(
-        "{name:<34} n={:<6} p50={:>7.1} µs  p99={:>7.1} µs  max={:>8.1} µs",
+        "{name:<34} n={:<6} p50={p50:>7.1} µs  p99={p99:>7.1} µs  max={:>8.1} µs",
         samples.len(),
-        percentile(&samples, 0.50),
-        percentile(&samples, 0.99),
-        percentile(&samples, 1.0),
+        percentile(samples, 1.0),
     );
+    (p50, p99)
+}
+
+/// One policy measured through the seam.
+struct Lane {
+    name: &'static str,
+    set: Arc<WorkerSet>,
+    policy: Arc<dyn Policy>,
+    rng: StdRng,
+    extract_t: Vec<Duration>,
+    pick_t: Vec<Duration>,
+    total_t: Vec<Duration>,
+    hits: usize,
+}
+
+impl Lane {
+    fn new(name: &'static str, set: Arc<WorkerSet>, policy: Arc<dyn Policy>) -> Self {
+        Lane {
+            name,
+            set,
+            policy,
+            rng: StdRng::seed_from_u64(7),
+            extract_t: Vec::new(),
+            pick_t: Vec::new(),
+            total_t: Vec::new(),
+            hits: 0,
+        }
+    }
+
+    /// One decision, as the proxy makes it: extract, pick, observe(Served).
+    fn decide(&mut self, body: &[u8], max_prompt_bytes: usize) {
+        let t0 = Instant::now();
+        let ctx = extract(Endpoint::ChatCompletions, body, max_prompt_bytes);
+        let t1 = Instant::now();
+        let req = RouteRequest {
+            ctx: Some(&ctx),
+            tie: Some(ctx.digest),
+            ..Default::default()
+        };
+        let candidates: Vec<Candidate> = self
+            .set
+            .workers()
+            .iter()
+            .map(|w| Candidate {
+                id: w.id(),
+                load: w.load(),
+                usable: true,
+                cache_aware: true,
+            })
+            .collect();
+        let pick = self
+            .policy
+            .pick(&req, &self.set, &candidates, &mut self.rng);
+        if let Some(w) = pick.worker.and_then(|id| self.set.get(id)) {
+            self.policy.observe(&req, &pick, w, Outcome::Served);
+        }
+        let t2 = Instant::now();
+        std::hint::black_box(&pick);
+        if pick.reason == cache_aware_router::policy::Reason::CacheHit {
+            self.hits += 1;
+        }
+        self.extract_t.push(t1 - t0);
+        self.pick_t.push(t2 - t1);
+        self.total_t.push(t2 - t0);
+    }
+}
+
+/// `cache_aware` with sharing on: its own pool and policy, its tree shared with a
+/// fleet whose index is filled with another replica's prefix records, batched as the
+/// publisher batches them.
+struct Sharing {
+    /// Its lane's name.
+    name: &'static str,
+    pool: Arc<Pool>,
+    policy: Arc<dyn Policy>,
+    fleet: Arc<Fleet>,
+    keys: Vec<u64>,
+    batch: Batch,
+    took: Duration,
+}
+
+impl Sharing {
+    /// Another replica's id: never this process's own (random) one in practice.
+    const FROM: u64 = 0x5eed_f1ee_7000_0001;
+
+    fn new(cfg: &Config, name: &'static str) -> Self {
+        let pool = Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
+        let policy = policy::build(cfg, &pool);
+        let fleet = Fleet::new(&cfg.state, Arc::clone(&pool)).expect("fleet");
+        policy
+            .tree()
+            .expect("cache_aware keeps a tree")
+            .share(Arc::clone(&fleet) as Arc<dyn RemotePrefixes>);
+        let keys = pool.set().workers().iter().map(|w| w.key_hash()).collect();
+        Sharing {
+            name,
+            pool,
+            policy,
+            fleet,
+            keys,
+            batch: Batch::new(Self::FROM),
+            took: Duration::ZERO,
+        }
+    }
+
+    fn add(&mut self, text: &[u8], worker: usize) {
+        let t = Instant::now();
+        self.batch.push(&Record::Prefix {
+            worker: self.keys[worker % self.keys.len()],
+            chain: chain(text).collect(),
+        });
+        if self.batch.records() >= 256 {
+            self.flush();
+        }
+        self.took += t.elapsed();
+    }
+
+    fn flush(&mut self) {
+        let full = std::mem::replace(&mut self.batch, Batch::new(Self::FROM));
+        if !full.is_empty() {
+            self.fleet.apply_message(&full.into_bytes());
+        }
+    }
+
+    /// Flushes, copies `tree` in and says what the index holds.
+    fn ready(&mut self, tree: &cache_aware_router::tree::RadixTree) {
+        self.flush();
+        *self.policy.tree().expect("tree").lock() = tree.clone();
+        println!(
+            "fleet index ({}): {} chunk hashes from another replica (cap {}), applied in {:.1} s",
+            self.name,
+            self.fleet.remote_records(),
+            cache_aware_router::fleet::MAX_RECORDS,
+            self.took.as_secs_f64()
+        );
+    }
 }
 
 fn main() {
@@ -111,21 +262,29 @@ fn main() {
     }
     let mut rng = StdRng::seed_from_u64(42);
     let workers = 4u32;
-    let config = |policy: &str| {
+    let config_with = |policy: &str, extra: &str| {
         let yaml = format!(
-            "policy: {policy}\ncache:\n  max_tree_size: 4000000000\n  eviction_interval_secs: 0\nworkers:\n{}",
+            "policy: {policy}\n{extra}cache:\n  max_tree_size: 4000000000\n  eviction_interval_secs: 0\nworkers:\n{}",
             (0..workers)
                 .map(|w| format!("  - url: http://10.0.0.{w}:8000\n"))
                 .collect::<String>()
         );
         Config::from_sources([(std::path::Path::new("bench.yaml"), yaml.as_str())]).expect("config")
     };
+    let config = |policy: &str| config_with(policy, "");
 
     // 1. Fill cache_aware's tree: 200 shared system prompts (2 KiB), conversations
     //    branching off them, each insert adding a split and a leaf.
     let cfg = config("cache_aware");
     let pool = Pool::new(&cfg.workers, &cfg.circuit_breaker);
     let cache_aware = policy::build(&cfg, &pool);
+    // Sharing on: the other replica served every prompt, or only the fill's.
+    let fleet_cfg = config_with(
+        "cache_aware",
+        "state: { redis_url: \"redis://127.0.0.1:1/\", namespace: bench }\n",
+    );
+    let mut every = Sharing::new(&fleet_cfg, "cache_aware, sharing on, every prompt");
+    let mut fill_only = Sharing::new(&fleet_cfg, "cache_aware, sharing on, fill only");
     let systems: Vec<String> = (0..200).map(|_| words(&mut rng, 2048)).collect();
     let fill = Instant::now();
     let mut i = 0u64;
@@ -138,6 +297,9 @@ fn main() {
                 words(&mut rng, 120)
             );
             tree.insert(text.as_bytes(), WorkerId((i % workers as u64) as u32));
+            for s in [&mut every, &mut fill_only] {
+                s.add(text.as_bytes(), (i % workers as u64) as usize);
+            }
             i += 1;
         }
         println!(
@@ -145,7 +307,7 @@ fn main() {
             tree.node_count(),
             tree.total_bytes() as f64 / (1 << 20) as f64,
             i,
-            fill.elapsed().as_secs_f64()
+            (fill.elapsed() - every.took - fill_only.took).as_secs_f64()
         );
     }
 
@@ -161,6 +323,21 @@ fn main() {
         }
     }
 
+    // "every prompt": the other replica also served every distinct request (each on
+    // some worker).
+    let mut seen = std::collections::HashSet::new();
+    for (n, body) in bodies.iter().enumerate() {
+        if seen.insert(body.as_slice()) {
+            let ctx = extract(Endpoint::ChatCompletions, body, cfg.cache.max_prompt_bytes);
+            every.add(&ctx.text, n);
+        }
+    }
+    {
+        let tree = cache_aware.tree().expect("tree").lock();
+        every.ready(&tree);
+        fill_only.ready(&tree);
+    }
+
     // cost_aware walks the same tree (a copy: its own).
     let cost_cfg = config("cost_aware");
     let cost_pool = Pool::new(&cost_cfg.workers, &cost_cfg.circuit_breaker);
@@ -168,74 +345,112 @@ fn main() {
     *cost_aware.tree().expect("cost_aware keeps a tree").lock() =
         cache_aware.tree().expect("tree").lock().clone();
 
-    // 3. Every policy through the seam, as the proxy calls it.
+    // 3. Every policy through the seam, as the proxy calls it; cache_aware with sharing
+    //    off and on interleaved, request by request, the order alternating.
+    let max_prompt_bytes = cfg.cache.max_prompt_bytes;
+    let mut cases: Vec<Vec<Lane>> = vec![
+        vec![
+            Lane::new("cache_aware", pool.set(), Arc::clone(&cache_aware)),
+            Lane::new(every.name, every.pool.set(), Arc::clone(&every.policy)),
+            Lane::new(
+                fill_only.name,
+                fill_only.pool.set(),
+                Arc::clone(&fill_only.policy),
+            ),
+        ],
+        vec![Lane::new("cost_aware", cost_pool.set(), cost_aware)],
+    ];
     for name in [
-        "cache_aware",
-        "cost_aware",
         "round_robin",
         "random",
         "least_load",
         "power_of_two",
         "consistent_hash",
     ] {
-        let (pool, policy) = if name == "cache_aware" {
-            (pool.set(), std::sync::Arc::clone(&cache_aware))
-        } else if name == "cost_aware" {
-            (cost_pool.set(), std::sync::Arc::clone(&cost_aware))
-        } else {
-            let cfg = config(name);
-            let p = Pool::new(&cfg.workers, &cfg.circuit_breaker);
-            let policy = policy::build(&cfg, &p);
-            (p.set(), policy)
-        };
-        let set = pool;
-        let mut extract_t = Vec::with_capacity(decisions);
-        let mut pick_t = Vec::with_capacity(decisions);
-        let mut total_t = Vec::with_capacity(decisions);
-        let mut hits = 0;
-        let mut pick_rng = StdRng::seed_from_u64(7);
+        let cfg = config(name);
+        let p = Pool::new(&cfg.workers, &cfg.circuit_breaker);
+        let policy = policy::build(&cfg, &p);
+        cases.push(vec![Lane::new(name, p.set(), policy)]);
+    }
+    let mut totals = Vec::new();
+    for lanes in &mut cases {
+        for (n, body) in bodies.iter().enumerate() {
+            let k = lanes.len();
+            for j in 0..k {
+                lanes[(n + j) % k].decide(body, max_prompt_bytes);
+            }
+        }
+        for lane in lanes.iter_mut() {
+            println!(
+                "\n{}: {} decisions on {} KiB chat bodies ({} cache hits)",
+                lane.name,
+                decisions,
+                bodies[0].len() / 1024,
+                lane.hits,
+            );
+            if lane.name == "cache_aware" {
+                report("extract (JSON -> routing text)", &mut lane.extract_t);
+            }
+            let pick = report("pick + observe", &mut lane.pick_t);
+            let total = report("decision (extract + pick + observe)", &mut lane.total_t);
+            totals.push((lane.name, pick, total));
+        }
+    }
+    let find = |name: &str| totals.iter().find(|t| t.0 == name).copied();
+    let pct = |a: f64, b: f64| 100.0 * (b - a) / a;
+    if let Some(off) = find("cache_aware") {
+        println!();
+        for s in [&every, &fill_only] {
+            let Some(on) = find(s.name) else { continue };
+            println!(
+                "{} vs off (same run, interleaved): pick + observe p50 {:.1} vs {:.1} µs \
+                 ({:+.0} %), p99 {:.1} vs {:.1} µs ({:+.0} %); decision p50 {:.1} vs {:.1} µs \
+                 ({:+.1} %), p99 {:.1} vs {:.1} µs ({:+.1} %); records dropped (publisher queue \
+                 full): {}",
+                s.name,
+                on.1.0,
+                off.1.0,
+                pct(off.1.0, on.1.0),
+                on.1.1,
+                off.1.1,
+                pct(off.1.1, on.1.1),
+                on.2.0,
+                off.2.0,
+                pct(off.2.0, on.2.0),
+                on.2.1,
+                off.2.1,
+                pct(off.2.1, on.2.1),
+                s.fleet
+                    .counts
+                    .dropped
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            );
+        }
+    }
+
+    // 4. The remote lookup alone, on the same bodies (a pass of its own).
+    let all: WorkerMask = every.pool.set().workers().iter().map(|w| w.id()).collect();
+    for s in [&every, &fill_only] {
+        let mut hash_t = Vec::with_capacity(decisions);
+        let mut walk_t = Vec::with_capacity(decisions);
+        let mut matched = 0usize;
         for body in &bodies {
+            let ctx = extract(Endpoint::ChatCompletions, body, max_prompt_bytes);
             let t0 = Instant::now();
-            let ctx = extract(Endpoint::ChatCompletions, body, cfg.cache.max_prompt_bytes);
+            std::hint::black_box(chain(&ctx.text).last());
             let t1 = Instant::now();
-            let req = RouteRequest {
-                ctx: Some(&ctx),
-                tie: Some(ctx.digest),
-                ..Default::default()
-            };
-            let candidates: Vec<Candidate> = set
-                .workers()
-                .iter()
-                .map(|w| Candidate {
-                    id: w.id(),
-                    load: w.load(),
-                    usable: true,
-                    cache_aware: true,
-                })
-                .collect();
-            let pick = policy.pick(&req, &set, &candidates, &mut pick_rng);
-            if let Some(w) = pick.worker.and_then(|id| set.get(id)) {
-                policy.observe(&req, &pick, w, Outcome::Served);
-            }
+            let m = s.fleet.longest_prefix(&ctx.text, &all);
             let t2 = Instant::now();
-            std::hint::black_box(&pick);
-            if pick.reason == cache_aware_router::policy::Reason::CacheHit {
-                hits += 1;
-            }
-            extract_t.push(t1 - t0);
-            pick_t.push(t2 - t1);
-            total_t.push(t2 - t0);
+            matched += m.matched;
+            hash_t.push(t1 - t0);
+            walk_t.push(t2 - t1);
         }
         println!(
-            "\n{name}: {} decisions on {} KiB chat bodies ({} cache hits)",
-            decisions,
-            bodies[0].len() / 1024,
-            hits,
+            "\nremote lookup alone ({}; mean match {:.1} KiB):",
+            s.name,
+            matched as f64 / bodies.len() as f64 / 1024.0
         );
-        if name == "cache_aware" {
-            report("extract (JSON -> routing text)", extract_t);
-        }
-        report("pick + observe", pick_t);
-        report("decision (extract + pick + observe)", total_t);
+        report("chunk hashes of the routing text", &mut hash_t);
+        report("Fleet::longest_prefix", &mut walk_t);
     }
 }

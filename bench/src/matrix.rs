@@ -7,8 +7,13 @@
 //! packages, see [`Peer`]), `direct` (client-side round robin straight to the
 //! engines, no router) or `ideal` (everything straight to ONE engine whose KV cache
 //! holds the whole slice: the hit rate no routing over bounded caches can beat).
+//! `POLICY/N[/shared][/kill]` ([`Replicas`]) runs N replicas of our router over the
+//! same engines, requests alternating between them: independent, or sharing routing
+//! state through a `redis-server` started for the run (`state.redis_url`), and with
+//! `kill` the last replica killed when the middle request is due (the client sends
+//! what finds it gone to the next replica).
 //! Every contender starts from cold caches: new `sim-engine` processes, a new
-//! router process, free ports on 127.0.0.1.
+//! router process (and Redis), free ports on 127.0.0.1.
 //!
 //! Child processes are started and owned through [`crate::procs`]: stopped
 //! explicitly on the normal and error paths, and killed on drop if the future is
@@ -334,7 +339,7 @@ pub async fn start_any_router(
     startup_timeout: Duration,
     procs: &mut Vec<ChildProc>,
 ) -> Result<StartedRouter, ProcError> {
-    let dir = ScratchDir::new("router", &format!("{}-{policy}", kind.name()))?;
+    let dir = ScratchDir::new("router", &format!("{}-{policy}-{port}", kind.name()))?;
     let (spec, how) = match kind {
         RouterKind::Ours => {
             procs::require_binary(
@@ -393,20 +398,7 @@ pub async fn start_any_router(
 /// Our router's `routing_decisions_total` by reason, from `GET /metrics`
 /// (`cache_hit 1200, hit_overloaded 40, miss 760`); `None` if unreadable.
 pub async fn routing_decisions(router_url: &str) -> Option<String> {
-    use http_body_util::{BodyExt, Empty};
-    use hyper_util::client::legacy::Client;
-    use hyper_util::client::legacy::connect::HttpConnector;
-    use hyper_util::rt::TokioExecutor;
-    let uri: hyper::Uri = format!("{router_url}/metrics").parse().ok()?;
-    let client: Client<HttpConnector, Empty<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let call = async {
-        let resp = client.get(uri).await.ok()?;
-        resp.into_body().collect().await.ok().map(|b| b.to_bytes())
-    };
-    let body = tokio::time::timeout(Duration::from_secs(5), call)
-        .await
-        .ok()??;
+    let body = get_body(&format!("{router_url}/metrics")).await?;
     let text = String::from_utf8_lossy(&body);
     let parts: Vec<String> = text
         .lines()
@@ -421,6 +413,27 @@ pub async fn routing_decisions(router_url: &str) -> Option<String> {
         })
         .collect();
     (!parts.is_empty()).then(|| parts.join(", "))
+}
+
+/// The body of `GET url` when it answers 2xx within 5 s.
+async fn get_body(url: &str) -> Option<Bytes> {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::TokioExecutor;
+    let uri: hyper::Uri = url.parse().ok()?;
+    let client: Client<HttpConnector, Empty<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let call = async {
+        let resp = client.get(uri).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        resp.into_body().collect().await.ok().map(|b| b.to_bytes())
+    };
+    tokio::time::timeout(Duration::from_secs(5), call)
+        .await
+        .ok()?
 }
 
 /// Whether the engine at `engine_url` answers vLLM's render endpoint
@@ -488,6 +501,56 @@ pub enum Contender {
     Direct,
     /// No router, ONE engine whose cache holds the whole slice.
     Ideal,
+    /// Several replicas of our router over the same engines.
+    Replicas(Replicas),
+}
+
+/// N replicas of our router in front of the same engines, request `i` sent to replica
+/// `i mod N` (`POLICY/N`, `POLICY/N/shared`, `POLICY/N/shared/kill`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Replicas {
+    /// Our `policy:` value.
+    pub policy: String,
+    /// Router processes, at least 2.
+    pub n: usize,
+    /// Whether they share routing state through one Redis (`state.redis_url`).
+    pub shared: bool,
+    /// Whether the last replica is killed (SIGKILL) when the middle request of the
+    /// replay is due; the client then sends a request that found it gone, or whose
+    /// stream it cut, to the next replica ([`ReplayConfig::failover`]).
+    pub kill_one: bool,
+}
+
+impl Replicas {
+    /// Parses `POLICY/N[/shared][/kill]`.
+    pub fn parse(s: &str) -> Result<Replicas, String> {
+        let mut parts = s.split('/').map(str::trim);
+        let policy = parts.next().unwrap_or("");
+        let n = parts.next().and_then(|n| n.parse::<usize>().ok());
+        let (Some(n), false) = (n.filter(|&n| n >= 2), policy.is_empty()) else {
+            return Err(format!(
+                "bad replicas contender {s:?}: use POLICY/N[/shared][/kill], N >= 2"
+            ));
+        };
+        let mut r = Replicas {
+            policy: policy.into(),
+            n,
+            shared: false,
+            kill_one: false,
+        };
+        for flag in parts {
+            match flag {
+                "shared" => r.shared = true,
+                "kill" => r.kill_one = true,
+                _ => {
+                    return Err(format!(
+                        "bad replicas contender {s:?}: {flag:?} is neither `shared` nor `kill`"
+                    ));
+                }
+            }
+        }
+        Ok(r)
+    }
 }
 
 impl Contender {
@@ -506,19 +569,27 @@ impl Contender {
                         "unknown contender {s:?}: use sglang:POLICY or vllm:POLICY"
                     )),
                 },
+                None if s.contains('/') => Replicas::parse(s).map(Contender::Replicas),
                 None => Ok(Contender::Router(s.into())),
             },
         }
     }
 
     /// Table label: the policy name, `sglang-router POLICY`, `direct (no router)`,
-    /// `ideal (1 engine, unbounded KV)`.
+    /// `ideal (1 engine, unbounded KV)`, `cache_aware ×2 shared, 1 killed halfway`.
     pub fn label(&self) -> String {
         match self {
             Contender::Router(p) => p.clone(),
             Contender::Peer(peer, p) => format!("{} {p}", peer.name()),
             Contender::Direct => "direct (no router)".into(),
             Contender::Ideal => "ideal (1 engine, unbounded KV)".into(),
+            Contender::Replicas(r) => format!(
+                "{} ×{} {}{}",
+                r.policy,
+                r.n,
+                if r.shared { "shared" } else { "independent" },
+                if r.kill_one { ", 1 killed halfway" } else { "" }
+            ),
         }
     }
 
@@ -526,8 +597,18 @@ impl Contender {
     pub fn router(&self) -> Option<(RouterKind, &str)> {
         match self {
             Contender::Router(p) => Some((RouterKind::Ours, p)),
+            Contender::Replicas(r) => Some((RouterKind::Ours, &r.policy)),
             Contender::Peer(peer, p) => Some((RouterKind::Peer(*peer), p)),
             Contender::Direct | Contender::Ideal => None,
+        }
+    }
+
+    /// Router processes it runs (0: none).
+    pub fn routers(&self) -> usize {
+        match self {
+            Contender::Replicas(r) => r.n,
+            Contender::Router(_) | Contender::Peer(..) => 1,
+            Contender::Direct | Contender::Ideal => 0,
         }
     }
 }
@@ -567,6 +648,8 @@ pub struct MatrixConfig {
     pub ideal_time_factor: f64,
     /// YAML appended to our router's generated config (e.g. `cache: {...}`).
     pub router_extra_yaml: String,
+    /// `redis-server` executable, for replicas that share state.
+    pub redis_bin: PathBuf,
 }
 
 /// What the router process of a contender used, from `/proc` (its process tree).
@@ -591,6 +674,97 @@ pub struct ContenderRun {
     pub how: String,
     /// CPU time other processes on the machine used during the replay.
     pub other_cpu: Option<procs::OtherCpu>,
+    /// Router processes (0: none).
+    pub routers: usize,
+    /// What the replicas sent and received on the fleet channel during the replay
+    /// (`None`: they share nothing).
+    pub fleet: Option<FleetTraffic>,
+}
+
+/// The fleet counters of one replica (`GET /workers` → `fleet`), or their sum over
+/// replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FleetTraffic {
+    /// Redis `PUBLISH`es made.
+    pub messages_out: u64,
+    /// Bytes in them.
+    pub bytes_out: u64,
+    /// Messages received from the other replicas.
+    pub messages_in: u64,
+    /// Bytes in them.
+    pub bytes_in: u64,
+    /// Prefix records dropped because the publisher fell behind.
+    pub dropped: u64,
+    /// Chunk hashes held from the other replicas (at the end; summed over replicas).
+    pub remote_records: u64,
+}
+
+impl FleetTraffic {
+    /// Reads `GET /workers` of our router at `router_url`; `None` if it has no fleet
+    /// or does not answer.
+    pub async fn read(router_url: &str) -> Option<FleetTraffic> {
+        let body = get_body(&format!("{router_url}/workers")).await?;
+        let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+        let f = v.get("fleet")?;
+        let n = |k: &str| f[k].as_u64().unwrap_or(0);
+        Some(FleetTraffic {
+            messages_out: n("messages_out"),
+            bytes_out: n("bytes_out"),
+            messages_in: n("messages_in"),
+            bytes_in: n("bytes_in"),
+            dropped: n("dropped"),
+            remote_records: n("remote_records"),
+        })
+    }
+
+    /// The counters' growth from `before` to `self` (`remote_records` is `self`'s).
+    pub fn since(self, before: FleetTraffic) -> FleetTraffic {
+        FleetTraffic {
+            messages_out: self.messages_out.saturating_sub(before.messages_out),
+            bytes_out: self.bytes_out.saturating_sub(before.bytes_out),
+            messages_in: self.messages_in.saturating_sub(before.messages_in),
+            bytes_in: self.bytes_in.saturating_sub(before.bytes_in),
+            dropped: self.dropped.saturating_sub(before.dropped),
+            remote_records: self.remote_records,
+        }
+    }
+
+    /// Field by field sum.
+    pub fn plus(self, o: FleetTraffic) -> FleetTraffic {
+        FleetTraffic {
+            messages_out: self.messages_out + o.messages_out,
+            bytes_out: self.bytes_out + o.bytes_out,
+            messages_in: self.messages_in + o.messages_in,
+            bytes_in: self.bytes_in + o.bytes_in,
+            dropped: self.dropped + o.dropped,
+            remote_records: self.remote_records + o.remote_records,
+        }
+    }
+}
+
+/// Waits until every router in `urls` says in `GET /workers` that it is subscribed to
+/// the fleet channel (a message published before a replica subscribes never reaches it).
+async fn wait_fleet_connected(urls: &[String], timeout: Duration) -> Result<(), ProcError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    for url in urls {
+        loop {
+            let body = get_body(&format!("{url}/workers")).await;
+            let connected = body
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .and_then(|v| v["fleet"]["connected"].as_bool())
+                .unwrap_or(false);
+            if connected {
+                break;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ProcError::NotReady(format!(
+                    "{url} not subscribed to the fleet channel within {timeout:?}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(())
 }
 
 /// Why a contender could not be run to the end.
@@ -698,12 +872,31 @@ async fn run_contender_inner(
         engine.kv_blocks,
         engine.time_factor
     );
-    let (targets, router) = match contender.router() {
-        None => (urls.clone(), None),
-        Some((kind, policy)) => {
+    let replicas = match contender {
+        Contender::Replicas(r) => Some(r),
+        _ => None,
+    };
+    let mut routers: Vec<StartedRouter> = Vec::new();
+    let mut redis = None;
+    // Lives as long as the row's redis-server (its working directory and log).
+    let mut _redis_dir = None;
+    if let Some((kind, policy)) = contender.router() {
+        let mut extra = cfg.router_extra_yaml.clone();
+        if replicas.is_some_and(|r| r.shared) {
+            let dir = ScratchDir::new("redis", "trace-matrix")?;
+            let port = procs::start_redis(&cfg.redis_bin, &dir, cfg.startup_timeout, procs).await?;
+            let url = format!("redis://127.0.0.1:{port}/");
+            _redis_dir = Some(dir);
+            let _ = writeln!(
+                extra,
+                "state: {{ redis_url: \"{url}\", namespace: trace-matrix }}"
+            );
+            redis = Some(url);
+        }
+        for k in 0..contender.routers() {
             let port = match cfg.base_port {
-                Some(p) => p,
-                None => free_port()?,
+                Some(p) if k == 0 => p,
+                _ => free_port()?,
             };
             let r = start_any_router(
                 kind,
@@ -712,16 +905,37 @@ async fn run_contender_inner(
                 &cfg.peers,
                 &urls,
                 port,
-                &cfg.router_extra_yaml,
+                &extra,
                 &cfg.engine.model,
                 cfg.startup_timeout,
                 procs,
             )
             .await?;
-            (vec![r.url.clone()], Some(r))
+            routers.push(r);
         }
+    }
+    let router_urls: Vec<String> = routers.iter().map(|r| r.url.clone()).collect();
+    if redis.is_some() {
+        wait_fleet_connected(&router_urls, cfg.startup_timeout).await?;
+    }
+    let targets = if routers.is_empty() {
+        urls.clone()
+    } else {
+        router_urls.clone()
     };
-    let how = match &router {
+    let router = routers.first();
+    // With `kill`: the last replica (the last child started) goes when the middle
+    // request is due.
+    let first_ts = requests.iter().map(|r| r.timestamp_ms).min().unwrap_or(0);
+    let kill_at = replicas.filter(|r| r.kill_one).map(|_| {
+        let mid = &requests[requests.len() / 2];
+        let offset_s = mid.timestamp_ms.saturating_sub(first_ts) as f64 / 1000.0 * cfg.time_scale;
+        (
+            mid.index,
+            Duration::try_from_secs_f64(offset_s).unwrap_or(Duration::ZERO),
+        )
+    });
+    let mut how = match router {
         Some(r) if matches!(contender, Contender::Peer(Peer::Vllm, _)) => {
             format!(
                 "{}; {engines_how}; {}",
@@ -735,26 +949,95 @@ async fn run_contender_inner(
         }
         None => format!("no router, client round robin; {engines_how}"),
     };
+    if let Some(r) = replicas {
+        how = format!(
+            "{} replicas of our router on ports {}, request i sent to replica i mod {}{}{}; \
+             each {how}; router CPU and RSS are replica 1's",
+            r.n,
+            router_urls
+                .iter()
+                .map(|u| u.rsplit(':').next().unwrap_or(""))
+                .collect::<Vec<_>>()
+                .join(", "),
+            r.n,
+            match &redis {
+                Some(u) => format!(
+                    ", sharing state through `redis-server --save \"\" --appendonly no` at {u}"
+                ),
+                None => ", each with its own state".into(),
+            },
+            match kill_at {
+                Some((i, at)) => format!(
+                    "; replica {} killed (SIGKILL) when request {i} of {} was due ({:.1} s in), \
+                     and the client sends a request that finds it gone, or whose stream it cuts, \
+                     once more to the next replica",
+                    r.n,
+                    requests.len(),
+                    at.as_secs_f64()
+                ),
+                None => String::new(),
+            }
+        );
+    }
     let replay_cfg = ReplayConfig {
         urls: targets,
         time_scale: cfg.time_scale,
         concurrency: cfg.concurrency,
         request_timeout: cfg.request_timeout,
         progress_every: cfg.progress_every,
+        failover: kill_at.is_some(),
     };
-    let before = router
-        .as_ref()
-        .map(|r| procs::tree_usage(r.pid).unwrap_or_default());
+    let mut fleet_before = Vec::new();
+    if redis.is_some() {
+        for u in &router_urls {
+            fleet_before.push(FleetTraffic::read(u).await.unwrap_or_default());
+        }
+    }
+    let before = router.map(|r| procs::tree_usage(r.pid).unwrap_or_default());
     let watch = procs::Disturbance::start(procs.iter().filter_map(ChildProc::pid).collect());
-    let sampler = QueueSampler::start(&names, &urls, QUEUE_SAMPLE_EVERY);
-    let results = replay::run(requests, &replay_cfg).await?;
-    let queue = sampler.finish().await;
-    let other_cpu = watch.finish();
-    let decisions = match (&router, contender.router()) {
-        (Some(r), Some((RouterKind::Ours, _))) => routing_decisions(&r.url).await,
+    let victim = match (kill_at, router_urls.last()) {
+        (Some((_, at)), Some(url)) => procs.pop().map(|p| (p, at, url.clone())),
         _ => None,
     };
-    let usage = match (&router, before) {
+    // The victim's counters and decisions are read just before it goes.
+    let kill = async move {
+        let (p, at, url) = victim?;
+        tokio::time::sleep(at).await;
+        let last = (
+            FleetTraffic::read(&url).await,
+            routing_decisions(&url).await,
+        );
+        p.stop().await;
+        Some(last)
+    };
+    let sampler = QueueSampler::start(&names, &urls, QUEUE_SAMPLE_EVERY);
+    let (results, killed) = tokio::join!(replay::run(requests, &replay_cfg), kill);
+    let results = results?;
+    let queue = sampler.finish().await;
+    let other_cpu = watch.finish();
+    let ours = matches!(contender.router(), Some((RouterKind::Ours, _)));
+    let mut decisions = Vec::new();
+    let mut fleet = (!fleet_before.is_empty()).then(FleetTraffic::default);
+    for (k, r) in routers.iter().enumerate() {
+        let gone = killed.as_ref().filter(|_| k + 1 == routers.len());
+        if ours {
+            let d = match gone {
+                Some((_, d)) => d
+                    .clone()
+                    .map(|d| format!("{d} (read before it was killed)")),
+                None => routing_decisions(&r.url).await,
+            };
+            decisions.push(d.unwrap_or_else(|| "unreadable".into()));
+        }
+        if let (Some(total), Some(b)) = (fleet.as_mut(), fleet_before.get(k)) {
+            let after = match gone {
+                Some((f, _)) => *f,
+                None => FleetTraffic::read(&r.url).await,
+            };
+            *total = total.plus(after.unwrap_or_default().since(*b));
+        }
+    }
+    let usage = match (router, before) {
         (Some(r), Some(b)) => {
             let a = procs::tree_usage(r.pid).unwrap_or_default();
             let tick = procs::clock_ticks_per_sec() as f64;
@@ -766,9 +1049,18 @@ async fn run_contender_inner(
         }
         _ => None,
     };
-    let how = match decisions {
-        Some(d) => format!("{how}; routing decisions (its /metrics): {d}"),
-        None => how,
+    let how = match decisions.len() {
+        0 => how,
+        1 => format!("{how}; routing decisions (its /metrics): {}", decisions[0]),
+        _ => format!(
+            "{how}; routing decisions (their /metrics): {}",
+            decisions
+                .iter()
+                .enumerate()
+                .map(|(k, d)| format!("replica {}: {d}", k + 1))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
     };
     if let Some(out) = &cfg.out_dir {
         write_results(out, &label, &results)?;
@@ -776,7 +1068,7 @@ async fn run_contender_inner(
     let mut summary = summarize(&results, &names);
     summary.queue = Some(queue);
     if summary.errors > 0
-        && let Some(r) = &router
+        && let Some(r) = router
     {
         eprintln!("router log tail ({label}):\n{}", r.log_tail(20));
     }
@@ -785,6 +1077,8 @@ async fn run_contender_inner(
         router: usage,
         how,
         other_cpu,
+        routers: contender.routers(),
+        fleet,
     })
 }
 
@@ -891,6 +1185,107 @@ pub fn render_table(rows: &[(String, Result<ContenderRun, String>)]) -> String {
     t
 }
 
+/// The router-replicas table (markdown): one row per contender with a router, with
+/// how many router processes it ran, the requests that got no answer (after the
+/// client's one retry on the next replica), those retried, hit rate, TTFT, and the
+/// fleet channel's traffic per request replayed: Redis `PUBLISH`es and their bytes
+/// summed over the replicas (out), and what the replicas received (in).
+pub fn render_fleet_table(rows: &[(String, Result<ContenderRun, String>)]) -> String {
+    let mut t = String::from(
+        "| contender | routers | requests | failed (no answer) | retried on the other replica | hit rate | TTFT p50 / p99 (ms) | Redis messages / request (out, in) | Redis bytes / request (out, in) |\n\
+         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n",
+    );
+    for (label, row) in rows {
+        match row {
+            Ok(run) if run.routers > 0 => {
+                let s = &run.summary;
+                let per = |x: u64, digits: usize| {
+                    format!("{:.digits$}", x as f64 / s.requests.max(1) as f64)
+                };
+                let (msgs, bytes) = match &run.fleet {
+                    Some(f) => (
+                        format!("{}, {}", per(f.messages_out, 2), per(f.messages_in, 2)),
+                        format!("{}, {}", per(f.bytes_out, 0), per(f.bytes_in, 0)),
+                    ),
+                    None => ("–".into(), "–".into()),
+                };
+                let _ = writeln!(
+                    t,
+                    "| {label} | {} | {} | {} | {} | {:.3} | {:.0} / {:.0} | {msgs} | {bytes} |",
+                    run.routers,
+                    s.requests,
+                    s.errors,
+                    s.retried,
+                    s.hit_rate,
+                    s.ttft_ms.p50,
+                    s.ttft_ms.p99,
+                );
+            }
+            Ok(_) => {}
+            Err(e) => {
+                let first = e.lines().next().unwrap_or("");
+                let _ = writeln!(
+                    t,
+                    "| {label} | – | – | – | – | – | – | – | failed: {first} |"
+                );
+            }
+        }
+    }
+    t
+}
+
+/// The fleet targets: each sharing row's hit rate within 0.01 of the one-router row of
+/// the same policy, beside the independent replicas' figure, and the failures of a row
+/// with a replica killed. One line per sharing row; empty without the rows needed.
+pub fn check_fleet(
+    rows: &[(String, Result<ContenderRun, String>)],
+    contenders: &[Contender],
+) -> String {
+    let summary = |want: &dyn Fn(&Contender) -> bool| {
+        contenders.iter().zip(rows).find_map(|(c, (_, r))| match r {
+            Ok(run) if want(c) => Some(&run.summary),
+            _ => None,
+        })
+    };
+    let mut out = String::new();
+    for (c, (label, row)) in contenders.iter().zip(rows) {
+        let (Contender::Replicas(r), Ok(run)) = (c, row) else {
+            continue;
+        };
+        if !r.shared {
+            continue;
+        }
+        let Some(one) = summary(&|x| *x == Contender::Router(r.policy.clone())) else {
+            continue;
+        };
+        let independent = summary(
+            &|x| matches!(x, Contender::Replicas(o) if o.policy == r.policy && o.n == r.n && !o.shared && !o.kill_one),
+        );
+        let s = &run.summary;
+        let close = (s.hit_rate - one.hit_rate).abs() <= 0.01;
+        let _ = writeln!(
+            out,
+            "- {label}: hit rate {:.3} vs one router's {:.3} (within 0.01: {}){}{}",
+            s.hit_rate,
+            one.hit_rate,
+            if close { "met" } else { "**MISSED**" },
+            independent.map_or(String::new(), |i| format!(
+                "; {} independent replicas: {:.3}",
+                r.n, i.hit_rate
+            )),
+            if r.kill_one {
+                format!(
+                    "; {} of {} requests failed (no answer), {} retried on the other replica",
+                    s.errors, s.requests, s.retried
+                )
+            } else {
+                String::new()
+            }
+        );
+    }
+    out
+}
+
 /// The replay targets, checked for our `cache_aware` row against the peers'
 /// rows and the `ideal` row: hit rate ≥ the best peer's, ≥ 90 % of the ideal's,
 /// max/mean requests per worker ≤ 1.2. One line per target; empty when the rows
@@ -967,6 +1362,34 @@ mod tests {
         );
         assert!(Contender::parse("nginx:x").is_err());
         assert!(Contender::parse("vllm:").is_err());
+        let r = |n, shared, kill_one| {
+            Ok(Contender::Replicas(Replicas {
+                policy: "cache_aware".into(),
+                n,
+                shared,
+                kill_one,
+            }))
+        };
+        assert_eq!(Contender::parse("cache_aware/2"), r(2, false, false));
+        assert_eq!(Contender::parse("cache_aware/3/shared"), r(3, true, false));
+        assert_eq!(
+            Contender::parse("cache_aware/2/shared/kill"),
+            r(2, true, true)
+        );
+        assert_eq!(
+            Contender::parse("cache_aware/2/shared/kill")
+                .unwrap()
+                .label(),
+            "cache_aware ×2 shared, 1 killed halfway"
+        );
+        for bad in [
+            "cache_aware/1",
+            "cache_aware/x",
+            "/2",
+            "cache_aware/2/sharde",
+        ] {
+            assert!(Contender::parse(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]
@@ -1015,6 +1438,8 @@ mod tests {
             router: None,
             how: String::new(),
             other_cpu: None,
+            routers: 1,
+            fleet: None,
         };
         let t = render_table(&[
             ("least_load".into(), Ok(run)),

@@ -12,7 +12,10 @@
 //! latency, the `usage` of the final chunk (prompt, cached and completion tokens)
 //! and the `x-sim-engine` response header. Targets are base URLs such as
 //! `http://127.0.0.1:6700`; with several, request `i` goes to URL `i mod n`
-//! (client-side round robin).
+//! (client-side round robin). With [`ReplayConfig::failover`], a request whose first
+//! attempt broke in transit (no response head, or the stream cut before `[DONE]`: the
+//! server went away) is sent once more, to the next URL, as a client that knows
+//! several router replicas would.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -47,6 +50,9 @@ pub struct ReplayConfig {
     pub request_timeout: Duration,
     /// Print a progress line to stderr this often (`None`: silent).
     pub progress_every: Option<Duration>,
+    /// Send a request that broke in transit once more, to `urls[(i + 1) % n]` (see
+    /// the module docs); with one URL, nothing is retried.
+    pub failover: bool,
 }
 
 /// One trace line turned into a ready-to-send request body.
@@ -133,6 +139,10 @@ pub struct RequestResult {
     pub completion_tokens: Option<u64>,
     /// SSE chunks that carried non-empty content.
     pub content_chunks: u64,
+    /// The first attempt broke in transit and the request was sent again to the next
+    /// URL (`url` is then that one; TTFT and latency count from the first send).
+    #[serde(default)]
+    pub retried: bool,
 }
 
 impl RequestResult {
@@ -224,6 +234,8 @@ pub async fn run(
             break;
         };
         let (base, uri) = targets[i % targets.len()].clone();
+        let fallback =
+            (cfg.failover && targets.len() > 1).then(|| targets[(i + 1) % targets.len()].clone());
         let client = client.clone();
         let req = req.clone();
         let timeout = cfg.request_timeout;
@@ -247,10 +259,25 @@ pub async fn run(
                 cached_tokens: None,
                 completion_tokens: None,
                 content_chunks: 0,
+                retried: false,
             };
             let t0 = Instant::now();
-            let outcome =
-                tokio::time::timeout(timeout, send_one(&client, uri, req.body, t0, &mut r)).await;
+            let attempts = async {
+                let first = send_one(&client, uri, req.body.clone(), t0, &mut r).await;
+                match (first, fallback) {
+                    (Err(e), Some((base, uri))) if broke_in_transit(&r, &e) => {
+                        r.url = base;
+                        r.retried = true;
+                        r.status = None;
+                        r.engine = None;
+                        r.ttft_ms = None;
+                        r.content_chunks = 0;
+                        send_one(&client, uri, req.body, t0, &mut r).await
+                    }
+                    (first, _) => first,
+                }
+            };
+            let outcome = tokio::time::timeout(timeout, attempts).await;
             r.error = match outcome {
                 Ok(Ok(())) => None,
                 Ok(Err(e)) => Some(e),
@@ -276,6 +303,14 @@ pub async fn run(
     }
     results.sort_by_key(|r| r.index);
     Ok(results)
+}
+
+/// Whether a failed attempt never got an answer from a live server: no response head,
+/// or a stream cut before its end (the process behind the URL went away).
+fn broke_in_transit(r: &RequestResult, error: &str) -> bool {
+    r.status.is_none()
+        || error.starts_with("stream broke")
+        || error.starts_with("stream ended before")
 }
 
 fn ms(d: Duration) -> f64 {
@@ -454,6 +489,39 @@ mod tests {
         assert!(p.push(b"data: {\"a\"").is_empty());
         assert_eq!(p.push(b":1}\n\ndata: [DONE]\n\n"), ["{\"a\":1}", "[DONE]"]);
         assert_eq!(p.push(b": comment\n\ndata:x\r\n\r\n"), ["x"]);
+    }
+
+    #[tokio::test]
+    async fn failover_sends_what_finds_a_url_dead_to_the_next() {
+        use crate::engine::{self, EngineConfig};
+        let live = engine::start(EngineConfig {
+            time_factor: 0.0,
+            ..EngineConfig::default()
+        })
+        .await
+        .unwrap();
+        let dead = format!("http://127.0.0.1:{}", crate::procs::free_port().unwrap());
+        let rec: TraceRecord = serde_json::from_str(
+            r#"{"timestamp": 0, "input_length": 20, "output_length": 2, "hash_ids": [0]}"#,
+        )
+        .unwrap();
+        let reqs = prepare(&vec![rec; 4], "m", 2, 0);
+        let mut cfg = ReplayConfig {
+            urls: vec![dead, live.url()],
+            time_scale: 0.0,
+            concurrency: 4,
+            request_timeout: Duration::from_secs(10),
+            progress_every: None,
+            failover: true,
+        };
+        let r = run(&reqs, &cfg).await.unwrap();
+        assert!(r.iter().all(RequestResult::is_ok), "{r:?}");
+        assert_eq!(r.iter().filter(|x| x.retried).count(), 2);
+        assert!(r.iter().all(|x| x.url == live.url()));
+        cfg.failover = false;
+        let r = run(&reqs, &cfg).await.unwrap();
+        assert_eq!(r.iter().filter(|x| !x.is_ok()).count(), 2);
+        assert!(r.iter().all(|x| !x.retried));
     }
 
     #[test]

@@ -42,8 +42,11 @@ impl Percentiles {
 pub struct Summary {
     /// Requests sent.
     pub requests: usize,
-    /// Requests that failed (status, broken stream, timeout, missing usage).
+    /// Requests that failed (status, broken stream, timeout, missing usage), after
+    /// any retry.
     pub errors: usize,
+    /// Requests sent a second time, to the next URL (see `ReplayConfig::failover`).
+    pub retried: usize,
     /// Σ prompt tokens reported in usage (successful requests).
     pub prompt_tokens: u64,
     /// Σ cached tokens reported in usage.
@@ -264,6 +267,7 @@ pub fn summarize(results: &[RequestResult], engines: &[String]) -> Summary {
     Summary {
         requests: results.len(),
         errors: results.len() - ok.len(),
+        retried: results.iter().filter(|r| r.retried).count(),
         prompt_tokens,
         cached_tokens,
         completion_tokens,
@@ -292,8 +296,14 @@ impl fmt::Display for Summary {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "requests         {} ({} errors)",
-            self.requests, self.errors
+            "requests         {} ({} errors{})",
+            self.requests,
+            self.errors,
+            if self.retried > 0 {
+                format!(", {} retried on the next URL", self.retried)
+            } else {
+                String::new()
+            }
         )?;
         writeln!(
             f,

@@ -101,6 +101,36 @@ pub struct FleetCounts {
     pub connected: AtomicBool,
 }
 
+/// Keys that are xxh3 hashes already: the map uses them as they are (a second hash of
+/// a uniform 64-bit value buys nothing, and costs on every probe of a match).
+#[derive(Debug, Clone, Copy, Default)]
+struct ChunkHashes;
+
+impl std::hash::BuildHasher for ChunkHashes {
+    type Hasher = ChunkHasher;
+    fn build_hasher(&self) -> ChunkHasher {
+        ChunkHasher(0)
+    }
+}
+
+#[derive(Debug, Default)]
+struct ChunkHasher(u64);
+
+impl std::hash::Hasher for ChunkHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 keys are hashed (`write_u64`); anything else folds in, never panics.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
 /// One replica's published in-flight counts (worker key hash, requests) and when.
 type Share = (Instant, Vec<(u64, u32)>);
 
@@ -115,7 +145,7 @@ pub struct Fleet {
     pool: Arc<Pool>,
     tx: mpsc::Sender<Record>,
     rx: Mutex<Option<mpsc::Receiver<Record>>>,
-    index: Mutex<LruCache<u64, WorkerMask>>,
+    index: Mutex<LruCache<u64, WorkerMask, ChunkHashes>>,
     /// Per other replica: when it last published, and its share.
     loads: Mutex<HashMap<u64, Share>>,
     /// The session layer's bindings, when the policy shares them.
@@ -157,8 +187,9 @@ impl Fleet {
             pool,
             tx,
             rx: Mutex::new(Some(rx)),
-            index: Mutex::new(LruCache::new(
+            index: Mutex::new(LruCache::with_hasher(
                 NonZeroUsize::new(MAX_RECORDS).expect("non-zero"),
+                ChunkHashes,
             )),
             loads: Mutex::new(HashMap::new()),
             bindings: std::sync::OnceLock::new(),
@@ -360,6 +391,13 @@ impl Fleet {
         }
     }
 
+    /// Applies `payload` as if it had arrived on the channel (a [`wire::Batch`]'s bytes;
+    /// its own replica's and garbage are skipped): for benchmarks and tests that fill
+    /// the index without a Redis.
+    pub fn apply_message(&self, payload: &[u8]) {
+        self.apply(payload);
+    }
+
     /// Applies one message from the channel (own messages and garbage are skipped).
     fn apply(&self, payload: &[u8]) {
         self.apply_records(payload, true);
@@ -399,7 +437,9 @@ impl Fleet {
                         let Some(&id) = by_key.get(&worker) else {
                             continue;
                         };
-                        for h in chain {
+                        // Tail first: the head, stored last, is evicted last, so what
+                        // eviction leaves of a chain is still a prefix.
+                        for h in chain.into_iter().rev() {
                             index.get_or_insert_mut(h, WorkerMask::default).insert(id);
                         }
                     }
@@ -461,7 +501,70 @@ impl Fleet {
     }
 }
 
+/// The chunk hashes of one text, computed only as far as they are asked for.
+struct LazyChain<'a> {
+    chunks: std::slice::ChunksExact<'a, u8>,
+    hashes: Vec<u64>,
+    len: usize,
+}
+
+impl<'a> LazyChain<'a> {
+    fn new(text: &'a [u8]) -> Self {
+        LazyChain {
+            chunks: text.chunks_exact(CHUNK_BYTES),
+            hashes: Vec::new(),
+            len: text.len() / CHUNK_BYTES,
+        }
+    }
+
+    /// Hash of chunk `i` (< `len`), chained from chunk 0.
+    fn get(&mut self, i: usize) -> u64 {
+        if self.hashes.capacity() == 0 {
+            self.hashes.reserve_exact(self.len);
+        }
+        while self.hashes.len() <= i {
+            let prev = self.hashes.last().copied().unwrap_or(0);
+            let c = self.chunks.next().expect("i < len");
+            self.hashes
+                .push(xxhash_rust::xxh3::xxh3_64_with_seed(c, prev));
+        }
+        self.hashes[i]
+    }
+}
+
+/// The last `i` < `n` for which `holds(i)` is true, for a `holds` that is true up to some
+/// point and false after it; `None` when `holds(0)` is false. Tries the last first, then
+/// gallops (1, 2, 4, …) and bisects: O(log m) probes for a match of m.
+fn last_held(n: usize, mut holds: impl FnMut(usize) -> bool) -> Option<usize> {
+    if n == 0 || !holds(0) {
+        return None;
+    }
+    // A conversation's next turn is usually all held but its new tail: the whole chain
+    // first (one probe), then gallop.
+    if holds(n - 1) {
+        return Some(n - 1);
+    }
+    let (mut lo, mut hi) = (0, 1);
+    while hi < n && holds(hi) {
+        lo = hi;
+        hi *= 2;
+    }
+    let mut hi = hi.min(n);
+    while hi - lo > 1 {
+        let mid = (lo + hi) / 2;
+        if holds(mid) {
+            lo = mid;
+        } else {
+            hi = mid;
+        }
+    }
+    Some(lo)
+}
+
 impl RemotePrefixes for Fleet {
+    /// Records are prefix-closed (a chain is stored tail first, so eviction takes tails
+    /// before heads): the chunks some eligible worker holds are a prefix of the chain,
+    /// and its end is found by [`last_held`] — O(log m) lookups for an m-chunk match.
     fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask) -> PrefixMatch {
         let mut best = PrefixMatch {
             matched: 0,
@@ -471,19 +574,23 @@ impl RemotePrefixes for Fleet {
         if index.is_empty() {
             return best;
         }
-        for (i, h) in chain(text).enumerate() {
-            let Some(holders) = index.peek(&h).map(|m| m.intersection(eligible)) else {
-                break;
-            };
-            if holders.is_empty() {
-                break;
-            }
-            best.matched = (i + 1) * CHUNK_BYTES;
-            best.workers = holders;
-        }
+        let mut chain = LazyChain::new(text);
+        let n = chain.len;
+        let held = |chain: &mut LazyChain<'_>, i: usize| {
+            index
+                .peek(&chain.get(i))
+                .map(|m| m.intersection(eligible))
+                .filter(|m| !m.is_empty())
+        };
+        let Some(last) = last_held(n, |i| held(&mut chain, i).is_some()) else {
+            return best;
+        };
+        best.matched = (last + 1) * CHUNK_BYTES;
+        best.workers = held(&mut chain, last).unwrap_or_default();
         best
     }
 
+    /// As [`Fleet::longest_prefix`], one search per worker that holds the first chunk.
     fn prefix_per_worker(
         &self,
         text: &[u8],
@@ -491,26 +598,19 @@ impl RemotePrefixes for Fleet {
         f: &mut dyn FnMut(WorkerId, usize),
     ) {
         let index = self.index.lock().unwrap_or_else(|p| p.into_inner());
-        if index.is_empty() {
+        if index.is_empty() || text.len() < CHUNK_BYTES {
             return;
         }
-        let mut last: Vec<(WorkerId, usize)> = Vec::new();
-        for (i, h) in chain(text).enumerate() {
-            let Some(holders) = index.peek(&h).map(|m| m.intersection(eligible)) else {
-                break;
-            };
-            if holders.is_empty() {
-                break;
+        let mut chain = LazyChain::new(text);
+        let n = chain.len;
+        let Some(holders) = index.peek(&chain.get(0)).map(|m| m.intersection(eligible)) else {
+            return;
+        };
+        for w in holders.iter() {
+            let holds = |i: usize| index.peek(&chain.get(i)).is_some_and(|m| m.contains(w));
+            if let Some(last) = last_held(n, holds) {
+                f(w, (last + 1) * CHUNK_BYTES);
             }
-            for w in holders.iter() {
-                match last.iter_mut().find(|(x, _)| *x == w) {
-                    Some(e) => e.1 = (i + 1) * CHUNK_BYTES,
-                    None => last.push((w, (i + 1) * CHUNK_BYTES)),
-                }
-            }
-        }
-        for (w, n) in last {
-            f(w, n);
         }
     }
 
@@ -636,6 +736,29 @@ mod tests {
         // A newer share from replica 1 replaces its old one.
         f.apply(&message(1, &[Record::Load(vec![(a.key_hash(), 0)])]));
         assert_eq!((a.remote_in_flight(), b.remote_in_flight()), (3, 0));
+    }
+
+    #[test]
+    fn last_held_finds_the_end_of_a_prefix() {
+        for n in 0..40 {
+            for end in 0..=n {
+                // Chunks 0..end are held.
+                let mut probes = 0;
+                let got = last_held(n, |i| {
+                    probes += 1;
+                    i < end
+                });
+                assert_eq!(got, end.checked_sub(1), "n {n} end {end}");
+                assert!(probes <= 2 * (usize::BITS - n.leading_zeros()) as usize + 3);
+            }
+        }
+        let text = vec![7u8; CHUNK_BYTES * 5 + 3];
+        let mut lazy = LazyChain::new(&text);
+        let all: Vec<u64> = chain(&text).collect();
+        assert_eq!(lazy.len, 5);
+        assert_eq!(lazy.get(3), all[3]);
+        assert_eq!(lazy.get(1), all[1]);
+        assert_eq!(lazy.get(4), all[4]);
     }
 
     #[test]

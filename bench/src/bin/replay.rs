@@ -47,6 +47,10 @@ struct Cli {
     /// Progress line interval on stderr, in s (0 = none).
     #[arg(long, default_value_t = 10.0)]
     progress_s: f64,
+    /// Send a request whose connection failed or whose stream broke once more, to the
+    /// next URL (needs two URLs or more).
+    #[arg(long)]
+    failover: bool,
 }
 
 #[tokio::main]
@@ -83,6 +87,7 @@ async fn run(cli: Cli) -> ExitCode {
         progress_every: (cli.progress_s > 0.0)
             .then(|| Duration::try_from_secs_f64(cli.progress_s).ok())
             .flatten(),
+        failover: cli.failover,
     };
     let span_s = records
         .iter()

@@ -3,7 +3,11 @@
 //! router, or `ideal`: one engine with an unbounded KV cache) it starts cold
 //! `sim-engine` replicas and the router, replays the Mooncake slice through it,
 //! stops everything and prints one markdown table. Exits non-zero if a contender
-//! had errors or could not start. `bench/peers/run.sh` installs the peers and runs
+//! had errors or could not start. `POLICY/N[/shared][/kill]` runs N replicas of our
+//! router over the same engines, requests alternating between them, independent or
+//! sharing state through a `redis-server` it starts (and with `kill`, the last
+//! replica killed halfway); a second table then shows failures, retries and the
+//! Redis traffic per request. `bench/peers/run.sh` installs the peers and runs
 //! the comparison against them.
 
 use bench::procs::secs;
@@ -47,7 +51,11 @@ struct Cli {
     load: f64,
     /// Comma-separated contenders: our router's policies; `sglang:POLICY` and
     /// `vllm:POLICY` (peer routers, see --peer-venv); `direct` (client round robin,
-    /// no router); `ideal` (one engine with an unbounded KV cache, no router).
+    /// no router); `ideal` (one engine with an unbounded KV cache, no router);
+    /// `POLICY/N`, `POLICY/N/shared`, `POLICY/N/shared/kill` (N replicas of our
+    /// router, request i to replica i mod N; independent, or sharing state through a
+    /// Redis started for the run; `kill`: the last replica is killed when the middle
+    /// request is due, and the client retries what finds it gone on the next one).
     #[arg(
         long,
         value_delimiter = ',',
@@ -104,6 +112,10 @@ struct Cli {
     /// cache-aware-router executable [default: next to this executable].
     #[arg(long)]
     router_bin: Option<PathBuf>,
+    /// redis-server executable, for `POLICY/N/shared` (started per contender on a
+    /// free loopback port, persistence off, killed with the contender).
+    #[arg(long, default_value = "redis-server")]
+    redis_server: PathBuf,
     /// Virtualenv holding the peer routers (`bin/smg`, `bin/vllm-router`), as
     /// `bench/peers/run.sh` creates it.
     #[arg(long, default_value = "/tmp/peers-venv")]
@@ -276,6 +288,7 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         peers,
         ideal_kv_blocks,
         ideal_time_factor: cli.ideal_time_factor,
+        redis_bin: cli.redis_server.clone(),
         router_extra_yaml: {
             let mut y = if cli.router_yaml.is_empty() || cli.router_yaml.ends_with('\n') {
                 cli.router_yaml.clone()
@@ -345,9 +358,10 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
             } else {
                 format!("{} engines", cfg.engines)
             },
-            match c.router() {
-                Some((kind, _)) => format!(" + {}", kind.name()),
-                None => String::new(),
+            match (c.router(), c.routers()) {
+                (Some((kind, _)), 1) => format!(" + {}", kind.name()),
+                (Some((kind, _)), n) => format!(" + {n} × {}", kind.name()),
+                (None, _) => String::new(),
             }
         );
         let t0 = Instant::now();
@@ -392,6 +406,30 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
          utime+stime during the replay (/proc). Routers are ready when GET /health and a \
          1-token chat request answer 2xx."
     );
+    if contenders
+        .iter()
+        .any(|c| matches!(c, Contender::Replicas(_)))
+    {
+        println!(
+            "\nRouter replicas:\n\n{}",
+            matrix::render_fleet_table(&rows)
+        );
+        println!(
+            "failed = requests that got no complete answer, after the client's one retry; \
+             retried = requests whose first attempt found the replica gone (connection \
+             refused) or had its stream cut, sent once more to the next replica. Redis \
+             messages and bytes per request: the fleet counters of every replica's GET \
+             /workers (messages_out/bytes_out: its PUBLISHes; messages_in/bytes_in: what \
+             it received from the others), read just before and after the replay (a killed \
+             replica's just before it was killed), growth summed over the replicas, ÷ the \
+             requests replayed. They include the in-flight shares every replica publishes \
+             each 100 ms whether or not it routes."
+        );
+        let checks = matrix::check_fleet(&rows, &contenders);
+        if !checks.is_empty() {
+            println!("\nTargets (shared state):\n\n{checks}");
+        }
+    }
     if contenders.contains(&Contender::Ideal) {
         println!(
             "ideal: ONE engine with {} KV blocks (the whole slice) at time factor {}, every \
