@@ -22,6 +22,11 @@
 //!              fetch (how tasks reach a worker), pending prefill and the learned
 //!              prefill rate, each worker's signal slots
 //! signals      background sources for those slots: engine /metrics scrapes, LMCache
+//! cache        the response cache: exact and semantic keys, stored answers, in-process
+//!              (moka) or Redis store, embeddings
+//! fleet        routing state shared by router replicas over Redis (prefix records,
+//!              in-flight shares, bindings, snapshot)
+//! discovery    workers found at run time (DNS, Kubernetes EndpointSlices)
 //! tree         RadixTree (owned by cache_aware) + eviction task
 //! precise      KV-event state: events, sequence, index, feed, consumer
 //! tokenize     request token ids as vLLM computes them (chat_template)
@@ -34,14 +39,16 @@
 //! clock, shutdown  tokio's clock for state machines; one shutdown signal
 //! ```
 //!
-//! Dependencies point one way: proxy -> policy -> pool; health, reload, admin and the
-//! KV-event supervisor use the pool, never the proxy.
+//! Dependencies point one way: proxy -> cache, proxy -> policy -> fleet -> pool/tree;
+//! health, reload, admin, discovery and the KV-event supervisor use the pool, never the
+//! proxy.
 //!
 //! # A request
 //!
 //! 1. Read the body up to `server.max_body_bytes` (413) within `server.body_timeout_secs`
 //!    (408).
-//! 2. `prompt::extract` the routing text for the endpoint; the policy's `prepare`
+//! 2. The response cache, when on: a hit is answered here (no pick). Else
+//!    `prompt::extract` the routing text for the endpoint; the policy's `prepare`
 //!    (precise mode: token ids).
 //! 3. Load the current `WorkerSet` once; mark the usable candidates; `Policy::pick`.
 //! 4. Take an `InFlightGuard`, forward, return the upstream body in a `GuardedBody` so

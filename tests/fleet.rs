@@ -83,16 +83,20 @@ async fn pair() -> (
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prefix_learned_through_one_replica_routes_the_same_through_the_other() {
     let (_redis, w0, w1, one, two) = pair().await;
+    // From the answer through replica 1 to the record applied by replica 2 (polled).
+    let mut slowest = Duration::ZERO;
     for k in 0..6 {
         let before = remote_records(two.addr).await;
         let r = send(one.addr, &chat_with(&system(k), "first question")).await;
         assert_eq!(r.status, 200);
+        let served = std::time::Instant::now();
         wait_until(
             "replica 2 applied the record",
             Duration::from_secs(5),
             || async { remote_records(two.addr).await > before },
         )
         .await;
+        slowest = slowest.max(served.elapsed());
         let (r, by) = send_tagged(
             two.addr,
             &[&w0, &w1],
@@ -110,6 +114,7 @@ async fn a_prefix_learned_through_one_replica_routes_the_same_through_the_other(
         6.0,
         "each was a cache hit on shared records"
     );
+    eprintln!("slowest propagation: {slowest:?}");
     let view = get_workers(two.addr).await;
     assert!(
         view["fleet"]["messages_in"].as_u64().unwrap() >= 6,
