@@ -26,7 +26,7 @@ use cache_aware_router::fleet::{Fleet, chain};
 use cache_aware_router::policy::{self, Candidate, Outcome, Policy, RouteRequest};
 use cache_aware_router::pool::{Pool, WorkerId, WorkerSet};
 use cache_aware_router::prompt::{Endpoint, extract};
-use cache_aware_router::tree::{RemotePrefixes, WorkerMask};
+use cache_aware_router::tree::{ChainMemo, RemotePrefixes, WorkerMask};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -439,7 +439,9 @@ fn main() {
             let t0 = Instant::now();
             std::hint::black_box(chain(&ctx.text).last());
             let t1 = Instant::now();
-            let m = s.fleet.longest_prefix(&ctx.text, &all);
+            let m = s
+                .fleet
+                .longest_prefix(&ctx.text, &all, &ChainMemo::default());
             let t2 = Instant::now();
             matched += m.matched;
             hash_t.push(t1 - t0);

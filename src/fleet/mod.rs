@@ -40,7 +40,7 @@ use tokio::sync::mpsc;
 use crate::config::StateConfig;
 use crate::pool::{Pool, Worker, WorkerId};
 use crate::shutdown::Shutdown;
-use crate::tree::{PrefixMatch, RemotePrefixes, WorkerMask};
+use crate::tree::{ChainMemo, PrefixMatch, RemotePrefixes, WorkerMask};
 use wire::{Batch, Record};
 
 /// Bytes of routing text per hashed chunk: the granularity of a shared match.
@@ -501,30 +501,32 @@ impl Fleet {
     }
 }
 
-/// The chunk hashes of one text, computed only as far as they are asked for.
+/// The chunk hashes of one text, computed only as far as they are asked for, kept in
+/// the request's [`ChainMemo`] so its pick and its publish hash the text once.
 struct LazyChain<'a> {
-    chunks: std::slice::ChunksExact<'a, u8>,
-    hashes: Vec<u64>,
+    text: &'a [u8],
+    hashes: std::sync::MutexGuard<'a, Vec<u64>>,
     len: usize,
 }
 
 impl<'a> LazyChain<'a> {
-    fn new(text: &'a [u8]) -> Self {
-        LazyChain {
-            chunks: text.chunks_exact(CHUNK_BYTES),
-            hashes: Vec::new(),
-            len: text.len() / CHUNK_BYTES,
+    fn new(text: &'a [u8], memo: &'a ChainMemo) -> Self {
+        let len = text.len() / CHUNK_BYTES;
+        let mut hashes = memo.lock();
+        let have = hashes.len();
+        if hashes.capacity() < len {
+            hashes.reserve_exact(len - have);
         }
+        LazyChain { text, hashes, len }
     }
 
     /// Hash of chunk `i` (< `len`), chained from chunk 0.
     fn get(&mut self, i: usize) -> u64 {
-        if self.hashes.capacity() == 0 {
-            self.hashes.reserve_exact(self.len);
-        }
+        debug_assert!(i < self.len);
         while self.hashes.len() <= i {
+            let k = self.hashes.len();
             let prev = self.hashes.last().copied().unwrap_or(0);
-            let c = self.chunks.next().expect("i < len");
+            let c = &self.text[k * CHUNK_BYTES..(k + 1) * CHUNK_BYTES];
             self.hashes
                 .push(xxhash_rust::xxh3::xxh3_64_with_seed(c, prev));
         }
@@ -565,7 +567,7 @@ impl RemotePrefixes for Fleet {
     /// Records are prefix-closed (a chain is stored tail first, so eviction takes tails
     /// before heads): the chunks some eligible worker holds are a prefix of the chain,
     /// and its end is found by [`last_held`] — O(log m) lookups for an m-chunk match.
-    fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask) -> PrefixMatch {
+    fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask, memo: &ChainMemo) -> PrefixMatch {
         let mut best = PrefixMatch {
             matched: 0,
             workers: WorkerMask::default(),
@@ -574,7 +576,7 @@ impl RemotePrefixes for Fleet {
         if index.is_empty() {
             return best;
         }
-        let mut chain = LazyChain::new(text);
+        let mut chain = LazyChain::new(text, memo);
         let n = chain.len;
         let held = |chain: &mut LazyChain<'_>, i: usize| {
             index
@@ -595,13 +597,14 @@ impl RemotePrefixes for Fleet {
         &self,
         text: &[u8],
         eligible: &WorkerMask,
+        memo: &ChainMemo,
         f: &mut dyn FnMut(WorkerId, usize),
     ) {
         let index = self.index.lock().unwrap_or_else(|p| p.into_inner());
         if index.is_empty() || text.len() < CHUNK_BYTES {
             return;
         }
-        let mut chain = LazyChain::new(text);
+        let mut chain = LazyChain::new(text, memo);
         let n = chain.len;
         let Some(holders) = index.peek(&chain.get(0)).map(|m| m.intersection(eligible)) else {
             return;
@@ -614,14 +617,18 @@ impl RemotePrefixes for Fleet {
         }
     }
 
-    fn learned(&self, text: &[u8], worker: WorkerId) {
+    fn learned(&self, text: &[u8], worker: WorkerId, memo: &ChainMemo) {
         if text.len() < CHUNK_BYTES {
             return;
         }
         let Some(w) = self.pool.set().get(worker).map(|w| w.key_hash()) else {
             return;
         };
-        let chain: Vec<u64> = chain(text).take(wire::MAX_CHAIN).collect();
+        // The pick's hashes, completed; taken (the request is done routing).
+        let mut lazy = LazyChain::new(text, memo);
+        lazy.get(lazy.len - 1);
+        let mut chain = std::mem::take(&mut *lazy.hashes);
+        chain.truncate(wire::MAX_CHAIN);
         if self
             .tx
             .try_send(Record::Prefix { worker: w, chain })
@@ -694,13 +701,19 @@ mod tests {
             ],
         ));
         let all: WorkerMask = [a.id(), b.id()].into_iter().collect();
-        let m = f.longest_prefix(&text, &all);
+        let m = f.longest_prefix(&text, &all, &ChainMemo::default());
         assert_eq!(m.matched, 3 * CHUNK_BYTES);
         assert!(m.workers.contains(a.id()) && !m.workers.contains(b.id()));
         let only_b: WorkerMask = [b.id()].into_iter().collect();
-        assert_eq!(f.longest_prefix(&text, &only_b).matched, CHUNK_BYTES);
+        assert_eq!(
+            f.longest_prefix(&text, &only_b, &ChainMemo::default())
+                .matched,
+            CHUNK_BYTES
+        );
         let mut per = Vec::new();
-        f.prefix_per_worker(&text, &all, &mut |w, n| per.push((w, n)));
+        f.prefix_per_worker(&text, &all, &ChainMemo::default(), &mut |w, n| {
+            per.push((w, n))
+        });
         per.sort();
         assert_eq!(per, vec![(a.id(), 3 * CHUNK_BYTES), (b.id(), CHUNK_BYTES)]);
         // Its own messages are never applied.
@@ -716,7 +729,10 @@ mod tests {
         f.apply(b"garbage");
         assert_eq!(f.counts.malformed.load(Ordering::Relaxed), 1);
         f.forget(a.id());
-        assert_eq!(f.longest_prefix(&text, &all).matched, CHUNK_BYTES);
+        assert_eq!(
+            f.longest_prefix(&text, &all, &ChainMemo::default()).matched,
+            CHUNK_BYTES
+        );
         f.forget(b.id());
         assert_eq!(f.remote_records(), 0);
     }
@@ -753,7 +769,8 @@ mod tests {
             }
         }
         let text = vec![7u8; CHUNK_BYTES * 5 + 3];
-        let mut lazy = LazyChain::new(&text);
+        let memo = ChainMemo::default();
+        let mut lazy = LazyChain::new(&text, &memo);
         let all: Vec<u64> = chain(&text).collect();
         assert_eq!(lazy.len, 5);
         assert_eq!(lazy.get(3), all[3]);

@@ -29,7 +29,7 @@ use super::{Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
 use crate::pool::{Pool, PoolListener, Worker, WorkerSet};
 use crate::shutdown::Shutdown;
-use crate::tree::{RadixTree, RemotePrefixes, SharedTree, WorkerMask};
+use crate::tree::{ChainMemo, RadixTree, RemotePrefixes, SharedTree, WorkerMask};
 
 /// The `cache_aware` policy: its tree and thresholds.
 pub struct CacheAware {
@@ -65,7 +65,7 @@ impl CacheAware {
         rng: &mut dyn RngCore,
     ) -> Pick {
         let tree = self.tree.lock();
-        let remote = self.tree.remote();
+        let remote = self.tree.remote().map(|r| (r, &req.chain));
         pick_cache_aware(
             &self.params,
             req.text(),
@@ -82,7 +82,7 @@ impl CacheAware {
         if let Some(id) = pick.worker
             && pick.cache_aware
         {
-            self.tree.record(req.text(), id);
+            self.tree.record(req.text(), id, &req.chain);
         }
     }
 }
@@ -153,7 +153,7 @@ pub fn pick_cache_aware(
     text: &[u8],
     candidates: &[Candidate],
     tree: &RadixTree,
-    remote: Option<&dyn RemotePrefixes>,
+    remote: Option<(&dyn RemotePrefixes, &ChainMemo)>,
     tie: Option<u64>,
     rng: &mut dyn RngCore,
 ) -> Pick {
@@ -179,8 +179,8 @@ pub fn pick_cache_aware(
         .map(|c| c.id)
         .collect();
     let mut m = tree.longest_prefix(text, &eligible);
-    if let Some(r) = remote {
-        let other = r.longest_prefix(text, &eligible);
+    if let Some((r, memo)) = remote {
+        let other = r.longest_prefix(text, &eligible, memo);
         if other.matched > m.matched {
             m = other;
         } else if other.matched == m.matched && other.matched > 0 {

@@ -284,7 +284,7 @@ impl Policy for CostAware {
             });
             // Other router replicas' records: whichever holds more.
             if let Some(r) = shared.remote() {
-                r.prefix_per_worker(text, &eligible, &mut |w, n| {
+                r.prefix_per_worker(text, &eligible, &req.chain, &mut |w, n| {
                     if n >= floor && n > matches.get(w) {
                         matches.set(w, n)
                     }

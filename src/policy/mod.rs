@@ -213,6 +213,9 @@ pub struct RouteRequest<'a> {
     /// Breaks load ties stably: the session hash, else the prompt digest; `None` = at
     /// random (see [`select::least_loaded`]).
     pub tie: Option<u64>,
+    /// The routing text's chunk hashes once computed (routing state shared by router
+    /// replicas: the pick's match and the publish of what was served use the same).
+    pub chain: crate::tree::ChainMemo,
 }
 
 impl RouteRequest<'_> {

@@ -244,6 +244,7 @@ impl Router {
                 prepared,
                 session,
                 tie: session.or(ctx.as_ref().map(|c| c.digest)),
+                chain: Default::default(),
             },
             arrived,
             started,

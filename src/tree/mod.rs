@@ -48,21 +48,34 @@ pub struct SharedTree {
     remote: std::sync::OnceLock<std::sync::Arc<dyn RemotePrefixes>>,
 }
 
+/// One request's chunk hashes, kept between its pick and its publish so the routing
+/// text is hashed once (filled and read only by the [`RemotePrefixes`] implementation).
+#[derive(Debug, Default)]
+pub struct ChainMemo(std::sync::Mutex<Vec<u64>>);
+
+impl ChainMemo {
+    /// The hashes computed so far (a prefix of the chain).
+    pub fn lock(&self) -> std::sync::MutexGuard<'_, Vec<u64>> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
 /// Prefix records learned from other router replicas, consulted beside the tree and
 /// told what this replica's workers served (implemented by `crate::fleet`). Its matches
 /// are in whole chunks of the routing text; bytes, like the tree's.
 pub trait RemotePrefixes: Send + Sync + std::fmt::Debug {
     /// As [`RadixTree::longest_prefix`], over the other replicas' records.
-    fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask) -> PrefixMatch;
+    fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask, memo: &ChainMemo) -> PrefixMatch;
     /// As [`RadixTree::prefix_per_worker`], over the other replicas' records.
     fn prefix_per_worker(
         &self,
         text: &[u8],
         eligible: &WorkerMask,
+        memo: &ChainMemo,
         f: &mut dyn FnMut(WorkerId, usize),
     );
     /// This replica's `worker` served `text`: tell the other replicas.
-    fn learned(&self, text: &[u8], worker: WorkerId);
+    fn learned(&self, text: &[u8], worker: WorkerId, memo: &ChainMemo);
     /// The worker left or went down: its records go.
     fn forget(&self, worker: WorkerId);
 }
@@ -97,12 +110,12 @@ impl SharedTree {
 
     /// Records `text` as held by `worker` (and tells the other replicas, when shared),
     /// unless an eviction pass runs (then the insert is skipped and counted).
-    pub fn record(&self, text: &[u8], worker: WorkerId) {
+    pub fn record(&self, text: &[u8], worker: WorkerId, memo: &ChainMemo) {
         if text.is_empty() {
             return;
         }
         if let Some(r) = self.remote() {
-            r.learned(text, worker);
+            r.learned(text, worker, memo);
         }
         if self.is_evicting() {
             self.skipped_inserts
