@@ -294,7 +294,14 @@ pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
         policy.tree().map(|t| &**t),
         policy.precise().map(|p| &**p),
         policy.sessions(),
-        router.response_cache().and_then(|c| c.stats()),
+        router
+            .response_cache()
+            .and_then(|c| c.stats())
+            .map(|s| crate::metrics::CacheGauges {
+                entries: s.entries,
+                bytes: s.bytes,
+                evictions: s.evictions,
+            }),
         router.fleet().map(|f| &**f),
     );
     let mut resp = http::Response::new(

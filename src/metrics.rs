@@ -174,7 +174,18 @@ struct FleetFamilies {
     seen: [AtomicU64; 10],
 }
 
-/// The response cache (`crate::cache`): every label value exists at 0 from start-up.
+/// What the in-process response cache holds, read at scrape time.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CacheGauges {
+    pub entries: u64,
+    /// Weight held, in bytes.
+    pub bytes: u64,
+    /// Evictions since start.
+    pub evictions: u64,
+}
+
+/// The response cache (`crate::cache`): every label value the cache names
+/// ([`Metrics::response_cache_labels`]) exists at 0 from start-up.
 #[derive(Debug, Default)]
 struct ResponseCacheFamilies {
     hits: Family<KindLabels, Counter>,
@@ -547,18 +558,6 @@ impl Metrics {
             p.decisions.clone(),
         );
         let c = &m.response_cache;
-        for kind in crate::cache::HIT_KINDS {
-            let _ = c.hits.get_or_create(&KindLabels { kind });
-        }
-        for b in crate::cache::Bypass::ALL {
-            let _ = c.bypasses.get_or_create(&CauseLabels { cause: b.as_str() });
-        }
-        for result in crate::cache::STORE_RESULTS {
-            let _ = c.stores.get_or_create(&ResultLabels { result });
-        }
-        for op in crate::cache::STORE_OPS {
-            let _ = c.store_errors.get_or_create(&OpLabels { op });
-        }
         r.register(
             "response_cache_hits",
             "Requests answered from the response cache, by lookup kind (exact, semantic)",
@@ -735,6 +734,30 @@ impl Metrics {
             .inc();
     }
 
+    /// Creates every response-cache series at 0 (the cache calls this when it starts,
+    /// with its own label values), so dashboards see them before the first event.
+    pub fn response_cache_labels(
+        &self,
+        kinds: &[&'static str],
+        causes: &[&'static str],
+        results: &[&'static str],
+        ops: &[&'static str],
+    ) {
+        let c = &self.response_cache;
+        for &kind in kinds {
+            let _ = c.hits.get_or_create(&KindLabels { kind });
+        }
+        for &cause in causes {
+            let _ = c.bypasses.get_or_create(&CauseLabels { cause });
+        }
+        for &result in results {
+            let _ = c.stores.get_or_create(&ResultLabels { result });
+        }
+        for &op in ops {
+            let _ = c.store_errors.get_or_create(&OpLabels { op });
+        }
+    }
+
     /// A response-cache hit of `kind` (`exact`, `semantic`).
     pub fn response_cache_hit(&self, kind: &'static str) {
         self.response_cache
@@ -785,7 +808,7 @@ impl Metrics {
         tree: Option<&SharedTree>,
         precise: Option<&Precise>,
         sessions: Option<SessionStats>,
-        response_cache: Option<crate::cache::store::StoreStats>,
+        response_cache: Option<CacheGauges>,
         fleet: Option<&crate::fleet::Fleet>,
     ) -> String {
         if let Some(f) = fleet {

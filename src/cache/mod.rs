@@ -224,6 +224,12 @@ impl ResponseCache {
             .semantic
             .clone()
             .map(|s| Embedder::new(s, upstream.clone(), bearer));
+        metrics.response_cache_labels(
+            &HIT_KINDS,
+            &Bypass::ALL.map(Bypass::as_str),
+            &STORE_RESULTS,
+            &STORE_OPS,
+        );
         Ok(Arc::new(ResponseCache {
             entry_cap: MAX_ENTRY_BYTES.min(cfg.max_bytes as usize),
             cfg: cfg.clone(),
