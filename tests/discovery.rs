@@ -52,14 +52,7 @@ async fn workers_follow_the_records_and_a_leaving_one_finishes_its_requests() {
     .await;
 
     // A leaves while a request is in flight on it: that request still completes.
-    let held_prompt = format!("{long} hold");
-    let pending = tokio::spawn(async move {
-        send(
-            r,
-            &Req::post("/v1/chat/completions", chat_body(&held_prompt, false)),
-        )
-        .await
-    });
+    let pending = spawn_chat(r, format!("{long} hold"));
     a.wait_for_requests(2).await;
     dns.set(&[B]);
     wait_until("A leaves", Duration::from_secs(5), || async {

@@ -63,14 +63,7 @@ async fn workers_follow_ready_endpoints_of_the_slices() {
     .await;
 
     // A turns not ready with a request in flight on it: it leaves, the request completes.
-    let held_prompt = format!("{long} hold");
-    let pending = tokio::spawn(async move {
-        send(
-            r,
-            &Req::post("/v1/chat/completions", chat_body(&held_prompt, false)),
-        )
-        .await
-    });
+    let pending = spawn_chat(r, format!("{long} hold"));
     a.wait_for_requests(2).await;
     api.apply(slice(
         "vllm-1",

@@ -1,7 +1,7 @@
 //! One stored answer: the engine's own bytes and content type; whether a finished body
 //! may be stored; how a hit is replayed.
 
-use bytes::{Buf, BufMut, Bytes, BytesMut};
+use bytes::{Buf, BufMut, Bytes};
 use http::header::{self, HeaderValue};
 use http::{Response, StatusCode};
 use http_body_util::BodyExt;
@@ -48,12 +48,12 @@ impl Entry {
     /// `CAR1`, u16 content-type length (big-endian), content type, body.
     pub fn encode(&self) -> Vec<u8> {
         let ct = self.content_type.as_bytes();
-        let mut out = BytesMut::with_capacity(6 + ct.len() + self.body.len());
+        let mut out = Vec::with_capacity(6 + ct.len() + self.body.len());
         out.put_slice(MAGIC);
         out.put_u16(ct.len() as u16);
         out.put_slice(ct);
         out.put_slice(&self.body);
-        out.to_vec()
+        out
     }
 
     /// The inverse of [`Entry::encode`]; `Err` says what is wrong with the bytes.

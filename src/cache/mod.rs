@@ -184,10 +184,8 @@ pub struct ResponseCache {
     down_until_ms: AtomicU64,
     /// Milliseconds since `born` until which semantic lookups are skipped.
     embed_down_until_ms: AtomicU64,
-    /// Milliseconds since `born` of the last failure log line (0: none yet).
-    logged_ms: AtomicU64,
-    /// Failures since that line.
-    unlogged: AtomicU64,
+    /// Failure log lines, at most one per [`LOG_EVERY`].
+    log: crate::clock::LogEvery,
 }
 
 impl std::fmt::Debug for ResponseCache {
@@ -239,8 +237,7 @@ impl ResponseCache {
             born: Instant::now(),
             down_until_ms: AtomicU64::new(0),
             embed_down_until_ms: AtomicU64::new(0),
-            logged_ms: AtomicU64::new(0),
-            unlogged: AtomicU64::new(0),
+            log: crate::clock::LogEvery::new(LOG_EVERY),
         }))
     }
 
@@ -441,22 +438,12 @@ impl ResponseCache {
 
     fn count_failure(&self, op: &'static str, error: &str, store: bool) {
         self.metrics.response_cache_store_error(op);
-        let now = self.now_ms();
-        let missed = self.unlogged.fetch_add(1, Ordering::Relaxed);
-        let last = self.logged_ms.load(Ordering::Relaxed);
-        let due = last == 0 || now.saturating_sub(last) >= LOG_EVERY.as_millis() as u64;
-        if due
-            && self
-                .logged_ms
-                .compare_exchange(last, now.max(1), Ordering::Relaxed, Ordering::Relaxed)
-                .is_ok()
-        {
-            self.unlogged.store(0, Ordering::Relaxed);
+        if let Some(failures) = self.log.due() {
             let error = crate::redact::line(error);
             if store {
-                tracing::warn!(op, %error, failures_since_last_line = missed + 1, "response cache store failed; requests go to workers without the cache until it answers");
+                tracing::warn!(op, %error, failures, "response cache store failed; requests go to workers without the cache until it answers");
             } else {
-                tracing::warn!(op, %error, failures_since_last_line = missed + 1, "embeddings endpoint failed; semantic lookups are exact misses until it answers");
+                tracing::warn!(op, %error, failures, "embeddings endpoint failed; semantic lookups are exact misses until it answers");
             }
         }
     }

@@ -78,7 +78,7 @@ pub async fn run(pool: Arc<Pool>, cfg: KubernetesDiscovery, mut shutdown: Shutdo
     let mut slices: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     let mut listing: Option<BTreeMap<String, BTreeSet<String>>> = None;
     let mut published: Option<BTreeSet<String>> = None;
-    let mut logged: Option<std::time::Instant> = None;
+    let log = crate::clock::LogEvery::new(LOG_EVERY);
     tracing::info!(namespace = %namespace, selector = %cfg.label_selector, "Kubernetes discovery: watching EndpointSlices");
     loop {
         let event = tokio::select! {
@@ -108,9 +108,8 @@ pub async fn run(pool: Arc<Pool>, cfg: KubernetesDiscovery, mut shutdown: Shutdo
                 slices.remove(&name(&s));
             }
             Err(e) => {
-                if logged.is_none_or(|t| t.elapsed() >= LOG_EVERY) {
-                    logged = Some(std::time::Instant::now());
-                    tracing::warn!(error = %e, "Kubernetes discovery: watch failed; keeping the workers found before, retrying");
+                if let Some(failures) = log.due() {
+                    tracing::warn!(error = %e, failures, "Kubernetes discovery: watch failed; keeping the workers found before, retrying");
                 }
                 continue;
             }

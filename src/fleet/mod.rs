@@ -151,7 +151,8 @@ pub struct Fleet {
     /// The session layer's bindings, when the policy shares them.
     bindings: std::sync::OnceLock<Arc<dyn BindingSink>>,
     pub counts: FleetCounts,
-    logged: Mutex<Option<Instant>>,
+    /// Failure log lines, at most one per [`LOG_EVERY`].
+    failures: crate::clock::LogEvery,
 }
 
 impl std::fmt::Debug for Fleet {
@@ -167,9 +168,14 @@ impl std::fmt::Debug for Fleet {
 /// `i` seeded with `h[i-1]` (0 for the first), so equal hashes mean equal prefixes.
 pub fn chain(text: &[u8]) -> impl Iterator<Item = u64> + '_ {
     text.chunks_exact(CHUNK_BYTES).scan(0u64, |prev, c| {
-        *prev = xxhash_rust::xxh3::xxh3_64_with_seed(c, *prev);
+        *prev = link(*prev, c);
         Some(*prev)
     })
+}
+
+/// One step of [`chain`]: the hash of `chunk` after the chain's hash `prev`.
+fn link(prev: u64, chunk: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(chunk, prev)
 }
 
 impl Fleet {
@@ -194,7 +200,7 @@ impl Fleet {
             loads: Mutex::new(HashMap::new()),
             bindings: std::sync::OnceLock::new(),
             counts: FleetCounts::default(),
-            logged: Mutex::new(None),
+            failures: crate::clock::LogEvery::new(LOG_EVERY),
         }))
     }
 
@@ -493,10 +499,8 @@ impl Fleet {
 
     fn failed(&self, counter: &AtomicU64, error: &str) {
         counter.fetch_add(1, Ordering::Relaxed);
-        let mut logged = self.logged.lock().unwrap_or_else(|p| p.into_inner());
-        if logged.is_none_or(|t| t.elapsed() >= LOG_EVERY) {
-            *logged = Some(Instant::now());
-            tracing::warn!(error = %crate::redact::line(error), channel = %self.channel, "fleet: Redis failed; routing per-process until it answers");
+        if let Some(failures) = self.failures.due() {
+            tracing::warn!(error = %crate::redact::line(error), channel = %self.channel, failures, "fleet: Redis failed; routing per-process until it answers");
         }
     }
 }
@@ -527,8 +531,7 @@ impl<'a> LazyChain<'a> {
             let k = self.hashes.len();
             let prev = self.hashes.last().copied().unwrap_or(0);
             let c = &self.text[k * CHUNK_BYTES..(k + 1) * CHUNK_BYTES];
-            self.hashes
-                .push(xxhash_rust::xxh3::xxh3_64_with_seed(c, prev));
+            self.hashes.push(link(prev, c));
         }
         self.hashes[i]
     }

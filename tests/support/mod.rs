@@ -1368,6 +1368,18 @@ pub async fn worker_urls(addr: SocketAddr) -> Vec<String> {
         .collect()
 }
 
+/// Sends a non-streamed chat request with `prompt` in a task of its own (one the test
+/// holds at the worker, say) and hands back its response when it ends.
+pub fn spawn_chat(addr: SocketAddr, prompt: String) -> tokio::task::JoinHandle<Response> {
+    tokio::spawn(async move {
+        send(
+            addr,
+            &Req::post("/v1/chat/completions", chat_body(&prompt, false)),
+        )
+        .await
+    })
+}
+
 /// Two workers on one port, as discovery finds a Deployment's pods: `a` on 127.0.0.2
 /// (holds any request whose body says `hold` until `gate` opens), `b` on 127.0.0.3.
 pub async fn workers_on_one_port(gate: &Gate) -> (FakeWorker, FakeWorker) {
