@@ -241,7 +241,22 @@ async fn control_ttl_and_tenants_on_redis() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn failed_cut_and_odd_answers_are_never_stored() {
+async fn failed_cut_and_odd_answers_are_never_stored_in_process() {
+    never_stored(None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failed_cut_and_odd_answers_are_never_stored_on_redis() {
+    let redis = RedisServer::start();
+    never_stored(Some(&redis)).await;
+    assert_eq!(
+        redis.keys("cache-aware-router:rc:v1:e:*").len(),
+        1,
+        "only the control answer reached Redis"
+    );
+}
+
+async fn never_stored(redis: Option<&RedisServer>) {
     // Each prompt names what the worker does with it.
     let w = FakeWorker::start_with(|r| {
         let body = r.body_str();
@@ -272,7 +287,7 @@ async fn failed_cut_and_odd_answers_are_never_stored() {
         }
     })
     .await;
-    let router = start_router(&config(&w, None, "")).await;
+    let router = start_router(&config(&w, redis, "")).await;
     let a = router.addr;
     // The cut stream's client sees the cut; read what comes and move on.
     let cut = async {
@@ -317,6 +332,16 @@ async fn failed_cut_and_odd_answers_are_never_stored() {
             .unwrap_or(0.0);
         assert!(n >= 2.0, "{result}: {n}");
     }
+    // The control: a plain answer through the same router is stored.
+    assert_eq!(
+        send(a, &chat("fine", false)).await.header("x-cache"),
+        Some("miss")
+    );
+    wait_stored(a, 1.0).await;
+    assert_eq!(
+        send(a, &chat("fine", false)).await.header("x-cache"),
+        Some("hit")
+    );
     router.shutdown().await;
 }
 
