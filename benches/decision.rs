@@ -242,6 +242,7 @@ impl Sharing {
 fn main() {
     let mut nodes_target = 1_000_000usize;
     let mut decisions = 4000usize;
+    let mut publisher = true;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -257,6 +258,9 @@ fn main() {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(decisions)
             }
+            // The fleets' publisher and subscriber not started (the request path alone;
+            // past its text budget, the publisher's hashing moves back onto it).
+            "--no-publisher" => publisher = false,
             _ => {} // cargo bench passes --bench
         }
     }
@@ -337,6 +341,28 @@ fn main() {
         every.ready(&tree);
         fill_only.ready(&tree);
     }
+    // The fleets' publisher and subscriber run as in the router, on a thread of their own
+    // (the publisher hashes what the request path queued; its Redis is a closed port).
+    let (stop, shutdown) = cache_aware_router::shutdown::channel();
+    let fleets = [Arc::clone(&every.fleet), Arc::clone(&fill_only.fleet)];
+    let background = std::thread::spawn(move || {
+        if !publisher {
+            return;
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let tasks: Vec<_> = fleets
+                .into_iter()
+                .map(|f| tokio::spawn(f.run(shutdown.clone())))
+                .collect();
+            for t in tasks {
+                let _ = t.await;
+            }
+        });
+    });
 
     // cost_aware walks the same tree (a copy: its own).
     let cost_cfg = config("cost_aware");
@@ -428,6 +454,9 @@ fn main() {
         }
     }
 
+    stop.shutdown();
+    let _ = background.join();
+
     // 4. The remote lookup alone, on the same bodies (a pass of its own).
     let all: WorkerMask = every.pool.set().workers().iter().map(|w| w.id()).collect();
     for s in [&every, &fill_only] {
@@ -441,7 +470,7 @@ fn main() {
             let t1 = Instant::now();
             let m = s
                 .fleet
-                .longest_prefix(&ctx.text, &all, &ChainMemo::default());
+                .longest_prefix(&ctx.text, &all, &ChainMemo::default(), 0);
             let t2 = Instant::now();
             matched += m.matched;
             hash_t.push(t1 - t0);

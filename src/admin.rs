@@ -63,6 +63,23 @@ struct WorkerView {
     /// Such answers so far.
     back_pressure: u64,
     prefill: PrefillView,
+    hits: HitsView,
+}
+
+/// What a worker's answers said of the router's prefix memory (see `pool::hits`).
+#[derive(Serialize)]
+struct HitsView {
+    /// Answers that reported usage.
+    answers: u64,
+    /// Prefix tokens of those answers: the longest any worker held (available), what
+    /// the router believed this worker held (predicted), the engine's `cached_tokens`
+    /// (delivered). Estimated as bytes / 4 in approximate mode.
+    available_tokens: u64,
+    predicted_tokens: u64,
+    delivered_tokens: u64,
+    /// delivered / predicted over the last 100 answers that predicted a hit; `null`
+    /// until 10 such answers.
+    drift: Option<f64>,
 }
 
 /// A worker's engine signals in `/workers`; values `null` before the first good scrape.
@@ -161,6 +178,17 @@ fn lmcache_view(w: &crate::pool::Worker, now: std::time::Instant) -> Option<Lmca
         polls_failed: failed,
         polls_unparsable: unparsable,
     })
+}
+
+fn hits_view(h: &crate::pool::hits::HitStats) -> HitsView {
+    use std::sync::atomic::Ordering::Relaxed;
+    HitsView {
+        answers: h.answers.load(Relaxed),
+        available_tokens: h.available.load(Relaxed),
+        predicted_tokens: h.predicted.load(Relaxed),
+        delivered_tokens: h.delivered.load(Relaxed),
+        drift: h.drift(),
+    }
 }
 
 fn prefill_view(w: &crate::pool::Worker) -> PrefillView {
@@ -384,6 +412,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
                 .back_pressure
                 .load(std::sync::atomic::Ordering::Relaxed),
             prefill: prefill_view(w),
+            hits: hits_view(w.hits()),
         })
         .collect();
     let body = Workers {

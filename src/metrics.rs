@@ -45,6 +45,15 @@ struct WorkerLabels {
     worker: Arc<str>,
 }
 
+/// One of a worker's prefix numbers under one policy (see `pool::hits`).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PrefixLabels {
+    worker: Arc<str>,
+    policy: &'static str,
+    /// `available`, `predicted` or `delivered`.
+    kind: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: &'static str,
@@ -225,6 +234,9 @@ pub struct Metrics {
     estimated_saved: Family<WorkerLabels, Counter>,
     engine_cached: Family<WorkerLabels, Counter>,
     engine_prompt: Family<WorkerLabels, Counter>,
+    prefix_tokens: Family<PrefixLabels, Counter>,
+    drift: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
+    drift_low: Family<WorkerLabels, Gauge>,
     decision_time: Histogram,
     ttfb: Family<WorkerLabels, Histogram, fn() -> Histogram>,
     duration: Family<WorkerLabels, Histogram, fn() -> Histogram>,
@@ -269,6 +281,9 @@ impl Metrics {
             estimated_saved: Family::default(),
             engine_cached: Family::default(),
             engine_prompt: Family::default(),
+            prefix_tokens: Family::default(),
+            drift: Family::default(),
+            drift_low: Family::default(),
             decision_time: decision_histogram(),
             ttfb: Family::new_with_constructor(latency_histogram),
             duration: Family::new_with_constructor(latency_histogram),
@@ -318,6 +333,21 @@ impl Metrics {
             "engine_prompt_tokens",
             "Prompt tokens the engines reported (usage.prompt_tokens) in responses that carried usage",
             m.engine_prompt.clone(),
+        );
+        r.register(
+            "prefix_tokens",
+            "Prefix tokens of the answers that reported usage, by worker, policy and kind: available (the longest any worker held), predicted (what the router believed the chosen worker held), delivered (the engine's cached_tokens); tokens estimated as bytes / 4 in approximate mode",
+            m.prefix_tokens.clone(),
+        );
+        r.register(
+            "worker_hit_drift",
+            "Delivered / predicted prefix tokens over a worker's last 100 answers that predicted a hit (absent until 10)",
+            m.drift.clone(),
+        );
+        r.register(
+            "worker_hit_drift_low",
+            "1 while a worker's drift has stayed under cache.drift_floor for a minute: the router's memory of its KV cache is stale",
+            m.drift_low.clone(),
         );
         r.register_with_unit(
             "decision_duration",
@@ -713,6 +743,38 @@ impl Metrics {
         self.engine_cached
             .get_or_create(&labels)
             .inc_by(cached_tokens);
+    }
+
+    /// One answer's three prefix numbers (tokens), and its worker's drift after it.
+    pub fn prefix_tokens(
+        &self,
+        worker: &Arc<str>,
+        policy: &'static str,
+        [available, predicted, delivered]: [u64; 3],
+        drift: crate::pool::hits::DriftNow,
+    ) {
+        for (kind, n) in [
+            ("available", available),
+            ("predicted", predicted),
+            ("delivered", delivered),
+        ] {
+            self.prefix_tokens
+                .get_or_create(&PrefixLabels {
+                    worker: Arc::clone(worker),
+                    policy,
+                    kind,
+                })
+                .inc_by(n);
+        }
+        let labels = WorkerLabels {
+            worker: Arc::clone(worker),
+        };
+        if let Some(r) = drift.ratio {
+            self.drift.get_or_create(&labels).set(r);
+        }
+        self.drift_low
+            .get_or_create(&labels)
+            .set(i64::from(drift.low));
     }
 
     pub fn retry(&self) {

@@ -263,7 +263,7 @@ async fn a_replica_that_starts_late_bootstraps_from_the_snapshot() {
     // The publisher flushes every 20 ms; give it many times that.
     tokio::time::sleep(Duration::from_millis(300)).await;
     let logged = redis
-        .command(&["LLEN", "cache-aware-router:fleet:v1:log"])
+        .command(&["LLEN", "cache-aware-router:fleet:v2:log"])
         .unwrap_or_default();
     assert_ne!(logged.trim(), ":0", "messages kept for late replicas");
     // Replica 2 starts after all of that was said.

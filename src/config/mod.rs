@@ -560,6 +560,10 @@ pub struct CacheConfig {
     /// Tokens per KV block of the engines (default 16, vLLM's): an engine reuses only
     /// whole blocks, so `cost_aware` counts a matched prefix in whole blocks.
     pub engine_block_tokens: usize,
+    /// Below this drift (delivered ÷ predicted prefix tokens of a worker's last answers
+    /// that predicted a hit, see `pool::hits`) for a minute, the router warns that its
+    /// memory of that worker is stale (default 0.5; 0 = never).
+    pub drift_floor: f64,
 }
 
 /// `health:` — active health checks (see `health.rs`).
@@ -846,6 +850,7 @@ struct RawCache {
     eviction_interval_secs: Option<Secs>,
     daily_cleanup_hour_utc: Option<i64>,
     engine_block_tokens: Option<u64>,
+    drift_floor: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -1568,6 +1573,14 @@ impl Config {
             ));
         }
         let engine_block_tokens = engine_block_tokens as usize;
+        let drift_floor = c.drift_floor.unwrap_or(0.5);
+        if !(0.0..=1.0).contains(&drift_floor) {
+            return Err(ck.bad(
+                "cache.drift_floor",
+                drift_floor,
+                "is out of range (a ratio of delivered to predicted tokens, 0 to 1; 0 = never warn)",
+            ));
+        }
         let cache = CacheConfig {
             threshold,
             match_abs_threshold: c.match_abs_threshold.unwrap_or(8192) as usize,
@@ -1578,6 +1591,7 @@ impl Config {
             eviction_interval: (!eviction.is_zero()).then_some(eviction),
             daily_cleanup_hour_utc,
             engine_block_tokens,
+            drift_floor,
         };
 
         let h = raw.health;

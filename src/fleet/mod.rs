@@ -1,7 +1,7 @@
 //! Many router replicas that route as one: routing state shared through Redis
 //! (`state: {redis_url, namespace}`).
 //!
-//! Each replica publishes, on the Redis pub/sub channel `<namespace>:fleet:v1`, batches
+//! Each replica publishes, on the Redis pub/sub channel `<namespace>:fleet:v2`, batches
 //! of [`wire::Record`]s: the prefixes its workers served (chained hashes of 128-byte
 //! chunks of the routing text, never the text) and, every [`LOAD_EVERY`], its requests
 //! in flight per worker. It applies what the others publish: their prefix records go to
@@ -21,7 +21,7 @@
 //! [`BindingSink`] in): a session bound through one replica is followed by all.
 //!
 //! A replica that starts late, or comes back after an outage, bootstraps from a bounded
-//! snapshot: every message is also kept in the list `<namespace>:fleet:v1:log` (the
+//! snapshot: every message is also kept in the list `<namespace>:fleet:v2:log` (the
 //! newest [`LOG_MESSAGES`]), read and applied, oldest first, right after subscribing
 //! (in-flight shares in it are stale and skipped).
 
@@ -29,7 +29,7 @@ pub mod wire;
 
 use std::collections::HashMap;
 use std::num::NonZeroUsize;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -60,6 +60,10 @@ pub const LOG_MESSAGES: usize = 1000;
 const LOG_TTL: Duration = Duration::from_secs(24 * 3600);
 /// Records waiting for the publisher; past it new ones are dropped (and counted).
 const QUEUE: usize = 4096;
+/// Routing text (bytes) queued for the publisher to hash; past it a served prompt's
+/// hashes are completed on the request path instead (bounds the queue's memory when
+/// Redis is slow).
+const QUEUE_TEXT_BYTES: usize = 4 << 20;
 /// Longest one Redis call may take.
 const OP_TIMEOUT: Duration = Duration::from_millis(500);
 /// Least time between two log lines about Redis failures.
@@ -131,6 +135,19 @@ impl std::hash::Hasher for ChunkHasher {
     }
 }
 
+/// What the request path hands the publisher.
+enum Outgoing {
+    /// A record as it is (bindings, and prefixes hashed on the request path).
+    Record(Record),
+    /// A served prompt: the chunk hashes its pick computed (`chain`) and the text of its
+    /// whole chunks after them (`rest`), hashed by the publisher, off the request path.
+    Served {
+        worker: u64,
+        chain: Vec<u64>,
+        rest: Box<[u8]>,
+    },
+}
+
 /// One replica's published in-flight counts (worker key hash, requests) and when.
 type Share = (Instant, Vec<(u64, u32)>);
 
@@ -143,8 +160,10 @@ pub struct Fleet {
     log: String,
     client: redis::Client,
     pool: Arc<Pool>,
-    tx: mpsc::Sender<Record>,
-    rx: Mutex<Option<mpsc::Receiver<Record>>>,
+    tx: mpsc::Sender<Outgoing>,
+    rx: Mutex<Option<mpsc::Receiver<Outgoing>>>,
+    /// Bytes of [`Outgoing::Served::rest`] in the queue.
+    queued_text: Arc<AtomicUsize>,
     index: Mutex<LruCache<u64, WorkerMask, ChunkHashes>>,
     /// Per other replica: when it last published, and its share.
     loads: Mutex<HashMap<u64, Share>>,
@@ -164,8 +183,8 @@ impl std::fmt::Debug for Fleet {
     }
 }
 
-/// The chained hashes of `text`'s whole [`CHUNK_BYTES`] chunks: `h[i]` = xxh3 of chunk
-/// `i` seeded with `h[i-1]` (0 for the first), so equal hashes mean equal prefixes.
+/// The chained hashes of `text`'s whole [`CHUNK_BYTES`] chunks: `h[i]` = [`link`] of
+/// `h[i-1]` (0 for the first) and chunk `i`, so equal hashes mean equal prefixes.
 pub fn chain(text: &[u8]) -> impl Iterator<Item = u64> + '_ {
     text.chunks_exact(CHUNK_BYTES).scan(0u64, |prev, c| {
         *prev = link(*prev, c);
@@ -173,9 +192,25 @@ pub fn chain(text: &[u8]) -> impl Iterator<Item = u64> + '_ {
     })
 }
 
-/// One step of [`chain`]: the hash of `chunk` after the chain's hash `prev`.
+/// Appends to `chain` (the hashes of the chunks before `rest`) those of `rest`'s whole
+/// chunks.
+fn extend(chain: &mut Vec<u64>, rest: &[u8]) {
+    let mut prev = chain.last().copied().unwrap_or(0);
+    chain.extend(rest.chunks_exact(CHUNK_BYTES).map(|c| {
+        prev = link(prev, c);
+        prev
+    }));
+}
+
+/// One step of [`chain`]: the hash of `chunk` after the chain's hash `prev` — xxh3-64
+/// of the chunk, unseeded (a seeded xxh3 costs ~40 % more per 128-byte chunk), folded
+/// into `prev` by a step that is a bijection of the chunk's hash for a given `prev`
+/// (xor, odd multiply, xor-shift) and not symmetric in the two (the rotation), so
+/// reordered chunks do not collide.
 fn link(prev: u64, chunk: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64_with_seed(chunk, prev)
+    let x = (prev.rotate_left(29) ^ xxhash_rust::xxh3::xxh3_64(chunk))
+        .wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    x ^ (x >> 32)
 }
 
 impl Fleet {
@@ -187,12 +222,15 @@ impl Fleet {
         let (tx, rx) = mpsc::channel(QUEUE);
         Ok(Arc::new(Fleet {
             replica: rand::random(),
-            channel: format!("{}:fleet:v1", cfg.namespace),
-            log: format!("{}:fleet:v1:log", cfg.namespace),
+            // v2: the chunk hashes of `link` (v1 seeded xxh3 with the chain; the two
+            // never match, so they keep apart during a rolling upgrade).
+            channel: format!("{}:fleet:v2", cfg.namespace),
+            log: format!("{}:fleet:v2:log", cfg.namespace),
             client,
             pool,
             tx,
             rx: Mutex::new(Some(rx)),
+            queued_text: Arc::default(),
             index: Mutex::new(LruCache::with_hasher(
                 NonZeroUsize::new(MAX_RECORDS).expect("non-zero"),
                 ChunkHashes,
@@ -217,8 +255,33 @@ impl Fleet {
             key,
             worker: worker.key_hash(),
         };
-        if self.tx.try_send(r).is_err() {
+        self.queue(Outgoing::Record(r));
+    }
+
+    /// The record `out` stands for, its chunks hashed (the publisher's side of
+    /// [`Fleet::queue`]).
+    fn complete(&self, out: Outgoing) -> Record {
+        match out {
+            Outgoing::Record(r) => r,
+            Outgoing::Served {
+                worker,
+                mut chain,
+                rest,
+            } => {
+                self.queued_text.fetch_sub(rest.len(), Ordering::Relaxed);
+                extend(&mut chain, &rest);
+                Record::Prefix { worker, chain }
+            }
+        }
+    }
+
+    /// Hands `out` to the publisher; dropped and counted when it is behind.
+    fn queue(&self, out: Outgoing) {
+        if let Err(e) = self.tx.try_send(out) {
             self.counts.dropped.fetch_add(1, Ordering::Relaxed);
+            if let Outgoing::Served { rest, .. } = e.into_inner() {
+                self.queued_text.fetch_sub(rest.len(), Ordering::Relaxed);
+            }
         }
     }
 
@@ -238,7 +301,7 @@ impl Fleet {
         );
     }
 
-    async fn publish(self: Arc<Self>, mut rx: mpsc::Receiver<Record>, mut shutdown: Shutdown) {
+    async fn publish(self: Arc<Self>, mut rx: mpsc::Receiver<Outgoing>, mut shutdown: Shutdown) {
         let cfg = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(OP_TIMEOUT))
             .set_response_timeout(Some(OP_TIMEOUT))
@@ -258,38 +321,43 @@ impl Fleet {
         let mut last_load = Instant::now() - LOAD_EVERY;
         let mut batch = Batch::new(self.replica);
         loop {
+            // The queue is drained at each tick, never awaited: a request's `try_send`
+            // then wakes no task (no cross-thread wake-up, no syscall, per request).
             tokio::select! {
                 _ = shutdown.wait() => return,
-                r = rx.recv() => match r {
-                    Some(rec) => batch.push(&rec),
-                    None => return,
-                },
                 _ = flush.tick() => {
+                    loop {
+                        match rx.try_recv() {
+                            Ok(out) => batch.push(&self.complete(out)),
+                            Err(mpsc::error::TryRecvError::Empty) => break,
+                            Err(mpsc::error::TryRecvError::Disconnected) => return,
+                        }
+                    }
                     if last_load.elapsed() >= LOAD_EVERY {
                         last_load = Instant::now();
                         batch.push(&Record::Load(self.local_loads()));
                     }
                     if !batch.is_empty() {
-                        let full = std::mem::replace(&mut batch, Batch::new(self.replica));
-                        self.send(&conn, full).await;
+                        self.send(&conn, &batch).await;
+                        batch.clear();
                     }
                 }
             }
         }
     }
 
-    async fn send(&self, conn: &redis::aio::ConnectionManager, batch: Batch) {
+    async fn send(&self, conn: &redis::aio::ConnectionManager, batch: &Batch) {
         let (records, bytes) = (batch.records(), batch.len());
         let mut conn = conn.clone();
-        let payload = batch.into_bytes();
+        let payload = batch.as_bytes();
         let mut p = redis::pipe();
         p.cmd("PUBLISH")
             .arg(&self.channel)
-            .arg(&payload)
+            .arg(payload)
             .ignore()
             .cmd("LPUSH")
             .arg(&self.log)
-            .arg(&payload)
+            .arg(payload)
             .ignore()
             .cmd("LTRIM")
             .arg(&self.log)
@@ -538,23 +606,44 @@ impl<'a> LazyChain<'a> {
 }
 
 /// The last `i` < `n` for which `holds(i)` is true, for a `holds` that is true up to some
-/// point and false after it; `None` when `holds(0)` is false. Tries the last first, then
-/// gallops (1, 2, 4, …) and bisects: O(log m) probes for a match of m.
-fn last_held(n: usize, mut holds: impl FnMut(usize) -> bool) -> Option<usize> {
-    if n == 0 || !holds(0) {
+/// point and false after it; `None` when none is. Starts at `guess` (clamped to the
+/// chain), gallops from there (+1, +2, +4, …; the chain's end is tried before a gallop
+/// passes it) or, when `guess` is not held, from 0 below it, and bisects: O(log m)
+/// probes for a match of m, one when the guess is the whole chain. Each probe of `i`
+/// needs the chain's hashes up to `i`, so a good guess also hashes less.
+fn last_held(n: usize, guess: usize, mut holds: impl FnMut(usize) -> bool) -> Option<usize> {
+    if n == 0 {
         return None;
     }
-    // A conversation's next turn is usually all held but its new tail: the whole chain
-    // first (one probe), then gallop.
-    if holds(n - 1) {
-        return Some(n - 1);
+    let g = guess.min(n - 1);
+    // Invariant: `holds(lo)`, and `hi` is not held (or is `n`).
+    let (mut lo, mut hi) = if holds(g) {
+        (g, n)
+    } else if g > 0 && holds(0) {
+        (0, g)
+    } else {
+        return None;
+    };
+    let mut step = 1;
+    while lo + step < hi {
+        let next = lo + step;
+        if hi == n && next >= n - 1 {
+            break;
+        }
+        if !holds(next) {
+            hi = next;
+            break;
+        }
+        lo = next;
+        step *= 2;
     }
-    let (mut lo, mut hi) = (0, 1);
-    while hi < n && holds(hi) {
-        lo = hi;
-        hi *= 2;
+    if hi == n {
+        // The gallop reached the chain's end: the whole chain, or bisect below its end.
+        if lo == n - 1 || holds(n - 1) {
+            return Some(n - 1);
+        }
+        hi = n - 1;
     }
-    let mut hi = hi.min(n);
     while hi - lo > 1 {
         let mid = (lo + hi) / 2;
         if holds(mid) {
@@ -570,7 +659,13 @@ impl RemotePrefixes for Fleet {
     /// Records are prefix-closed (a chain is stored tail first, so eviction takes tails
     /// before heads): the chunks some eligible worker holds are a prefix of the chain,
     /// and its end is found by [`last_held`] — O(log m) lookups for an m-chunk match.
-    fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask, memo: &ChainMemo) -> PrefixMatch {
+    fn longest_prefix(
+        &self,
+        text: &[u8],
+        eligible: &WorkerMask,
+        memo: &ChainMemo,
+        guess: usize,
+    ) -> PrefixMatch {
         let mut best = PrefixMatch {
             matched: 0,
             workers: WorkerMask::default(),
@@ -587,7 +682,8 @@ impl RemotePrefixes for Fleet {
                 .map(|m| m.intersection(eligible))
                 .filter(|m| !m.is_empty())
         };
-        let Some(last) = last_held(n, |i| held(&mut chain, i).is_some()) else {
+        let start = (guess / CHUNK_BYTES).saturating_sub(1);
+        let Some(last) = last_held(n, start, |i| held(&mut chain, i).is_some()) else {
             return best;
         };
         best.matched = (last + 1) * CHUNK_BYTES;
@@ -614,7 +710,7 @@ impl RemotePrefixes for Fleet {
         };
         for w in holders.iter() {
             let holds = |i: usize| index.peek(&chain.get(i)).is_some_and(|m| m.contains(w));
-            if let Some(last) = last_held(n, holds) {
+            if let Some(last) = last_held(n, 0, holds) {
                 f(w, (last + 1) * CHUNK_BYTES);
             }
         }
@@ -627,18 +723,29 @@ impl RemotePrefixes for Fleet {
         let Some(w) = self.pool.set().get(worker).map(|w| w.key_hash()) else {
             return;
         };
-        // The pick's hashes, completed; taken (the request is done routing).
-        let mut lazy = LazyChain::new(text, memo);
-        lazy.get(lazy.len - 1);
-        let mut chain = std::mem::take(&mut *lazy.hashes);
-        chain.truncate(wire::MAX_CHAIN);
-        if self
-            .tx
-            .try_send(Record::Prefix { worker: w, chain })
-            .is_err()
+        // The pick's hashes, taken (the request is done routing); the chunks it did not
+        // hash go to the publisher as text (a copy costs a fraction of hashing them),
+        // unless too much text waits already.
+        let n = (text.len() / CHUNK_BYTES).min(wire::MAX_CHAIN);
+        let mut chain = std::mem::take(&mut *memo.lock());
+        chain.truncate(n);
+        let rest = &text[chain.len() * CHUNK_BYTES..n * CHUNK_BYTES];
+        let out = if rest.is_empty() {
+            Outgoing::Record(Record::Prefix { worker: w, chain })
+        } else if self.queued_text.fetch_add(rest.len(), Ordering::Relaxed) + rest.len()
+            <= QUEUE_TEXT_BYTES
         {
-            self.counts.dropped.fetch_add(1, Ordering::Relaxed);
-        }
+            Outgoing::Served {
+                worker: w,
+                chain,
+                rest: rest.into(),
+            }
+        } else {
+            self.queued_text.fetch_sub(rest.len(), Ordering::Relaxed);
+            extend(&mut chain, rest);
+            Outgoing::Record(Record::Prefix { worker: w, chain })
+        };
+        self.queue(out);
     }
 
     fn forget(&self, worker: WorkerId) {
@@ -704,12 +811,12 @@ mod tests {
             ],
         ));
         let all: WorkerMask = [a.id(), b.id()].into_iter().collect();
-        let m = f.longest_prefix(&text, &all, &ChainMemo::default());
+        let m = f.longest_prefix(&text, &all, &ChainMemo::default(), 0);
         assert_eq!(m.matched, 3 * CHUNK_BYTES);
         assert!(m.workers.contains(a.id()) && !m.workers.contains(b.id()));
         let only_b: WorkerMask = [b.id()].into_iter().collect();
         assert_eq!(
-            f.longest_prefix(&text, &only_b, &ChainMemo::default())
+            f.longest_prefix(&text, &only_b, &ChainMemo::default(), 0)
                 .matched,
             CHUNK_BYTES
         );
@@ -733,11 +840,48 @@ mod tests {
         assert_eq!(f.counts.malformed.load(Ordering::Relaxed), 1);
         f.forget(a.id());
         assert_eq!(
-            f.longest_prefix(&text, &all, &ChainMemo::default()).matched,
+            f.longest_prefix(&text, &all, &ChainMemo::default(), 0)
+                .matched,
             CHUNK_BYTES
         );
         f.forget(b.id());
         assert_eq!(f.remote_records(), 0);
+    }
+
+    #[test]
+    fn a_served_prompt_is_published_whole_whatever_its_pick_hashed() {
+        let f = fleet();
+        let mut rx = f.rx.lock().unwrap().take().unwrap();
+        let a = f.pool.set().workers()[0].id();
+        let text: Vec<u8> = (0..CHUNK_BYTES * 9 + 17).map(|i| (i % 251) as u8).collect();
+        let whole: Vec<u64> = chain(&text).collect();
+        for hashed in [0, 1, 5, 9] {
+            let memo = ChainMemo::default();
+            if hashed > 0 {
+                LazyChain::new(&text, &memo).get(hashed - 1);
+            }
+            f.learned(&text, a, &memo);
+            let out = rx.try_recv().expect("queued");
+            assert_eq!(
+                matches!(out, Outgoing::Served { .. }),
+                hashed < 9,
+                "the rest goes as text"
+            );
+            let Record::Prefix { chain, .. } = f.complete(out) else {
+                panic!("a prefix record");
+            };
+            assert_eq!(chain, whole, "pick hashed {hashed} chunks");
+        }
+        assert_eq!(f.queued_text.load(Ordering::Relaxed), 0);
+        // Past the text budget the request path hashes: still the whole chain.
+        f.queued_text.store(QUEUE_TEXT_BYTES, Ordering::Relaxed);
+        f.learned(&text, a, &ChainMemo::default());
+        let out = rx.try_recv().expect("queued");
+        assert!(matches!(out, Outgoing::Record(_)));
+        let Record::Prefix { chain, .. } = f.complete(out) else {
+            panic!("a prefix record");
+        };
+        assert_eq!(chain, whole);
     }
 
     #[test]
@@ -759,17 +903,26 @@ mod tests {
 
     #[test]
     fn last_held_finds_the_end_of_a_prefix() {
-        for n in 0..40 {
+        for n in 0..40usize {
             for end in 0..=n {
                 // Chunks 0..end are held.
-                let mut probes = 0;
-                let got = last_held(n, |i| {
-                    probes += 1;
-                    i < end
-                });
-                assert_eq!(got, end.checked_sub(1), "n {n} end {end}");
-                assert!(probes <= 2 * (usize::BITS - n.leading_zeros()) as usize + 3);
+                for guess in [0, end.saturating_sub(1), end, n / 2, n + 3] {
+                    let mut probes = 0;
+                    let got = last_held(n, guess, |i| {
+                        probes += 1;
+                        i < end
+                    });
+                    assert_eq!(got, end.checked_sub(1), "n {n} end {end} guess {guess}");
+                    assert!(probes <= 2 * (usize::BITS - n.leading_zeros()) as usize + 3);
+                }
             }
+            // A right guess of the whole chain costs one probe.
+            let mut probes = 0;
+            last_held(n, n.saturating_sub(1), |_| {
+                probes += 1;
+                true
+            });
+            assert_eq!(probes, usize::from(n > 0));
         }
         let text = vec![7u8; CHUNK_BYTES * 5 + 3];
         let memo = ChainMemo::default();
@@ -791,10 +944,12 @@ mod tests {
         assert_eq!(ha.len(), 3);
         assert_eq!(ha[..2], hb[..2]);
         assert_ne!(ha[2], hb[2]);
-        assert_ne!(
-            ha[0], ha[1],
-            "the chain seeds each chunk with the one before"
-        );
+        assert_ne!(ha[0], ha[1], "each chunk's hash folds in the one before");
+        // Reordered chunks do not collide.
+        let (x, y) = (vec![b'x'; CHUNK_BYTES], vec![b'y'; CHUNK_BYTES]);
+        let xy: Vec<u64> = chain(&[x.clone(), y.clone()].concat()).collect();
+        let yx: Vec<u64> = chain(&[y, x].concat()).collect();
+        assert_ne!(xy[1], yx[1]);
         assert_eq!(chain(&a[..CHUNK_BYTES - 1]).count(), 0);
     }
 }

@@ -14,6 +14,8 @@
 
 const MAGIC: &[u8; 4] = b"CARF";
 const VERSION: u8 = 1;
+/// Magic, version, replica.
+const HEADER: usize = 4 + 1 + 8;
 /// Most hashes one prefix record carries (a 32 KiB routing text at 128-byte chunks is
 /// 256).
 pub const MAX_CHAIN: usize = u16::MAX as usize;
@@ -21,7 +23,8 @@ pub const MAX_CHAIN: usize = u16::MAX as usize;
 /// One record.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Record {
-    /// The worker now holds this chain of chunks (prefix-closed: chunk 0 first).
+    /// The worker now holds this chain of chunks (chunk 0 first; each hash names the
+    /// whole prefix up to it).
     Prefix { worker: u64, chain: Vec<u64> },
     /// The sender's requests in flight per worker, now.
     Load(Vec<(u64, u32)>),
@@ -100,6 +103,17 @@ impl Batch {
 
     pub fn into_bytes(self) -> Vec<u8> {
         self.buf
+    }
+
+    /// The message so far.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.buf
+    }
+
+    /// Empties the batch for the next message, keeping its buffer.
+    pub fn clear(&mut self) {
+        self.buf.truncate(HEADER);
+        self.records = 0;
     }
 }
 

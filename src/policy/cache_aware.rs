@@ -160,10 +160,11 @@ pub fn pick_cache_aware(
     let Some(least) = least_loaded(usable(candidates), tie, rng) else {
         return Pick::load_only(None, text.len());
     };
-    let pick = |c: &Candidate, reason, matched| Pick {
+    let pick = |c: &Candidate, reason, matched, available| Pick {
         worker: Some(c.id),
         reason,
         matched,
+        available,
         text_len: text.len(),
         unit: MatchUnit::Bytes,
         dp_rank: None,
@@ -171,16 +172,32 @@ pub fn pick_cache_aware(
         prefill_tokens: 0,
     };
     if text.is_empty() {
-        return pick(least, Reason::EmptyText, 0);
+        return pick(least, Reason::EmptyText, 0, 0);
     }
     let eligible: WorkerMask = candidates
         .iter()
         .filter(|c| c.usable && c.cache_aware)
         .map(|c| c.id)
         .collect();
-    let mut m = tree.longest_prefix(text, &eligible);
+    // What any cache-aware worker holds (available), then the usable ones' match: the
+    // same walk when a holder of the longest is usable (the common case).
+    let all: WorkerMask = candidates
+        .iter()
+        .filter(|c| c.cache_aware)
+        .map(|c| c.id)
+        .collect();
+    let held = tree.longest_prefix(text, &all);
+    let usable_holders = held.workers.intersection(&eligible);
+    let mut m = if usable_holders.is_empty() && held.matched > 0 {
+        tree.longest_prefix(text, &eligible)
+    } else {
+        crate::tree::PrefixMatch {
+            matched: held.matched,
+            workers: usable_holders,
+        }
+    };
     if let Some((r, memo)) = remote {
-        let other = r.longest_prefix(text, &eligible, memo);
+        let other = r.longest_prefix(text, &eligible, memo, m.matched);
         if other.matched > m.matched {
             m = other;
         } else if other.matched == m.matched && other.matched > 0 {
@@ -202,12 +219,26 @@ pub fn pick_cache_aware(
             )
         })
         .flatten();
+    let available = held.matched.max(m.matched);
+    // The least-loaded worker's own match, when the pick goes there instead.
+    let own = |c: &Candidate| {
+        if m.workers.contains(c.id) {
+            return m.matched;
+        }
+        let only: WorkerMask = [c.id].into_iter().collect();
+        let mut n = tree.longest_prefix(text, &only).matched;
+        if let Some((r, memo)) = remote {
+            n = n.max(r.longest_prefix(text, &only, memo, n).matched);
+        }
+        n
+    };
     match cached {
         Some(c) if is_overloaded(params, c.load, least.load) => {
-            pick(least, Reason::HitOverloaded, m.matched)
+            pick(least, Reason::HitOverloaded, own(least), available)
         }
-        Some(c) => pick(c, Reason::CacheHit, m.matched),
-        None => pick(least, Reason::Miss, m.matched),
+        Some(c) => pick(c, Reason::CacheHit, m.matched, available),
+        None if m.matched == 0 => pick(least, Reason::Miss, 0, available),
+        None => pick(least, Reason::Miss, own(least), available),
     }
 }
 

@@ -129,6 +129,12 @@ impl Matches {
         }
     }
 
+    /// The longest match of any worker.
+    fn longest(&self) -> usize {
+        let spill = self.spill.iter().map(|(_, n)| *n);
+        self.inline.iter().copied().chain(spill).max().unwrap_or(0)
+    }
+
     fn get(&self, w: WorkerId) -> usize {
         match self.inline.get(w.0 as usize) {
             Some(n) => *n,
@@ -270,9 +276,11 @@ impl Policy for CostAware {
             .map_or(text.len(), |c| c.total_len.max(c.text.len()));
         let mut matches = Matches::new();
         if !text.is_empty() {
+            // Every cache-aware worker, usable or not: the unusable ones' matches count
+            // only in what was available (the costs are the usable ones').
             let eligible: WorkerMask = candidates
                 .iter()
-                .filter(|c| c.usable && c.cache_aware)
+                .filter(|c| c.cache_aware)
                 .map(|c| c.id)
                 .collect();
             let floor = MIN_HIT_BYTES.min(text.len());
@@ -365,6 +373,7 @@ impl Policy for CostAware {
             worker: Some(c.id),
             reason,
             matched: cost.matched_bytes,
+            available: matches.longest().max(cost.matched_bytes),
             text_len: text.len(),
             unit: MatchUnit::Bytes,
             dp_rank: None,

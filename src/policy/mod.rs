@@ -116,9 +116,13 @@ pub struct Pick {
     /// The chosen worker; `None` only with [`Reason::NoWorker`].
     pub worker: Option<WorkerId>,
     pub reason: Reason,
-    /// Prefix matched on the chosen side: bytes of routing text in the tree (0 for
-    /// load-only policies), or prompt tokens in precise mode (see `unit`).
+    /// *Predicted*: the prefix the chosen worker holds, by the policy's memory — bytes of
+    /// routing text in the tree (0 for load-only policies), or prompt tokens in whole KV
+    /// blocks in precise mode (see `unit`).
     pub matched: usize,
+    /// *Available*: the longest prefix any cache-aware worker of the pool holds, usable
+    /// now or not, in the same unit (≥ `matched`); what perfect routing could reuse.
+    pub available: usize,
     /// Length of what was matched against, in the same unit.
     pub text_len: usize,
     /// What `matched` and `text_len` count.
@@ -135,6 +139,10 @@ pub struct Pick {
     /// estimate them.
     pub prefill_tokens: u64,
 }
+
+/// Bytes of routing text per token when the tree's bytes are reported as tokens (about
+/// 4 for English text with the common BPE tokenizers).
+pub const BYTES_PER_TOKEN: u64 = 4;
 
 /// The unit of [`Pick::matched`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -155,12 +163,21 @@ impl Pick {
         }
     }
 
-    /// Prefix tokens the chosen worker is expected to reuse: exact in precise mode,
-    /// matched bytes / 4 (about 4 bytes of English per token) for the tree.
+    /// Prefix tokens the chosen worker is expected to reuse (*predicted*): exact in
+    /// precise mode, matched bytes / [`BYTES_PER_TOKEN`] for the tree.
     pub fn saved_tokens(&self) -> u64 {
+        self.tokens(self.matched)
+    }
+
+    /// *Available* tokens: as [`Pick::saved_tokens`], for [`Pick::available`].
+    pub fn available_tokens(&self) -> u64 {
+        self.tokens(self.available.max(self.matched))
+    }
+
+    fn tokens(&self, n: usize) -> u64 {
         match self.unit {
-            MatchUnit::Bytes => self.matched as u64 / 4,
-            MatchUnit::Tokens => self.matched as u64,
+            MatchUnit::Bytes => n as u64 / BYTES_PER_TOKEN,
+            MatchUnit::Tokens => n as u64,
         }
     }
 
@@ -174,6 +191,7 @@ impl Pick {
                 Reason::NoWorker
             },
             matched: 0,
+            available: 0,
             text_len,
             unit: MatchUnit::Bytes,
             dp_rank: None,

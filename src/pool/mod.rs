@@ -15,6 +15,7 @@
 pub mod breaker;
 mod fetch;
 pub mod health;
+pub mod hits;
 mod load;
 pub mod prefill;
 mod set;

@@ -40,6 +40,8 @@ pub struct Worker {
     signals: Signals,
     /// Prefill queued by the router there, and the learned prefill speed.
     prefill: Prefill,
+    /// Available / predicted / delivered prefix tokens of its answers, and the drift.
+    hits: super::hits::HitStats,
 }
 
 /// Consecutive health-probe results of one worker.
@@ -70,7 +72,13 @@ impl Worker {
             probes: Mutex::new(ProbeRun::default()),
             signals: Signals::default(),
             prefill: Prefill::default(),
+            hits: Default::default(),
         }
+    }
+
+    /// What its answers said of the router's prefix memory (see `pool::hits`).
+    pub fn hits(&self) -> &super::hits::HitStats {
+        &self.hits
     }
 
     /// Its engine's reported load, LMCache signal and back-pressure.

@@ -29,6 +29,8 @@ pub struct BodyTap {
     /// Copies the body for the response cache (a miss whose answer may be stored).
     pub record: Option<crate::cache::Recorder>,
     pub log: AccessLog,
+    /// `cache.drift_floor` (see `pool::hits`).
+    pub drift_floor: f64,
 }
 
 /// Streams the upstream body to the client frame by frame (no buffering) and holds the
@@ -77,7 +79,7 @@ impl GuardedBody {
         {
             g.record(o);
         }
-        if let Some(tap) = self.tap.take() {
+        if let Some(mut tap) = self.tap.take() {
             let worker = &tap.log.worker;
             tap.metrics.finished(worker, tap.log.arrived.elapsed());
             if how == "complete"
@@ -88,7 +90,29 @@ impl GuardedBody {
                         .engine_usage(worker, u.prompt_tokens, u.cached_tokens);
                     if let Some(g) = &guard {
                         g.learn(u.prompt_tokens, u.cached_tokens, tap.streamed);
+                        let d = &tap.log.decision;
+                        let numbers = [d.available_tokens, d.predicted_tokens, u.cached_tokens];
+                        let drift = g.worker().hits().record(
+                            numbers[0],
+                            numbers[1],
+                            numbers[2],
+                            tap.drift_floor,
+                        );
+                        tap.metrics
+                            .prefix_tokens(worker, tap.policy.name(), numbers, drift);
+                        if drift.warn {
+                            tracing::warn!(
+                                worker = &**worker,
+                                drift = format_args!("{:.2}", drift.ratio.unwrap_or(0.0)),
+                                floor = tap.drift_floor,
+                                "worker delivers far fewer cached prefix tokens than the router predicts: \
+                                 its engine evicted what the router remembers (KV cache smaller than \
+                                 the load it gets), a block-size mismatch (cache.engine_block_tokens), \
+                                 or in precise mode a tokenizer or chat-template drift"
+                            );
+                        }
                     }
+                    tap.log.delivered_tokens = Some(u.cached_tokens);
                 }
                 if let (Some(id), Some(w)) = (found.response_id.as_deref(), served_by.as_ref()) {
                     let answer = crate::policy::Answer {

@@ -296,6 +296,8 @@ impl Router {
             let decision = Decision {
                 reason: pick.reason,
                 matched_ratio: pick.matched_ratio(),
+                available_tokens: pick.available_tokens(),
+                predicted_tokens: pick.saved_tokens(),
                 decision_us: started.elapsed().as_micros() as u64,
                 attempt,
             };
@@ -362,6 +364,7 @@ impl Router {
                         decision,
                         status,
                         arrived: route.arrived,
+                        delivered_tokens: None,
                     };
                     // A push-back was refused before any work: another worker may take it.
                     let retryable = pushed_back.is_some()
@@ -498,6 +501,7 @@ impl Router {
             streamed: is_sse,
             record,
             log,
+            drift_floor: self.config.cache.drift_floor,
         };
         let body =
             GuardedBody::new(incoming, guard, self.config.proxy.request_timeout, tap).boxed();
@@ -595,6 +599,11 @@ struct Route<'a> {
 pub struct Decision {
     pub reason: Reason,
     pub matched_ratio: f64,
+    /// The longest prefix any worker held, in tokens (estimated from bytes in
+    /// approximate mode: [`crate::policy::BYTES_PER_TOKEN`]; exact in precise mode).
+    pub available_tokens: u64,
+    /// The prefix the chosen worker was believed to hold, in the same tokens.
+    pub predicted_tokens: u64,
     /// Extract + match + insert, in µs.
     pub decision_us: u64,
     /// 0 for the first try.
@@ -612,6 +621,8 @@ pub struct AccessLog {
     pub decision: Decision,
     pub status: u16,
     pub arrived: Instant,
+    /// Cached prompt tokens the engine reported in the answer, once read.
+    pub delivered_tokens: Option<u64>,
 }
 
 impl AccessLog {
@@ -626,6 +637,9 @@ impl AccessLog {
             role = self.role,
             reason = self.decision.reason.as_str(),
             matched_ratio = format_args!("{:.3}", self.decision.matched_ratio),
+            available_tokens = self.decision.available_tokens,
+            predicted_tokens = self.decision.predicted_tokens,
+            delivered_tokens = self.delivered_tokens.map_or(-1, |t| t as i64),
             decision_us = self.decision.decision_us,
             attempt = self.decision.attempt,
             status = self.status,

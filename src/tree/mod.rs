@@ -64,8 +64,16 @@ impl ChainMemo {
 /// told what this replica's workers served (implemented by `crate::fleet`). Its matches
 /// are in whole chunks of the routing text; bytes, like the tree's.
 pub trait RemotePrefixes: Send + Sync + std::fmt::Debug {
-    /// As [`RadixTree::longest_prefix`], over the other replicas' records.
-    fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask, memo: &ChainMemo) -> PrefixMatch;
+    /// As [`RadixTree::longest_prefix`], over the other replicas' records. `guess`
+    /// (bytes; the tree's own match, say) is where the search starts: a close guess
+    /// hashes and probes less, a wrong one only costs a few more probes.
+    fn longest_prefix(
+        &self,
+        text: &[u8],
+        eligible: &WorkerMask,
+        memo: &ChainMemo,
+        guess: usize,
+    ) -> PrefixMatch;
     /// As [`RadixTree::prefix_per_worker`], over the other replicas' records.
     fn prefix_per_worker(
         &self,

@@ -36,10 +36,25 @@ pub fn pick_precise(
     tie: Option<u64>,
     rng: &mut dyn RngCore,
 ) -> Pick {
-    let pick = |worker: Option<&Candidate>, reason, matched_tokens| Pick {
+    let matched = |i: usize| matched_blocks.get(i).copied().flatten().unwrap_or(0);
+    // Held by any cache-aware worker, usable or not.
+    let available = candidates
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| c.cache_aware)
+        .map(|(i, _)| matched(i))
+        .max()
+        .map_or(0, |b| (b * block_size).min(prompt_tokens));
+    let own = |worker: Option<&Candidate>| {
+        worker
+            .and_then(|w| candidates.iter().position(|c| c.id == w.id))
+            .map_or(0, |i| (matched(i) * block_size).min(prompt_tokens))
+    };
+    let pick = |worker: Option<&Candidate>, reason, matched_tokens: usize| Pick {
         worker: worker.map(|c| c.id),
         reason,
         matched: matched_tokens,
+        available,
         text_len: prompt_tokens,
         unit: MatchUnit::Tokens,
         dp_rank: None,
@@ -49,7 +64,6 @@ pub fn pick_precise(
     let Some(least) = least_loaded(usable(candidates), tie, rng) else {
         return pick(None, Reason::NoWorker, 0);
     };
-    let matched = |i: usize| matched_blocks.get(i).copied().flatten().unwrap_or(0);
     let scored = || {
         candidates
             .iter()
@@ -58,7 +72,7 @@ pub fn pick_precise(
     };
     let best = scored().map(|(i, _)| matched(i)).max().unwrap_or(0);
     if best == 0 {
-        return pick(Some(least), Reason::Miss, 0);
+        return pick(Some(least), Reason::Miss, own(Some(least)));
     }
     let matched_tokens = (best * block_size).min(prompt_tokens);
     let cached = least_loaded(
@@ -70,10 +84,10 @@ pub fn pick_precise(
     );
     match cached {
         Some(c) if is_overloaded(params, c.load, least.load) => {
-            pick(Some(least), Reason::HitOverloaded, matched_tokens)
+            pick(Some(least), Reason::HitOverloaded, own(Some(least)))
         }
         Some(c) => pick(Some(c), Reason::CacheHit, matched_tokens),
-        None => pick(Some(least), Reason::Miss, 0),
+        None => pick(Some(least), Reason::Miss, own(Some(least))),
     }
 }
 

@@ -1,0 +1,149 @@
+//! What a worker's answers say of the router's prefix memory: per answer that reported
+//! usage, the *available* prefix (the longest any worker held), the *predicted* one (what
+//! the router believed this worker held) and the *delivered* one (the engine's
+//! `cached_tokens`), all in tokens; and the *drift*, delivered ÷ predicted over the last
+//! [`DRIFT_WINDOW`] answers that predicted a hit.
+//!
+//! A drift that stays under the floor (`cache.drift_floor`) for [`DRIFT_FOR`] means the
+//! router's memory of this worker is wrong: the engine evicted what the tree still
+//! believes (a KV cache smaller than assumed), a block-size mismatch, or tokenizer drift
+//! in precise mode. [`HitStats::record`] says when to warn (once per [`DRIFT_FOR`]).
+
+use std::collections::VecDeque;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+/// Answers with a predicted hit that the drift is computed over.
+pub const DRIFT_WINDOW: usize = 100;
+/// How long the drift must stay under the floor before a warning, and the least time
+/// between two warnings.
+pub const DRIFT_FOR: Duration = Duration::from_secs(60);
+/// Answers with a predicted hit needed before the drift counts (fewer say nothing).
+const DRIFT_MIN_ANSWERS: usize = 10;
+
+/// Token totals of the answers that reported usage, and the drift window.
+#[derive(Debug, Default)]
+pub struct HitStats {
+    pub answers: AtomicU64,
+    pub available: AtomicU64,
+    pub predicted: AtomicU64,
+    pub delivered: AtomicU64,
+    drift: Mutex<Drift>,
+}
+
+#[derive(Debug, Default)]
+struct Drift {
+    /// (predicted, delivered) of the last answers that predicted a hit.
+    window: VecDeque<(u64, u64)>,
+    predicted: u64,
+    delivered: u64,
+    /// Since when the drift has been under the floor.
+    low_since: Option<Instant>,
+    warned: Option<Instant>,
+}
+
+/// The drift after an answer, and whether to warn now.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DriftNow {
+    /// delivered ÷ predicted over the window; `None` until it holds enough answers.
+    pub ratio: Option<f64>,
+    /// Under the floor for [`DRIFT_FOR`] or longer.
+    pub low: bool,
+    /// Warn now (low, and not warned within [`DRIFT_FOR`]).
+    pub warn: bool,
+}
+
+impl HitStats {
+    /// Counts one answer's three numbers (tokens; `delivered` capped at `predicted` in
+    /// the drift, an engine may hold more than the router knew) against `floor`.
+    pub fn record(&self, available: u64, predicted: u64, delivered: u64, floor: f64) -> DriftNow {
+        self.answers.fetch_add(1, Ordering::Relaxed);
+        self.available.fetch_add(available, Ordering::Relaxed);
+        self.predicted.fetch_add(predicted, Ordering::Relaxed);
+        self.delivered.fetch_add(delivered, Ordering::Relaxed);
+        let mut d = self.drift.lock().unwrap_or_else(|p| p.into_inner());
+        if predicted > 0 {
+            let kept = delivered.min(predicted);
+            d.window.push_back((predicted, kept));
+            d.predicted += predicted;
+            d.delivered += kept;
+            if d.window.len() > DRIFT_WINDOW
+                && let Some((p, k)) = d.window.pop_front()
+            {
+                d.predicted -= p;
+                d.delivered -= k;
+            }
+        }
+        let ratio = d.ratio();
+        let now = Instant::now();
+        match ratio {
+            Some(r) if r < floor => {
+                d.low_since.get_or_insert(now);
+            }
+            _ => d.low_since = None,
+        }
+        let low = d.low_since.is_some_and(|t| now - t >= DRIFT_FOR);
+        let warn = low && d.warned.is_none_or(|t| now - t >= DRIFT_FOR);
+        if warn {
+            d.warned = Some(now);
+        }
+        DriftNow { ratio, low, warn }
+    }
+
+    /// The drift now (see [`DriftNow::ratio`]).
+    pub fn drift(&self) -> Option<f64> {
+        self.drift.lock().unwrap_or_else(|p| p.into_inner()).ratio()
+    }
+}
+
+impl Drift {
+    fn ratio(&self) -> Option<f64> {
+        (self.window.len() >= DRIFT_MIN_ANSWERS && self.predicted > 0)
+            .then(|| self.delivered as f64 / self.predicted as f64)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn drift_under_the_floor_for_long_enough_warns_once_per_interval() {
+        let h = HitStats::default();
+        // Delivered as predicted: drift 1, never low.
+        for _ in 0..DRIFT_MIN_ANSWERS {
+            let now = h.record(500, 400, 400, 0.5);
+            assert!(!now.low && !now.warn);
+        }
+        assert_eq!(h.drift(), Some(1.0));
+        // The engine evicted: nothing delivered from here on.
+        let mut warned = 0;
+        for _ in 0..DRIFT_WINDOW {
+            tokio::time::advance(Duration::from_secs(2)).await;
+            let now = h.record(500, 400, 0, 0.5);
+            warned += usize::from(now.warn);
+        }
+        assert_eq!(h.drift(), Some(0.0));
+        // Low from the 6th of those answers (ratio < 0.5), warned when it had been low
+        // for 60 s and again 60 s later, not on every answer.
+        assert!((2..=4).contains(&warned), "warned {warned} times");
+        // Recovery clears it.
+        for _ in 0..DRIFT_WINDOW {
+            h.record(500, 400, 400, 0.5);
+        }
+        let now = h.record(500, 400, 400, 0.5);
+        assert_eq!((now.ratio, now.low, now.warn), (Some(1.0), false, false));
+        // Misses (nothing predicted) count in the totals, not in the drift; more
+        // delivered than predicted counts as predicted there.
+        h.record(100, 0, 50, 0.5);
+        h.record(600, 600, 900, 0.5);
+        assert_eq!(h.drift(), Some(1.0));
+        assert_eq!(
+            h.answers.load(Ordering::Relaxed),
+            2 * DRIFT_WINDOW as u64 + 13
+        );
+    }
+}

@@ -1,0 +1,166 @@
+//! Available / predicted / delivered prefix tokens per answer, and the drift, as a user
+//! reads them from `/metrics` and `/workers`: a cold miss, a warm hit, a hit diverted by
+//! load (predicted 0 on the worker that took it, available > 0), and an engine that
+//! evicted (it reports no cached tokens where the router predicts a hit: drift → 0).
+
+mod support;
+
+use support::*;
+
+const PREFIX: &str = "cache_aware_router_prefix_tokens_total";
+const DRIFT: &str = "cache_aware_router_worker_hit_drift";
+const DRIFT_LOW: &str = "cache_aware_router_worker_hit_drift_low";
+
+/// Answers with the usage given in `x-usage: P,C`; streamed requests get an SSE stream
+/// held before its usage chunk while `x-hold` is set, until `hold` opens.
+fn engine(hold: Gate) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
+    move |req| {
+        let (p, c) = req
+            .header("x-usage")
+            .and_then(|v| v.split_once(','))
+            .map(|(p, c)| (p.parse().unwrap(), c.parse().unwrap()))
+            .unwrap_or((0, 0));
+        if req.body_str().contains(r#""stream":true"#) {
+            let mut steps = vec![Step::Write(
+                format!("data: {}\n\n", sse_event(0)).into_bytes(),
+            )];
+            if req.has_header("x-hold") {
+                steps.push(Step::Wait(hold.clone()));
+            }
+            steps.push(Step::Write(
+                format!("data: {}\n\ndata: [DONE]\n\n", sse_usage_event(p, c)).into_bytes(),
+            ));
+            return Reply::status(200)
+                .header("Content-Type", "text/event-stream")
+                .chunked(steps);
+        }
+        Reply::json(
+            200,
+            &format!(
+                r#"{{"id":"c1","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"stop"}}],"usage":{}}}"#,
+                usage_json(p, c)
+            ),
+        )
+    }
+}
+
+fn chat(body: String, usage: (u64, u64)) -> Req {
+    Req::post("/v1/chat/completions", body).header("x-usage", &format!("{},{}", usage.0, usage.1))
+}
+
+fn prompt() -> String {
+    let mut p = String::from("Shared system prompt. ");
+    while p.len() < 4096 {
+        p.push_str("Answer in plain words and cite the manual section you used. ");
+    }
+    p
+}
+
+/// (available, predicted, delivered) counted for `worker` under `cache_aware`.
+fn numbers(m: &Scrape, worker: &str) -> [f64; 3] {
+    ["available", "predicted", "delivered"].map(|kind| {
+        m.get(
+            PREFIX,
+            &[
+                ("worker", worker),
+                ("policy", "cache_aware"),
+                ("kind", kind),
+            ],
+        )
+        .unwrap_or(0.0)
+    })
+}
+
+fn hits(workers: &serde_json::Value, label: &str) -> serde_json::Value {
+    workers["workers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["url"] == label)
+        .unwrap_or_else(|| panic!("{label} not in {workers}"))["hits"]
+        .clone()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_numbers_per_answer_and_the_drift_of_an_engine_that_evicted() {
+    let hold = Gate::new();
+    let a = FakeWorker::start_with(engine(hold.clone())).await;
+    let b = FakeWorker::start_with(engine(hold.clone())).await;
+    let ws = [&a, &b];
+    // Any load difference diverts a hit (hit_overloaded); no retries.
+    let router = start_router(&yaml_for(
+        &ws,
+        "cache:\n  balance_abs_threshold: 0\n  balance_rel_threshold: 1.0\nproxy:\n  max_retries: 0\n",
+    ))
+    .await;
+    let addr = router.addr;
+    let labels = [worker_label(addr, 0).await, worker_label(addr, 1).await];
+    let p = prompt();
+
+    // 1. Cold: nothing held anywhere.
+    let (r, x) = send_tagged(addr, &ws, chat(chat_body(&p, false), (1100, 0))).await;
+    assert_eq!(r.status, 200);
+    let y = 1 - x;
+    let m = scrape(addr).await;
+    assert_eq!(numbers(&m, &labels[x]), [0.0, 0.0, 0.0], "{}", m.text);
+
+    // 2. Warm: the repeat goes back to x, which was predicted to hold the whole prompt
+    //    (routing text bytes / 4) and delivered what its engine reported.
+    let (r, w) = send_tagged(addr, &ws, chat(chat_body(&p, false), (1100, 1024))).await;
+    assert_eq!((r.status, w), (200, x));
+    let m = scrape(addr).await;
+    let [available, predicted, delivered] = numbers(&m, &labels[x]);
+    assert!(predicted >= (p.len() / 4) as f64, "{predicted}");
+    assert_eq!((available, delivered), (predicted, 1024.0));
+
+    // 3. Diverted: x is busy, so the hit goes to y, which holds nothing of it:
+    //    available as before, predicted 0 there.
+    let tag = new_tag();
+    let mut held = Conn::connect(addr).await;
+    held.send(
+        &chat(chat_body(&p, true), (1100, 1024))
+            .header("x-hold", "1")
+            .header("x-test-tag", &tag),
+    )
+    .await
+    .unwrap();
+    assert_eq!(held.read_head().await.status, 200);
+    held.next_piece().await.expect("first event");
+    assert_eq!(served_by(&ws, &tag), x);
+    let (r, w) = send_tagged(addr, &ws, chat(chat_body(&p, false), (1100, 0))).await;
+    assert_eq!((r.status, w), (200, y), "a diverted hit");
+    hold.open();
+    held.read_rest().await;
+    let m = scrape(addr).await;
+    assert_eq!(numbers(&m, &labels[y]), [predicted, 0.0, 0.0], "{}", m.text);
+
+    // 4. An engine that evicted: both workers now hold the prompt by the router's
+    //    memory, their engines report nothing cached. Twelve answers with a predicted
+    //    hit that delivered nothing: the drift of the worker that served them falls.
+    let mut served = [0usize; 2];
+    for _ in 0..12 {
+        let (r, w) = send_tagged(addr, &ws, chat(chat_body(&p, false), (1100, 0))).await;
+        assert_eq!(r.status, 200);
+        served[w] += 1;
+    }
+    let z = if served[0] >= served[1] { 0 } else { 1 };
+    assert!(served[z] >= 10, "{served:?}");
+    let m = scrape(addr).await;
+    let [_, predicted_z, delivered_z] = numbers(&m, &labels[z]);
+    assert!(
+        predicted_z > 4.0 * delivered_z,
+        "{predicted_z} vs {delivered_z}"
+    );
+    let drift = m
+        .get(DRIFT, &[("worker", &labels[z])])
+        .expect("drift gauge");
+    assert!(drift < 0.2, "drift {drift}");
+    // Low for less than a minute: not yet flagged.
+    assert_eq!(m.get(DRIFT_LOW, &[("worker", &labels[z])]), Some(0.0));
+    let workers = get(addr, "/workers").await.json();
+    let h = hits(&workers, &labels[z]);
+    assert!(h["drift"].as_f64().unwrap() < 0.2, "{h}");
+    assert_eq!(h["predicted_tokens"].as_f64().unwrap(), predicted_z, "{h}");
+    assert_eq!(h["delivered_tokens"].as_f64().unwrap(), delivered_z, "{h}");
+    assert!(h["answers"].as_u64().unwrap() >= served[z] as u64);
+}
