@@ -11,39 +11,6 @@ const PREFIX: &str = "cache_aware_router_prefix_tokens_total";
 const DRIFT: &str = "cache_aware_router_worker_hit_drift";
 const DRIFT_LOW: &str = "cache_aware_router_worker_hit_drift_low";
 
-/// Answers with the usage given in `x-usage: P,C`; streamed requests get an SSE stream
-/// held before its usage chunk while `x-hold` is set, until `hold` opens.
-fn engine(hold: Gate) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
-    move |req| {
-        let (p, c) = req
-            .header("x-usage")
-            .and_then(|v| v.split_once(','))
-            .map(|(p, c)| (p.parse().unwrap(), c.parse().unwrap()))
-            .unwrap_or((0, 0));
-        if req.body_str().contains(r#""stream":true"#) {
-            let mut steps = vec![Step::Write(
-                format!("data: {}\n\n", sse_event(0)).into_bytes(),
-            )];
-            if req.has_header("x-hold") {
-                steps.push(Step::Wait(hold.clone()));
-            }
-            steps.push(Step::Write(
-                format!("data: {}\n\ndata: [DONE]\n\n", sse_usage_event(p, c)).into_bytes(),
-            ));
-            return Reply::status(200)
-                .header("Content-Type", "text/event-stream")
-                .chunked(steps);
-        }
-        Reply::json(
-            200,
-            &format!(
-                r#"{{"id":"c1","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"stop"}}],"usage":{}}}"#,
-                usage_json(p, c)
-            ),
-        )
-    }
-}
-
 fn chat(body: String, usage: (u64, u64)) -> Req {
     Req::post("/v1/chat/completions", body).header("x-usage", &format!("{},{}", usage.0, usage.1))
 }
@@ -84,8 +51,8 @@ fn hits(workers: &serde_json::Value, label: &str) -> serde_json::Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_numbers_per_answer_and_the_drift_of_an_engine_that_evicted() {
     let hold = Gate::new();
-    let a = FakeWorker::start_with(engine(hold.clone())).await;
-    let b = FakeWorker::start_with(engine(hold.clone())).await;
+    let a = FakeWorker::start_with(usage_engine(hold.clone())).await;
+    let b = FakeWorker::start_with(usage_engine(hold.clone())).await;
     let ws = [&a, &b];
     // Any load difference diverts a hit (hit_overloaded); no retries.
     let router = start_router(&yaml_for(

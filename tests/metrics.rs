@@ -23,48 +23,6 @@ fn shared_prompt() -> String {
     p
 }
 
-/// Answers as an engine does, with the usage the test asks for in `x-usage: P,C`:
-/// `FAIL` prompts get a 500; streamed requests an SSE stream whose final chunk carries
-/// the usage (held before it while `x-hold` is set, until `hold` opens); others a JSON
-/// body with the usage.
-fn engine(hold: Gate) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
-    move |req| {
-        let body = req.body_str();
-        if body.contains("FAIL") {
-            return Reply::json(500, r#"{"error":{"message":"engine crashed","code":500}}"#);
-        }
-        let (p, c) = req
-            .header("x-usage")
-            .and_then(|v| v.split_once(','))
-            .map(|(p, c)| (p.parse().unwrap(), c.parse().unwrap()))
-            .unwrap_or((0, 0));
-        if body.contains(r#""stream":true"#) {
-            let mut steps = vec![
-                Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
-                Step::Write(format!("data: {}\n\n", sse_event(1)).into_bytes()),
-            ];
-            if req.has_header("x-hold") {
-                steps.push(Step::Wait(hold.clone()));
-            }
-            steps.push(Step::Write(
-                format!("data: {}\n\n", sse_usage_event(p, c)).into_bytes(),
-            ));
-            steps.push(Step::Write(b"data: [DONE]\n\n".to_vec()));
-            Reply::status(200)
-                .header("Content-Type", "text/event-stream")
-                .chunked(steps)
-        } else {
-            Reply::json(
-                200,
-                &format!(
-                    r#"{{"id":"chatcmpl-1","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"stop"}}],"usage":{}}}"#,
-                    usage_json(p, c)
-                ),
-            )
-        }
-    }
-}
-
 fn chat(body: String, usage: (u64, u64)) -> Req {
     Req::post("/v1/chat/completions", body).header("x-usage", &format!("{},{}", usage.0, usage.1))
 }
@@ -72,8 +30,8 @@ fn chat(body: String, usage: (u64, u64)) -> Req {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_after_a_scripted_workload_match_it_exactly() {
     let hold = Gate::new();
-    let a = FakeWorker::start_with(engine(hold.clone())).await;
-    let b = FakeWorker::start_with(engine(hold.clone())).await;
+    let a = FakeWorker::start_with(usage_engine(hold.clone())).await;
+    let b = FakeWorker::start_with(usage_engine(hold.clone())).await;
     let ws = [&a, &b];
     // Any load difference overrides affinity (hit_overloaded); one failure opens a
     // breaker for the rest of the test; no retries, so each request is one decision.

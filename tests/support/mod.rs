@@ -288,6 +288,48 @@ pub fn usage_json(prompt: u64, cached: u64) -> String {
     )
 }
 
+/// Answers as an engine does, with the usage the test asks for in `x-usage: P,C`:
+/// `FAIL` prompts get a 500; streamed requests an SSE stream whose final chunk carries
+/// the usage (held before it while `x-hold` is set, until `hold` opens); others a JSON
+/// body with the usage.
+pub fn usage_engine(hold: Gate) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
+    move |req| {
+        let body = req.body_str();
+        if body.contains("FAIL") {
+            return Reply::json(500, r#"{"error":{"message":"engine crashed","code":500}}"#);
+        }
+        let (p, c) = req
+            .header("x-usage")
+            .and_then(|v| v.split_once(','))
+            .map(|(p, c)| (p.parse().unwrap(), c.parse().unwrap()))
+            .unwrap_or((0, 0));
+        if body.contains(r#""stream":true"#) {
+            let mut steps = vec![
+                Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
+                Step::Write(format!("data: {}\n\n", sse_event(1)).into_bytes()),
+            ];
+            if req.has_header("x-hold") {
+                steps.push(Step::Wait(hold.clone()));
+            }
+            steps.push(Step::Write(
+                format!("data: {}\n\n", sse_usage_event(p, c)).into_bytes(),
+            ));
+            steps.push(Step::Write(b"data: [DONE]\n\n".to_vec()));
+            Reply::status(200)
+                .header("Content-Type", "text/event-stream")
+                .chunked(steps)
+        } else {
+            Reply::json(
+                200,
+                &format!(
+                    r#"{{"id":"chatcmpl-1","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"stop"}}],"usage":{}}}"#,
+                    usage_json(p, c)
+                ),
+            )
+        }
+    }
+}
+
 /// The final SSE chunk of a stream with `stream_options.include_usage`.
 pub fn sse_usage_event(prompt: u64, cached: u64) -> String {
     format!(
