@@ -423,29 +423,29 @@ fn main() {
         }
     }
     let find = |name: &str| totals.iter().find(|t| t.0 == name).copied();
-    let pct = |a: f64, b: f64| 100.0 * (b - a) / a;
+    // "p50 ON vs OFF µs (+x %), p99 ON vs OFF µs (+y %)"
+    let vs = |on: (f64, f64), off: (f64, f64)| {
+        let pct = |a: f64, b: f64| 100.0 * (b - a) / a;
+        format!(
+            "p50 {:.1} vs {:.1} µs ({:+.1} %), p99 {:.1} vs {:.1} µs ({:+.1} %)",
+            on.0,
+            off.0,
+            pct(off.0, on.0),
+            on.1,
+            off.1,
+            pct(off.1, on.1)
+        )
+    };
     if let Some(off) = find("cache_aware") {
         println!();
         for s in [&every, &fill_only] {
             let Some(on) = find(s.name) else { continue };
             println!(
-                "{} vs off (same run, interleaved): pick + observe p50 {:.1} vs {:.1} µs \
-                 ({:+.0} %), p99 {:.1} vs {:.1} µs ({:+.0} %); decision p50 {:.1} vs {:.1} µs \
-                 ({:+.1} %), p99 {:.1} vs {:.1} µs ({:+.1} %); records dropped (publisher queue \
-                 full): {}",
+                "{} vs off (same run, interleaved): pick + observe {}; decision {}; records \
+                 dropped (publisher queue full): {}",
                 s.name,
-                on.1.0,
-                off.1.0,
-                pct(off.1.0, on.1.0),
-                on.1.1,
-                off.1.1,
-                pct(off.1.1, on.1.1),
-                on.2.0,
-                off.2.0,
-                pct(off.2.0, on.2.0),
-                on.2.1,
-                off.2.1,
-                pct(off.2.1, on.2.1),
+                vs(on.1, off.1),
+                vs(on.2, off.2),
                 s.fleet
                     .counts
                     .dropped

@@ -35,14 +35,7 @@ async fn workers_follow_the_records_and_a_leaving_one_finishes_its_requests() {
     })
     .await;
     // A long prompt, so that its follow-up is a cache hit on A.
-    let long = "tell me everything about the history of the city and its rivers ".repeat(8);
-    let (resp, by) = send_tagged(
-        r,
-        &[&a, &b],
-        Req::post("/v1/chat/completions", chat_body(&long, false)),
-    )
-    .await;
-    assert_eq!((resp.status, by), (200, 0));
+    let long = long_prompt_served_by_first(r, &[&a, &b]).await;
 
     // B joins.
     dns.set(&[A, B]);

@@ -11,10 +11,6 @@ const PREFIX: &str = "cache_aware_router_prefix_tokens_total";
 const DRIFT: &str = "cache_aware_router_worker_hit_drift";
 const DRIFT_LOW: &str = "cache_aware_router_worker_hit_drift_low";
 
-fn chat(body: String, usage: (u64, u64)) -> Req {
-    Req::post("/v1/chat/completions", body).header("x-usage", &format!("{},{}", usage.0, usage.1))
-}
-
 fn prompt() -> String {
     let mut p = String::from("Shared system prompt. ");
     while p.len() < 4096 {
@@ -50,22 +46,14 @@ fn hits(workers: &serde_json::Value, label: &str) -> serde_json::Value {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_numbers_per_answer_and_the_drift_of_an_engine_that_evicted() {
-    let hold = Gate::new();
-    let a = FakeWorker::start_with(usage_engine(hold.clone())).await;
-    let b = FakeWorker::start_with(usage_engine(hold.clone())).await;
+    let (hold, [a, b], router) = usage_engines_and_router("").await;
     let ws = [&a, &b];
-    // Any load difference diverts a hit (hit_overloaded); no retries.
-    let router = start_router(&yaml_for(
-        &ws,
-        "cache:\n  balance_abs_threshold: 0\n  balance_rel_threshold: 1.0\nproxy:\n  max_retries: 0\n",
-    ))
-    .await;
     let addr = router.addr;
     let labels = [worker_label(addr, 0).await, worker_label(addr, 1).await];
     let p = prompt();
 
     // 1. Cold: nothing held anywhere.
-    let (r, x) = send_tagged(addr, &ws, chat(chat_body(&p, false), (1100, 0))).await;
+    let (r, x) = send_tagged(addr, &ws, chat_with_usage(chat_body(&p, false), (1100, 0))).await;
     assert_eq!(r.status, 200);
     let y = 1 - x;
     let m = scrape(addr).await;
@@ -73,7 +61,12 @@ async fn three_numbers_per_answer_and_the_drift_of_an_engine_that_evicted() {
 
     // 2. Warm: the repeat goes back to x, which was predicted to hold the whole prompt
     //    (routing text bytes / 4) and delivered what its engine reported.
-    let (r, w) = send_tagged(addr, &ws, chat(chat_body(&p, false), (1100, 1024))).await;
+    let (r, w) = send_tagged(
+        addr,
+        &ws,
+        chat_with_usage(chat_body(&p, false), (1100, 1024)),
+    )
+    .await;
     assert_eq!((r.status, w), (200, x));
     let m = scrape(addr).await;
     let [available, predicted, delivered] = numbers(&m, &labels[x]);
@@ -85,7 +78,7 @@ async fn three_numbers_per_answer_and_the_drift_of_an_engine_that_evicted() {
     let tag = new_tag();
     let mut held = Conn::connect(addr).await;
     held.send(
-        &chat(chat_body(&p, true), (1100, 1024))
+        &chat_with_usage(chat_body(&p, true), (1100, 1024))
             .header("x-hold", "1")
             .header("x-test-tag", &tag),
     )
@@ -94,7 +87,7 @@ async fn three_numbers_per_answer_and_the_drift_of_an_engine_that_evicted() {
     assert_eq!(held.read_head().await.status, 200);
     held.next_piece().await.expect("first event");
     assert_eq!(served_by(&ws, &tag), x);
-    let (r, w) = send_tagged(addr, &ws, chat(chat_body(&p, false), (1100, 0))).await;
+    let (r, w) = send_tagged(addr, &ws, chat_with_usage(chat_body(&p, false), (1100, 0))).await;
     assert_eq!((r.status, w), (200, y), "a diverted hit");
     hold.open();
     held.read_rest().await;
@@ -106,7 +99,7 @@ async fn three_numbers_per_answer_and_the_drift_of_an_engine_that_evicted() {
     //    hit that delivered nothing: the drift of the worker that served them falls.
     let mut served = [0usize; 2];
     for _ in 0..12 {
-        let (r, w) = send_tagged(addr, &ws, chat(chat_body(&p, false), (1100, 0))).await;
+        let (r, w) = send_tagged(addr, &ws, chat_with_usage(chat_body(&p, false), (1100, 0))).await;
         assert_eq!(r.status, 200);
         served[w] += 1;
     }

@@ -42,14 +42,7 @@ async fn workers_follow_ready_endpoints_of_the_slices() {
         || async { worker_urls(r).await == vec![ua.clone()] },
     )
     .await;
-    let long = "tell me everything about the history of the city and its rivers ".repeat(8);
-    let (resp, by) = send_tagged(
-        r,
-        &[&a, &b],
-        Req::post("/v1/chat/completions", chat_body(&long, false)),
-    )
-    .await;
-    assert_eq!((resp.status, by), (200, 0));
+    let long = long_prompt_served_by_first(r, &[&a, &b]).await;
 
     // B turns ready: joins through the watch.
     api.apply(slice(

@@ -23,43 +23,49 @@ fn shared_prompt() -> String {
     p
 }
 
-fn chat(body: String, usage: (u64, u64)) -> Req {
-    Req::post("/v1/chat/completions", body).header("x-usage", &format!("{},{}", usage.0, usage.1))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_after_a_scripted_workload_match_it_exactly() {
-    let hold = Gate::new();
-    let a = FakeWorker::start_with(usage_engine(hold.clone())).await;
-    let b = FakeWorker::start_with(usage_engine(hold.clone())).await;
-    let ws = [&a, &b];
     // Any load difference overrides affinity (hit_overloaded); one failure opens a
     // breaker for the rest of the test; no retries, so each request is one decision.
-    let router = start_router(&yaml_for(
-        &ws,
-        "cache:\n  balance_abs_threshold: 0\n  balance_rel_threshold: 1.0\ncircuit_breaker:\n  failure_threshold: 1\n  timeout_secs: 60\nproxy:\n  max_retries: 0\n",
-    ))
-    .await;
+    let (hold, [a, b], router) =
+        usage_engines_and_router("circuit_breaker:\n  failure_threshold: 1\n  timeout_secs: 60\n")
+            .await;
+    let ws = [&a, &b];
     let addr = router.addr;
     let labels = [worker_label(addr, 0).await, worker_label(addr, 1).await];
     let prompt = shared_prompt();
 
     // 1. First sight of the prompt: a miss. 2. Again: a hit on the same worker.
-    let (r, x) = send_tagged(addr, &ws, chat(chat_body(&prompt, false), (100, 0))).await;
+    let (r, x) = send_tagged(
+        addr,
+        &ws,
+        chat_with_usage(chat_body(&prompt, false), (100, 0)),
+    )
+    .await;
     assert_eq!(r.status, 200);
     let y = 1 - x;
-    let (r, w) = send_tagged(addr, &ws, chat(chat_body(&prompt, false), (100, 96))).await;
+    let (r, w) = send_tagged(
+        addr,
+        &ws,
+        chat_with_usage(chat_body(&prompt, false), (100, 96)),
+    )
+    .await;
     assert_eq!((r.status, w), (200, x), "the repeat follows the prefix");
     // 3. No text to match on.
     let (r, e) = send_tagged(
         addr,
         &ws,
-        chat(r#"{"model":"m","messages":[]}"#.to_string(), (7, 0)),
+        chat_with_usage(r#"{"model":"m","messages":[]}"#.to_string(), (7, 0)),
     )
     .await;
     assert_eq!(r.status, 200);
     // 4. A streamed hit; the usage comes in the final SSE chunk.
-    let (r, w) = send_tagged(addr, &ws, chat(chat_body(&prompt, true), (100, 64))).await;
+    let (r, w) = send_tagged(
+        addr,
+        &ws,
+        chat_with_usage(chat_body(&prompt, true), (100, 64)),
+    )
+    .await;
     assert_eq!((r.status, w), (200, x));
     assert!(r.text().ends_with("data: [DONE]\n\n"), "{}", r.text());
 
@@ -67,7 +73,7 @@ async fn metrics_after_a_scripted_workload_match_it_exactly() {
     let tag = new_tag();
     let mut held = Conn::connect(addr).await;
     held.send(
-        &chat(chat_body(&prompt, true), (100, 80))
+        &chat_with_usage(chat_body(&prompt, true), (100, 80))
             .header("x-hold", "1")
             .header("x-test-tag", &tag),
     )
@@ -81,7 +87,12 @@ async fn metrics_after_a_scripted_workload_match_it_exactly() {
     assert_eq!(m.get(IN_FLIGHT, &[("worker", &labels[y])]), Some(0.0));
 
     // 6. The same prefix while x is busier than y: a degradation, sent to y.
-    let (r, w) = send_tagged(addr, &ws, chat(chat_body(&prompt, false), (100, 0))).await;
+    let (r, w) = send_tagged(
+        addr,
+        &ws,
+        chat_with_usage(chat_body(&prompt, false), (100, 0)),
+    )
+    .await;
     assert_eq!((r.status, w), (200, y), "hit_overloaded goes least-loaded");
     hold.open();
     let rest = held.read_rest().await;
@@ -97,9 +108,9 @@ async fn metrics_after_a_scripted_workload_match_it_exactly() {
         &format!("FAIL {}", "this prompt crashes the engine. ".repeat(4)),
         false,
     );
-    let (r, f1) = send_tagged(addr, &ws, chat(fail.clone(), (0, 0))).await;
+    let (r, f1) = send_tagged(addr, &ws, chat_with_usage(fail.clone(), (0, 0))).await;
     assert_eq!(r.status, 500);
-    let (r, f2) = send_tagged(addr, &ws, chat(fail, (0, 0))).await;
+    let (r, f2) = send_tagged(addr, &ws, chat_with_usage(fail, (0, 0))).await;
     assert_eq!(r.status, 500);
     assert_ne!(f1, f2, "an open breaker takes no request");
     // 9. Nothing usable: the router answers itself.

@@ -163,7 +163,7 @@ pub struct Fleet {
     tx: mpsc::Sender<Outgoing>,
     rx: Mutex<Option<mpsc::Receiver<Outgoing>>>,
     /// Bytes of [`Outgoing::Served::rest`] in the queue.
-    queued_text: Arc<AtomicUsize>,
+    queued_text: AtomicUsize,
     index: Mutex<LruCache<u64, WorkerMask, ChunkHashes>>,
     /// Per other replica: when it last published, and its share.
     loads: Mutex<HashMap<u64, Share>>,
@@ -230,7 +230,7 @@ impl Fleet {
             pool,
             tx,
             rx: Mutex::new(Some(rx)),
-            queued_text: Arc::default(),
+            queued_text: AtomicUsize::new(0),
             index: Mutex::new(LruCache::with_hasher(
                 NonZeroUsize::new(MAX_RECORDS).expect("non-zero"),
                 ChunkHashes,

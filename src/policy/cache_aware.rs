@@ -24,12 +24,13 @@ use std::sync::Arc;
 
 use rand::RngCore;
 
+use super::matches::Matches;
 use super::select::{CacheParams, MIN_HIT_BYTES, is_overloaded, least_loaded, usable};
 use super::{Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
 use crate::pool::{Pool, PoolListener, Worker, WorkerSet};
 use crate::shutdown::Shutdown;
-use crate::tree::{ChainMemo, RadixTree, RemotePrefixes, SharedTree, WorkerMask};
+use crate::tree::{ChainMemo, PrefixMatch, RadixTree, RemotePrefixes, SharedTree, WorkerMask};
 
 /// The `cache_aware` policy: its tree and thresholds.
 pub struct CacheAware {
@@ -179,23 +180,29 @@ pub fn pick_cache_aware(
         .filter(|c| c.usable && c.cache_aware)
         .map(|c| c.id)
         .collect();
-    // What any cache-aware worker holds (available), then the usable ones' match: the
-    // same walk when a holder of the longest is usable (the common case).
+    // One walk: every cache-aware worker's own match, usable now or not (the longest of
+    // them is what was available); the usable ones' longest and who holds it.
     let all: WorkerMask = candidates
         .iter()
         .filter(|c| c.cache_aware)
         .map(|c| c.id)
         .collect();
-    let held = tree.longest_prefix(text, &all);
-    let usable_holders = held.workers.intersection(&eligible);
-    let mut m = if usable_holders.is_empty() && held.matched > 0 {
-        tree.longest_prefix(text, &eligible)
-    } else {
-        crate::tree::PrefixMatch {
-            matched: held.matched,
-            workers: usable_holders,
-        }
+    let mut own_local = Matches::new();
+    tree.prefix_per_worker(text, &all, |w, n| own_local.set(w, n));
+    let mut m = PrefixMatch {
+        matched: 0,
+        workers: WorkerMask::default(),
     };
+    for c in candidates.iter().filter(|c| c.usable && c.cache_aware) {
+        let n = own_local.get(c.id);
+        if n > m.matched {
+            m.matched = n;
+            m.workers = [c.id].into_iter().collect();
+        } else if n == m.matched && n > 0 {
+            m.workers.insert(c.id);
+        }
+    }
+    let longest_any = own_local.longest();
     if let Some((r, memo)) = remote {
         let other = r.longest_prefix(text, &eligible, memo, m.matched);
         if other.matched > m.matched {
@@ -219,18 +226,20 @@ pub fn pick_cache_aware(
             )
         })
         .flatten();
-    let available = held.matched.max(m.matched);
+    let available = longest_any.max(m.matched);
     // The least-loaded worker's own match, when the pick goes there instead.
     let own = |c: &Candidate| {
         if m.workers.contains(c.id) {
             return m.matched;
         }
-        let only: WorkerMask = [c.id].into_iter().collect();
-        let mut n = tree.longest_prefix(text, &only).matched;
-        if let Some((r, memo)) = remote {
-            n = n.max(r.longest_prefix(text, &only, memo, n).matched);
+        let n = own_local.get(c.id);
+        match remote {
+            Some((r, memo)) => {
+                let only: WorkerMask = [c.id].into_iter().collect();
+                n.max(r.longest_prefix(text, &only, memo, n).matched)
+            }
+            None => n,
         }
-        n
     };
     match cached {
         Some(c) if is_overloaded(params, c.load, least.load) => {
@@ -274,6 +283,44 @@ mod tests {
     }
 
     const PROMPT: &[u8] = b"system: You are a helpful assistant.\nuser: summarise this document";
+
+    #[test]
+    fn available_is_any_holder_and_predicted_the_chosen_workers_own_match() {
+        let mut t = RadixTree::new();
+        let head = b"system: You are a helpful assistant who answers from the manual.\nuser: ";
+        let full = [
+            &head[..],
+            b"summarise chapter three of the manual in plain words",
+        ]
+        .concat();
+        t.insert(&full, WorkerId(0));
+        t.insert(head, WorkerId(1));
+        // A warm hit: all three numbers are the whole prompt.
+        let c = cands(&[0, 0, 0]);
+        let p = pick_cache_aware(&params(), &full, &c, &t, None, None, &mut rng());
+        assert_eq!((p.worker, p.reason), (Some(WorkerId(0)), Reason::CacheHit));
+        assert_eq!((p.available, p.matched), (full.len(), full.len()));
+        // Worker 0 unusable: available still counts what it holds; the pick goes to
+        // worker 1 (holding the head) or 2 (nothing), each with its own match.
+        let mut c = cands(&[0, 0, 0]);
+        c[0].usable = false;
+        let p = pick_cache_aware(&params(), &full, &c, &t, None, None, &mut rng());
+        assert_eq!(p.available, full.len());
+        let own = if p.worker == Some(WorkerId(1)) {
+            head.len()
+        } else {
+            0
+        };
+        assert_eq!(p.matched, own, "{p:?}");
+        // Diverted by load: the least-loaded worker 2 holds nothing.
+        let c = cands(&[9, 9, 0]);
+        let p = pick_cache_aware(&params(), &full, &c, &t, None, None, &mut rng());
+        assert_eq!(
+            (p.worker, p.reason),
+            (Some(WorkerId(2)), Reason::HitOverloaded)
+        );
+        assert_eq!((p.available, p.matched), (full.len(), 0));
+    }
 
     #[test]
     fn no_usable_worker() {

@@ -57,6 +57,7 @@ use std::time::Duration;
 use rand::{Rng, RngCore};
 
 use super::cache_aware::CacheAware;
+use super::matches::Matches;
 use super::select::{MIN_HIT_BYTES, tie_rank, usable};
 use super::{BoxFuture, Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::Config;
@@ -64,9 +65,6 @@ use crate::pool::prefill::{MIN_SAMPLES, PrefillRate};
 use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
 use crate::tree::{SharedTree, WorkerMask};
-
-/// Workers whose matches are kept on the stack; more spill to the heap.
-const INLINE: usize = 64;
 
 /// Cut routing texts remembered with the longest prompt each worker served with them.
 pub const BEYOND_CUT_ENTRIES: usize = 65_536;
@@ -104,45 +102,6 @@ impl CostAware {
     fn forget(&self, worker: WorkerId) {
         for (_, served) in self.beyond().iter_mut() {
             served.retain(|(w, _)| *w != worker);
-        }
-    }
-}
-
-/// Matched bytes per worker id, inline for the first [`INLINE`] ids.
-struct Matches {
-    inline: [usize; INLINE],
-    spill: Vec<(WorkerId, usize)>,
-}
-
-impl Matches {
-    fn new() -> Self {
-        Matches {
-            inline: [0; INLINE],
-            spill: Vec::new(),
-        }
-    }
-
-    fn set(&mut self, w: WorkerId, n: usize) {
-        match self.inline.get_mut(w.0 as usize) {
-            Some(slot) => *slot = n,
-            None => self.spill.push((w, n)),
-        }
-    }
-
-    /// The longest match of any worker.
-    fn longest(&self) -> usize {
-        let spill = self.spill.iter().map(|(_, n)| *n);
-        self.inline.iter().copied().chain(spill).max().unwrap_or(0)
-    }
-
-    fn get(&self, w: WorkerId) -> usize {
-        match self.inline.get(w.0 as usize) {
-            Some(n) => *n,
-            None => self
-                .spill
-                .iter()
-                .find(|(id, _)| *id == w)
-                .map_or(0, |(_, n)| *n),
         }
     }
 }

@@ -35,6 +35,7 @@ mod consistent_hash;
 mod cost_aware;
 mod least_load;
 mod lmcache;
+mod matches;
 mod power_of_two;
 pub mod precise;
 mod random;

@@ -57,9 +57,10 @@ pub struct DriftNow {
 }
 
 impl HitStats {
-    /// Counts one answer's three numbers (tokens; `delivered` capped at `predicted` in
-    /// the drift, an engine may hold more than the router knew) against `floor`.
-    pub fn record(&self, available: u64, predicted: u64, delivered: u64, floor: f64) -> DriftNow {
+    /// Counts one answer's three numbers, `[available, predicted, delivered]` in tokens
+    /// (`delivered` capped at `predicted` in the drift: an engine may hold more than the
+    /// router knew), against `floor`.
+    pub fn record(&self, [available, predicted, delivered]: [u64; 3], floor: f64) -> DriftNow {
         self.answers.fetch_add(1, Ordering::Relaxed);
         self.available.fetch_add(available, Ordering::Relaxed);
         self.predicted.fetch_add(predicted, Ordering::Relaxed);
@@ -115,7 +116,7 @@ mod tests {
         let h = HitStats::default();
         // Delivered as predicted: drift 1, never low.
         for _ in 0..DRIFT_MIN_ANSWERS {
-            let now = h.record(500, 400, 400, 0.5);
+            let now = h.record([500, 400, 400], 0.5);
             assert!(!now.low && !now.warn);
         }
         assert_eq!(h.drift(), Some(1.0));
@@ -123,7 +124,7 @@ mod tests {
         let mut warned = 0;
         for _ in 0..DRIFT_WINDOW {
             tokio::time::advance(Duration::from_secs(2)).await;
-            let now = h.record(500, 400, 0, 0.5);
+            let now = h.record([500, 400, 0], 0.5);
             warned += usize::from(now.warn);
         }
         assert_eq!(h.drift(), Some(0.0));
@@ -132,14 +133,14 @@ mod tests {
         assert!((2..=4).contains(&warned), "warned {warned} times");
         // Recovery clears it.
         for _ in 0..DRIFT_WINDOW {
-            h.record(500, 400, 400, 0.5);
+            h.record([500, 400, 400], 0.5);
         }
-        let now = h.record(500, 400, 400, 0.5);
+        let now = h.record([500, 400, 400], 0.5);
         assert_eq!((now.ratio, now.low, now.warn), (Some(1.0), false, false));
         // Misses (nothing predicted) count in the totals, not in the drift; more
         // delivered than predicted counts as predicted there.
-        h.record(100, 0, 50, 0.5);
-        h.record(600, 600, 900, 0.5);
+        h.record([100, 0, 50], 0.5);
+        h.record([600, 600, 900], 0.5);
         assert_eq!(h.drift(), Some(1.0));
         assert_eq!(
             h.answers.load(Ordering::Relaxed),

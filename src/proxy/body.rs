@@ -92,12 +92,7 @@ impl GuardedBody {
                         g.learn(u.prompt_tokens, u.cached_tokens, tap.streamed);
                         let d = &tap.log.decision;
                         let numbers = [d.available_tokens, d.predicted_tokens, u.cached_tokens];
-                        let drift = g.worker().hits().record(
-                            numbers[0],
-                            numbers[1],
-                            numbers[2],
-                            tap.drift_floor,
-                        );
+                        let drift = g.worker().hits().record(numbers, tap.drift_floor);
                         tap.metrics
                             .prefix_tokens(worker, tap.policy.name(), numbers, drift);
                         if drift.warn {

@@ -330,6 +330,42 @@ pub fn usage_engine(hold: Gate) -> impl Fn(&Recorded) -> Reply + Send + Sync + '
     }
 }
 
+/// Sends a long chat prompt through `addr` and asserts that `workers[0]` answered it
+/// with 200; returns the prompt (its follow-ups are cache hits there).
+pub async fn long_prompt_served_by_first(addr: SocketAddr, workers: &[&FakeWorker]) -> String {
+    let long = "tell me everything about the history of the city and its rivers ".repeat(8);
+    let (resp, by) = send_tagged(
+        addr,
+        workers,
+        Req::post("/v1/chat/completions", chat_body(&long, false)),
+    )
+    .await;
+    assert_eq!((resp.status, by), (200, 0), "{}", resp.text());
+    long
+}
+
+/// Two [`usage_engine`]s (sharing `hold`) behind a router that diverts a hit on any load
+/// difference (`hit_overloaded`) and never retries; `extra` is more of its YAML.
+pub async fn usage_engines_and_router(extra: &str) -> (Gate, [FakeWorker; 2], RunningRouter) {
+    let hold = Gate::new();
+    let a = FakeWorker::start_with(usage_engine(hold.clone())).await;
+    let b = FakeWorker::start_with(usage_engine(hold.clone())).await;
+    let router = start_router(&yaml_for(
+        &[&a, &b],
+        &format!(
+            "cache:\n  balance_abs_threshold: 0\n  balance_rel_threshold: 1.0\nproxy:\n  max_retries: 0\n{extra}"
+        ),
+    ))
+    .await;
+    (hold, [a, b], router)
+}
+
+/// A chat request whose engine answer reports `usage` = (prompt, cached) tokens (see
+/// [`usage_engine`]).
+pub fn chat_with_usage(body: String, usage: (u64, u64)) -> Req {
+    Req::post("/v1/chat/completions", body).header("x-usage", &format!("{},{}", usage.0, usage.1))
+}
+
 /// The final SSE chunk of a stream with `stream_options.include_usage`.
 pub fn sse_usage_event(prompt: u64, cached: u64) -> String {
     format!(
