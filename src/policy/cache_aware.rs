@@ -24,7 +24,6 @@ use std::sync::Arc;
 
 use rand::RngCore;
 
-use super::matches::Matches;
 use super::select::{CacheParams, MIN_HIT_BYTES, is_overloaded, least_loaded, usable};
 use super::{Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
@@ -180,29 +179,23 @@ pub fn pick_cache_aware(
         .filter(|c| c.usable && c.cache_aware)
         .map(|c| c.id)
         .collect();
-    // One walk: every cache-aware worker's own match, usable now or not (the longest of
-    // them is what was available); the usable ones' longest and who holds it.
+    // What any cache-aware worker holds (available), then the usable ones' match: the
+    // same walk when a holder of the longest is usable (the common case).
     let all: WorkerMask = candidates
         .iter()
         .filter(|c| c.cache_aware)
         .map(|c| c.id)
         .collect();
-    let mut own_local = Matches::new();
-    tree.prefix_per_worker(text, &all, |w, n| own_local.set(w, n));
-    let mut m = PrefixMatch {
-        matched: 0,
-        workers: WorkerMask::default(),
-    };
-    for c in candidates.iter().filter(|c| c.usable && c.cache_aware) {
-        let n = own_local.get(c.id);
-        if n > m.matched {
-            m.matched = n;
-            m.workers = [c.id].into_iter().collect();
-        } else if n == m.matched && n > 0 {
-            m.workers.insert(c.id);
+    let held = tree.longest_prefix(text, &all);
+    let usable_holders = held.workers.intersection(&eligible);
+    let mut m = if usable_holders.is_empty() && held.matched > 0 {
+        tree.longest_prefix(text, &eligible)
+    } else {
+        PrefixMatch {
+            matched: held.matched,
+            workers: usable_holders,
         }
-    }
-    let longest_any = own_local.longest();
+    };
     if let Some((r, memo)) = remote {
         let other = r.longest_prefix(text, &eligible, memo, m.matched);
         if other.matched > m.matched {
@@ -226,20 +219,18 @@ pub fn pick_cache_aware(
             )
         })
         .flatten();
-    let available = longest_any.max(m.matched);
+    let available = held.matched.max(m.matched);
     // The least-loaded worker's own match, when the pick goes there instead.
     let own = |c: &Candidate| {
         if m.workers.contains(c.id) {
             return m.matched;
         }
-        let n = own_local.get(c.id);
-        match remote {
-            Some((r, memo)) => {
-                let only: WorkerMask = [c.id].into_iter().collect();
-                n.max(r.longest_prefix(text, &only, memo, n).matched)
-            }
-            None => n,
+        let only: WorkerMask = [c.id].into_iter().collect();
+        let mut n = tree.longest_prefix(text, &only).matched;
+        if let Some((r, memo)) = remote {
+            n = n.max(r.longest_prefix(text, &only, memo, n).matched);
         }
+        n
     };
     match cached {
         Some(c) if is_overloaded(params, c.load, least.load) => {
