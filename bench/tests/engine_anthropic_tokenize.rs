@@ -4,15 +4,12 @@
 //! token counts that agree across endpoints.
 
 use bench::engine::{self, EngineConfig, RunningEngine, VOCAB_SIZE};
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper::{Method, Request, StatusCode};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
+use hyper::{Method, StatusCode};
 use serde_json::{Value, json};
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+mod support;
+
+use support::HttpClient;
 
 struct Fixture {
     engine: RunningEngine,
@@ -29,28 +26,22 @@ impl Fixture {
         };
         Self {
             engine: engine::start(cfg).await.expect("engine starts"),
-            client: Client::builder(TokioExecutor::new()).build(HttpConnector::new()),
+            client: support::client(),
         }
     }
 
     /// POSTs `body` to `path`; status, content type and the whole body.
     async fn post(&self, path: &str, body: &Value) -> (StatusCode, String, String) {
-        let req = Request::builder()
-            .method(Method::POST)
-            .uri(format!("{}{path}", self.engine.url()))
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.to_string())))
-            .unwrap();
-        let resp = self.client.request(req).await.unwrap();
-        let status = resp.status();
-        assert_eq!(resp.headers()["x-sim-engine"], "e-test");
-        let ct = resp
-            .headers()
-            .get("content-type")
-            .map(|v| v.to_str().unwrap().to_owned())
-            .unwrap_or_default();
-        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-        (status, ct, String::from_utf8(bytes.to_vec()).unwrap())
+        let r = support::send(
+            &self.client,
+            &self.engine,
+            Method::POST,
+            path,
+            &body.to_string(),
+        )
+        .await;
+        assert_eq!(r.engine, "e-test");
+        (r.status, r.content_type.clone(), r.text())
     }
 
     async fn post_json(&self, path: &str, body: &Value) -> (StatusCode, Value) {

@@ -8,18 +8,13 @@ use std::time::{Duration, Instant};
 use bench::embeddings::{EMBEDDING_DIM, embed};
 use bench::engine::{self, EngineConfig, EngineStats, RunningEngine};
 use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
+use http_body_util::Full;
 use hyper::{Method, Request, StatusCode};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+mod support;
 
-fn client() -> HttpClient {
-    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
-}
+use support::{HttpClient, client};
 
 /// Sends `body` to `path`; status, content type and the body as JSON.
 async fn send(
@@ -29,23 +24,9 @@ async fn send(
     path: &str,
     body: &str,
 ) -> (StatusCode, String, Value) {
-    let req = Request::builder()
-        .method(method)
-        .uri(format!("{}{path}", e.url()))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_owned())))
-        .unwrap();
-    let resp = c.request(req).await.unwrap();
-    let status = resp.status();
-    assert_eq!(resp.headers()["x-sim-engine"], e.engine().name());
-    let ct = resp
-        .headers()
-        .get("content-type")
-        .map(|v| v.to_str().unwrap().to_owned())
-        .unwrap_or_default();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    let v = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
-    (status, ct, v)
+    let r = support::send(c, e, method, path, body).await;
+    assert_eq!(r.engine, e.engine().name());
+    (r.status, r.content_type.clone(), r.json())
 }
 
 /// An engine whose prefill takes `prefill_ms` of wall time per request.

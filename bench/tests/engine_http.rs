@@ -6,12 +6,11 @@ use bench::engine::{self, EngineConfig, MetricsFlavor, RunningEngine};
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::{Method, Request, StatusCode};
-use hyper_util::client::legacy::Client;
-use hyper_util::client::legacy::connect::HttpConnector;
-use hyper_util::rt::TokioExecutor;
 use serde_json::{Value, json};
 
-type HttpClient = Client<HttpConnector, Full<Bytes>>;
+mod support;
+
+use support::{HttpClient, client};
 
 async fn start() -> RunningEngine {
     let cfg = EngineConfig {
@@ -31,21 +30,8 @@ async fn send(
     path: &str,
     body: &str,
 ) -> (StatusCode, String, String) {
-    let req = Request::builder()
-        .method(method)
-        .uri(format!("{}{path}", e.url()))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_owned())))
-        .unwrap();
-    let resp = client.request(req).await.unwrap();
-    let status = resp.status();
-    let name = resp.headers()["x-sim-engine"].to_str().unwrap().to_owned();
-    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
-    (status, name, String::from_utf8(bytes.to_vec()).unwrap())
-}
-
-fn client() -> HttpClient {
-    Client::builder(TokioExecutor::new()).build(HttpConnector::new())
+    let r = support::send(client, e, method, path, body).await;
+    (r.status, r.engine.clone(), r.text())
 }
 
 #[tokio::test]
