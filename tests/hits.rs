@@ -75,18 +75,13 @@ async fn three_numbers_per_answer_and_the_drift_of_an_engine_that_evicted() {
 
     // 3. Diverted: x is busy, so the hit goes to y, which holds nothing of it:
     //    available as before, predicted 0 there.
-    let tag = new_tag();
-    let mut held = Conn::connect(addr).await;
-    held.send(
-        &chat_with_usage(chat_body(&p, true), (1100, 1024))
-            .header("x-hold", "1")
-            .header("x-test-tag", &tag),
+    let (mut held, on) = hold_stream(
+        addr,
+        &ws,
+        chat_with_usage(chat_body(&p, true), (1100, 1024)),
     )
-    .await
-    .unwrap();
-    assert_eq!(held.read_head().await.status, 200);
-    held.next_piece().await.expect("first event");
-    assert_eq!(served_by(&ws, &tag), x);
+    .await;
+    assert_eq!(on, x);
     let (r, w) = send_tagged(addr, &ws, chat_with_usage(chat_body(&p, false), (1100, 0))).await;
     assert_eq!((r.status, w), (200, y), "a diverted hit");
     hold.open();

@@ -70,18 +70,13 @@ async fn metrics_after_a_scripted_workload_match_it_exactly() {
     assert!(r.text().ends_with("data: [DONE]\n\n"), "{}", r.text());
 
     // 5. A streamed hit held open before its usage chunk: one in flight on x.
-    let tag = new_tag();
-    let mut held = Conn::connect(addr).await;
-    held.send(
-        &chat_with_usage(chat_body(&prompt, true), (100, 80))
-            .header("x-hold", "1")
-            .header("x-test-tag", &tag),
+    let (mut held, on) = hold_stream(
+        addr,
+        &ws,
+        chat_with_usage(chat_body(&prompt, true), (100, 80)),
     )
-    .await
-    .unwrap();
-    assert_eq!(held.read_head().await.status, 200);
-    held.next_piece().await.expect("first event");
-    assert_eq!(served_by(&ws, &tag), x);
+    .await;
+    assert_eq!(on, x);
     let m = scrape(addr).await;
     assert_eq!(m.get(IN_FLIGHT, &[("worker", &labels[x])]), Some(1.0));
     assert_eq!(m.get(IN_FLIGHT, &[("worker", &labels[y])]), Some(0.0));

@@ -360,6 +360,21 @@ pub async fn usage_engines_and_router(extra: &str) -> (Gate, [FakeWorker; 2], Ru
     (hold, [a, b], router)
 }
 
+/// Sends `req` (a streamed chat request to [`usage_engine`]s) with `x-hold`, so its
+/// stream stays open before its usage chunk until the engines' `hold` gate opens; returns
+/// once its first event has arrived, with the open connection and which of `workers`
+/// serves it.
+pub async fn hold_stream(addr: SocketAddr, workers: &[&FakeWorker], req: Req) -> (Conn, usize) {
+    let tag = new_tag();
+    let mut held = Conn::connect(addr).await;
+    held.send(&req.header("x-hold", "1").header("x-test-tag", &tag))
+        .await
+        .unwrap();
+    assert_eq!(held.read_head().await.status, 200);
+    held.next_piece().await.expect("first event");
+    (held, served_by(workers, &tag))
+}
+
 /// A chat request whose engine answer reports `usage` = (prompt, cached) tokens (see
 /// [`usage_engine`]).
 pub fn chat_with_usage(body: String, usage: (u64, u64)) -> Req {
