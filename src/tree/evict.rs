@@ -25,6 +25,10 @@ pub const EVICT_BATCH: usize = 2048;
 /// Evicts least-recently-used leaves until the tree holds at most `max_nodes` nodes.
 /// Returns the number of nodes removed.
 pub async fn evict_to(set: &SharedTree, max_nodes: usize) -> usize {
+    // Nothing to do: inserts must not be skipped for a pass that removes nothing.
+    if set.lock().node_count() <= max_nodes {
+        return 0;
+    }
     let mut removed = 0;
     set.set_evicting(true);
     // Each round removes leaves; parents that become leaves are taken in a later round.
