@@ -119,3 +119,45 @@ async fn three_numbers_per_answer_and_the_drift_of_an_engine_that_evicted() {
     assert_eq!(h["delivered_tokens"].as_f64().unwrap(), delivered_z, "{h}");
     assert!(h["answers"].as_u64().unwrap() >= served[z] as u64);
 }
+
+/// vLLM started without `--enable-prompt-tokens-details` names no cached tokens: its
+/// answers are left out of the numbers (delivered unknown, not 0), so warm hits on it
+/// show no drift; once it has named a count, an answer without one is delivered 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_engine_that_never_names_cached_tokens_shows_no_drift() {
+    let (_hold, [a, b], router) = usage_engines_and_router("").await;
+    let ws = [&a, &b];
+    let addr = router.addr;
+    let labels = [worker_label(addr, 0).await, worker_label(addr, 1).await];
+    let p = prompt();
+    let quiet = |body: String| chat_with_usage(body, (1100, 0)).header("x-no-details", "1");
+    let (_, x) = send_tagged(addr, &ws, quiet(chat_body(&p, false))).await;
+    for stream in [
+        false, true, false, true, false, false, false, false, false, false, false, false,
+    ] {
+        let (r, w) = send_tagged(addr, &ws, quiet(chat_body(&p, stream))).await;
+        assert_eq!((r.status, w), (200, x), "warm hits stay on the holder");
+    }
+    let m = scrape(addr).await;
+    assert_eq!(numbers(&m, &labels[x]), [0.0, 0.0, 0.0], "{}", m.text);
+    assert_eq!(m.get(DRIFT, &[("worker", &labels[x])]), None);
+    let h = hits(&get(addr, "/workers").await.json(), &labels[x]);
+    assert_eq!(h["answers"].as_u64(), Some(0), "{h}");
+
+    // It names a count once (a hit with the flag on); from then a missing one is 0.
+    let (_, w) = send_tagged(
+        addr,
+        &ws,
+        chat_with_usage(chat_body(&p, false), (1100, 1024)),
+    )
+    .await;
+    assert_eq!(w, x);
+    let (_, w) = send_tagged(addr, &ws, quiet(chat_body(&p, false))).await;
+    assert_eq!(w, x);
+    let m = scrape(addr).await;
+    let [_, predicted, delivered] = numbers(&m, &labels[x]);
+    assert!(predicted > 0.0, "{}", m.text);
+    assert_eq!(delivered, 1024.0, "the second answer delivered 0");
+    let h = hits(&get(addr, "/workers").await.json(), &labels[x]);
+    assert_eq!(h["answers"].as_u64(), Some(2), "{h}");
+}

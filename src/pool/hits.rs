@@ -8,10 +8,16 @@
 //! router's memory of this worker is wrong: the engine evicted what the tree still
 //! believes (a KV cache smaller than assumed), a block-size mismatch, or tokenizer drift
 //! in precise mode. [`HitStats::record`] says when to warn (once per [`DRIFT_FOR`]).
+//!
+//! Engines name their cached tokens only when asked to and only when non-zero (see
+//! `proxy::usage::Usage::cached_tokens`): an answer without the count is *delivered 0*
+//! once the worker has named a count before, and not counted at all until then, so an
+//! engine that never reports is not taken for one that evicted everything
+//! ([`HitStats::delivered`]).
 
 use std::collections::VecDeque;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 
 use tokio::time::Instant;
@@ -31,6 +37,8 @@ pub struct HitStats {
     pub available: AtomicU64,
     pub predicted: AtomicU64,
     pub delivered: AtomicU64,
+    /// The worker's engine has named its cached tokens in an answer.
+    reports_cached: AtomicBool,
     drift: Mutex<Drift>,
 }
 
@@ -57,6 +65,19 @@ pub struct DriftNow {
 }
 
 impl HitStats {
+    /// The *delivered* tokens of an answer that named `cached` (`None`: no count in it):
+    /// the count, else 0 from a worker that has named one before, else unknown (`None`,
+    /// the answer is left out of the numbers).
+    pub fn delivered(&self, cached: Option<u64>) -> Option<u64> {
+        match cached {
+            Some(n) => {
+                self.reports_cached.store(true, Ordering::Relaxed);
+                Some(n)
+            }
+            None => self.reports_cached.load(Ordering::Relaxed).then_some(0),
+        }
+    }
+
     /// Counts one answer's three numbers, `[available, predicted, delivered]` in tokens
     /// (`delivered` capped at `predicted` in the drift: an engine may hold more than the
     /// router knew), against `floor`.
@@ -110,6 +131,14 @@ impl Drift {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_missing_count_is_zero_only_from_an_engine_that_reports() {
+        let h = HitStats::default();
+        assert_eq!(h.delivered(None), None);
+        assert_eq!(h.delivered(Some(48)), Some(48));
+        assert_eq!(h.delivered(None), Some(0));
+    }
 
     #[tokio::test(start_paused = true)]
     async fn drift_under_the_floor_for_long_enough_warns_once_per_interval() {

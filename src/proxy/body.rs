@@ -83,31 +83,17 @@ impl GuardedBody {
             let worker = &tap.log.worker;
             tap.metrics.finished(worker, tap.log.arrived.elapsed());
             if how == "complete"
-                && let Some(found) = tap.scanner.map(UsageScanner::found)
+                && let Some(found) = tap.scanner.take().map(UsageScanner::found)
             {
                 if let Some(u) = found.usage {
-                    tap.metrics
-                        .engine_usage(worker, u.prompt_tokens, u.cached_tokens);
+                    let cached = u.cached_tokens.unwrap_or(0);
+                    tap.metrics.engine_usage(worker, u.prompt_tokens, cached);
                     if let Some(g) = &guard {
-                        g.learn(u.prompt_tokens, u.cached_tokens, tap.streamed);
-                        let d = &tap.log.decision;
-                        let numbers = [d.available_tokens, d.predicted_tokens, u.cached_tokens];
-                        let drift = g.worker().hits().record(numbers, tap.drift_floor);
-                        tap.metrics
-                            .prefix_tokens(worker, tap.policy.name(), numbers, drift);
-                        if drift.warn {
-                            tracing::warn!(
-                                worker = &**worker,
-                                drift = format_args!("{:.2}", drift.ratio.unwrap_or(0.0)),
-                                floor = tap.drift_floor,
-                                "worker delivers far fewer cached prefix tokens than the router predicts: \
-                                 its engine evicted what the router remembers (KV cache smaller than \
-                                 the load it gets), a block-size mismatch (cache.engine_block_tokens), \
-                                 or in precise mode a tokenizer or chat-template drift"
-                            );
+                        g.learn(u.prompt_tokens, cached, tap.streamed);
+                        if let Some(delivered) = g.worker().hits().delivered(u.cached_tokens) {
+                            tap.hit_numbers(g.worker(), delivered);
                         }
                     }
-                    tap.log.delivered_tokens = Some(u.cached_tokens);
                 }
                 if let (Some(id), Some(w)) = (found.response_id.as_deref(), served_by.as_ref()) {
                     let answer = crate::policy::Answer {
@@ -121,6 +107,30 @@ impl GuardedBody {
             }
             tap.log.write(how);
         }
+    }
+}
+
+impl BodyTap {
+    /// Counts the answer's available / predicted / `delivered` tokens for `w`, warns when
+    /// its drift has stayed low, and logs `delivered`.
+    fn hit_numbers(&mut self, w: &crate::pool::Worker, delivered: u64) {
+        let d = &self.log.decision;
+        let numbers = [d.available_tokens, d.predicted_tokens, delivered];
+        let drift = w.hits().record(numbers, self.drift_floor);
+        self.metrics
+            .prefix_tokens(&self.log.worker, self.policy.name(), numbers, drift);
+        if drift.warn {
+            tracing::warn!(
+                worker = &*self.log.worker,
+                drift = format_args!("{:.2}", drift.ratio.unwrap_or(0.0)),
+                floor = self.drift_floor,
+                "worker delivers far fewer cached prefix tokens than the router predicts: \
+                 its engine evicted what the router remembers (KV cache smaller than \
+                 the load it gets), a block-size mismatch (cache.engine_block_tokens), \
+                 or in precise mode a tokenizer or chat-template drift"
+            );
+        }
+        self.log.delivered_tokens = Some(delivered);
     }
 }
 

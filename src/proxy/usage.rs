@@ -24,7 +24,13 @@ const MAX_LINE_BYTES: usize = 1 << 20;
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Usage {
     pub prompt_tokens: u64,
-    pub cached_tokens: u64,
+    /// Prompt tokens served from the engine's prefix cache; `None` when the answer names
+    /// no count. vLLM writes `prompt_tokens_details` only when started with
+    /// `--enable-prompt-tokens-details` *and* the count is non-zero (its
+    /// `serving_chat.py`), SGLang only with `--enable-cache-report`: an absent count is
+    /// 0 from an engine that reports, unknown from one that never does (see
+    /// `pool::hits::HitStats::delivered`).
+    pub cached_tokens: Option<u64>,
 }
 
 /// Incremental usage reader for one response body.
@@ -297,17 +303,14 @@ impl Envelope {
         if let Some(prompt) = u.prompt_tokens {
             return Some(Usage {
                 prompt_tokens: prompt,
-                cached_tokens: u
-                    .prompt_tokens_details
-                    .and_then(|d| d.cached_tokens)
-                    .unwrap_or(0),
+                cached_tokens: u.prompt_tokens_details.and_then(|d| d.cached_tokens),
             });
         }
         // Anthropic: input_tokens excludes the cached part.
         let input = u.input_tokens?;
-        let read = u.cache_read_input_tokens.unwrap_or(0);
+        let read = u.cache_read_input_tokens;
         Some(Usage {
-            prompt_tokens: input + read + u.cache_creation_input_tokens.unwrap_or(0),
+            prompt_tokens: input + read.unwrap_or(0) + u.cache_creation_input_tokens.unwrap_or(0),
             cached_tokens: read,
         })
     }
@@ -335,7 +338,7 @@ mod tests {
             s.finish(),
             Some(Usage {
                 prompt_tokens: 120,
-                cached_tokens: 96
+                cached_tokens: Some(96)
             })
         );
     }
@@ -351,7 +354,7 @@ mod tests {
                 s.finish(),
                 Some(Usage {
                     prompt_tokens: 50,
-                    cached_tokens: 32
+                    cached_tokens: Some(32)
                 }),
                 "split at {split}"
             );
@@ -366,7 +369,7 @@ mod tests {
             s.finish(),
             Some(Usage {
                 prompt_tokens: 100,
-                cached_tokens: 90
+                cached_tokens: Some(90)
             })
         );
         let mut s = scanner("text/event-stream");
@@ -376,7 +379,7 @@ mod tests {
             s.finish(),
             Some(Usage {
                 prompt_tokens: 64,
-                cached_tokens: 60
+                cached_tokens: Some(60)
             })
         );
     }
@@ -410,6 +413,24 @@ mod tests {
                 "split at {split}"
             );
         }
+    }
+
+    #[test]
+    fn an_absent_cached_count_is_not_read_as_zero() {
+        // vLLM without `--enable-prompt-tokens-details` (or a miss with it): no details.
+        let mut s = scanner("application/json");
+        s.feed(br#"{"usage":{"prompt_tokens":120,"completion_tokens":5,"total_tokens":125}}"#);
+        let u = s.finish().unwrap();
+        assert_eq!((u.prompt_tokens, u.cached_tokens), (120, None));
+        let mut s = scanner("application/json");
+        s.feed(br#"{"usage":{"prompt_tokens":12,"prompt_tokens_details":null}}"#);
+        assert_eq!(s.finish().unwrap().cached_tokens, None);
+        let mut s = scanner("application/json");
+        s.feed(br#"{"usage":{"input_tokens":12,"output_tokens":3}}"#);
+        assert_eq!(s.finish().unwrap().cached_tokens, None);
+        let mut s = scanner("application/json");
+        s.feed(br#"{"usage":{"input_tokens":12,"cache_read_input_tokens":0}}"#);
+        assert_eq!(s.finish().unwrap().cached_tokens, Some(0));
     }
 
     #[test]

@@ -288,7 +288,9 @@ pub fn usage_json(prompt: u64, cached: u64) -> String {
     )
 }
 
-/// Answers as an engine does, with the usage the test asks for in `x-usage: P,C`:
+/// Answers as an engine does, with the usage the test asks for in `x-usage: P,C` (and
+/// no `prompt_tokens_details`, as vLLM without `--enable-prompt-tokens-details`, when
+/// `x-no-details` is set):
 /// `FAIL` prompts get a 500; streamed requests an SSE stream whose final chunk carries
 /// the usage (held before it while `x-hold` is set, until `hold` opens); others a JSON
 /// body with the usage.
@@ -303,6 +305,11 @@ pub fn usage_engine(hold: Gate) -> impl Fn(&Recorded) -> Reply + Send + Sync + '
             .and_then(|v| v.split_once(','))
             .map(|(p, c)| (p.parse().unwrap(), c.parse().unwrap()))
             .unwrap_or((0, 0));
+        let usage = if req.has_header("x-no-details") {
+            format!(r#"{{"prompt_tokens":{p},"completion_tokens":1}}"#)
+        } else {
+            usage_json(p, c)
+        };
         if body.contains(r#""stream":true"#) {
             let mut steps = vec![
                 Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
@@ -312,7 +319,7 @@ pub fn usage_engine(hold: Gate) -> impl Fn(&Recorded) -> Reply + Send + Sync + '
                 steps.push(Step::Wait(hold.clone()));
             }
             steps.push(Step::Write(
-                format!("data: {}\n\n", sse_usage_event(p, c)).into_bytes(),
+                format!("data: {}\n\n", sse_usage_chunk(&usage)).into_bytes(),
             ));
             steps.push(Step::Write(b"data: [DONE]\n\n".to_vec()));
             Reply::status(200)
@@ -322,8 +329,7 @@ pub fn usage_engine(hold: Gate) -> impl Fn(&Recorded) -> Reply + Send + Sync + '
             Reply::json(
                 200,
                 &format!(
-                    r#"{{"id":"chatcmpl-1","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"stop"}}],"usage":{}}}"#,
-                    usage_json(p, c)
+                    r#"{{"id":"chatcmpl-1","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"stop"}}],"usage":{usage}}}"#
                 ),
             )
         }
@@ -383,10 +389,12 @@ pub fn chat_with_usage(body: String, usage: (u64, u64)) -> Req {
 
 /// The final SSE chunk of a stream with `stream_options.include_usage`.
 pub fn sse_usage_event(prompt: u64, cached: u64) -> String {
-    format!(
-        r#"{{"id":"c","object":"chat.completion.chunk","choices":[],"usage":{}}}"#,
-        usage_json(prompt, cached)
-    )
+    sse_usage_chunk(&usage_json(prompt, cached))
+}
+
+/// The final SSE chunk carrying the `usage` object `usage` (JSON).
+pub fn sse_usage_chunk(usage: &str) -> String {
+    format!(r#"{{"id":"c","object":"chat.completion.chunk","choices":[],"usage":{usage}}}"#)
 }
 
 /// An SSE event payload in the OpenAI chunk shape.
