@@ -73,7 +73,7 @@ struct HitsView {
     answers: u64,
     /// Prefix tokens of those answers: the longest any worker held (available), what
     /// the router believed this worker held (predicted), the engine's `cached_tokens`
-    /// (delivered). Estimated as bytes / 4 in approximate mode.
+    /// (delivered). Whole KV blocks, estimated from bytes at the worker's learned tokens per byte in approximate mode.
     available_tokens: u64,
     predicted_tokens: u64,
     delivered_tokens: u64,

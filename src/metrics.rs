@@ -9,7 +9,7 @@
 //! hits / all, and `hit_overloaded` / (`cache_hit` + `hit_overloaded`). The engines' own
 //! view sits beside the router's estimate:
 //! `…_engine_cached_tokens_total / …_engine_prompt_tokens_total` per worker is the real
-//! prefix-cache hit rate, `…_estimated_prefix_tokens_saved_total` (matched bytes / 4)
+//! prefix-cache hit rate, `…_estimated_prefix_tokens_saved_total` (the hits' predicted tokens)
 //! what the router expected.
 
 use std::sync::Arc;
@@ -321,7 +321,7 @@ impl Metrics {
         );
         r.register(
             "estimated_prefix_tokens_saved",
-            "Prefix tokens the router expects the worker to reuse (matched bytes / 4)",
+            "Prefix tokens the router expects the worker to reuse on its hits (whole KV blocks; estimated from bytes at the worker's learned tokens per byte in approximate mode)",
             m.estimated_saved.clone(),
         );
         r.register(
@@ -336,7 +336,7 @@ impl Metrics {
         );
         r.register(
             "prefix_tokens",
-            "Prefix tokens of the answers that reported usage, by worker, policy and kind: available (the longest any worker held), predicted (what the router believed the chosen worker held), delivered (the engine's cached_tokens); tokens estimated as bytes / 4 in approximate mode",
+            "Prefix tokens of the answers that reported cached tokens, by worker, policy and kind: available (the longest any worker held), predicted (what the router believed the chosen worker held), delivered (the engine's cached_tokens); in whole KV blocks, estimated from bytes at the worker's learned tokens per byte in approximate mode",
             m.prefix_tokens.clone(),
         );
         r.register(

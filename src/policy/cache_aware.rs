@@ -6,8 +6,11 @@
 //!    request (decided by the proxy); none usable ⇒ [`Reason::NoWorker`];
 //! 2. the least-loaded usable worker by `in_flight + load_penalty`, ties broken stably
 //!    by the request's session or prompt digest ([`least_loaded`]);
-//! 3. the prompt is prefix-matched in the tree, restricted to usable cache-aware workers;
-//! 4. it is a cache hit when matched/len ≥ `threshold` or matched ≥ `match_abs_threshold`;
+//! 3. the prompt is prefix-matched in the tree, restricted to usable cache-aware workers,
+//!    and the match is rounded down to whole engine KV blocks (`cache.engine_block_tokens`
+//!    at the worker's learned tokens per byte, [`BlockScale`]): under one block is a miss;
+//! 4. it is a cache hit when matched/len ≥ `threshold` or matched ≥ `match_abs_threshold`
+//!    (bytes of those whole blocks);
 //! 5. …unless the cached worker's load exceeds the least-loaded one's by more than
 //!    `balance_abs_threshold` AND more than `balance_rel_threshold` times
 //!    ⇒ least-loaded ([`Reason::HitOverloaded`], a degradation);
@@ -24,10 +27,10 @@ use std::sync::Arc;
 
 use rand::RngCore;
 
-use super::select::{CacheParams, MIN_HIT_BYTES, is_overloaded, least_loaded, usable};
+use super::select::{BlockScale, CacheParams, is_overloaded, least_loaded, usable};
 use super::{Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
-use crate::pool::{Pool, PoolListener, Worker, WorkerSet};
+use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
 use crate::tree::{ChainMemo, PrefixMatch, RadixTree, RemotePrefixes, SharedTree, WorkerMask};
 
@@ -57,24 +60,22 @@ impl CacheAware {
         &self.tree
     }
 
-    /// The tree's decision for `req` (steps 1–6), under one short lock hold.
+    /// The tree's decision for `req` (steps 1–6), under one short lock hold; tokens per
+    /// byte are `set`'s workers' learned ones.
     pub fn decide(
         &self,
         req: &RouteRequest<'_>,
+        set: &WorkerSet,
         candidates: &[Candidate],
         rng: &mut dyn RngCore,
     ) -> Pick {
         let tree = self.tree.lock();
-        let remote = self.tree.remote().map(|r| (r, &req.chain));
-        pick_cache_aware(
-            &self.params,
-            req.text(),
-            candidates,
-            &tree,
-            remote,
-            req.tie,
-            rng,
-        )
+        let memory = Memory {
+            tree: &tree,
+            remote: self.tree.remote().map(|r| (r, &req.chain)),
+            tokens_per_byte: &|id| learned_tokens_per_byte(set, id),
+        };
+        pick_cache_aware(&self.params, req.text(), candidates, &memory, req.tie, rng)
     }
 
     /// Records the served request's prompt for the worker that served it.
@@ -109,11 +110,11 @@ impl Policy for CacheAware {
     fn pick(
         &self,
         req: &RouteRequest<'_>,
-        _: &WorkerSet,
+        set: &WorkerSet,
         candidates: &[Candidate],
         rng: &mut dyn RngCore,
     ) -> Pick {
-        self.decide(req, candidates, rng)
+        self.decide(req, set, candidates, rng)
     }
 
     fn observe(&self, req: &RouteRequest<'_>, pick: &Pick, _: &Worker, outcome: Outcome) {
@@ -144,36 +145,64 @@ impl Policy for CacheAware {
     }
 }
 
-/// The cache-aware decision (steps 1–6 of the module docs) on `tree` and, when shared,
-/// the other replicas' records (`remote`; the longer match wins, equal ones merge);
-/// records nothing (the policy records the served worker in [`Policy::observe`]). `tie`
-/// breaks load ties stably (see [`least_loaded`]).
+/// What the cache-aware decision reads of what workers hold: the tree, the other
+/// replicas' records when shared (`remote`), and each worker's tokens per byte of
+/// routing text (to count matches in whole engine blocks).
+pub struct Memory<'a> {
+    pub tree: &'a RadixTree,
+    pub remote: Option<(&'a dyn RemotePrefixes, &'a ChainMemo)>,
+    pub tokens_per_byte: &'a dyn Fn(WorkerId) -> f64,
+}
+
+/// A worker's tokens per byte of routing text as its answers taught it
+/// (`pool::prefill`), the prior for one not in `set`.
+pub fn learned_tokens_per_byte(set: &WorkerSet, id: WorkerId) -> f64 {
+    set.get(id)
+        .map_or(crate::pool::prefill::PRIOR_TOKENS_PER_BYTE, |w| {
+            w.prefill().rate().tokens_per_byte
+        })
+}
+
+/// The cache-aware decision (steps 1–6 of the module docs) on `memory` (the longer of
+/// the tree's and the other replicas' matches wins, equal ones merge); records nothing
+/// (the policy records the served worker in [`Policy::observe`]). The pick's numbers
+/// are prompt tokens in whole engine blocks, at the chosen worker's tokens per byte.
+/// `tie` breaks load ties stably (see [`least_loaded`]).
 pub fn pick_cache_aware(
     params: &CacheParams,
     text: &[u8],
     candidates: &[Candidate],
-    tree: &RadixTree,
-    remote: Option<(&dyn RemotePrefixes, &ChainMemo)>,
+    memory: &Memory<'_>,
     tie: Option<u64>,
     rng: &mut dyn RngCore,
 ) -> Pick {
     let Some(least) = least_loaded(usable(candidates), tie, rng) else {
         return Pick::load_only(None, text.len());
     };
-    let pick = |c: &Candidate, reason, matched, available| Pick {
-        worker: Some(c.id),
-        reason,
-        matched,
-        available,
-        text_len: text.len(),
-        unit: MatchUnit::Bytes,
-        dp_rank: None,
-        cache_aware: c.cache_aware,
-        prefill_tokens: 0,
+    let scale = |c: &Candidate| BlockScale {
+        tokens_per_byte: (memory.tokens_per_byte)(c.id),
+        block_tokens: params.block_tokens,
+    };
+    // `matched` and `available` in bytes of routing text, reported in whole blocks.
+    let pick = |c: &Candidate, reason, matched: usize, available: usize| {
+        let s = scale(c);
+        let matched = s.tokens(matched);
+        Pick {
+            worker: Some(c.id),
+            reason,
+            matched,
+            available: s.tokens(available).max(matched),
+            text_len: s.text_tokens(text.len()),
+            unit: MatchUnit::Tokens,
+            dp_rank: None,
+            cache_aware: c.cache_aware,
+            prefill_tokens: 0,
+        }
     };
     if text.is_empty() {
         return pick(least, Reason::EmptyText, 0, 0);
     }
+    let tree = memory.tree;
     let eligible: WorkerMask = candidates
         .iter()
         .filter(|c| c.usable && c.cache_aware)
@@ -196,7 +225,7 @@ pub fn pick_cache_aware(
             workers: usable_holders,
         }
     };
-    if let Some((r, memo)) = remote {
+    if let Some((r, memo)) = memory.remote {
         let other = r.longest_prefix(text, &eligible, memo, m.matched);
         if other.matched > m.matched {
             m = other;
@@ -204,11 +233,8 @@ pub fn pick_cache_aware(
             m.workers = m.workers.union(&other.workers);
         }
     }
-    // The floor never exceeds the prompt: an exact repeat of a short prompt still hits.
-    let is_hit = m.matched >= MIN_HIT_BYTES.min(text.len())
-        && (m.matched as f64 >= params.threshold * text.len() as f64
-            || (params.match_abs_threshold > 0 && m.matched >= params.match_abs_threshold));
-    let cached = is_hit
+    // The least-loaded holder, and whether what it holds is a hit in whole blocks.
+    let cached = (m.matched > 0)
         .then(|| {
             least_loaded(
                 candidates
@@ -218,7 +244,13 @@ pub fn pick_cache_aware(
                 rng,
             )
         })
-        .flatten();
+        .flatten()
+        .filter(|c| {
+            let aligned = scale(c).aligned_bytes(m.matched);
+            aligned > 0
+                && (aligned as f64 >= params.threshold * text.len() as f64
+                    || (params.match_abs_threshold > 0 && aligned >= params.match_abs_threshold))
+        });
     let available = held.matched.max(m.matched);
     // The least-loaded worker's own match, when the pick goes there instead.
     let own = |c: &Candidate| {
@@ -227,7 +259,7 @@ pub fn pick_cache_aware(
         }
         let only: WorkerMask = [c.id].into_iter().collect();
         let mut n = tree.longest_prefix(text, &only).matched;
-        if let Some((r, memo)) = remote {
+        if let Some((r, memo)) = memory.remote {
             n = n.max(r.longest_prefix(text, &only, memo, n).matched);
         }
         n
@@ -255,6 +287,22 @@ mod tests {
         StdRng::seed_from_u64(7)
     }
 
+    /// The decision on `t` alone, every worker at the prior 0.25 tokens per byte.
+    fn decide(
+        p: &CacheParams,
+        text: &[u8],
+        c: &[Candidate],
+        t: &RadixTree,
+        rng: &mut StdRng,
+    ) -> Pick {
+        let memory = Memory {
+            tree: t,
+            remote: None,
+            tokens_per_byte: &|_| 0.25,
+        };
+        pick_cache_aware(p, text, c, &memory, None, rng)
+    }
+
     /// Picks, then records the prompt for the chosen worker as `observe(Served)` does.
     fn serve(
         p: &CacheParams,
@@ -263,7 +311,7 @@ mod tests {
         t: &mut RadixTree,
         rng: &mut StdRng,
     ) -> Pick {
-        let pick = pick_cache_aware(p, text, c, t, None, None, rng);
+        let pick = decide(p, text, c, t, rng);
         if let Some(id) = pick.worker
             && pick.cache_aware
             && !text.is_empty()
@@ -288,29 +336,35 @@ mod tests {
         t.insert(head, WorkerId(1));
         // A warm hit: all three numbers are the whole prompt.
         let c = cands(&[0, 0, 0]);
-        let p = pick_cache_aware(&params(), &full, &c, &t, None, None, &mut rng());
+        let p = decide(&params(), &full, &c, &t, &mut rng());
         assert_eq!((p.worker, p.reason), (Some(WorkerId(0)), Reason::CacheHit));
-        assert_eq!((p.available, p.matched), (full.len(), full.len()));
+        // In whole 16-token blocks at 4 bytes a token: 124 bytes are 31 tokens, 1 block.
+        let blocks = |bytes: usize| bytes / 4 / 16 * 16;
+        assert_eq!(
+            (p.available, p.matched),
+            (blocks(full.len()), blocks(full.len()))
+        );
+        assert_eq!(p.unit, MatchUnit::Tokens);
         // Worker 0 unusable: available still counts what it holds; the pick goes to
         // worker 1 (holding the head) or 2 (nothing), each with its own match.
         let mut c = cands(&[0, 0, 0]);
         c[0].usable = false;
-        let p = pick_cache_aware(&params(), &full, &c, &t, None, None, &mut rng());
-        assert_eq!(p.available, full.len());
+        let p = decide(&params(), &full, &c, &t, &mut rng());
+        assert_eq!(p.available, blocks(full.len()));
         let own = if p.worker == Some(WorkerId(1)) {
-            head.len()
+            blocks(head.len())
         } else {
             0
         };
         assert_eq!(p.matched, own, "{p:?}");
         // Diverted by load: the least-loaded worker 2 holds nothing.
         let c = cands(&[9, 9, 0]);
-        let p = pick_cache_aware(&params(), &full, &c, &t, None, None, &mut rng());
+        let p = decide(&params(), &full, &c, &t, &mut rng());
         assert_eq!(
             (p.worker, p.reason),
             (Some(WorkerId(2)), Reason::HitOverloaded)
         );
-        assert_eq!((p.available, p.matched), (full.len(), 0));
+        assert_eq!((p.available, p.matched), (blocks(full.len()), 0));
     }
 
     #[test]
@@ -353,36 +407,77 @@ mod tests {
             (second.worker, second.reason),
             (Some(WorkerId(1)), Reason::CacheHit)
         );
-        assert_eq!(second.matched, PROMPT.len());
-        assert_eq!(second.matched_ratio(), 1.0);
+        // 66 bytes ≈ 16.5 tokens: one whole block of 16 reused, of 17 (rounded).
+        assert_eq!((second.matched, second.text_len), (16, 17));
     }
 
     #[test]
     fn thresholds_ratio_and_absolute() {
         let mut t = RadixTree::new();
-        let shared = [b'x'; 100];
+        // 140 bytes: 35 tokens at 4 bytes each, two whole blocks (128 bytes).
+        let shared = [b'x'; 140];
         t.insert(&shared, WorkerId(0));
         let c = cands(&[0, 0]);
         let mut p = params();
-        // 100 of 400 bytes = 0.25 < 0.3: a miss.
-        let text = [&shared[..], &[b'y'; 300][..]].concat();
+        // 140 of 560 bytes = 0.25 < 0.3: a miss.
+        let text = [&shared[..], &[b'y'; 420][..]].concat();
         let miss = serve(&p, &text, &c, &mut t.clone(), &mut rng());
         assert_eq!(miss.reason, Reason::Miss);
         // The absolute threshold makes it a hit.
-        p.match_abs_threshold = 100;
+        p.match_abs_threshold = 128;
         let hit = serve(&p, &text, &c, &mut t.clone(), &mut rng());
         assert_eq!(
-            (hit.worker, hit.reason),
-            (Some(WorkerId(0)), Reason::CacheHit)
+            (hit.worker, hit.reason, hit.matched),
+            (Some(WorkerId(0)), Reason::CacheHit, 32)
         );
+        // Thresholds count whole blocks: 140 bytes held, but the blocks cover 128.
+        p.match_abs_threshold = 129;
+        let miss = serve(&p, &text, &c, &mut t.clone(), &mut rng());
+        assert_eq!(miss.reason, Reason::Miss);
         // 0 disables the absolute threshold.
         p.match_abs_threshold = 0;
         let miss = serve(&p, &text, &c, &mut t.clone(), &mut rng());
         assert_eq!(miss.reason, Reason::Miss);
-        // Ratio reached.
+        // The ratio too: 128 / 560 = 0.229.
         p.threshold = 0.25;
+        let miss = serve(&p, &text, &c, &mut t.clone(), &mut rng());
+        assert_eq!(miss.reason, Reason::Miss);
+        p.threshold = 0.22;
         let hit = serve(&p, &text, &c, &mut t, &mut rng());
         assert_eq!(hit.reason, Reason::CacheHit);
+    }
+
+    #[test]
+    fn a_short_prompt_never_hits_and_blocks_follow_the_learned_rate() {
+        // A repeat of a prompt under one block: the engine reuses nothing of it.
+        let mut t = RadixTree::new();
+        let short = b"user: what is the capital of France?";
+        t.insert(short, WorkerId(0));
+        let r = serve(&params(), short, &cands(&[1, 0]), &mut t, &mut rng());
+        assert_eq!(
+            (r.worker, r.reason, r.matched),
+            (Some(WorkerId(1)), Reason::Miss, 0)
+        );
+        // 100 bytes held by worker 0 of a 300-byte prompt, threshold 0.3 (90 bytes): at
+        // 0.25 tokens per byte 25 tokens are 1 block = 64 bytes (a miss); a tokenizer at
+        // 0.33 makes it 33 tokens, 2 blocks = 96 bytes (a hit, 32 tokens predicted).
+        let mut t = RadixTree::new();
+        t.insert(&[b'x'; 100], WorkerId(0));
+        let text = [&[b'x'; 100][..], &[b'y'; 200][..]].concat();
+        let c = cands(&[0, 0]);
+        let mut p = params();
+        p.match_abs_threshold = 0;
+        assert_eq!(decide(&p, &text, &c, &t, &mut rng()).reason, Reason::Miss);
+        let memory = Memory {
+            tree: &t,
+            remote: None,
+            tokens_per_byte: &|_| 0.33,
+        };
+        let r = pick_cache_aware(&p, &text, &c, &memory, None, &mut rng());
+        assert_eq!(
+            (r.worker, r.reason, r.matched),
+            (Some(WorkerId(0)), Reason::CacheHit, 32)
+        );
     }
 
     #[test]

@@ -58,7 +58,7 @@ use rand::{Rng, RngCore};
 
 use super::cache_aware::CacheAware;
 use super::matches::Matches;
-use super::select::{MIN_HIT_BYTES, tie_rank, usable};
+use super::select::{BlockScale, tie_rank, usable};
 use super::{BoxFuture, Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::Config;
 use crate::pool::prefill::{MIN_SAMPLES, PrefillRate};
@@ -110,8 +110,8 @@ impl CostAware {
 #[derive(Debug, Clone, Copy)]
 struct Cost {
     seconds: f64,
-    /// Matched prefix, bytes of routing text (0 below one block).
-    matched_bytes: usize,
+    /// The worker's tokens per byte of routing text, as used.
+    tokens_per_byte: f64,
     /// Reused tokens (whole blocks).
     matched_tokens: u64,
     /// Tokens to prefill.
@@ -173,11 +173,7 @@ impl CostAware {
             queued: pending_requests > 0 || queue > 0.0,
             behind: pending_requests as f64,
             own_s: own * rate.secs_per_token,
-            matched_bytes: if matched_tokens > 0.0 {
-                matched_bytes
-            } else {
-                0
-            },
+            tokens_per_byte: rate.tokens_per_byte,
             matched_tokens: matched_tokens as u64,
             own_tokens: own.round() as u64,
         }
@@ -242,17 +238,15 @@ impl Policy for CostAware {
                 .filter(|c| c.cache_aware)
                 .map(|c| c.id)
                 .collect();
-            let floor = MIN_HIT_BYTES.min(text.len());
+            // Matches under one block cost as misses (`cost` counts whole blocks).
             let shared = self.tree.shared_tree();
-            shared.lock().prefix_per_worker(text, &eligible, |w, n| {
-                if n >= floor {
-                    matches.set(w, n)
-                }
-            });
+            shared
+                .lock()
+                .prefix_per_worker(text, &eligible, |w, n| matches.set(w, n));
             // Other router replicas' records: whichever holds more.
             if let Some(r) = shared.remote() {
                 r.prefix_per_worker(text, &eligible, &req.chain, &mut |w, n| {
-                    if n >= floor && n > matches.get(w) {
+                    if n > matches.get(w) {
                         matches.set(w, n)
                     }
                 });
@@ -328,13 +322,19 @@ impl Policy for CostAware {
         } else {
             Reason::Miss
         };
+        // In tokens at the chosen worker's rate, whole blocks (as its cost counted them).
+        let scale = BlockScale {
+            tokens_per_byte: cost.tokens_per_byte,
+            block_tokens: self.block_tokens,
+        };
+        let matched = cost.matched_tokens as usize;
         Pick {
             worker: Some(c.id),
             reason,
-            matched: cost.matched_bytes,
-            available: matches.longest().max(cost.matched_bytes),
-            text_len: text.len(),
-            unit: MatchUnit::Bytes,
+            matched,
+            available: scale.tokens(matches.longest()).max(matched),
+            text_len: scale.text_tokens(text.len()),
+            unit: MatchUnit::Tokens,
             dp_rank: None,
             cache_aware: c.cache_aware,
             prefill_tokens: cost.own_tokens,
@@ -443,7 +443,11 @@ mod tests {
         let pick2 = policy.pick(&req2, &set, &c, &mut rng);
         assert_eq!(pick2.worker, pick.worker);
         assert_eq!(pick2.reason, Reason::CacheHit);
-        assert_eq!(pick2.matched, ctx.total_len);
+        // In tokens, whole blocks (0.25 tokens per byte before any answer).
+        assert_eq!(
+            pick2.matched,
+            (ctx.total_len as f64 * 0.25) as usize / 16 * 16
+        );
         // The prefill it reserves is the new part only (at 0.25 tokens per byte).
         let new_tokens = ((ctx2.total_len - ctx.total_len) as f64 * 0.25) as u64;
         assert!(

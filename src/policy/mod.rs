@@ -49,8 +49,8 @@ use std::sync::Arc;
 
 use rand::RngCore;
 
-pub use cache_aware::{CacheAware, pick_cache_aware};
-pub use select::{CacheParams, MIN_HIT_BYTES};
+pub use cache_aware::{CacheAware, Memory, learned_tokens_per_byte, pick_cache_aware};
+pub use select::{BlockScale, CacheParams};
 
 use crate::config::{Config, PolicyKind};
 use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
@@ -117,9 +117,10 @@ pub struct Pick {
     /// The chosen worker; `None` only with [`Reason::NoWorker`].
     pub worker: Option<WorkerId>,
     pub reason: Reason,
-    /// *Predicted*: the prefix the chosen worker holds, by the policy's memory — bytes of
-    /// routing text in the tree (0 for load-only policies), or prompt tokens in whole KV
-    /// blocks in precise mode (see `unit`).
+    /// *Predicted*: the prefix the chosen worker holds, by the policy's memory — prompt
+    /// tokens in whole KV blocks: exact in precise mode, estimated from the tree's bytes
+    /// of routing text at the worker's learned tokens per byte otherwise
+    /// ([`BlockScale`]); 0 for load-only policies (see `unit`).
     pub matched: usize,
     /// *Available*: the longest prefix any cache-aware worker of the pool holds, usable
     /// now or not, in the same unit (≥ `matched`); what perfect routing could reuse.
@@ -141,16 +142,16 @@ pub struct Pick {
     pub prefill_tokens: u64,
 }
 
-/// Bytes of routing text per token when the tree's bytes are reported as tokens (about
-/// 4 for English text with the common BPE tokenizers).
+/// Bytes of routing text per token for a [`MatchUnit::Bytes`] pick (only load-only ones,
+/// matching nothing, count in bytes; about 4 for English with the common BPE tokenizers).
 pub const BYTES_PER_TOKEN: u64 = 4;
 
 /// The unit of [`Pick::matched`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MatchUnit {
-    /// Bytes of routing text (the approximate tree).
+    /// Bytes of routing text (a load-only decision).
     Bytes,
-    /// Prompt tokens in whole KV blocks (precise mode).
+    /// Prompt tokens in whole KV blocks (the tree's estimated, precise mode's exact).
     Tokens,
 }
 
@@ -164,8 +165,8 @@ impl Pick {
         }
     }
 
-    /// Prefix tokens the chosen worker is expected to reuse (*predicted*): exact in
-    /// precise mode, matched bytes / [`BYTES_PER_TOKEN`] for the tree.
+    /// Prefix tokens the chosen worker is expected to reuse (*predicted*, see
+    /// [`Pick::matched`]).
     pub fn saved_tokens(&self) -> u64 {
         self.tokens(self.matched)
     }
@@ -360,6 +361,7 @@ pub(crate) mod fixtures {
             match_abs_threshold: 8192,
             balance_abs_threshold: 2,
             balance_rel_threshold: 1.5,
+            block_tokens: 16,
         }
     }
 

@@ -6,12 +6,6 @@ use rand::{Rng, RngCore};
 use super::Candidate;
 use crate::config::CacheConfig;
 
-/// Shortest match that counts as a hit, in bytes (unless it is the whole prompt): about
-/// one KV block (vLLM's default block is 16 tokens, ~4 bytes of English each). An engine
-/// reuses only whole blocks, so a shorter partial match saves nothing; without this floor
-/// every short prompt would "hit" on its role header (`user: `) alone.
-pub const MIN_HIT_BYTES: usize = 64;
-
 /// The thresholds of the cache/load trade-off (from `cache:`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CacheParams {
@@ -19,6 +13,8 @@ pub struct CacheParams {
     pub match_abs_threshold: usize,
     pub balance_abs_threshold: usize,
     pub balance_rel_threshold: f64,
+    /// Tokens per KV block of the engines (`cache.engine_block_tokens`).
+    pub block_tokens: usize,
 }
 
 impl From<&CacheConfig> for CacheParams {
@@ -28,7 +24,45 @@ impl From<&CacheConfig> for CacheParams {
             match_abs_threshold: c.match_abs_threshold,
             balance_abs_threshold: c.balance_abs_threshold,
             balance_rel_threshold: c.balance_rel_threshold,
+            block_tokens: c.engine_block_tokens.max(1),
         }
+    }
+}
+
+/// How a match in bytes of routing text becomes what the engine will serve from its KV
+/// cache: tokens at the worker's learned tokens per byte (`pool::prefill`, 0.25 until
+/// its answers teach it), rounded down to whole blocks of `block_tokens`. vLLM's and
+/// SGLang's prefix caches reuse whole blocks only (a block's hash covers all its
+/// tokens), so a match shorter than one block saves nothing: it is a miss.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct BlockScale {
+    pub tokens_per_byte: f64,
+    pub block_tokens: usize,
+}
+
+impl BlockScale {
+    /// Tokens of `bytes` of routing text in whole blocks (0 under one block).
+    pub fn tokens(&self, bytes: usize) -> usize {
+        let b = self.block_tokens.max(1);
+        let t = (bytes as f64 * self.tokens_per_byte.max(0.0)) as usize;
+        t / b * b
+    }
+
+    /// Bytes of routing text that those whole blocks cover (≤ `bytes`).
+    pub fn aligned_bytes(&self, bytes: usize) -> usize {
+        let t = self.tokens(bytes);
+        if t == 0 || self.tokens_per_byte <= 0.0 {
+            return 0;
+        }
+        ((t as f64 / self.tokens_per_byte) as usize).min(bytes)
+    }
+
+    /// Tokens of a `bytes`-long text, unrounded (at least 1 when not empty).
+    pub fn text_tokens(&self, bytes: usize) -> usize {
+        if bytes == 0 {
+            return 0;
+        }
+        ((bytes as f64 * self.tokens_per_byte).round() as usize).max(1)
     }
 }
 
@@ -95,6 +129,28 @@ pub fn usable(candidates: &[Candidate]) -> impl Iterator<Item = &Candidate> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn matches_round_down_to_whole_engine_blocks() {
+        let s = super::BlockScale {
+            tokens_per_byte: 0.25,
+            block_tokens: 16,
+        };
+        // 63 bytes = 15.75 tokens: under one block, a miss.
+        assert_eq!((s.tokens(63), s.aligned_bytes(63)), (0, 0));
+        assert_eq!((s.tokens(64), s.aligned_bytes(64)), (16, 64));
+        assert_eq!((s.tokens(200), s.aligned_bytes(200)), (48, 192));
+        assert_eq!(
+            (s.text_tokens(0), s.text_tokens(1), s.text_tokens(200)),
+            (0, 1, 50)
+        );
+        // A tokenizer at 3 bytes per token: blocks of 48 bytes.
+        let s = super::BlockScale {
+            tokens_per_byte: 1.0 / 3.0,
+            block_tokens: 16,
+        };
+        assert_eq!((s.tokens(100), s.aligned_bytes(100)), (32, 96));
+    }
+
     use super::*;
     use crate::policy::fixtures::cands;
     use rand::SeedableRng;

@@ -600,7 +600,7 @@ pub struct Decision {
     pub reason: Reason,
     pub matched_ratio: f64,
     /// The longest prefix any worker held, in tokens (estimated from bytes in
-    /// approximate mode: [`crate::policy::BYTES_PER_TOKEN`]; exact in precise mode).
+    /// approximate mode: whole engine blocks at the worker's learned tokens per byte; exact in precise mode).
     pub available_tokens: u64,
     /// The prefix the chosen worker was believed to hold, in the same tokens.
     pub predicted_tokens: u64,

@@ -200,7 +200,7 @@ impl Policy for PreciseCacheAware {
             }
             Err(why) => {
                 self.precise.count_fallback(why);
-                self.fallback.decide(req, candidates, rng)
+                self.fallback.decide(req, set, candidates, rng)
             }
         };
         // The ranks share the staleness clock: starting it on one starts it for all.
