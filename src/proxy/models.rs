@@ -35,6 +35,7 @@ pub(super) async fn get(
     let now = Instant::now();
     let route = Route {
         cache: None,
+        endpoint: None,
         label: "models",
         req: RouteRequest::default(),
         arrived: now,
