@@ -290,7 +290,53 @@ struct Workers {
     /// Routing state shared with other router replicas (`state:`), when on.
     #[serde(skip_serializing_if = "Option::is_none")]
     fleet: Option<FleetView>,
+    /// The workers' `hits` summed: how much of the reuse the pool held the policy
+    /// routed to, and how much of that the engines delivered.
+    hits: HitsSummary,
     workers: Vec<WorkerView>,
+}
+
+/// The pool's available / predicted / delivered prefix tokens (see [`HitsView`]) and
+/// what they say: `routed_share` = predicted ÷ available (under 1: reuse lost to load
+/// or thresholds), `delivered_share` = delivered ÷ predicted (under 1: the router's
+/// memory is stale, see `pool::hits`); `null` while the divisor is 0.
+#[derive(Serialize)]
+struct HitsSummary {
+    answers: u64,
+    available_tokens: u64,
+    predicted_tokens: u64,
+    delivered_tokens: u64,
+    routed_share: Option<f64>,
+    delivered_share: Option<f64>,
+    trims: u64,
+    trimmed_bytes: u64,
+}
+
+impl HitsSummary {
+    fn of<'a>(views: impl Iterator<Item = &'a HitsView>) -> Self {
+        let mut s = HitsSummary {
+            answers: 0,
+            available_tokens: 0,
+            predicted_tokens: 0,
+            delivered_tokens: 0,
+            routed_share: None,
+            delivered_share: None,
+            trims: 0,
+            trimmed_bytes: 0,
+        };
+        for h in views {
+            s.answers += h.answers;
+            s.available_tokens += h.available_tokens;
+            s.predicted_tokens += h.predicted_tokens;
+            s.delivered_tokens += h.delivered_tokens;
+            s.trims += h.trims;
+            s.trimmed_bytes += h.trimmed_bytes;
+        }
+        let share = |a: u64, b: u64| (b > 0).then(|| a as f64 / b as f64);
+        s.routed_share = share(s.predicted_tokens, s.available_tokens);
+        s.delivered_share = share(s.delivered_tokens, s.predicted_tokens);
+        s
+    }
 }
 
 #[derive(Serialize)]
@@ -391,7 +437,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
         None => (0, 0, vec![Vec::new(); set.workers().len()]),
     };
     let em = &router.config().engine_metrics;
-    let workers = set
+    let workers: Vec<WorkerView> = set
         .workers()
         .iter()
         .zip(shares)
@@ -424,6 +470,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
         })
         .collect();
     let body = Workers {
+        hits: HitsSummary::of(workers.iter().map(|w| &w.hits)),
         policy: policy.name(),
         tree_nodes: nodes,
         tree_bytes: bytes,

@@ -126,6 +126,29 @@ async fn three_numbers_per_answer_and_the_drift_of_an_engine_that_evicted() {
     assert_eq!(h["delivered_tokens"].as_f64().unwrap(), delivered_z, "{h}");
     assert!(h["answers"].as_u64().unwrap() >= served[z] as u64);
     assert!(h["trims"].as_u64().unwrap() >= served[z] as u64, "{h}");
+    // The pool's summary: the workers' numbers summed, and the shares they make.
+    let sum = &workers["hits"];
+    let total = |k: &str| -> f64 {
+        labels
+            .iter()
+            .map(|l| hits(&workers, l)[k].as_f64().unwrap())
+            .sum()
+    };
+    for k in [
+        "answers",
+        "available_tokens",
+        "predicted_tokens",
+        "delivered_tokens",
+        "trims",
+    ] {
+        assert_eq!(sum[k].as_f64().unwrap(), total(k), "{k}: {sum}");
+    }
+    let routed = sum["routed_share"].as_f64().unwrap();
+    assert_eq!(
+        routed,
+        total("predicted_tokens") / total("available_tokens")
+    );
+    assert!(sum["delivered_share"].as_f64().unwrap() < 0.5, "{sum}");
 }
 
 /// vLLM started without `--enable-prompt-tokens-details` names no cached tokens: its
@@ -233,5 +256,86 @@ async fn a_far_short_delivery_trims_the_workers_records() {
     assert_eq!(
         m.get(DECISIONS, &[("reason", "cache_hit")]).unwrap_or(0.0),
         hits_before
+    );
+}
+
+/// The drift warning, as an operator sees it: the built binary, engines that keep
+/// reporting nothing cached where the router predicts hits, and `cache.drift_secs`
+/// short enough for a test. The warning names the worker; the metric flags it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drift_warning_fires_when_an_engine_keeps_delivering_nothing() {
+    let hold = Gate::new();
+    let a = FakeWorker::start_with(usage_engine(hold.clone())).await;
+    let b = FakeWorker::start_with(usage_engine(hold)).await;
+    let config = TempFile::new(
+        "drift.yaml",
+        &yaml_for(
+            &[&a, &b],
+            "server: {host: 127.0.0.1, port: 0}\nlog: {format: json, level: \"warn,cache_aware_router=info\"}\nproxy: {max_retries: 0}\ncache:\n  balance_abs_threshold: 0\n  balance_rel_threshold: 1.0\n  drift_secs: 0.3\n",
+        ),
+    );
+    let router = binary::serve(&[&config.path]);
+    let ws = [&a, &b];
+    let p = prompt();
+    let mut round = 0;
+    let mut served = |n: usize| {
+        let qs: Vec<String> = (round..round + n)
+            .map(|i| format!("conversation {i}: {p}"))
+            .collect();
+        round += n;
+        qs
+    };
+    // New prompts, each served and then repeated: every repeat was predicted as a hit
+    // and delivered nothing.
+    for q in served(24) {
+        for _ in 0..2 {
+            let (r, _) = send_tagged(
+                router.addr,
+                &ws,
+                chat_with_usage(chat_body(&q, false), (1100, 0)),
+            )
+            .await;
+            assert_eq!(r.status, 200);
+        }
+    }
+    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
+    for q in served(4) {
+        for _ in 0..2 {
+            send_tagged(
+                router.addr,
+                &ws,
+                chat_with_usage(chat_body(&q, false), (1100, 0)),
+            )
+            .await;
+        }
+    }
+    let warned: Vec<serde_json::Value> = router
+        .lines()
+        .iter()
+        .filter_map(|(_, l)| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| {
+            v["fields"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("fewer cached prefix tokens than the router predicts"))
+        })
+        .collect();
+    assert!(
+        !warned.is_empty(),
+        "no drift warning; output: {}",
+        router.output()
+    );
+    let named = warned[0]["fields"]["worker"].as_str().unwrap().to_owned();
+    assert!(
+        [a.url(), b.url()]
+            .iter()
+            .any(|u| u.trim_end_matches('/') == named),
+        "{named}"
+    );
+    let m = scrape(router.addr).await;
+    assert_eq!(
+        m.get(DRIFT_LOW, &[("worker", &named)]),
+        Some(1.0),
+        "{}",
+        m.text
     );
 }

@@ -558,12 +558,15 @@ pub struct CacheConfig {
     /// UTC hour (0–23) at which the whole tree is dropped; `None` = off (`-1`, default).
     pub daily_cleanup_hour_utc: Option<u8>,
     /// Tokens per KV block of the engines (default 16, vLLM's): an engine reuses only
-    /// whole blocks, so `cost_aware` counts a matched prefix in whole blocks.
+    /// whole blocks, so a matched prefix counts in whole blocks (`policy::BlockScale`).
     pub engine_block_tokens: usize,
     /// Below this drift (delivered ÷ predicted prefix tokens of a worker's last answers
-    /// that predicted a hit, see `pool::hits`) for a minute, the router warns that its
-    /// memory of that worker is stale (default 0.5; 0 = never).
+    /// that predicted a hit, see `pool::hits`) for [`CacheConfig::drift_for`], the
+    /// router warns that its memory of that worker is stale (default 0.5; 0 = never).
     pub drift_floor: f64,
+    /// How long the drift must stay under the floor before the warning, and the least
+    /// time between two warnings (`cache.drift_secs`, default 60 s).
+    pub drift_for: Duration,
 }
 
 /// `health:` — active health checks (see `health.rs`).
@@ -851,6 +854,7 @@ struct RawCache {
     daily_cleanup_hour_utc: Option<i64>,
     engine_block_tokens: Option<u64>,
     drift_floor: Option<f64>,
+    drift_secs: Option<Secs>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -1592,6 +1596,7 @@ impl Config {
             daily_cleanup_hour_utc,
             engine_block_tokens,
             drift_floor,
+            drift_for: ck.secs("cache.drift_secs", c.drift_secs, 60.0, None)?,
         };
 
         let h = raw.health;

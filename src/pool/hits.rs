@@ -4,10 +4,11 @@
 //! `cached_tokens`), all in tokens; and the *drift*, delivered ÷ predicted over the last
 //! [`DRIFT_WINDOW`] answers that predicted a hit.
 //!
-//! A drift that stays under the floor (`cache.drift_floor`) for [`DRIFT_FOR`] means the
+//! A drift that stays under the floor (`cache.drift_floor`) for `cache.drift_secs`
+//! ([`DRIFT_FOR`] by default) means the
 //! router's memory of this worker is wrong: the engine evicted what the tree still
 //! believes (a KV cache smaller than assumed), a block-size mismatch, or tokenizer drift
-//! in precise mode. [`HitStats::record`] says when to warn (once per [`DRIFT_FOR`]).
+//! in precise mode. [`HitStats::record`] says when to warn (once per that time).
 //!
 //! Engines name their cached tokens only when asked to and only when non-zero (see
 //! `proxy::usage::Usage::cached_tokens`): an answer without the count is *delivered 0*
@@ -25,7 +26,7 @@ use tokio::time::Instant;
 /// Answers with a predicted hit that the drift is computed over.
 pub const DRIFT_WINDOW: usize = 100;
 /// How long the drift must stay under the floor before a warning, and the least time
-/// between two warnings.
+/// between two warnings, by default (`cache.drift_secs`).
 pub const DRIFT_FOR: Duration = Duration::from_secs(60);
 /// Answers with a predicted hit needed before the drift counts (fewer say nothing).
 const DRIFT_MIN_ANSWERS: usize = 10;
@@ -62,9 +63,9 @@ struct Drift {
 pub struct DriftNow {
     /// delivered ÷ predicted over the window; `None` until it holds enough answers.
     pub ratio: Option<f64>,
-    /// Under the floor for [`DRIFT_FOR`] or longer.
+    /// Under the floor for the time asked or longer.
     pub low: bool,
-    /// Warn now (low, and not warned within [`DRIFT_FOR`]).
+    /// Warn now (low, and not warned within that time).
     pub warn: bool,
 }
 
@@ -84,8 +85,13 @@ impl HitStats {
 
     /// Counts one answer's three numbers, `[available, predicted, delivered]` in tokens
     /// (`delivered` capped at `predicted` in the drift: an engine may hold more than the
-    /// router knew), against `floor`.
-    pub fn record(&self, [available, predicted, delivered]: [u64; 3], floor: f64) -> DriftNow {
+    /// router knew), against `floor` held for `low_for`.
+    pub fn record(
+        &self,
+        [available, predicted, delivered]: [u64; 3],
+        floor: f64,
+        low_for: Duration,
+    ) -> DriftNow {
         self.answers.fetch_add(1, Ordering::Relaxed);
         self.available.fetch_add(available, Ordering::Relaxed);
         self.predicted.fetch_add(predicted, Ordering::Relaxed);
@@ -111,8 +117,8 @@ impl HitStats {
             }
             _ => d.low_since = None,
         }
-        let low = d.low_since.is_some_and(|t| now - t >= DRIFT_FOR);
-        let warn = low && d.warned.is_none_or(|t| now - t >= DRIFT_FOR);
+        let low = d.low_since.is_some_and(|t| now - t >= low_for);
+        let warn = low && d.warned.is_none_or(|t| now - t >= low_for);
         if warn {
             d.warned = Some(now);
         }
@@ -155,7 +161,7 @@ mod tests {
         let h = HitStats::default();
         // Delivered as predicted: drift 1, never low.
         for _ in 0..DRIFT_MIN_ANSWERS {
-            let now = h.record([500, 400, 400], 0.5);
+            let now = h.record([500, 400, 400], 0.5, DRIFT_FOR);
             assert!(!now.low && !now.warn);
         }
         assert_eq!(h.drift(), Some(1.0));
@@ -163,7 +169,7 @@ mod tests {
         let mut warned = 0;
         for _ in 0..DRIFT_WINDOW {
             tokio::time::advance(Duration::from_secs(2)).await;
-            let now = h.record([500, 400, 0], 0.5);
+            let now = h.record([500, 400, 0], 0.5, DRIFT_FOR);
             warned += usize::from(now.warn);
         }
         assert_eq!(h.drift(), Some(0.0));
@@ -172,14 +178,14 @@ mod tests {
         assert!((2..=4).contains(&warned), "warned {warned} times");
         // Recovery clears it.
         for _ in 0..DRIFT_WINDOW {
-            h.record([500, 400, 400], 0.5);
+            h.record([500, 400, 400], 0.5, DRIFT_FOR);
         }
-        let now = h.record([500, 400, 400], 0.5);
+        let now = h.record([500, 400, 400], 0.5, DRIFT_FOR);
         assert_eq!((now.ratio, now.low, now.warn), (Some(1.0), false, false));
         // Misses (nothing predicted) count in the totals, not in the drift; more
         // delivered than predicted counts as predicted there.
-        h.record([100, 0, 50], 0.5);
-        h.record([600, 600, 900], 0.5);
+        h.record([100, 0, 50], 0.5, DRIFT_FOR);
+        h.record([600, 600, 900], 0.5, DRIFT_FOR);
         assert_eq!(h.drift(), Some(1.0));
         assert_eq!(
             h.answers.load(Ordering::Relaxed),

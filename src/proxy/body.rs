@@ -29,8 +29,9 @@ pub struct BodyTap {
     /// Copies the body for the response cache (a miss whose answer may be stored).
     pub record: Option<crate::cache::Recorder>,
     pub log: AccessLog,
-    /// `cache.drift_floor` (see `pool::hits`).
+    /// `cache.drift_floor` and `cache.drift_secs` (see `pool::hits`).
     pub drift_floor: f64,
+    pub drift_for: Duration,
     /// `cache.engine_block_tokens`.
     pub block_tokens: u64,
     /// The request a predicted hit was routed on (see [`RoutedBody`]).
@@ -157,7 +158,7 @@ impl BodyTap {
     fn hit_numbers(&mut self, w: &crate::pool::Worker, delivered: u64) {
         let d = &self.log.decision;
         let numbers = [d.available_tokens, d.predicted_tokens, delivered];
-        let drift = w.hits().record(numbers, self.drift_floor);
+        let drift = w.hits().record(numbers, self.drift_floor, self.drift_for);
         self.metrics
             .prefix_tokens(&self.log.worker, self.policy.name(), numbers, drift);
         if drift.warn {

@@ -520,6 +520,7 @@ impl Router {
             record,
             log,
             drift_floor: self.config.cache.drift_floor,
+            drift_for: self.config.cache.drift_for,
             block_tokens: self.config.cache.engine_block_tokens as u64,
             routed,
         };
