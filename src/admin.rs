@@ -69,23 +69,17 @@ struct WorkerView {
 /// What a worker's answers said of the router's prefix memory (see `pool::hits`).
 #[derive(Serialize)]
 struct HitsView {
-    /// Answers that reported cached tokens (or came from an engine that has).
+    /// Answers that reported usage.
     answers: u64,
     /// Prefix tokens of those answers: the longest any worker held (available), what
     /// the router believed this worker held (predicted), the engine's `cached_tokens`
-    /// (delivered). Whole KV blocks, estimated from bytes at the worker's learned
-    /// tokens per byte in approximate mode.
+    /// (delivered). Whole KV blocks, estimated from bytes at the worker's learned tokens per byte in approximate mode.
     available_tokens: u64,
     predicted_tokens: u64,
     delivered_tokens: u64,
     /// delivered / predicted over the last 100 answers that predicted a hit; `null`
     /// until 10 such answers.
     drift: Option<f64>,
-    /// Answers that delivered so far short of the prediction that this worker's tree
-    /// records of the prompt were trimmed to what its engine served, and the bytes of
-    /// routing text they lost.
-    trims: u64,
-    trimmed_bytes: u64,
 }
 
 /// A worker's engine signals in `/workers`; values `null` before the first good scrape.
@@ -194,8 +188,6 @@ fn hits_view(h: &crate::pool::hits::HitStats) -> HitsView {
         predicted_tokens: h.predicted.load(Relaxed),
         delivered_tokens: h.delivered.load(Relaxed),
         drift: h.drift(),
-        trims: h.trims.load(Relaxed),
-        trimmed_bytes: h.trimmed_bytes.load(Relaxed),
     }
 }
 
@@ -308,8 +300,6 @@ struct HitsSummary {
     delivered_tokens: u64,
     routed_share: Option<f64>,
     delivered_share: Option<f64>,
-    trims: u64,
-    trimmed_bytes: u64,
 }
 
 impl HitsSummary {
@@ -321,16 +311,12 @@ impl HitsSummary {
             delivered_tokens: 0,
             routed_share: None,
             delivered_share: None,
-            trims: 0,
-            trimmed_bytes: 0,
         };
         for h in views {
             s.answers += h.answers;
             s.available_tokens += h.available_tokens;
             s.predicted_tokens += h.predicted_tokens;
             s.delivered_tokens += h.delivered_tokens;
-            s.trims += h.trims;
-            s.trimmed_bytes += h.trimmed_bytes;
         }
         let share = |a: u64, b: u64| (b > 0).then(|| a as f64 / b as f64);
         s.routed_share = share(s.predicted_tokens, s.available_tokens);

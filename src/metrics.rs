@@ -237,8 +237,6 @@ pub struct Metrics {
     prefix_tokens: Family<PrefixLabels, Counter>,
     drift: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
     drift_low: Family<WorkerLabels, Gauge>,
-    trims: Family<WorkerLabels, Counter>,
-    trimmed_bytes: Family<WorkerLabels, Counter>,
     decision_time: Histogram,
     ttfb: Family<WorkerLabels, Histogram, fn() -> Histogram>,
     duration: Family<WorkerLabels, Histogram, fn() -> Histogram>,
@@ -286,8 +284,6 @@ impl Metrics {
             prefix_tokens: Family::default(),
             drift: Family::default(),
             drift_low: Family::default(),
-            trims: Family::default(),
-            trimmed_bytes: Family::default(),
             decision_time: decision_histogram(),
             ttfb: Family::new_with_constructor(latency_histogram),
             duration: Family::new_with_constructor(latency_histogram),
@@ -347,16 +343,6 @@ impl Metrics {
             "worker_hit_drift",
             "Delivered / predicted prefix tokens over a worker's last 100 answers that predicted a hit (absent until 10)",
             m.drift.clone(),
-        );
-        r.register(
-            "tree_trims",
-            "Answers that delivered so far short of the predicted prefix tokens that the worker's tree records of the prompt were trimmed to what its engine served",
-            m.trims.clone(),
-        );
-        r.register(
-            "tree_trimmed_bytes",
-            "Bytes of routing text the worker's tree records lost to those trims",
-            m.trimmed_bytes.clone(),
         );
         r.register(
             "worker_hit_drift_low",
@@ -951,20 +937,6 @@ impl Metrics {
             }
         }
         self.encode_signals(set, now);
-        self.trims.clear();
-        self.trimmed_bytes.clear();
-        for w in set.workers() {
-            let labels = WorkerLabels {
-                worker: Arc::clone(w.label()),
-            };
-            let h = w.hits();
-            self.trims
-                .get_or_create(&labels)
-                .inc_by(h.trims.load(std::sync::atomic::Ordering::Relaxed));
-            self.trimmed_bytes
-                .get_or_create(&labels)
-                .inc_by(h.trimmed_bytes.load(std::sync::atomic::Ordering::Relaxed));
-        }
         if let Some(shared) = tree {
             {
                 let tree = shared.lock();

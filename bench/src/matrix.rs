@@ -398,7 +398,7 @@ pub async fn start_any_router(
 /// Our router's `routing_decisions_total` by reason, from `GET /metrics`
 /// (`cache_hit 1200, hit_overloaded 40, miss 760`), then its `GET /workers` prefix
 /// token summary when it has one (`available 9.1M, predicted 7.9M (0.87), delivered
-/// 5.2M (0.66), 310 trims`); `None` if unreadable.
+/// 5.2M (0.66)`); `None` if unreadable.
 pub async fn routing_decisions(router_url: &str) -> Option<String> {
     let decisions = decision_counts(router_url).await?;
     let Some(hits) = get_body(&format!("{router_url}/workers"))
@@ -412,13 +412,12 @@ pub async fn routing_decisions(router_url: &str) -> Option<String> {
     let m = |x: f64| format!("{:.2}M", x / 1e6);
     let share = |k: &str| hits[k].as_f64().map_or("-".into(), |x| format!("{x:.2}"));
     Some(format!(
-        "{decisions}; prefix tokens available {}, predicted {} ({}), delivered {} ({}), {} trims",
+        "{decisions}; prefix tokens available {}, predicted {} ({}), delivered {} ({})",
         m(n("available_tokens")),
         m(n("predicted_tokens")),
         share("routed_share"),
         m(n("delivered_tokens")),
         share("delivered_share"),
-        n("trims"),
     ))
 }
 

@@ -748,25 +748,6 @@ impl RemotePrefixes for Fleet {
         self.queue(out);
     }
 
-    /// The chunks of `text` past `keep` lose `worker` (whole chunks that end by `keep`
-    /// stay); hashes the text, off the request path (an answer's end).
-    fn trim(&self, text: &[u8], worker: WorkerId, keep: usize) {
-        let skip = keep / CHUNK_BYTES;
-        if text.len() / CHUNK_BYTES <= skip {
-            return;
-        }
-        let hashes: Vec<u64> = chain(text).collect();
-        let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
-        for h in &hashes[skip..] {
-            if let Some(m) = index.peek_mut(h)
-                && m.remove(worker)
-                && m.is_empty()
-            {
-                index.pop(h);
-            }
-        }
-    }
-
     fn forget(&self, worker: WorkerId) {
         let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
         let mut empty = Vec::new();

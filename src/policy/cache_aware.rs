@@ -28,7 +28,7 @@ use std::sync::Arc;
 use rand::RngCore;
 
 use super::select::{BlockScale, CacheParams, is_overloaded, least_loaded, usable};
-use super::{Answer, Candidate, Learned, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
+use super::{Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
 use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
@@ -78,28 +78,6 @@ impl CacheAware {
         pick_cache_aware(&self.params, req.text(), candidates, &memory, req.tie, rng)
     }
 
-    /// Learns from an answer that delivered far less than predicted: the worker's
-    /// records of the routing text are trimmed to what its engine served (delivered
-    /// tokens at its learned tokens per byte), so later requests are not pinned to a
-    /// cache that is gone.
-    pub fn learn(&self, worker: &Worker, answer: &Answer<'_>) -> Learned {
-        let Some(s) = answer.shortfall else {
-            return Learned::default();
-        };
-        let tokens_per_byte = worker.prefill().rate().tokens_per_byte;
-        if tokens_per_byte <= 0.0 {
-            return Learned::default();
-        }
-        let keep = (s.delivered_tokens as f64 / tokens_per_byte) as usize;
-        let trimmed_bytes = self.tree.lock().trim(s.text, worker.id(), keep);
-        // What other replicas published of it goes too, here (they learn on their own
-        // answers from it).
-        if let Some(r) = self.tree.remote() {
-            r.trim(s.text, worker.id(), keep);
-        }
-        Learned { trimmed_bytes }
-    }
-
     /// Records the served request's prompt for the worker that served it.
     pub fn record_served(&self, req: &RouteRequest<'_>, pick: &Pick) {
         if let Some(id) = pick.worker
@@ -143,10 +121,6 @@ impl Policy for CacheAware {
         if outcome == Outcome::Served {
             self.record_served(req, pick);
         }
-    }
-
-    fn answered(&self, worker: &Worker, answer: &Answer<'_>) -> Learned {
-        self.learn(worker, answer)
     }
 
     fn tree(&self) -> Option<&Arc<SharedTree>> {

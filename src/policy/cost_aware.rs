@@ -357,10 +357,6 @@ impl Policy for CostAware {
         }
     }
 
-    fn answered(&self, worker: &Worker, answer: &super::Answer<'_>) -> super::Learned {
-        self.tree.learn(worker, answer)
-    }
-
     fn tree(&self) -> Option<&Arc<SharedTree>> {
         Some(self.tree.shared_tree())
     }

@@ -219,36 +219,6 @@ pub enum Outcome {
 pub struct Answer<'a> {
     /// A `/v1/responses` answer's id (a later `previous_response_id`).
     pub response_id: Option<&'a str>,
-    /// The engine served far fewer prefix tokens from its KV cache than the pick
-    /// predicted (see [`Shortfall::of`]).
-    pub shortfall: Option<Shortfall<'a>>,
-}
-
-/// A prediction the engine did not bear out: the pick predicted `predicted_tokens` of
-/// `text` (the request's routing text) cached on the worker; its answer reported
-/// `delivered_tokens` (`cached_tokens`).
-#[derive(Debug, Clone, Copy)]
-pub struct Shortfall<'a> {
-    pub text: &'a [u8],
-    pub predicted_tokens: u64,
-    pub delivered_tokens: u64,
-}
-
-impl Shortfall<'_> {
-    /// Whether `delivered` tokens fall short of `predicted` by enough to act on: under
-    /// 3/4 of it and by more than two `block_tokens` blocks. The margin absorbs the
-    /// error of a tokens-per-byte estimate and the chat template's tokens; a real
-    /// eviction loses whole runs of blocks.
-    pub fn of(predicted: u64, delivered: u64, block_tokens: u64) -> bool {
-        delivered * 4 < predicted * 3 && predicted - delivered > 2 * block_tokens
-    }
-}
-
-/// What a policy learned from an [`Answer`].
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct Learned {
-    /// Bytes of routing text the worker's records lost to a [`Shortfall`].
-    pub trimmed_bytes: u64,
 }
 
 /// What a request brings to a policy, worked out once before its first attempt.
@@ -316,11 +286,8 @@ pub trait Policy: PoolListener {
     /// the only place routing memory is written.
     fn observe(&self, _req: &RouteRequest<'_>, _pick: &Pick, _worker: &Worker, _outcome: Outcome) {}
 
-    /// What a complete answer from `worker` told (read from its bytes as they passed),
-    /// and what the policy learned from it.
-    fn answered(&self, _worker: &Worker, _answer: &Answer<'_>) -> Learned {
-        Learned::default()
-    }
+    /// What a complete answer from `worker` told (read from its bytes as they passed).
+    fn answered(&self, _worker: &Worker, _answer: &Answer<'_>) {}
 
     /// The approximate prefix tree, when the policy keeps one (`/workers`, `/metrics`,
     /// `POST /cache/clear`).

@@ -333,12 +333,12 @@ impl Policy for Affinity {
         self.inner.observe(req, pick, worker, outcome);
     }
 
-    fn answered(&self, worker: &Worker, answer: &super::Answer<'_>) -> super::Learned {
+    fn answered(&self, worker: &Worker, answer: &super::Answer<'_>) {
         if let Some(id) = answer.response_id {
             let key = xxhash_rust::xxh3::xxh3_64(id.as_bytes());
             self.bind(BindingKind::Conversation, key, worker);
         }
-        self.inner.answered(worker, answer)
+        self.inner.answered(worker, answer);
     }
 
     fn tree(&self) -> Option<&std::sync::Arc<SharedTree>> {

@@ -40,10 +40,6 @@ pub struct HitStats {
     pub delivered: AtomicU64,
     /// The worker's engine has named its cached tokens in an answer.
     reports_cached: AtomicBool,
-    /// Answers that delivered so far short of the prediction that the worker's records
-    /// were trimmed, and the bytes of routing text they lost (`RadixTree::trim`).
-    pub trims: AtomicU64,
-    pub trimmed_bytes: AtomicU64,
     drift: Mutex<Drift>,
 }
 
@@ -123,12 +119,6 @@ impl HitStats {
             d.warned = Some(now);
         }
         DriftNow { ratio, low, warn }
-    }
-
-    /// Counts a trim of `bytes` of this worker's records.
-    pub fn trimmed(&self, bytes: u64) {
-        self.trims.fetch_add(1, Ordering::Relaxed);
-        self.trimmed_bytes.fetch_add(bytes, Ordering::Relaxed);
     }
 
     /// The drift now (see [`DriftNow::ratio`]).

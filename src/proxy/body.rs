@@ -32,26 +32,6 @@ pub struct BodyTap {
     /// `cache.drift_floor` and `cache.drift_secs` (see `pool::hits`).
     pub drift_floor: f64,
     pub drift_for: Duration,
-    /// `cache.engine_block_tokens`.
-    pub block_tokens: u64,
-    /// The request a predicted hit was routed on (see [`RoutedBody`]).
-    pub routed: Option<RoutedBody>,
-}
-
-/// Largest request body kept until its answer ends for [`RoutedBody`], in bytes: past
-/// it a shortfall is counted but not learned from (a huge body held for a long stream
-/// costs more memory than the lesson is worth).
-pub const HOLD_BODY_BYTES: usize = 1 << 20;
-
-/// The request body a predicted hit was routed on — a reference, no copy — kept until
-/// its answer ends: when the engine delivers far less than predicted, the routing text
-/// is extracted from it again (the same text: extraction is deterministic) and handed
-/// to the policy ([`crate::policy::Shortfall`]). Only then is it read.
-#[derive(Debug)]
-pub struct RoutedBody {
-    pub body: Bytes,
-    pub endpoint: crate::prompt::Endpoint,
-    pub max_prompt_bytes: usize,
 }
 
 /// Streams the upstream body to the client frame by frame (no buffering) and holds the
@@ -106,7 +86,6 @@ impl GuardedBody {
             if how == "complete"
                 && let Some(found) = tap.scanner.take().map(UsageScanner::found)
             {
-                let mut shortfall = None;
                 if let Some(u) = found.usage {
                     let cached = u.cached_tokens.unwrap_or(0);
                     tap.metrics.engine_usage(worker, u.prompt_tokens, cached);
@@ -114,34 +93,14 @@ impl GuardedBody {
                         g.learn(u.prompt_tokens, cached, tap.streamed);
                         if let Some(delivered) = g.worker().hits().delivered(u.cached_tokens) {
                             tap.hit_numbers(g.worker(), delivered);
-                            let predicted = tap.log.decision.predicted_tokens;
-                            if crate::policy::Shortfall::of(predicted, delivered, tap.block_tokens)
-                            {
-                                shortfall = Some((predicted, delivered));
-                            }
                         }
                     }
                 }
-                let text = shortfall
-                    .zip(tap.routed.as_ref())
-                    .map(|(_, r)| crate::prompt::extract(r.endpoint, &r.body, r.max_prompt_bytes));
-                let answer = crate::policy::Answer {
-                    response_id: found.response_id.as_deref(),
-                    shortfall: shortfall.zip(text.as_ref()).map(|((p, d), ctx)| {
-                        crate::policy::Shortfall {
-                            text: &ctx.text,
-                            predicted_tokens: p,
-                            delivered_tokens: d,
-                        }
-                    }),
-                };
-                if let Some(w) = served_by.as_ref()
-                    && (answer.response_id.is_some() || answer.shortfall.is_some())
-                {
-                    let learned = tap.policy.answered(w, &answer);
-                    if learned.trimmed_bytes > 0 {
-                        w.hits().trimmed(learned.trimmed_bytes);
-                    }
+                if let (Some(id), Some(w)) = (found.response_id.as_deref(), served_by.as_ref()) {
+                    let answer = crate::policy::Answer {
+                        response_id: Some(id),
+                    };
+                    tap.policy.answered(w, &answer);
                 }
             }
             if let Some(r) = tap.record {

@@ -239,7 +239,6 @@ impl Router {
         let set = self.worker_set();
         let route = Route {
             label,
-            endpoint,
             req: RouteRequest {
                 ctx: ctx.as_ref(),
                 prepared,
@@ -288,7 +287,7 @@ impl Router {
             }
             let Some((pick, mut guard)) = self.pick(set, route, &tried) else {
                 if let Some((resp, guard, log)) = held {
-                    return Ok(self.respond(resp, guard, log, route, &body));
+                    return Ok(self.respond(resp, guard, log, route.cache.clone()));
                 }
                 self.metrics.decision(Reason::NoWorker, started.elapsed());
                 return Err(last_error);
@@ -371,7 +370,7 @@ impl Router {
                     let retryable = pushed_back.is_some()
                         || self.config.proxy.retryable_statuses.contains(&status);
                     if attempt == retries || !retryable {
-                        return Ok(self.respond(resp, guard, log, route, &body));
+                        return Ok(self.respond(resp, guard, log, route.cache.clone()));
                     }
                     tracing::warn!(
                         request_id = ?request_id,
@@ -389,7 +388,7 @@ impl Router {
             }
         }
         match held {
-            Some((resp, guard, log)) => Ok(self.respond(resp, guard, log, route, &body)),
+            Some((resp, guard, log)) => Ok(self.respond(resp, guard, log, route.cache.clone())),
             None => Err(last_error),
         }
     }
@@ -458,33 +457,16 @@ impl Router {
     }
 
     /// The client's response: upstream status and end-to-end headers, body streamed with
-    /// the in-flight guard. A predicted hit keeps its request `body` (a reference) until
-    /// the answer ends, so that a shortfall can name its routing text to the policy.
+    /// the in-flight guard.
     fn respond(
         &self,
         resp: Response<Incoming>,
         guard: InFlightGuard,
         log: AccessLog,
-        route: &Route<'_>,
-        body: &Bytes,
+        pending: Option<Pending>,
     ) -> Response<ProxyBody> {
         self.metrics.request(log.endpoint, &log.worker, log.status);
-        let record = route
-            .cache
-            .clone()
-            .and_then(|p| cache::Recorder::start(p, resp.status(), resp.headers()));
-        let routed = match route.endpoint {
-            Some(endpoint)
-                if log.decision.predicted_tokens > 0 && body.len() <= body::HOLD_BODY_BYTES =>
-            {
-                Some(body::RoutedBody {
-                    body: body.clone(),
-                    endpoint,
-                    max_prompt_bytes: self.config.cache.max_prompt_bytes,
-                })
-            }
-            _ => None,
-        };
+        let record = pending.and_then(|p| cache::Recorder::start(p, resp.status(), resp.headers()));
         self.metrics.first_byte(&log.worker, log.arrived.elapsed());
         let (mut parts, incoming) = resp.into_parts();
         if headers::strip_hop_by_hop(&mut parts.headers) {
@@ -521,8 +503,6 @@ impl Router {
             log,
             drift_floor: self.config.cache.drift_floor,
             drift_for: self.config.cache.drift_for,
-            block_tokens: self.config.cache.engine_block_tokens as u64,
-            routed,
         };
         let body =
             GuardedBody::new(incoming, guard, self.config.proxy.request_timeout, tap).boxed();
@@ -605,8 +585,6 @@ impl Drop for Attempt<'_> {
 struct Route<'a> {
     /// Endpoint label for logs and metrics.
     label: &'static str,
-    /// The routed endpoint, if the path is one.
-    endpoint: Option<Endpoint>,
     /// What the policy decides on.
     req: RouteRequest<'a>,
     /// When the request arrived (for TTFB and duration).

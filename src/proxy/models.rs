@@ -35,7 +35,6 @@ pub(super) async fn get(
     let now = Instant::now();
     let route = Route {
         cache: None,
-        endpoint: None,
         label: "models",
         req: RouteRequest::default(),
         arrived: now,

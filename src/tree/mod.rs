@@ -86,8 +86,6 @@ pub trait RemotePrefixes: Send + Sync + std::fmt::Debug {
     fn learned(&self, text: &[u8], worker: WorkerId, memo: &ChainMemo);
     /// The worker left or went down: its records go.
     fn forget(&self, worker: WorkerId);
-    /// As [`RadixTree::trim`]: `worker` holds only the first `keep` bytes of `text`.
-    fn trim(&self, text: &[u8], worker: WorkerId, keep: usize);
 }
 
 impl SharedTree {
@@ -369,50 +367,7 @@ impl RadixTree {
     /// whole subtree is then empty too, by the subset invariant). Cost: one pass over
     /// the nodes that worker holds.
     pub fn remove_worker(&mut self, worker: WorkerId) {
-        let top = self.children_of(ROOT);
-        self.remove_below(top, worker);
-    }
-
-    /// `worker`'s engine holds only the first `keep` bytes of `text` (it served fewer
-    /// cached tokens than the tree predicted): `worker` leaves `text`'s path past `keep`
-    /// and every node below that point — an engine reuses a contiguous prefix only, so
-    /// nothing after a block it evicted can be reused there either. An edge that
-    /// straddles `keep` is split there. Returns the bytes no longer held for `worker`
-    /// (0 when the tree held no more than `keep` of `text` for it).
-    pub fn trim(&mut self, text: &[u8], worker: WorkerId, keep: usize) -> u64 {
-        let mut node = ROOT;
-        let mut pos = 0;
-        while pos < text.len() {
-            let Some(child) = self.child(node, text[pos]) else {
-                break;
-            };
-            let c = &self.nodes[child as usize];
-            if !c.workers.contains(worker) {
-                break;
-            }
-            let n = common_prefix_len(&c.edge, &text[pos..]);
-            let edge = c.edge.len();
-            if pos + n > keep {
-                if keep > pos {
-                    // The head up to `keep` stays held; `child` keeps the rest.
-                    self.split(child, keep - pos);
-                }
-                let before = self.worker_bytes(worker);
-                self.remove_below(vec![child], worker);
-                return before - self.worker_bytes(worker);
-            }
-            if n < edge {
-                break;
-            }
-            pos += n;
-            node = child;
-        }
-        0
-    }
-
-    /// Removes `worker` from the subtrees under `stack`'s nodes, freeing nodes it leaves
-    /// empty.
-    fn remove_below(&mut self, mut stack: Vec<NodeIdx>, worker: WorkerId) {
+        let mut stack = self.children_of(ROOT);
         while let Some(n) = stack.pop() {
             let node = &mut self.nodes[n as usize];
             if !node.workers.remove(worker) {
@@ -601,37 +556,6 @@ mod tests {
         assert_eq!(m.matched, 0);
         assert!(m.workers.is_empty());
         assert_eq!(t.node_count(), 0);
-    }
-
-    #[test]
-    fn trim_drops_a_worker_past_what_its_engine_holds() {
-        let mut t = RadixTree::new();
-        let a = b"system: manual v2\nuser: chapter one please";
-        let b = b"system: manual v2\nuser: chapter two please";
-        let (w0, w1) = (WorkerId(0), WorkerId(1));
-        t.insert(a, w0);
-        t.insert(b, w0);
-        t.insert(a, w1);
-        let both: WorkerMask = [w0, w1].into_iter().collect();
-        let only0: WorkerMask = [w0].into_iter().collect();
-        let bytes0 = t.worker_bytes(w0);
-        // w0's engine delivered only the first 10 bytes of `a`: it keeps those, loses
-        // the rest of that path and all below it (`b`'s tail too: it hangs off a part
-        // w0 no longer holds); w1 keeps everything.
-        let removed = t.trim(a, w0, 10);
-        assert_eq!(removed, bytes0 - 10);
-        assert_eq!(t.worker_bytes(w0), 10);
-        assert_eq!(t.longest_prefix(a, &only0).matched, 10);
-        assert_eq!(t.longest_prefix(b, &only0).matched, 10);
-        assert_eq!(t.longest_prefix(a, &both).matched, a.len());
-        // Nothing more to trim; a worker not on the path is untouched.
-        assert_eq!(t.trim(a, w0, 10), 0);
-        assert_eq!(t.trim(a, WorkerId(5), 0), 0);
-        // Trimmed to nothing: w1 leaves the path, nodes it alone held are freed.
-        assert_eq!(t.trim(a, w1, 0), a.len() as u64);
-        assert_eq!(t.longest_prefix(a, &both).matched, 10);
-        assert_eq!(t.total_bytes(), 10);
-        assert_eq!(t.node_count(), 1);
     }
 
     #[test]
