@@ -80,6 +80,9 @@ struct HitsView {
     /// delivered / predicted over the last 100 answers that predicted a hit; `null`
     /// until 10 such answers.
     drift: Option<f64>,
+    /// Answers that delivered far fewer tokens than predicted (each ages out this
+    /// worker's older records, see `tree::SharedTree::engine_evicted`).
+    shortfalls: u64,
 }
 
 /// A worker's engine signals in `/workers`; values `null` before the first good scrape.
@@ -188,6 +191,7 @@ fn hits_view(h: &crate::pool::hits::HitStats) -> HitsView {
         predicted_tokens: h.predicted.load(Relaxed),
         delivered_tokens: h.delivered.load(Relaxed),
         drift: h.drift(),
+        shortfalls: h.shortfalls.load(Relaxed),
     }
 }
 
@@ -300,6 +304,7 @@ struct HitsSummary {
     delivered_tokens: u64,
     routed_share: Option<f64>,
     delivered_share: Option<f64>,
+    shortfalls: u64,
 }
 
 impl HitsSummary {
@@ -311,12 +316,14 @@ impl HitsSummary {
             delivered_tokens: 0,
             routed_share: None,
             delivered_share: None,
+            shortfalls: 0,
         };
         for h in views {
             s.answers += h.answers;
             s.available_tokens += h.available_tokens;
             s.predicted_tokens += h.predicted_tokens;
             s.delivered_tokens += h.delivered_tokens;
+            s.shortfalls += h.shortfalls;
         }
         let share = |a: u64, b: u64| (b > 0).then(|| a as f64 / b as f64);
         s.routed_share = share(s.predicted_tokens, s.available_tokens);

@@ -252,6 +252,7 @@ pub struct Metrics {
     tree_bytes: Gauge,
     evicted: Counter,
     skipped_inserts: Counter,
+    aged_out: Counter,
     retries: Counter,
     fallback_picks: Counter,
     reloads: Family<ResultLabels, Counter>,
@@ -263,6 +264,7 @@ pub struct Metrics {
     /// each `WorkerSet` and restart at 0 with a new set).
     seen_evicted: AtomicU64,
     seen_skipped: AtomicU64,
+    seen_aged_out: AtomicU64,
 }
 
 impl Default for Metrics {
@@ -298,6 +300,7 @@ impl Metrics {
             tree_bytes: Gauge::default(),
             evicted: Counter::default(),
             skipped_inserts: Counter::default(),
+            aged_out: Counter::default(),
             retries: Counter::default(),
             fallback_picks: Counter::default(),
             reloads: Family::default(),
@@ -307,6 +310,7 @@ impl Metrics {
             fleet: FleetFamilies::default(),
             seen_evicted: AtomicU64::new(0),
             seen_skipped: AtomicU64::new(0),
+            seen_aged_out: AtomicU64::new(0),
             registry: Registry::default(),
         };
         r.register(
@@ -396,6 +400,11 @@ impl Metrics {
             "tree_evicted_nodes",
             "Tree nodes removed by eviction passes",
             m.evicted.clone(),
+        );
+        r.register(
+            "tree_aged_out_bytes",
+            "Bytes of workers' tree records removed because their engine was found to have evicted older prefixes (an answer delivered far fewer cached tokens than predicted)",
+            m.aged_out.clone(),
         );
         r.register(
             "tree_skipped_inserts",
@@ -944,6 +953,7 @@ impl Metrics {
                 self.tree_bytes.set(tree.total_bytes() as i64);
             }
             catch_up(&self.evicted, &self.seen_evicted, &shared.evicted_nodes);
+            catch_up(&self.aged_out, &self.seen_aged_out, &shared.aged_out_bytes);
             catch_up(
                 &self.skipped_inserts,
                 &self.seen_skipped,

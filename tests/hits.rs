@@ -267,3 +267,67 @@ async fn the_drift_warning_fires_when_an_engine_keeps_delivering_nothing() {
         m.text
     );
 }
+
+/// An answer that delivers far less than predicted tells the router how far back the
+/// worker's engine evicts: its records last used before that prefix go (an age-out
+/// sweep off the request path), and the prefix itself — recomputed by that very
+/// request — stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_delivery_ages_out_the_workers_older_records() {
+    const AGED: &str = "cache_aware_router_tree_aged_out_bytes_total";
+    let (_hold, [a, b], router) = usage_engines_and_router("").await;
+    let ws = [&a, &b];
+    let addr = router.addr;
+    let labels = [worker_label(addr, 0).await, worker_label(addr, 1).await];
+    let system = prompt();
+    let ask = |q: &str, cached: u64| {
+        chat_with_usage(chat_body(&format!("{system}{q}"), false), (1100, cached))
+    };
+    let long_q = |n: usize| {
+        format!(
+            " question {n}: {}",
+            "explain the next step in detail. ".repeat(40)
+        )
+    };
+    // Three conversations on one worker (each a hit on the shared system prompt).
+    let (_, x) = send_tagged(addr, &ws, ask(&long_q(1), 0)).await;
+    for n in [2, 3] {
+        let (_, w) = send_tagged(addr, &ws, ask(&long_q(n), 1024)).await;
+        assert_eq!(w, x);
+    }
+    let m = scrape(addr).await;
+    assert_eq!(m.get(AGED, &[]), Some(0.0), "{}", m.text);
+    // Conversation 3 again: its engine had evicted it (delivered 0 of ~1,300).
+    let (_, w) = send_tagged(addr, &ws, ask(&long_q(3), 0)).await;
+    assert_eq!(w, x);
+    let h = hits(&get(addr, "/workers").await.json(), &labels[x]);
+    assert_eq!(h["shortfalls"].as_u64(), Some(1), "{h}");
+    // The sweep removes conversations 1 and 2's own parts (last used before 3's).
+    let mut aged = 0.0;
+    for _ in 0..200 {
+        aged = scrape(addr).await.get(AGED, &[]).unwrap_or(0.0);
+        if aged > 0.0 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let tail = long_q(1).len() - " question ".len();
+    assert!(
+        aged >= (2 * tail) as f64,
+        "aged out {aged} bytes, tails {tail}"
+    );
+    // Conversation 1 on x now matches only the system prompt: predicted accordingly.
+    let predicted = |m: &Scrape| numbers(m, &labels[x])[1];
+    let before = predicted(&scrape(addr).await);
+    let (_, w) = send_tagged(addr, &ws, ask(&long_q(1), 1024)).await;
+    assert_eq!(w, x);
+    let got = predicted(&scrape(addr).await) - before;
+    let full = ((system.len() + long_q(1).len()) as f64 * 1100.0
+        / (system.len() + long_q(1).len()) as f64) as usize;
+    assert!(got < (full as f64) * 0.9, "predicted {got} of {full}");
+    // Conversation 3, recomputed by the short answer, is still a full hit.
+    let before = predicted(&scrape(addr).await);
+    send_tagged(addr, &ws, ask(&long_q(3), 1024)).await;
+    let got3 = predicted(&scrape(addr).await) - before;
+    assert!(got3 > got, "{got3} vs {got}");
+}

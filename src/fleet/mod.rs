@@ -669,6 +669,7 @@ impl RemotePrefixes for Fleet {
         let mut best = PrefixMatch {
             matched: 0,
             workers: WorkerMask::default(),
+            stamp: 0,
         };
         let index = self.index.lock().unwrap_or_else(|p| p.into_inner());
         if index.is_empty() {

@@ -28,7 +28,7 @@ use std::sync::Arc;
 use rand::RngCore;
 
 use super::select::{BlockScale, CacheParams, is_overloaded, least_loaded, usable};
-use super::{Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
+use super::{Answer, Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
 use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
@@ -78,6 +78,15 @@ impl CacheAware {
         pick_cache_aware(&self.params, req.text(), candidates, &memory, req.tie, rng)
     }
 
+    /// Learns from an answer that delivered far less than predicted: the worker's
+    /// engine evicts what was last used before the predicted prefix, so its records
+    /// older than that go ([`SharedTree::engine_evicted`]).
+    pub fn learn(&self, worker: &Worker, answer: &Answer<'_>) {
+        if let Some(s) = answer.shortfall {
+            self.tree.engine_evicted(worker.id(), s.stamp);
+        }
+    }
+
     /// Records the served request's prompt for the worker that served it.
     pub fn record_served(&self, req: &RouteRequest<'_>, pick: &Pick) {
         if let Some(id) = pick.worker
@@ -121,6 +130,10 @@ impl Policy for CacheAware {
         if outcome == Outcome::Served {
             self.record_served(req, pick);
         }
+    }
+
+    fn answered(&self, worker: &Worker, answer: &Answer<'_>) {
+        self.learn(worker, answer);
     }
 
     fn tree(&self) -> Option<&Arc<SharedTree>> {
@@ -184,10 +197,12 @@ pub fn pick_cache_aware(
         block_tokens: params.block_tokens,
     };
     // `matched` and `available` in bytes of routing text, reported in whole blocks.
-    let pick = |c: &Candidate, reason, matched: usize, available: usize| {
+    // `stamp`: the predicted prefix's last use, for a hit on the tree's own records.
+    let pick = |c: &Candidate, reason, matched: usize, available: usize, stamp: u64| {
         let s = scale(c);
         let matched = s.tokens(matched);
         Pick {
+            stamp,
             worker: Some(c.id),
             reason,
             matched,
@@ -200,7 +215,7 @@ pub fn pick_cache_aware(
         }
     };
     if text.is_empty() {
-        return pick(least, Reason::EmptyText, 0, 0);
+        return pick(least, Reason::EmptyText, 0, 0, 0);
     }
     let tree = memory.tree;
     let eligible: WorkerMask = candidates
@@ -223,6 +238,7 @@ pub fn pick_cache_aware(
         PrefixMatch {
             matched: held.matched,
             workers: usable_holders,
+            stamp: held.stamp,
         }
     };
     if let Some((r, memo)) = memory.remote {
@@ -266,11 +282,11 @@ pub fn pick_cache_aware(
     };
     match cached {
         Some(c) if is_overloaded(params, c.load, least.load) => {
-            pick(least, Reason::HitOverloaded, own(least), available)
+            pick(least, Reason::HitOverloaded, own(least), available, 0)
         }
-        Some(c) => pick(c, Reason::CacheHit, m.matched, available),
-        None if m.matched == 0 => pick(least, Reason::Miss, 0, available),
-        None => pick(least, Reason::Miss, own(least), available),
+        Some(c) => pick(c, Reason::CacheHit, m.matched, available, m.stamp),
+        None if m.matched == 0 => pick(least, Reason::Miss, 0, available, 0),
+        None => pick(least, Reason::Miss, own(least), available, 0),
     }
 }
 

@@ -338,6 +338,7 @@ impl Policy for CostAware {
             dp_rank: None,
             cache_aware: c.cache_aware,
             prefill_tokens: cost.own_tokens,
+            stamp: 0,
         }
     }
 

@@ -140,6 +140,11 @@ pub struct Pick {
     /// until the first response byte, see `pool::prefill`); 0 when the policy does not
     /// estimate them.
     pub prefill_tokens: u64,
+    /// For a hit on the approximate tree's records: the tree's last-use stamp of the
+    /// predicted prefix ([`crate::tree::PrefixMatch::stamp`]), which an answer that
+    /// delivers far less turns into the worker's eviction horizon
+    /// ([`crate::tree::SharedTree::engine_evicted`]); 0 otherwise.
+    pub stamp: u64,
 }
 
 /// Bytes of routing text per token for a [`MatchUnit::Bytes`] pick (only load-only ones,
@@ -199,6 +204,7 @@ impl Pick {
             dp_rank: None,
             cache_aware: false,
             prefill_tokens: 0,
+            stamp: 0,
         }
     }
 }
@@ -219,6 +225,29 @@ pub enum Outcome {
 pub struct Answer<'a> {
     /// A `/v1/responses` answer's id (a later `previous_response_id`).
     pub response_id: Option<&'a str>,
+    /// The engine served far fewer prefix tokens from its KV cache than the pick
+    /// predicted (see [`Shortfall::of`]).
+    pub shortfall: Option<Shortfall>,
+}
+
+/// A prediction the engine did not bear out: the pick ([`Pick::stamp`] `stamp`)
+/// predicted `predicted_tokens` cached on the worker; its answer reported
+/// `delivered_tokens` (`cached_tokens`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Shortfall {
+    pub stamp: u64,
+    pub predicted_tokens: u64,
+    pub delivered_tokens: u64,
+}
+
+impl Shortfall {
+    /// Whether `delivered` tokens fall short of `predicted` by enough to act on: under
+    /// 3/4 of it and by more than two `block_tokens` blocks. The margin absorbs the
+    /// error of a tokens-per-byte estimate and the chat template's tokens; an eviction
+    /// loses whole runs of blocks.
+    pub fn of(predicted: u64, delivered: u64, block_tokens: u64) -> bool {
+        delivered * 4 < predicted * 3 && predicted - delivered > 2 * block_tokens
+    }
 }
 
 /// What a request brings to a policy, worked out once before its first attempt.

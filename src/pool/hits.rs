@@ -40,6 +40,9 @@ pub struct HitStats {
     pub delivered: AtomicU64,
     /// The worker's engine has named its cached tokens in an answer.
     reports_cached: AtomicBool,
+    /// Answers that delivered far fewer tokens than predicted
+    /// (`policy::Shortfall::of`): each told the tree how far back its engine evicts.
+    pub shortfalls: AtomicU64,
     drift: Mutex<Drift>,
 }
 
@@ -119,6 +122,11 @@ impl HitStats {
             d.warned = Some(now);
         }
         DriftNow { ratio, low, warn }
+    }
+
+    /// Counts an answer that fell far short of its prediction.
+    pub fn shortfall(&self) {
+        self.shortfalls.fetch_add(1, Ordering::Relaxed);
     }
 
     /// The drift now (see [`DriftNow::ratio`]).

@@ -32,6 +32,8 @@ pub struct BodyTap {
     /// `cache.drift_floor` and `cache.drift_secs` (see `pool::hits`).
     pub drift_floor: f64,
     pub drift_for: Duration,
+    /// `cache.engine_block_tokens`.
+    pub block_tokens: u64,
 }
 
 /// Streams the upstream body to the client frame by frame (no buffering) and holds the
@@ -86,6 +88,7 @@ impl GuardedBody {
             if how == "complete"
                 && let Some(found) = tap.scanner.take().map(UsageScanner::found)
             {
+                let mut shortfall = None;
                 if let Some(u) = found.usage {
                     let cached = u.cached_tokens.unwrap_or(0);
                     tap.metrics.engine_usage(worker, u.prompt_tokens, cached);
@@ -93,13 +96,29 @@ impl GuardedBody {
                         g.learn(u.prompt_tokens, cached, tap.streamed);
                         if let Some(delivered) = g.worker().hits().delivered(u.cached_tokens) {
                             tap.hit_numbers(g.worker(), delivered);
+                            let d = &tap.log.decision;
+                            if crate::policy::Shortfall::of(
+                                d.predicted_tokens,
+                                delivered,
+                                tap.block_tokens,
+                            ) {
+                                g.worker().hits().shortfall();
+                                shortfall = Some(crate::policy::Shortfall {
+                                    stamp: d.stamp,
+                                    predicted_tokens: d.predicted_tokens,
+                                    delivered_tokens: delivered,
+                                });
+                            }
                         }
                     }
                 }
-                if let (Some(id), Some(w)) = (found.response_id.as_deref(), served_by.as_ref()) {
-                    let answer = crate::policy::Answer {
-                        response_id: Some(id),
-                    };
+                let answer = crate::policy::Answer {
+                    response_id: found.response_id.as_deref(),
+                    shortfall,
+                };
+                if let Some(w) = served_by.as_ref()
+                    && (answer.response_id.is_some() || answer.shortfall.is_some())
+                {
                     tap.policy.answered(w, &answer);
                 }
             }

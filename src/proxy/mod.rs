@@ -298,6 +298,7 @@ impl Router {
                 matched_ratio: pick.matched_ratio(),
                 available_tokens: pick.available_tokens(),
                 predicted_tokens: pick.saved_tokens(),
+                stamp: pick.stamp,
                 decision_us: started.elapsed().as_micros() as u64,
                 attempt,
             };
@@ -503,6 +504,7 @@ impl Router {
             log,
             drift_floor: self.config.cache.drift_floor,
             drift_for: self.config.cache.drift_for,
+            block_tokens: self.config.cache.engine_block_tokens as u64,
         };
         let body =
             GuardedBody::new(incoming, guard, self.config.proxy.request_timeout, tap).boxed();
@@ -605,6 +607,8 @@ pub struct Decision {
     pub available_tokens: u64,
     /// The prefix the chosen worker was believed to hold, in the same tokens.
     pub predicted_tokens: u64,
+    /// The pick's [`crate::policy::Pick::stamp`].
+    pub stamp: u64,
     /// Extract + match + insert, in µs.
     pub decision_us: u64,
     /// 0 for the first try.

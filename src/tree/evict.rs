@@ -1,5 +1,7 @@
-//! Tree upkeep task: LRU eviction above `cache.max_tree_size`, and the optional daily
-//! reset at `cache.daily_cleanup_hour_utc`.
+//! Tree upkeep task: LRU eviction above `cache.max_tree_size`, the optional daily reset
+//! at `cache.daily_cleanup_hour_utc`, and age-out sweeps: a worker whose engine turned
+//! out to have evicted a prefix loses its records last used before that prefix
+//! ([`SharedTree::engine_evicted`], at most one sweep per [`AGE_OUT_EVERY`]).
 //!
 //! A pass never holds the tree lock for long: it scans the arena in steps of
 //! [`SCAN_STEP`] slots and evicts in batches of [`EVICT_BATCH`] leaves, releasing the
@@ -21,6 +23,27 @@ use crate::shutdown::Shutdown;
 pub const SCAN_STEP: usize = 32 * 1024;
 /// Leaves evicted per lock hold.
 pub const EVICT_BATCH: usize = 2048;
+/// Least time between two age-out sweeps (horizons reported meanwhile wait for the next).
+pub const AGE_OUT_EVERY: Duration = Duration::from_secs(1);
+
+/// Removes every worker's records last used before its reported horizon, scanning the
+/// arena in steps of [`SCAN_STEP`] slots between lock holds. Returns the bytes removed
+/// (also added to `SharedTree::aged_out_bytes`).
+pub async fn age_out(set: &SharedTree) -> u64 {
+    let horizons = set.take_horizons();
+    if horizons.is_empty() {
+        return 0;
+    }
+    let mut removed = 0;
+    let mut start = 0;
+    while start < set.lock().arena_len() {
+        removed += set.lock().age_out(start..start + SCAN_STEP, &horizons);
+        start += SCAN_STEP;
+        tokio::task::yield_now().await;
+    }
+    set.aged_out_bytes.fetch_add(removed, Ordering::Relaxed);
+    removed
+}
 
 /// Evicts least-recently-used leaves until the tree holds at most `max_nodes` nodes.
 /// Returns the number of nodes removed.
@@ -81,11 +104,9 @@ fn utc_hour_and_day(t: SystemTime) -> (u8, u64) {
     (((secs / 3600) % 24) as u8, secs / 86_400)
 }
 
-/// Runs eviction every `eviction_interval` and the daily reset, until shutdown.
+/// Runs eviction every `eviction_interval`, the daily reset, and age-out sweeps when
+/// due, until shutdown.
 pub async fn run(set: Arc<SharedTree>, cache: CacheConfig, mut shutdown: Shutdown) {
-    if cache.eviction_interval.is_none() && cache.daily_cleanup_hour_utc.is_none() {
-        return;
-    }
     let period = cache
         .eviction_interval
         .unwrap_or(Duration::from_secs(60))
@@ -97,6 +118,17 @@ pub async fn run(set: Arc<SharedTree>, cache: CacheConfig, mut shutdown: Shutdow
     loop {
         tokio::select! {
             _ = tick.tick() => {}
+            _ = set.age_due.notified() => {
+                let removed = age_out(&set).await;
+                if removed > 0 {
+                    tracing::debug!(removed_bytes = removed, "tree age-out sweep");
+                }
+                tokio::select! {
+                    _ = tokio::time::sleep(AGE_OUT_EVERY) => {}
+                    _ = shutdown.wait() => return,
+                }
+                continue;
+            }
             _ = shutdown.wait() => return,
         }
         since_eviction += period;

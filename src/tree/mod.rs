@@ -46,6 +46,13 @@ pub struct SharedTree {
     pub evicted_nodes: std::sync::atomic::AtomicU64,
     /// What other router replicas' workers hold (`state.redis_url`, see `crate::fleet`).
     remote: std::sync::OnceLock<std::sync::Arc<dyn RemotePrefixes>>,
+    /// Per worker, the last-use stamp below which its engine has evicted (see
+    /// [`SharedTree::engine_evicted`]), waiting for the upkeep task's age-out sweep.
+    horizons: std::sync::Mutex<Vec<(WorkerId, u64)>>,
+    /// Wakes the upkeep task for a sweep.
+    pub(crate) age_due: tokio::sync::Notify,
+    /// Bytes of workers' records removed by age-out sweeps.
+    pub aged_out_bytes: std::sync::atomic::AtomicU64,
 }
 
 /// One request's chunk hashes, kept between its pick and its publish so the routing
@@ -104,6 +111,31 @@ impl SharedTree {
     pub fn set_evicting(&self, on: bool) {
         self.evicting
             .store(on, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// `worker`'s engine no longer held a prefix whose last use here was at tree stamp
+    /// `stamp` ([`PrefixMatch::stamp`]; it served less of it from cache than predicted):
+    /// its engine evicts least recently used blocks first, so every record of `worker`
+    /// last used before `stamp` is as good as gone. They are removed by the upkeep
+    /// task's next age-out sweep ([`evict::age_out`]) — which bounds the worker's share
+    /// of the tree to about what its KV cache holds — never on the request path. The
+    /// prefix itself was just recomputed there: its records carry a newer stamp and stay.
+    pub fn engine_evicted(&self, worker: WorkerId, stamp: u64) {
+        if stamp == 0 {
+            return;
+        }
+        let mut h = self.horizons.lock().unwrap_or_else(|e| e.into_inner());
+        match h.iter_mut().find(|(w, _)| *w == worker) {
+            Some((_, s)) => *s = (*s).max(stamp),
+            None => h.push((worker, stamp)),
+        }
+        drop(h);
+        self.age_due.notify_one();
+    }
+
+    /// The horizons waiting for a sweep, taken.
+    pub(crate) fn take_horizons(&self) -> Vec<(WorkerId, u64)> {
+        std::mem::take(&mut *self.horizons.lock().unwrap_or_else(|e| e.into_inner()))
     }
 
     /// Shares this tree with the other router replicas through `remote` (once).
@@ -169,6 +201,9 @@ pub struct PrefixMatch {
     pub matched: usize,
     /// The eligible workers that hold the whole matched prefix (empty when `matched` is 0).
     pub workers: WorkerMask,
+    /// The tree's last-use stamp of the matched prefix's end (0 when nothing matched, or
+    /// for another replica's records): when it was last sent anywhere.
+    pub stamp: u64,
 }
 
 /// Radix tree over routing text with per-node worker membership. See the module docs.
@@ -259,6 +294,7 @@ impl RadixTree {
         let mut best = PrefixMatch {
             matched: 0,
             workers: WorkerMask::default(),
+            stamp: 0,
         };
         while pos < text.len() {
             let Some(child) = self.child(node, text[pos]) else {
@@ -272,6 +308,7 @@ impl RadixTree {
             pos += n;
             best.matched = pos;
             best.workers = c.workers.intersection(eligible);
+            best.stamp = c.last_access;
             if n < c.edge.len() {
                 break;
             }
@@ -367,7 +404,34 @@ impl RadixTree {
     /// whole subtree is then empty too, by the subset invariant). Cost: one pass over
     /// the nodes that worker holds.
     pub fn remove_worker(&mut self, worker: WorkerId) {
-        let mut stack = self.children_of(ROOT);
+        let top = self.children_of(ROOT);
+        self.remove_below(top, worker);
+    }
+
+    /// Removes each `(worker, horizon)`'s worker from the nodes among arena slots
+    /// `range` last used before its horizon, with their subtrees (a node's stamp is at
+    /// least any descendant's: an insert stamps the whole path), so an upkeep sweep can
+    /// run in short steps between lock holds. Returns the bytes removed.
+    pub fn age_out(&mut self, range: std::ops::Range<usize>, horizons: &[(WorkerId, u64)]) -> u64 {
+        let end = range.end.min(self.nodes.len());
+        let mut removed = 0;
+        for i in range.start.max(1)..end {
+            for &(w, horizon) in horizons {
+                let n = &self.nodes[i];
+                // Free slots have no edge (and no workers).
+                if n.last_access < horizon && n.workers.contains(w) {
+                    let before = self.worker_bytes(w);
+                    self.remove_below(vec![i as NodeIdx], w);
+                    removed += before - self.worker_bytes(w);
+                }
+            }
+        }
+        removed
+    }
+
+    /// Removes `worker` from the subtrees under `stack`'s nodes, freeing nodes it leaves
+    /// empty.
+    fn remove_below(&mut self, mut stack: Vec<NodeIdx>, worker: WorkerId) {
         while let Some(n) = stack.pop() {
             let node = &mut self.nodes[n as usize];
             if !node.workers.remove(worker) {
@@ -556,6 +620,41 @@ mod tests {
         assert_eq!(m.matched, 0);
         assert!(m.workers.is_empty());
         assert_eq!(t.node_count(), 0);
+    }
+
+    #[test]
+    fn age_out_removes_a_workers_records_last_used_before_its_horizon() {
+        let mut t = RadixTree::new();
+        let (w0, w1) = (WorkerId(0), WorkerId(1));
+        let shared = "system: answer from the manual, citing sections.\nuser: ";
+        let [a, b, c] = ["chapter one", "chapter two", "chapter three"]
+            .map(|q| format!("{shared}{q}").into_bytes());
+        t.insert(&a, w0); // stamp 1
+        t.insert(&b, w0); // stamp 2
+        t.insert(&a, w1); // stamp 3: a's path is newer now, w1 on it
+        t.insert(&c, w0); // stamp 4
+        let only0: WorkerMask = [w0].into_iter().collect();
+        let c_stamp = t.longest_prefix(&c, &only0).stamp;
+        assert_eq!(c_stamp, 4);
+        // w0's engine had evicted b (last used at 2): what w0 last used before 2.5 goes.
+        let before = t.worker_bytes(w0);
+        let removed = t.age_out(0..t.arena_len(), &[(w0, 3)]);
+        assert_eq!(t.worker_bytes(w0), before - removed);
+        // b's own leaf only: `wo` under the `t` that c (stamp 4) shares.
+        assert_eq!(removed, 2);
+        assert_eq!(
+            t.longest_prefix(&b, &only0).matched,
+            shared.len() + "chapter t".len()
+        );
+        // a (touched at 3) and c (4) stay for w0; w1 is untouched.
+        assert_eq!(t.longest_prefix(&a, &only0).matched, a.len());
+        assert_eq!(t.longest_prefix(&c, &only0).matched, c.len());
+        let only1: WorkerMask = [w1].into_iter().collect();
+        assert_eq!(t.longest_prefix(&a, &only1).matched, a.len());
+        // A horizon past everything empties w0 but keeps w1's records.
+        t.age_out(0..t.arena_len(), &[(w0, 99)]);
+        assert_eq!(t.worker_bytes(w0), 0);
+        assert_eq!(t.longest_prefix(&a, &only1).matched, a.len());
     }
 
     #[test]
