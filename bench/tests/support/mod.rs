@@ -47,9 +47,15 @@ pub async fn send(
     path: &str,
     body: &str,
 ) -> Reply {
+    send_to(c, &e.url(), method, path, body).await
+}
+
+/// As [`send`], to any HTTP server at `base` (`http://host:port`): a router in front of
+/// engines, say.
+pub async fn send_to(c: &HttpClient, base: &str, method: Method, path: &str, body: &str) -> Reply {
     let req = Request::builder()
         .method(method)
-        .uri(format!("{}{path}", e.url()))
+        .uri(format!("{base}{path}"))
         .header("content-type", "application/json")
         .body(Full::new(Bytes::from(body.to_owned())))
         .unwrap();
