@@ -49,6 +49,11 @@ struct WorkerView {
     cache_aware: bool,
     /// Fraction of the tree's bytes this worker holds (0–1).
     tree_share: f64,
+    /// Bytes of routing text its engine's KV cache was found to hold at most (answers
+    /// that delivered far less than predicted, see `tree::evict::age_out`); the tree
+    /// keeps its records within it. `null` until such an answer, and 5 minutes after
+    /// the last one.
+    tree_capacity_bytes: Option<u64>,
     /// Its KV-event feed (precise mode), when configured.
     #[serde(skip_serializing_if = "Option::is_none")]
     kv_events: Option<FeedView>,
@@ -436,6 +441,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
         .zip(shares)
         .zip(held)
         .map(|((w, tree_share), blocks)| WorkerView {
+            tree_capacity_bytes: policy.tree().and_then(|t| t.capacity(w.id())),
             url: w.url().to_string(),
             key: w.key().to_string(),
             role: w.config().role.as_str(),

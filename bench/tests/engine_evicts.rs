@@ -105,4 +105,37 @@ async fn an_engine_that_evicted_delivers_less_than_predicted_and_is_learned_from
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(aged > 0.0, "nothing aged out");
+    // What the worker kept is its learned capacity; new questions grow its records
+    // past it, and the next sweeps cut its least recently used ones back.
+    let holder = |v: &Value| {
+        v["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["hits"]["answers"].as_u64().unwrap_or(0) > 0)
+            .unwrap()
+            .clone()
+    };
+    let held = |v: &Value| {
+        (holder(v)["tree_share"].as_f64().unwrap() * v["tree_bytes"].as_f64().unwrap()) as u64
+    };
+    let v: Value = send_to(&c, &base, Method::GET, "/workers", "").await.json();
+    let cap = holder(&v)["tree_capacity_bytes"]
+        .as_u64()
+        .expect("a learned capacity");
+    for q in 6..12 {
+        let r = send_to(&c, &base, Method::POST, "/v1/chat/completions", &ask(q)).await;
+        assert_eq!(r.status, 200);
+    }
+    let grown = held(&send_to(&c, &base, Method::GET, "/workers", "").await.json());
+    assert!(grown > cap + cap / 8, "{grown} of {cap}");
+    let mut now = grown;
+    for _ in 0..300 {
+        now = held(&send_to(&c, &base, Method::GET, "/workers", "").await.json());
+        if now <= cap + cap / 8 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(now <= cap + cap / 8, "still {now} of {cap}");
 }

@@ -100,6 +100,7 @@ impl CacheAware {
 impl PoolListener for CacheAware {
     fn worker_left(&self, worker: &Worker) {
         self.tree.lock().remove_worker(worker.id());
+        self.tree.set_capacity(worker.id(), None);
         if let Some(r) = self.tree.remote() {
             r.forget(worker.id());
         }

@@ -23,26 +23,77 @@ use crate::shutdown::Shutdown;
 pub const SCAN_STEP: usize = 32 * 1024;
 /// Leaves evicted per lock hold.
 pub const EVICT_BATCH: usize = 2048;
-/// Least time between two age-out sweeps (horizons reported meanwhile wait for the next).
+/// How often the upkeep task looks for age-out work (horizons reported meanwhile, and
+/// workers grown past their learned capacity, wait for the next look).
 pub const AGE_OUT_EVERY: Duration = Duration::from_secs(1);
 
-/// Removes every worker's records last used before its reported horizon, scanning the
-/// arena in steps of [`SCAN_STEP`] slots between lock holds. Returns the bytes removed
-/// (also added to `SharedTree::aged_out_bytes`).
+/// The age-out sweep. For each worker whose engine was found to have evicted a prefix
+/// last used at stamp `t` ([`SharedTree::engine_evicted`]): its records last used
+/// before `t` go, and the bytes of those it keeps (the ones used since `t`, which the
+/// engine could not all hold alongside that prefix) become its learned capacity
+/// ([`SharedTree::capacity`]). For each worker with a learned capacity whose records
+/// have since grown past it by an eighth: its least recently used records go until they
+/// fit — the tree keeps each worker's share near what its KV cache holds, before the
+/// next answer has to show it. Scans the arena in steps of [`SCAN_STEP`] slots between
+/// lock holds. Returns the bytes removed (also added to `SharedTree::aged_out_bytes`).
 pub async fn age_out(set: &SharedTree) -> u64 {
-    let horizons = set.take_horizons();
+    let mut horizons = set.take_horizons();
+    for (w, cap) in set.capacities() {
+        let over = set.lock().worker_bytes(w) > cap + cap / 8;
+        if over && !horizons.iter().any(|(h, _)| *h == w) {
+            horizons.push((w, 0));
+        }
+    }
     if horizons.is_empty() {
         return 0;
+    }
+    // Per worker: its nodes' (stamp, bytes), then the stamp below which they go.
+    let mut cut = Vec::with_capacity(horizons.len());
+    for &(w, evicted_at) in &horizons {
+        let mut nodes = Vec::new();
+        let mut start = 0;
+        while start < set.lock().arena_len() {
+            set.lock()
+                .worker_nodes(start..start + SCAN_STEP, w, &mut nodes);
+            start += SCAN_STEP;
+            tokio::task::yield_now().await;
+        }
+        let cap = if evicted_at > 0 {
+            let kept: u64 = nodes
+                .iter()
+                .filter(|(t, _)| *t >= evicted_at)
+                .map(|(_, b)| b)
+                .sum();
+            set.set_capacity(w, Some(kept));
+            kept
+        } else {
+            set.capacity(w).unwrap_or(u64::MAX)
+        };
+        cut.push((w, horizon_within(&mut nodes, cap).max(evicted_at)));
     }
     let mut removed = 0;
     let mut start = 0;
     while start < set.lock().arena_len() {
-        removed += set.lock().age_out(start..start + SCAN_STEP, &horizons);
+        removed += set.lock().age_out(start..start + SCAN_STEP, &cut);
         start += SCAN_STEP;
         tokio::task::yield_now().await;
     }
     set.aged_out_bytes.fetch_add(removed, Ordering::Relaxed);
     removed
+}
+
+/// The lowest stamp such that the nodes used at or after it hold at most `cap` bytes
+/// (`nodes`: `(stamp, bytes)`, reordered); 0 when all of them fit.
+fn horizon_within(nodes: &mut [(u64, u64)], cap: u64) -> u64 {
+    nodes.sort_unstable_by_key(|n| std::cmp::Reverse(n.0));
+    let mut held = 0u64;
+    for &(stamp, bytes) in nodes.iter() {
+        held += bytes;
+        if held > cap {
+            return stamp + 1;
+        }
+    }
+    0
 }
 
 /// Evicts least-recently-used leaves until the tree holds at most `max_nodes` nodes.
@@ -113,19 +164,17 @@ pub async fn run(set: Arc<SharedTree>, cache: CacheConfig, mut shutdown: Shutdow
         .min(Duration::from_secs(60));
     let mut tick = tokio::time::interval(period);
     tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut age_tick = tokio::time::interval(AGE_OUT_EVERY);
+    age_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut since_eviction = Duration::ZERO;
     let mut last_reset_day = None;
     loop {
         tokio::select! {
             _ = tick.tick() => {}
-            _ = set.age_due.notified() => {
+            _ = age_tick.tick() => {
                 let removed = age_out(&set).await;
                 if removed > 0 {
                     tracing::debug!(removed_bytes = removed, "tree age-out sweep");
-                }
-                tokio::select! {
-                    _ = tokio::time::sleep(AGE_OUT_EVERY) => {}
-                    _ = shutdown.wait() => return,
                 }
                 continue;
             }
@@ -161,6 +210,15 @@ pub async fn run(set: Arc<SharedTree>, cache: CacheConfig, mut shutdown: Shutdow
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_horizon_keeps_the_most_recent_bytes_within_the_capacity() {
+        let mut nodes = vec![(5, 100), (1, 100), (9, 100), (7, 100)];
+        assert_eq!(horizon_within(&mut nodes, 1000), 0);
+        // 9 and 7 fit in 250 bytes; 5 does not: what was used before 6 goes.
+        assert_eq!(horizon_within(&mut nodes, 250), 6);
+        assert_eq!(horizon_within(&mut nodes, 0), 10);
+    }
 
     #[test]
     fn utc_hour_of_known_instants() {

@@ -32,6 +32,11 @@ pub use mask::WorkerMask;
 
 pub use crate::pool::WorkerId;
 
+/// How long a worker's learned KV cache capacity bounds its records after the last
+/// answer that showed its engine evicting: a capacity learned from a passing squeeze
+/// (other work on the engine, a restart) must not shrink its share for good.
+pub const CAPACITY_TTL: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// A tree shared by the request path and its upkeep task: one `std::sync::Mutex`, held
 /// for one match or one insert (a few microseconds), never across an `.await`, plus the
 /// eviction pass's flag and counters (see [`evict`]).
@@ -49,8 +54,10 @@ pub struct SharedTree {
     /// Per worker, the last-use stamp below which its engine has evicted (see
     /// [`SharedTree::engine_evicted`]), waiting for the upkeep task's age-out sweep.
     horizons: std::sync::Mutex<Vec<(WorkerId, u64)>>,
-    /// Wakes the upkeep task for a sweep.
-    pub(crate) age_due: tokio::sync::Notify,
+    /// Per worker, the bytes of routing text its engine's KV cache was found to hold at
+    /// most (see [`evict::age_out`]), and when; its records are kept within it for
+    /// [`CAPACITY_TTL`] after the last answer that showed it.
+    capacities: std::sync::Mutex<Vec<(WorkerId, u64, std::time::Instant)>>,
     /// Bytes of workers' records removed by age-out sweeps.
     pub aged_out_bytes: std::sync::atomic::AtomicU64,
 }
@@ -129,13 +136,38 @@ impl SharedTree {
             Some((_, s)) => *s = (*s).max(stamp),
             None => h.push((worker, stamp)),
         }
-        drop(h);
-        self.age_due.notify_one();
     }
 
     /// The horizons waiting for a sweep, taken.
     pub(crate) fn take_horizons(&self) -> Vec<(WorkerId, u64)> {
         std::mem::take(&mut *self.horizons.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// The effective KV cache capacity learned for `worker`, in bytes of routing text
+    /// (`None` until an answer showed its engine evicting).
+    pub fn capacity(&self, worker: WorkerId) -> Option<u64> {
+        self.capacities
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .find(|(w, _, at)| *w == worker && at.elapsed() < CAPACITY_TTL)
+            .map(|(_, c, _)| *c)
+    }
+
+    /// Sets (`Some`) or forgets `worker`'s learned capacity.
+    pub fn set_capacity(&self, worker: WorkerId, bytes: Option<u64>) {
+        let mut c = self.capacities.lock().unwrap_or_else(|e| e.into_inner());
+        c.retain(|(w, _, _)| *w != worker);
+        if let Some(b) = bytes {
+            c.push((worker, b, std::time::Instant::now()));
+        }
+    }
+
+    /// Every learned capacity still in force (expired ones are dropped).
+    pub(crate) fn capacities(&self) -> Vec<(WorkerId, u64)> {
+        let mut c = self.capacities.lock().unwrap_or_else(|e| e.into_inner());
+        c.retain(|(_, _, at)| at.elapsed() < CAPACITY_TTL);
+        c.iter().map(|(w, b, _)| (*w, *b)).collect()
     }
 
     /// Shares this tree with the other router replicas through `remote` (once).
@@ -406,6 +438,23 @@ impl RadixTree {
     pub fn remove_worker(&mut self, worker: WorkerId) {
         let top = self.children_of(ROOT);
         self.remove_below(top, worker);
+    }
+
+    /// Appends `(last_access, edge bytes)` of every node among arena slots `range` that
+    /// `worker` holds.
+    pub fn worker_nodes(
+        &self,
+        range: std::ops::Range<usize>,
+        worker: WorkerId,
+        out: &mut Vec<(u64, u64)>,
+    ) {
+        let end = range.end.min(self.nodes.len());
+        for i in range.start.max(1)..end {
+            let n = &self.nodes[i];
+            if n.workers.contains(worker) {
+                out.push((n.last_access, n.edge.len() as u64));
+            }
+        }
     }
 
     /// Removes each `(worker, horizon)`'s worker from the nodes among arena slots
