@@ -104,7 +104,7 @@ async fn default_body_limit_forwards_a_long_context_request_with_an_image() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_reachable_worker_answers_503_json_and_admin_still_answers() {
-    let urls = [closed_port_url(), closed_port_url()];
+    let urls = closed_port_urls::<2>();
     let router = start_router(&yaml_for_urls(&urls, "")).await;
     for body in [
         chat_body("anyone there?", false),

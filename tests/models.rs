@@ -36,7 +36,7 @@ async fn models_are_served_by_a_worker_that_is_up_when_the_first_is_down() {
 // C21, every worker down
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_with_every_worker_down_answer_503_json() {
-    let urls = [closed_port_url(), closed_port_url()];
+    let urls = closed_port_urls::<2>();
     let router = start_router(&yaml_for_urls(&urls, "")).await;
     let resp = get(router.addr, "/v1/models").await;
     assert_eq!(resp.status, 503, "{}", resp.text());

@@ -1523,10 +1523,23 @@ pub async fn wait_all_idle(addr: SocketAddr, limit: Duration) {
 
 /// A URL whose port refuses connections (bound, then closed).
 pub fn closed_port_url() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
-    let port = l.local_addr().expect("addr").port();
-    drop(l);
-    format!("http://127.0.0.1:{port}")
+    let [url] = closed_port_urls::<1>();
+    url
+}
+
+/// `N` distinct such URLs: every port is held until all are bound (ports bound and
+/// closed one after the other can come back equal, and two workers with one URL are
+/// one worker).
+pub fn closed_port_urls<const N: usize>() -> [String; N] {
+    let held: Vec<std::net::TcpListener> = (0..N)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind"))
+        .collect();
+    std::array::from_fn(|i| {
+        format!(
+            "http://127.0.0.1:{}",
+            held[i].local_addr().expect("addr").port()
+        )
+    })
 }
 
 /// A chat completions body with one user message.
