@@ -242,12 +242,12 @@ impl Policy for CostAware {
             let shared = self.tree.shared_tree();
             shared
                 .lock()
-                .prefix_per_worker(text, &eligible, |w, n| matches.set(w, n));
-            // Other router replicas' records: whichever holds more.
+                .prefix_per_worker(text, &eligible, |w, n, stamp| matches.set(w, n, stamp));
+            // Other replicas' records (no stamp of this tree's): whichever holds more.
             if let Some(r) = shared.remote() {
                 r.prefix_per_worker(text, &eligible, &req.chain, &mut |w, n| {
                     if n > matches.get(w) {
-                        matches.set(w, n)
+                        matches.set(w, n, 0)
                     }
                 });
             }
@@ -258,7 +258,7 @@ impl Policy for CostAware {
         {
             for &(w, len) in served {
                 if matches.get(w) == text.len() {
-                    matches.set(w, len.min(prompt_bytes));
+                    matches.set(w, len.min(prompt_bytes), matches.stamp(w));
                 }
             }
         }
@@ -338,7 +338,11 @@ impl Policy for CostAware {
             dp_rank: None,
             cache_aware: c.cache_aware,
             prefill_tokens: cost.own_tokens,
-            stamp: 0,
+            stamp: if reason == Reason::CacheHit {
+                matches.stamp(c.id)
+            } else {
+                0
+            },
         }
     }
 
@@ -356,6 +360,11 @@ impl Policy for CostAware {
                 None => served.push((w, ctx.total_len)),
             }
         }
+    }
+
+    /// Learns from the engines as `cache_aware` does (the same tree).
+    fn answered(&self, worker: &Worker, answer: &super::Answer<'_>) {
+        self.tree.learn(worker, answer);
     }
 
     fn tree(&self) -> Option<&Arc<SharedTree>> {
@@ -460,6 +469,46 @@ mod tests {
         policy.worker_left(served);
         let pick3 = policy.pick(&req2, &set, &c, &mut rng);
         assert_eq!(pick3.reason, Reason::Miss);
+    }
+
+    #[test]
+    fn a_hit_carries_its_stamp_and_a_short_delivery_sets_the_horizon() {
+        let (config, pool, policy) = setup("");
+        let set = pool.set();
+        let c = cands(&set);
+        let mut rng = StdRng::seed_from_u64(1);
+        let body = body(800, "a question");
+        let ctx = extract(
+            Endpoint::ChatCompletions,
+            &body,
+            config.cache.max_prompt_bytes,
+        );
+        let req = RouteRequest {
+            ctx: Some(&ctx),
+            ..Default::default()
+        };
+        let first = policy.pick(&req, &set, &c, &mut rng);
+        let w = set.get(first.worker.unwrap()).unwrap();
+        policy.observe(&req, &first, w, Outcome::Served);
+        let again = policy.pick(&req, &set, &c, &mut rng);
+        assert_eq!(
+            (again.worker, again.reason),
+            (first.worker, Reason::CacheHit)
+        );
+        assert!(again.stamp > 0);
+        let answer = super::super::Answer {
+            response_id: None,
+            shortfall: Some(super::super::Shortfall {
+                stamp: again.stamp,
+                predicted_tokens: again.matched as u64,
+                delivered_tokens: 0,
+            }),
+        };
+        policy.answered(w, &answer);
+        assert_eq!(
+            policy.tree.shared_tree().take_horizons(),
+            vec![(w.id(), again.stamp)]
+        );
     }
 
     #[test]

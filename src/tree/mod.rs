@@ -349,19 +349,22 @@ impl RadixTree {
         best
     }
 
-    /// For each worker of `eligible` that holds a prefix of `text`: `f(worker, bytes)`
-    /// with the longest one it holds, once per worker (workers holding nothing are not
+    /// For each worker of `eligible` that holds a prefix of `text`: `f(worker, bytes,
+    /// stamp)` with the longest one it holds and that match's last-use stamp
+    /// ([`PrefixMatch::stamp`]), once per worker (workers holding nothing are not
     /// called); read-only. One walk down the path; each step costs the workers that
     /// leave it (a node's holders are a subset of its parent's).
     pub fn prefix_per_worker(
         &self,
         text: &[u8],
         eligible: &WorkerMask,
-        mut f: impl FnMut(WorkerId, usize),
+        mut f: impl FnMut(WorkerId, usize, u64),
     ) {
         let mut node = ROOT;
         let mut pos = 0;
         let mut holding = eligible.clone();
+        // The last-use stamp of the match's end so far (see `PrefixMatch::stamp`).
+        let mut stamp = 0;
         while pos < text.len() {
             let Some(child) = self.child(node, text[pos]) else {
                 break;
@@ -373,12 +376,13 @@ impl RadixTree {
             }
             if pos > 0 {
                 for w in holding.iter().filter(|w| !here.contains(*w)) {
-                    f(w, pos);
+                    f(w, pos, stamp);
                 }
             }
             let n = common_prefix_len(&c.edge, &text[pos..]);
             pos += n;
             holding = here;
+            stamp = c.last_access;
             if n < c.edge.len() {
                 break;
             }
@@ -386,7 +390,7 @@ impl RadixTree {
         }
         if pos > 0 {
             for w in holding.iter() {
-                f(w, pos);
+                f(w, pos, stamp);
             }
         }
     }
@@ -736,7 +740,7 @@ mod tests {
         t.prefix_per_worker(
             b"system: you are helpful\nuser: hi there",
             &all(),
-            |w, n| got.push((w, n)),
+            |w, n, _| got.push((w, n)),
         );
         got.sort();
         assert_eq!(got, vec![(A, 32), (B, 30), (C, 8)]);
@@ -746,13 +750,13 @@ mod tests {
             t.prefix_per_worker(
                 b"system: you are helpful\nuser: hi there",
                 &only(w),
-                |w, n| one.push((w, n)),
+                |w, n, stamp| one.push((w, n, stamp)),
             );
             let m = t.longest_prefix(b"system: you are helpful\nuser: hi there", &only(w));
-            assert_eq!(one, vec![(w, m.matched)]);
+            assert_eq!(one, vec![(w, m.matched, m.stamp)]);
         }
         let mut none = Vec::new();
-        t.prefix_per_worker(b"zzz", &all(), |w, n| none.push((w, n)));
+        t.prefix_per_worker(b"zzz", &all(), |w, n, _| none.push((w, n)));
         assert!(none.is_empty());
     }
 
