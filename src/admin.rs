@@ -74,11 +74,12 @@ struct WorkerView {
 /// What a worker's answers said of the router's prefix memory (see `pool::hits`).
 #[derive(Serialize)]
 struct HitsView {
-    /// Answers that reported usage.
+    /// Answers that named their cached tokens (or came from an engine that has).
     answers: u64,
     /// Prefix tokens of those answers: the longest any worker held (available), what
     /// the router believed this worker held (predicted), the engine's `cached_tokens`
-    /// (delivered). Whole KV blocks, estimated from bytes at the worker's learned tokens per byte in approximate mode.
+    /// (delivered). Whole KV blocks, estimated from bytes at the worker's learned
+    /// tokens per byte in approximate mode.
     available_tokens: u64,
     predicted_tokens: u64,
     delivered_tokens: u64,
@@ -301,7 +302,7 @@ struct Workers {
 /// what they say: `routed_share` = predicted ÷ available (under 1: reuse lost to load
 /// or thresholds), `delivered_share` = delivered ÷ predicted (under 1: the router's
 /// memory is stale, see `pool::hits`); `null` while the divisor is 0.
-#[derive(Serialize)]
+#[derive(Serialize, Default)]
 struct HitsSummary {
     answers: u64,
     available_tokens: u64,
@@ -314,15 +315,7 @@ struct HitsSummary {
 
 impl HitsSummary {
     fn of<'a>(views: impl Iterator<Item = &'a HitsView>) -> Self {
-        let mut s = HitsSummary {
-            answers: 0,
-            available_tokens: 0,
-            predicted_tokens: 0,
-            delivered_tokens: 0,
-            routed_share: None,
-            delivered_share: None,
-            shortfalls: 0,
-        };
+        let mut s = HitsSummary::default();
         for h in views {
             s.answers += h.answers;
             s.available_tokens += h.available_tokens;

@@ -145,8 +145,11 @@ impl CostAware {
         };
         let prompt_tokens = (prompt_bytes as f64 * rate.tokens_per_byte).max(1.0);
         let block = self.block_tokens as f64;
-        let matched_tokens =
-            ((matched_bytes as f64 * rate.tokens_per_byte) / block).floor() * block;
+        let matched_tokens = BlockScale {
+            tokens_per_byte: rate.tokens_per_byte,
+            block_tokens: self.block_tokens,
+        }
+        .tokens(matched_bytes) as f64;
         // The last prompt token is always recomputed.
         let matched_tokens = matched_tokens
             .min(((prompt_tokens - 1.0) / block).floor() * block)

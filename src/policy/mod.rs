@@ -49,7 +49,7 @@ use std::sync::Arc;
 
 use rand::RngCore;
 
-pub use cache_aware::{CacheAware, Memory, learned_tokens_per_byte, pick_cache_aware};
+pub use cache_aware::{CacheAware, Memory, pick_cache_aware};
 pub use select::{BlockScale, CacheParams};
 
 use crate::config::{Config, PolicyKind};
