@@ -231,7 +231,7 @@ struct FeedView {
     endpoint: String,
     topic: String,
     replay_endpoint: Option<String>,
-    /// `live` (scored), `replaying` or `stale` (neutral).
+    /// `live` (scored), `parity_lost`, `replaying`, `stale` or `disconnected` (neutral).
     state: &'static str,
     connected: bool,
     last_seq: Option<u64>,
@@ -259,6 +259,10 @@ struct FeedView {
     /// Each rank's feed (dp_size > 1 only).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     ranks: Vec<FeedView>,
+    /// The worker's token parity (not per rank): answers whose blocks its engine
+    /// confirmed or not, and whether the tree routes for it (`precise::parity`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parity: Option<crate::precise::parity::ParityView>,
 }
 
 /// Precise mode's index and decisions in `/workers`.
@@ -534,6 +538,7 @@ fn worker_feed_view(
         dp_size: None,
         live_ranks: None,
         ranks: Vec::new(),
+        parity: None,
     };
     let states: Vec<FeedState> = feeds.iter().map(|f| f.state(now, stale)).collect();
     let mut ranks: Vec<FeedView> = feeds
@@ -542,8 +547,11 @@ fn worker_feed_view(
         .zip(&states)
         .map(|((f, b), st)| view(f, *b, *st))
         .collect();
+    let parity = feeds.first().map(|f| f.parity().view());
     if ranks.len() == 1 {
-        return ranks.remove(0);
+        let mut one = ranks.remove(0);
+        one.parity = parity;
+        return one;
     }
     for (r, f) in ranks.iter_mut().zip(feeds) {
         r.rank = Some(f.rank());
@@ -574,6 +582,7 @@ fn worker_feed_view(
         dp_size: Some(feeds.len() as u32),
         live_ranks: Some(states.iter().filter(|s| **s == FeedState::Live).count()),
         ranks,
+        parity,
     }
 }
 

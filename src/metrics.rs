@@ -133,6 +133,8 @@ struct PreciseFamilies {
     worker_blocks: Family<WorkerLabels, Gauge>,
     live_ranks: Family<WorkerLabels, Gauge>,
     rank_mismatch: Family<WorkerLabels, Counter>,
+    parity_checks: Family<WorkerResultLabels, Counter>,
+    parity_lost: Family<WorkerLabels, Gauge>,
     blocks: Gauge,
     evicted: Counter,
     decisions: Family<DecisionLabels, Counter>,
@@ -563,7 +565,7 @@ impl Metrics {
         );
         r.register(
             "kv_event_feed_state",
-            "1 for the feed's state: live (scored), replaying, stale or disconnected (neutral)",
+            "1 for the feed's state: live (scored), parity_lost, replaying, stale or disconnected (neutral)",
             p.state.clone(),
         );
         r.register(
@@ -575,6 +577,16 @@ impl Metrics {
             "kv_event_rank_mismatch",
             "KV-event batches whose dp_rank was not the rank of the port they came on (workers with dp_size > 1; applied to the port's rank)",
             p.rank_mismatch.clone(),
+        );
+        r.register(
+            "precise_parity_checks",
+            "Answers whose KV blocks were looked up in the worker's own events after they ended: result match (the engine reported the router's last block key) or mismatch",
+            p.parity_checks.clone(),
+        );
+        r.register(
+            "precise_parity_lost",
+            "1 while the worker's engine blocks do not match the router's tokens (match share under precise.parity_floor): the approximate tree routes for it",
+            p.parity_lost.clone(),
         );
         r.register(
             "precise_index_worker_blocks",
@@ -1165,6 +1177,21 @@ impl Metrics {
                     .inc_by(c);
             }
             f.rank_mismatch.get_or_create(&w()).inc_by(s.rank_mismatch);
+            if let Some(feed) = ranks.first() {
+                let parity = feed.parity();
+                let (matches, mismatches) = parity.counts();
+                for (result, c) in [("match", matches), ("mismatch", mismatches)] {
+                    f.parity_checks
+                        .get_or_create(&WorkerResultLabels {
+                            worker: Arc::clone(label),
+                            result,
+                        })
+                        .inc_by(c);
+                }
+                f.parity_lost
+                    .get_or_create(&w())
+                    .set(i64::from(parity.is_lost()));
+            }
             if let Some(secs) = ranks
                 .iter()
                 .filter_map(|feed| feed.seconds_since_message(now))
@@ -1179,6 +1206,7 @@ impl Metrics {
             let state = states.iter().max().copied().unwrap_or(FeedState::Live);
             for st in [
                 FeedState::Live,
+                FeedState::ParityLost,
                 FeedState::Replaying,
                 FeedState::Stale,
                 FeedState::Disconnected,

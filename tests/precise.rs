@@ -1126,3 +1126,116 @@ async fn a_worker_with_two_dp_ranks_is_followed_rank_by_rank() {
     }
     router.shutdown().await;
 }
+
+/// One worker whose engine keys its blocks from the fixture tokenizer's own chat
+/// template (as vLLM would), behind a router tokenizing with `template` instead when
+/// given: after each answer the engine reports the blocks it prefilled. Returns the
+/// worker's `kv_events` view once its parity checks are in.
+async fn parity_run(template: Option<&std::path::Path>, requests: usize) -> serde_json::Value {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+    let mut extra = format!("  tokenizer: \"{}\"\n", dir.display());
+    if let Some(t) = template {
+        extra.push_str(&format!("  chat_template: \"{}\"\n", t.display()));
+    }
+    let w = FakeWorker::start().await;
+    let e = FakeEngine::start(false).await;
+    let router = start_router(&precise_yaml(&[(&w, &e)], &extra, NO_HEALTH)).await;
+    e.sync(&router, 0).await;
+    let engine = cache_aware_router::tokenize::PromptTokenizer::load(
+        &dir,
+        None,
+        cache_aware_router::tokenize::chat_template::ContentFormat::Auto,
+    )
+    .unwrap();
+    for i in 0..requests {
+        let body = chat_body(
+            &format!("conversation {i} about routing and KV caches"),
+            false,
+        );
+        let resp = send(
+            router.addr,
+            &Req::post("/v1/chat/completions", body.clone()),
+        )
+        .await;
+        assert_eq!(resp.status, 200);
+        let t = engine.chat(body.as_bytes()).unwrap();
+        let n = t.len() / BS;
+        e.publish(vec![stored(
+            Form::Map,
+            &hashes(i as u64 + 1, n),
+            None,
+            &t[..n * BS],
+        )])
+        .await;
+    }
+    wait_feed(&router, 0, "every answer checked", |f| {
+        let p = &f["parity"];
+        p["matches"].as_u64().unwrap_or(0) + p["mismatches"].as_u64().unwrap_or(0)
+            >= requests as u64
+    })
+    .await;
+    let view = feed(&router, 0).await;
+    if template.is_some() {
+        // The tree routes for the worker now, and says why.
+        let resp = send(
+            router.addr,
+            &Req::post("/v1/chat/completions", chat_body("one more", false)),
+        )
+        .await;
+        assert_eq!(resp.status, 200);
+        let d = &get_workers(router.addr).await["precise"]["decisions"];
+        assert_eq!(d["fallback"]["parity_lost"], 1, "{d}");
+        assert_eq!(d["precise"]["tokenizer"], requests as u64, "{d}");
+        let label = worker_label(router.addr, 0).await;
+        let m = scrape(router.addr).await;
+        assert_eq!(
+            m.value(
+                "cache_aware_router_precise_parity_lost",
+                &[("worker", &label)]
+            ),
+            1.0
+        );
+        assert_eq!(
+            m.value(
+                "cache_aware_router_precise_parity_checks_total",
+                &[("worker", &label), ("result", "mismatch")]
+            ),
+            requests as f64
+        );
+    }
+    router.shutdown().await;
+    view
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_router_template_unlike_the_engines_loses_parity_and_falls_back() {
+    // Same template as the engine: every answer's blocks are confirmed.
+    let same = parity_run(None, 10).await;
+    let p = &same["parity"];
+    assert_eq!(
+        (p["matches"].as_u64(), p["mismatches"].as_u64()),
+        (Some(10), Some(0)),
+        "{same}"
+    );
+    assert_eq!(
+        (p["lost"].as_bool(), same["state"].as_str()),
+        (Some(false), Some("live"))
+    );
+    // The router's template leaves out the engine's BOS token: no block ever matches.
+    let template = TempFile::new(
+        "no-bos.jinja",
+        "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}",
+    );
+    let other = parity_run(Some(&template.path), 10).await;
+    let p = &other["parity"];
+    assert_eq!(
+        (p["matches"].as_u64(), p["mismatches"].as_u64()),
+        (Some(0), Some(10)),
+        "{other}"
+    );
+    assert_eq!(p["lost"], true, "{other}");
+    assert_eq!(other["state"], "parity_lost", "{other}");
+    assert_eq!(p["last_cause"], "tokens", "{other}");
+    let detail = p["last_cause_detail"].as_str().unwrap();
+    assert!(detail.contains("from token 0 on"), "{detail}");
+}

@@ -351,6 +351,11 @@ pub struct PreciseConfig {
     /// In-router tokenization (`precise.tokenizer`), loaded; `None` = requests without
     /// token ids are scored by the approximate tree.
     pub tokenizer: Option<TokenizerSetting>,
+    /// Token-parity floor (`precise.parity_floor`, default 0.5; 0 = never fall back): a
+    /// worker whose engine confirmed under this share of the router's block keys over
+    /// its last checked answers is scored by the tree until the share is back (see
+    /// [`crate::precise::parity`]).
+    pub parity_floor: f64,
 }
 
 /// `precise.tokenizer` (+ `chat_template`, `chat_template_content_format`), loaded at
@@ -839,6 +844,7 @@ struct RawPrecise {
     chat_template: Option<PathBuf>,
     chat_template_content_format: Option<ContentFormat>,
     max_tokenize_bytes: Option<u64>,
+    parity_floor: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -1797,6 +1803,14 @@ impl Config {
                     "is out of range (blocks, 1 to 2^32)",
                 )
             })?;
+        let parity_floor = pr.parity_floor.unwrap_or(0.5);
+        if !(0.0..=1.0).contains(&parity_floor) {
+            return Err(ck.bad(
+                "precise.parity_floor",
+                parity_floor,
+                "is out of range (a share of checked answers whose blocks the engine confirmed, 0 to 1; 0 = never fall back)",
+            ));
+        }
         let precise = PreciseConfig {
             block_size: block_size as usize,
             max_blocks,
@@ -1808,6 +1822,7 @@ impl Config {
                 Some("off"),
             )?,
             tokenizer,
+            parity_floor,
         };
         if policy == PolicyKind::PreciseCacheAware
             && !workers.is_empty()
@@ -2860,6 +2875,25 @@ mod tests {
         // Quadratic, this took 28.9 s in release; linear it is well under 1 s in release
         // and a few seconds in a debug build on a slow CI core.
         assert!(took < Duration::from_secs(10), "{took:?}");
+    }
+
+    #[test]
+    fn floors_are_ratios_from_0_to_1() {
+        for key in ["cache.drift_floor", "precise.parity_floor"] {
+            let (section, name) = key.split_once('.').unwrap();
+            let doc = |v: &str| format!("{section}:\n  {name}: {v}\n");
+            for bad in ["-0.1", "1.5", ".nan"] {
+                let e = err(&[("a.yaml", ONE), ("b.yaml", &doc(bad))]);
+                assert!(e.contains(key) && e.contains("0 to 1"), "{key} {bad}: {e}");
+            }
+            for good in ["0", "0.5", "1"] {
+                assert!(
+                    load(&[("a.yaml", ONE), ("b.yaml", &doc(good))]).is_ok(),
+                    "{key} {good}"
+                );
+            }
+        }
+        assert_eq!(load(&[("a", ONE)]).unwrap().precise.parity_floor, 0.5);
     }
 
     #[test]

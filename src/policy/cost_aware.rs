@@ -506,6 +506,7 @@ mod tests {
                 predicted_tokens: again.matched as u64,
                 delivered_tokens: 0,
             }),
+            prepared: None,
         };
         policy.answered(w, &answer);
         assert_eq!(

@@ -228,6 +228,9 @@ pub struct Answer<'a> {
     /// The engine served far fewer prefix tokens from its KV cache than the pick
     /// predicted (see [`Shortfall::of`]).
     pub shortfall: Option<Shortfall>,
+    /// What the policy's [`Policy::prepare`] worked out for the request, when it
+    /// keyed its blocks (precise mode's token-parity check reads it).
+    pub prepared: Option<&'a Prepared>,
 }
 
 /// A prediction the engine did not bear out: the pick ([`Pick::stamp`] `stamp`)
@@ -275,7 +278,8 @@ impl RouteRequest<'_> {
 }
 
 /// A policy's per-request preparation, done before the decision (it may wait).
-#[derive(Debug, Default)]
+/// Cloning shares its buffers.
+#[derive(Debug, Default, Clone)]
 pub enum Prepared {
     #[default]
     Nothing,

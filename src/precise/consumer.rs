@@ -412,6 +412,7 @@ impl Consumer {
                 Applied::Skipped(Skip::UnknownParent) => FeedStats::inc(&stats.unknown_parent),
                 Applied::Skipped(Skip::BlockSize(got)) => {
                     FeedStats::inc(&stats.ignored);
+                    self.feed.note_foreign_block_size(got);
                     if !self.warned_block_size {
                         self.warned_block_size = true;
                         tracing::warn!(

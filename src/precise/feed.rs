@@ -35,6 +35,9 @@ pub const RESET_CHECK_EVERY: Duration = Duration::from_millis(250);
 pub enum FeedState {
     /// Following the stream: entries are scored.
     Live,
+    /// Following the stream, but the engine's blocks have stopped matching the
+    /// router's tokens (see [`super::parity`]): neutral until parity returns.
+    ParityLost,
     /// Filling a sequence gap by replay: neutral until it ends.
     Replaying,
     /// Requests flowed, events did not: neutral until the next message.
@@ -48,6 +51,7 @@ impl FeedState {
     pub fn as_str(self) -> &'static str {
         match self {
             FeedState::Live => "live",
+            FeedState::ParityLost => "parity_lost",
             FeedState::Replaying => "replaying",
             FeedState::Stale => "stale",
             FeedState::Disconnected => "disconnected",
@@ -214,6 +218,11 @@ pub struct Feed {
     last_seq: AtomicU64,
     /// Bumped by [`Feed::reset`]; the consumer compares it with the value it last saw.
     resets: AtomicU64,
+    /// The block size of the last event skipped for having another one than
+    /// `precise.block_size` (0 = none).
+    foreign_block_size: AtomicU64,
+    /// The worker's token parity, shared by its ranks.
+    parity: Arc<super::parity::ParityState>,
     pub stats: FeedStats,
 }
 
@@ -223,6 +232,7 @@ impl Feed {
     /// the rank, so it is stable across reloads that keep them.
     pub fn ranks(url: &WorkerUrl, config: &KvEventsConfig, origin: Instant) -> Vec<Arc<Feed>> {
         let routed_since = Arc::new(AtomicU64::new(0));
+        let parity = Arc::new(super::parity::ParityState::default());
         (0..config.dp_size.max(1))
             .map(|rank| {
                 let endpoint = config.rank_endpoint(rank);
@@ -247,6 +257,8 @@ impl Feed {
                     connected: AtomicBool::new(false),
                     last_seq: AtomicU64::new(0),
                     resets: AtomicU64::new(0),
+                    foreign_block_size: AtomicU64::new(0),
+                    parity: Arc::clone(&parity),
                     stats: FeedStats::default(),
                 })
             })
@@ -374,8 +386,48 @@ impl Feed {
         self.resets.load(Ordering::Relaxed)
     }
 
-    /// The state at `now`, with `stale` = `precise.stale_secs`.
+    /// The worker's token parity (shared by its ranks).
+    pub fn parity(&self) -> &super::parity::ParityState {
+        &self.parity
+    }
+
+    /// An event was skipped for its block size, `size` tokens.
+    pub fn note_foreign_block_size(&self, size: usize) {
+        self.foreign_block_size
+            .store(size as u64, Ordering::Relaxed);
+    }
+
+    /// The block size of the last event skipped for it, when one was.
+    pub fn foreign_block_size(&self) -> Option<usize> {
+        match self.foreign_block_size.load(Ordering::Relaxed) {
+            0 => None,
+            n => Some(n as usize),
+        }
+    }
+
+    /// Times the router dropped this rank's blocks (engine clears, gaps, restarts,
+    /// resets): a parity check that spans one is not counted.
+    pub fn clears(&self) -> u64 {
+        let s = self.stats.counts();
+        s.cleared
+            + s.clears_gap
+            + s.clears_restart
+            + s.clears_reconnect
+            + s.clears_unhealthy
+            + self.resets()
+    }
+
+    /// The state at `now`, with `stale` = `precise.stale_secs`: [`Feed::events_state`],
+    /// or [`FeedState::ParityLost`] for a live feed whose worker lost token parity.
     pub fn state(&self, now: Instant, stale: Duration) -> FeedState {
+        match self.events_state(now, stale) {
+            FeedState::Live if self.parity.is_lost() => FeedState::ParityLost,
+            st => st,
+        }
+    }
+
+    /// The state of the event stream alone (parity aside).
+    pub fn events_state(&self, now: Instant, stale: Duration) -> FeedState {
         if !self.is_connected() {
             return FeedState::Disconnected;
         }

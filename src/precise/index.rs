@@ -162,6 +162,23 @@ struct SourceBlocks {
     /// Engine block hash -> router key, for parents and removals.
     engine: HashMap<u64, u64>,
     epoch: u32,
+    /// The last [`RECENT_STORES`] runs the engine stored, newest last (token parity's
+    /// diagnosis, [`super::parity`]).
+    recent: std::collections::VecDeque<RecentStore>,
+}
+
+/// Runs of stored blocks remembered per source for token parity's diagnosis.
+pub const RECENT_STORES: usize = 16;
+/// Tokens of a stored run remembered (its first blocks).
+const RECENT_TOKENS: usize = 4096;
+
+/// One `BlockStored` run as indexed: where it hangs and what the engine said it holds.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecentStore {
+    /// Router key of the block before the run; `None` when the run starts at token 0.
+    pub parent: Option<u64>,
+    /// The run's first tokens (at most 4096), as the engine reported them.
+    pub tokens: Vec<u32>,
 }
 
 /// Router key -> holders, bounded, LRU. See the module docs.
@@ -267,6 +284,14 @@ impl BlockIndex {
         for (&engine_hash, &key) in e.block_hashes.iter().zip(&keys) {
             self.hold(source, engine_hash, key);
         }
+        let recent = &mut self.sources.entry(source).or_default().recent;
+        if recent.len() == RECENT_STORES {
+            recent.pop_front();
+        }
+        recent.push_back(RecentStore {
+            parent: e.parent_block_hash.map(|_| parent),
+            tokens: e.token_ids[..e.token_ids.len().min(RECENT_TOKENS)].to_vec(),
+        });
         Applied::Stored(keys.len())
     }
 
@@ -381,6 +406,7 @@ impl BlockIndex {
             return;
         };
         src.epoch = src.epoch.wrapping_add(1);
+        src.recent.clear();
         for (_, key) in src.engine.drain() {
             if let Some(entry) = self.keys.peek_mut(&key) {
                 entry.residents.retain(|r| r.source != source);
@@ -438,6 +464,34 @@ impl BlockIndex {
             }
         }
         matched
+    }
+
+    /// How many of `keys` (a request's blocks, in order) `source` holds as a run from
+    /// the first, by its engine's own events (speculative entries do not count). Does
+    /// not touch recency.
+    pub fn confirmed_run(&self, keys: &[u64], source: SourceId) -> usize {
+        keys.iter()
+            .take_while(|k| {
+                self.keys
+                    .peek(k)
+                    .is_some_and(|e| e.residents.iter().any(|r| r.source == source))
+            })
+            .count()
+    }
+
+    /// Whether `source`'s engine reported holding block `key`.
+    pub fn confirms(&self, key: u64, source: SourceId) -> bool {
+        self.keys
+            .peek(&key)
+            .is_some_and(|e| e.residents.iter().any(|r| r.source == source))
+    }
+
+    /// The runs `source` stored most recently, oldest first.
+    pub fn recent_stores(&self, source: SourceId) -> impl Iterator<Item = &RecentStore> {
+        self.sources
+            .get(&source)
+            .into_iter()
+            .flat_map(|s| s.recent.iter())
     }
 
     /// Marks `keys` as held by `source` until `until` (a request was just routed there;

@@ -8,6 +8,7 @@
 //! index      BlockIndex: router key -> workers, LRU-bounded      (pure)
 //! feed       Feed: one publisher's state and counters (a worker has one per DP rank)
 //! consumer   one task per feed: SUB (+ DEALER for replay) -> index
+//! parity     token parity: answers' blocks looked up in the engine's own events
 //! mod        Precise (index + decision counters), the request's lookup, and the
 //!            supervisor task that starts and stops consumers with the worker set
 //!
@@ -42,6 +43,7 @@ pub mod consumer;
 pub mod events;
 pub mod feed;
 pub mod index;
+pub mod parity;
 pub mod sequence;
 
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -62,11 +64,13 @@ pub const TOKEN_IDS_HEADER: &str = "x-token-ids";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Lookup {
     /// Router keys of the prompt's full blocks, its length in tokens, and where the
-    /// tokens came from.
+    /// tokens came from; `ids` are the keyed token ids (at most [`MAX_LOOKUP_TOKENS`]),
+    /// kept for the answer's parity check ([`parity`]). Cloning shares them.
     Blocks {
-        keys: Vec<u64>,
+        keys: Arc<[u64]>,
         tokens: usize,
         source: TokenSource,
+        ids: Arc<[u32]>,
     },
     /// Precise scoring is neutral for this request.
     Fallback(Fallback),
@@ -123,10 +127,14 @@ pub enum Fallback {
     /// cannot be scored (replaying, stale, disconnected, no `kv_events`): it may hold
     /// them, and the tree, which saw what was sent where, may know.
     UnscoredMiss,
+    /// No usable cache-aware worker has a scorable feed, and some of them lost token
+    /// parity: their engines' blocks stopped matching the router's tokens
+    /// ([`parity`]).
+    ParityLost,
 }
 
 impl Fallback {
-    const ALL: [Fallback; 7] = [
+    const ALL: [Fallback; 8] = [
         Fallback::NoTokens,
         Fallback::BadTokens,
         Fallback::ShortPrompt,
@@ -134,6 +142,7 @@ impl Fallback {
         Fallback::Untokenizable,
         Fallback::TokenizerBusy,
         Fallback::UnscoredMiss,
+        Fallback::ParityLost,
     ];
 
     /// Label used in metrics and `/workers`.
@@ -146,6 +155,7 @@ impl Fallback {
             Fallback::Untokenizable => "untokenizable",
             Fallback::TokenizerBusy => "tokenizer_busy",
             Fallback::UnscoredMiss => "unscored_miss",
+            Fallback::ParityLost => "parity_lost",
         }
     }
 }
@@ -169,10 +179,12 @@ pub struct Precise {
     index: Mutex<BlockIndex>,
     /// `precise.tokenizer`, loaded.
     tokenizer: Option<Arc<PromptTokenizer>>,
+    /// Answers waiting for their token-parity check.
+    pub(crate) parity: parity::Checks,
     /// Decisions scored precisely, by [`TokenSource::ALL`] position.
     precise_decisions: [AtomicU64; 3],
     /// Fallback decisions, by [`Fallback::ALL`] position.
-    fallback_decisions: [AtomicU64; 7],
+    fallback_decisions: [AtomicU64; 8],
     /// Tokenizer jobs that may run at once: one per core. A job holds its permit until
     /// it ends, even when its client has gone, so CPU and memory stay bounded.
     tokenize_slots: Arc<tokio::sync::Semaphore>,
@@ -210,6 +222,7 @@ impl Precise {
             index: Mutex::new(BlockIndex::new(config.block_size, config.max_blocks.get())),
             tokenizer: config.tokenizer.as_ref().map(|t| Arc::clone(&t.loaded)),
             config: config.clone(),
+            parity: parity::Checks::default(),
             precise_decisions: Default::default(),
             fallback_decisions: Default::default(),
             tokenize_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
@@ -375,10 +388,29 @@ impl Precise {
             return Lookup::Fallback(Fallback::ShortPrompt);
         }
         Lookup::Blocks {
-            keys,
+            keys: keys.into(),
             tokens: tokens.len(),
             source,
+            ids: keyed.into(),
         }
+    }
+
+    /// Queues the token-parity check of an answer `worker` gave to a request keyed as
+    /// `keys` from token ids `ids` (see [`parity`]); nothing for a worker without
+    /// `kv_events`.
+    pub fn check_parity(&self, worker: &crate::pool::Worker, keys: &Arc<[u64]>, ids: &Arc<[u32]>) {
+        let feeds = worker.feeds();
+        if feeds.is_empty() || keys.is_empty() {
+            return;
+        }
+        self.parity.push(parity::Check {
+            due: crate::clock::now() + parity::CHECK_DELAY,
+            worker: Arc::clone(worker.label()),
+            feeds: feeds.to_vec(),
+            clears: feeds.iter().map(|f| f.clears()).collect(),
+            keys: Arc::clone(keys),
+            ids: Arc::clone(ids),
+        });
     }
 
     /// Counts a decision scored precisely, by where its tokens came from.
@@ -442,6 +474,7 @@ mod tests {
             stale: Duration::from_secs(30),
             speculative_ttl: Duration::from_secs(2),
             tokenizer: None,
+            parity_floor: 0.5,
         }
     }
 
@@ -470,6 +503,7 @@ mod tests {
             keys,
             tokens,
             source,
+            ..
         } = p.lookup(&h, chat, &body).await
         else {
             panic!()

@@ -34,6 +34,9 @@ pub struct BodyTap {
     pub drift_for: Duration,
     /// `cache.engine_block_tokens`.
     pub block_tokens: u64,
+    /// The policy's preparation of the request, handed back with the answer when it
+    /// keyed the prompt's blocks (precise mode).
+    pub prepared: crate::policy::Prepared,
 }
 
 /// Streams the upstream body to the client frame by frame (no buffering) and holds the
@@ -112,12 +115,19 @@ impl GuardedBody {
                         }
                     }
                 }
+                let keyed = matches!(
+                    tap.prepared,
+                    crate::policy::Prepared::Blocks(crate::precise::Lookup::Blocks { .. })
+                );
                 let answer = crate::policy::Answer {
                     response_id: found.response_id.as_deref(),
                     shortfall,
+                    prepared: keyed.then_some(&tap.prepared),
                 };
                 if let Some(w) = served_by.as_ref()
-                    && (answer.response_id.is_some() || answer.shortfall.is_some())
+                    && (answer.response_id.is_some()
+                        || answer.shortfall.is_some()
+                        || answer.prepared.is_some())
                 {
                     tap.policy.answered(w, &answer);
                 }

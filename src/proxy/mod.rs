@@ -287,7 +287,13 @@ impl Router {
             }
             let Some((pick, mut guard)) = self.pick(set, route, &tried) else {
                 if let Some((resp, guard, log)) = held {
-                    return Ok(self.respond(resp, guard, log, route.cache.clone()));
+                    return Ok(self.respond(
+                        resp,
+                        guard,
+                        log,
+                        route.cache.clone(),
+                        route.req.prepared.clone(),
+                    ));
                 }
                 self.metrics.decision(Reason::NoWorker, started.elapsed());
                 return Err(last_error);
@@ -371,7 +377,13 @@ impl Router {
                     let retryable = pushed_back.is_some()
                         || self.config.proxy.retryable_statuses.contains(&status);
                     if attempt == retries || !retryable {
-                        return Ok(self.respond(resp, guard, log, route.cache.clone()));
+                        return Ok(self.respond(
+                            resp,
+                            guard,
+                            log,
+                            route.cache.clone(),
+                            route.req.prepared.clone(),
+                        ));
                     }
                     tracing::warn!(
                         request_id = ?request_id,
@@ -389,7 +401,13 @@ impl Router {
             }
         }
         match held {
-            Some((resp, guard, log)) => Ok(self.respond(resp, guard, log, route.cache.clone())),
+            Some((resp, guard, log)) => Ok(self.respond(
+                resp,
+                guard,
+                log,
+                route.cache.clone(),
+                route.req.prepared.clone(),
+            )),
             None => Err(last_error),
         }
     }
@@ -465,6 +483,7 @@ impl Router {
         guard: InFlightGuard,
         log: AccessLog,
         pending: Option<Pending>,
+        prepared: Prepared,
     ) -> Response<ProxyBody> {
         self.metrics.request(log.endpoint, &log.worker, log.status);
         let record = pending.and_then(|p| cache::Recorder::start(p, resp.status(), resp.headers()));
@@ -505,6 +524,7 @@ impl Router {
             drift_floor: self.config.cache.drift_floor,
             drift_for: self.config.cache.drift_for,
             block_tokens: self.config.cache.engine_block_tokens as u64,
+            prepared,
         };
         let body =
             GuardedBody::new(incoming, guard, self.config.proxy.request_timeout, tap).boxed();

@@ -22,7 +22,8 @@ use std::sync::Arc;
 use rand::{Rng, RngCore};
 
 use super::{
-    BoxFuture, CacheAware, Candidate, Outcome, Pick, Policy, Prepared, RequestParts, RouteRequest,
+    Answer, BoxFuture, CacheAware, Candidate, Outcome, Pick, Policy, Prepared, RequestParts,
+    RouteRequest,
 };
 use crate::config::Config;
 use crate::pool::{Pool, PoolListener, Worker, WorkerSet};
@@ -73,7 +74,18 @@ impl PreciseCacheAware {
             })
             .collect();
         if scorable.is_empty() {
-            return Err(Fallback::NoFreshWorker);
+            let parity_lost = candidates.iter().zip(feeds).any(|(c, ranks)| {
+                c.usable
+                    && c.cache_aware
+                    && ranks
+                        .iter()
+                        .any(|f| f.state(now, stale) == feed::FeedState::ParityLost)
+            });
+            return Err(if parity_lost {
+                Fallback::ParityLost
+            } else {
+                Fallback::NoFreshWorker
+            });
         }
         let sources: Vec<SourceId> = scorable.iter().map(|(_, s)| *s).collect();
         let matched = self.precise.index().match_prefix(keys, &sources, now);
@@ -187,6 +199,7 @@ impl Policy for PreciseCacheAware {
                 keys,
                 tokens,
                 source,
+                ..
             }) => self
                 .score(req, candidates, &feeds, keys, *tokens, rng)
                 .map(|pick| (pick, *source)),
@@ -235,6 +248,15 @@ impl Policy for PreciseCacheAware {
         }
     }
 
+    /// The tree learns from the answer as in `cache_aware`; an answer to a request
+    /// whose blocks were keyed is queued for its token-parity check.
+    fn answered(&self, worker: &Worker, answer: &Answer<'_>) {
+        self.fallback.learn(worker, answer);
+        if let Some(Prepared::Blocks(Lookup::Blocks { keys, ids, .. })) = answer.prepared {
+            self.precise.check_parity(worker, keys, ids);
+        }
+    }
+
     fn tree(&self) -> Option<&Arc<SharedTree>> {
         Some(self.fallback.shared_tree())
     }
@@ -247,13 +269,17 @@ impl Policy for PreciseCacheAware {
         let evict = self
             .fallback
             .background(Arc::clone(&pool), shutdown.clone());
+        let parity = crate::precise::parity::run(Arc::clone(&self.precise), shutdown.clone());
         let supervise = supervise::run(Arc::clone(&self.precise), pool, shutdown);
+        let precise = futures_util::future::join(supervise, parity);
         Some(Box::pin(async move {
             match evict {
                 Some(e) => {
-                    futures_util::future::join(e, supervise).await;
+                    futures_util::future::join(e, precise).await;
                 }
-                None => supervise.await,
+                None => {
+                    precise.await;
+                }
             }
         }))
     }
@@ -270,6 +296,7 @@ mod tests {
             stale: std::time::Duration::from_secs(30),
             speculative_ttl: std::time::Duration::from_secs(2),
             tokenizer: None,
+            parity_floor: 0.5,
         }
     }
 
