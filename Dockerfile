@@ -24,7 +24,7 @@ COPY Cargo.toml Cargo.lock ./
 COPY src src
 COPY benches benches
 COPY bench bench
-# The router only. It has no TLS library at all (workers are plain HTTP): no OpenSSL.
+# The router only. TLS (https:// workers, Kubernetes API) is rustls with ring: no OpenSSL.
 # Cache mounts keep the registry and build directory between builds (BuildKit).
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \

@@ -324,7 +324,7 @@ mod tests {
                 "response_cache.semantic.embeddings_url",
             ),
             (
-                "{semantic: {embeddings_url: \"https://e:1/v1/embeddings\", model: m}}",
+                "{semantic: {embeddings_url: \"ftp://e:1/v1/embeddings\", model: m}}",
                 "response_cache.semantic.embeddings_url",
             ),
             (

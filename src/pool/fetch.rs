@@ -14,7 +14,7 @@ use super::Worker;
 pub enum Target<'a> {
     /// A path below the worker's URL, sent with the worker's backend key.
     Path(&'a str),
-    /// An absolute `http://` URL, sent without any key (it is not the worker).
+    /// An absolute `http://` or `https://` URL, sent without any key (it is not the worker).
     Url(&'a str),
 }
 

@@ -5,6 +5,7 @@ use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, Version};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
+use hyper_rustls::HttpsConnector;
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
@@ -14,25 +15,41 @@ use crate::config::{ProxyConfig, Secret};
 use crate::error::ProxyError;
 use crate::pool::Worker;
 
+/// The connector of every upstream call: plain TCP for `http://`, rustls over it for
+/// `https://` (`proxy.tls`).
+type Connector = HttpsConnector<HttpConnector>;
+
 /// hyper-util's pooled HTTP/1.1 client, configured from `proxy:`. Cheap to clone.
 #[derive(Clone)]
 pub struct Upstream {
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<Connector, Full<Bytes>>,
     /// Same settings, no pooling: the resend after a stale pooled connection must not
     /// pick up another socket the worker already closed.
-    fresh: Client<HttpConnector, Full<Bytes>>,
+    fresh: Client<Connector, Full<Bytes>>,
     request_timeout: std::time::Duration,
     api_key: Option<Secret>,
 }
 
 impl Upstream {
     /// TCP_NODELAY on (small SSE writes must not wait for delayed ACKs), connect bound
-    /// by `connect_timeout`, idle pooled connections closed after `pool_idle_timeout`.
+    /// by `connect_timeout` (the TCP connect; the TLS handshake then runs within the
+    /// request's `request_timeout`), idle pooled connections closed after
+    /// `pool_idle_timeout`; `https://` verified as `proxy.tls` says.
     pub fn new(cfg: &ProxyConfig) -> Self {
-        let mut connector = HttpConnector::new();
-        connector.set_nodelay(true);
-        connector.set_connect_timeout(Some(cfg.connect_timeout));
-        connector.enforce_http(true);
+        let mut tcp = HttpConnector::new();
+        tcp.set_nodelay(true);
+        tcp.set_connect_timeout(Some(cfg.connect_timeout));
+        tcp.enforce_http(false);
+        if cfg.tls.insecure_skip_verify {
+            tracing::warn!(
+                "proxy.tls.insecure_skip_verify is on: https:// workers are NOT verified; anyone on the path can read and change requests and answers"
+            );
+        }
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config((*cfg.tls.client).clone())
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(tcp);
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(cfg.pool_idle_timeout)
@@ -183,7 +200,7 @@ impl Upstream {
         self.bounded(req, timeout, max_bytes).await
     }
 
-    /// `POST` of a JSON `body` to an absolute `http://` URL (not a worker path), with
+    /// `POST` of a JSON `body` to an absolute `http(s)://` URL (not a worker path), with
     /// `bearer` as its `Authorization` when given; bounded like [`Upstream::get`].
     pub async fn post_json(
         &self,

@@ -21,6 +21,7 @@ pub mod binary;
 pub mod dns;
 pub mod kube_api;
 pub mod redis;
+pub mod tls;
 
 use std::collections::HashMap;
 use std::future::Future;
