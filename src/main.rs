@@ -4,7 +4,7 @@ use std::process::ExitCode;
 
 use cache_aware_router::{
     app,
-    config::{Cli, Config, LogFormat},
+    config::{Cli, Config, LogColor, LogFormat},
 };
 use clap::Parser;
 
@@ -91,9 +91,10 @@ fn raise_fd_limit() -> Result<(), String> {
     }
 }
 
-/// Logs go to stderr (stdout stays free for `--config-check`'s answer), in colour only
-/// when stderr is a terminal. `RUST_LOG` wins over `log.level`; `log.format` picks text
-/// or JSON lines.
+/// Logs go to stderr (stdout stays free for `--config-check`'s answer), in colour as
+/// `log.color` says (`auto`: only when stderr is a terminal, so a file or a pipe gets
+/// no escape codes). `RUST_LOG` wins over `log.level`; `log.format` picks text or JSON
+/// lines (never coloured).
 fn init_tracing(config: &Config) {
     use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -101,7 +102,11 @@ fn init_tracing(config: &Config) {
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .with_ansi(std::io::stderr().is_terminal());
+        .with_ansi(match config.log.color {
+            LogColor::Auto => std::io::stderr().is_terminal(),
+            LogColor::Always => config.log.format == LogFormat::Text,
+            LogColor::Never => false,
+        });
     match config.log.format {
         LogFormat::Json => builder.json().init(),
         LogFormat::Text => builder.init(),

@@ -19,9 +19,11 @@ pub enum Outcome {
     },
     /// The files did not load; the message names file, key and value.
     Invalid(String),
-    /// A key other than `workers` differs.
+    /// A key other than `workers` differs: the first differing section, and every key
+    /// the files changed (see [`Config::changed_settings`]).
     Rejected {
         key: &'static str,
+        changes: Vec<String>,
     },
 }
 
@@ -32,7 +34,10 @@ pub fn apply(running: &Config, pool: &Pool, files: &[PathBuf]) -> Outcome {
         Err(e) => return Outcome::Invalid(e.to_string()),
     };
     if let Some(key) = running.non_worker_difference(&next) {
-        return Outcome::Rejected { key };
+        return Outcome::Rejected {
+            key,
+            changes: running.changed_settings(&next),
+        };
     }
     if next.workers.is_empty() {
         tracing::warn!(
@@ -73,8 +78,13 @@ pub async fn run(
             Outcome::Invalid(e) => {
                 tracing::error!(error = %e, "reload failed; keeping the running config")
             }
-            Outcome::Rejected { key } => tracing::error!(
-                key,
+            Outcome::Rejected { key, changes } => tracing::error!(
+                section = key,
+                changes = %if changes.is_empty() {
+                    format!("`{key}` (no key in the files differs: a value read from the environment or from a file changed)")
+                } else {
+                    changes.join("; ")
+                },
                 "reload rejected: only `workers` may change without a restart; keeping the running config"
             ),
         }

@@ -166,9 +166,21 @@ fn sighup_reloads_the_workers_and_counts_each_reload_in_metrics_by_result() {
         "a SIGHUP reload that was applied is counted; /metrics has: {reload_lines:?}"
     );
 
-    std::fs::write(&f.path, base.replace("round_robin", "least_load")).unwrap();
+    std::fs::write(
+        &f.path,
+        base.replace("round_robin", "least_load") + "cache:\n  threshold: 0.55\n",
+    )
+    .unwrap();
     r.hang_up();
     eventually("the rejected reload counted", || reloads("rejected") == 1.0);
+    // Its log line names every key it changed, with both values.
+    eventually("the rejection names its keys", || {
+        r.output().lines().any(|l| {
+            l.contains("reload rejected")
+                && l.contains("policy: round_robin → least_load")
+                && l.contains("cache.threshold: (unset) → 0.55")
+        })
+    });
     std::fs::write(&f.path, "workers: [\n").unwrap();
     r.hang_up();
     eventually("the invalid reload counted", || reloads("invalid") == 1.0);
@@ -328,4 +340,43 @@ fn a_url_password_never_appears_in_any_output() {
         assert!(!text.contains(PW), "{what} shows the password: {text}");
     }
     assert!(r.output().contains("***@127.0.0.1:10"), "{}", r.output());
+}
+
+/// Starts the binary with a text-log config plus `extra`, its stderr written to a file,
+/// until it says it listens; returns what it wrote.
+fn text_log_of(extra: &str) -> String {
+    let f = TempFile::new(
+        "text.yaml",
+        &format!(
+            "server:\n  host: 127.0.0.1\n  port: 0\n{extra}workers:\n  - url: http://127.0.0.1:9/\n"
+        ),
+    );
+    let log = TempFile::new("stderr.log", "");
+    let file = std::fs::File::create(&log.path).unwrap();
+    let mut child = std::process::Command::new(support::binary::BIN)
+        .arg("-c")
+        .arg(&f.path)
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(file)
+        .spawn()
+        .unwrap();
+    let mut text = String::new();
+    eventually("the listening line in the log file", || {
+        text = std::fs::read_to_string(&log.path).unwrap_or_default();
+        text.contains("listening")
+    });
+    let _ = child.kill();
+    let _ = child.wait();
+    text
+}
+
+#[test]
+fn a_log_written_to_a_file_has_no_escape_codes_unless_asked() {
+    let plain = text_log_of("");
+    assert!(!plain.contains('\x1b'), "{plain:?}");
+    let never = text_log_of("log:\n  color: never\n");
+    assert!(!never.contains('\x1b'), "{never:?}");
+    let always = text_log_of("log:\n  color: always\n");
+    assert!(always.contains("\x1b["), "{always:?}");
 }

@@ -113,7 +113,10 @@ async fn reload_changing_anything_but_workers_is_rejected() {
             router.router.pool(),
             std::slice::from_ref(&f.path)
         ),
-        Outcome::Rejected { key: "policy" }
+        Outcome::Rejected {
+            key: "policy",
+            changes: vec!["policy: (unset) → round_robin".to_string()]
+        }
     );
     assert_eq!(get_workers(router.addr).await["policy"], "cache_aware");
     router.shutdown().await;
@@ -451,22 +454,38 @@ async fn refused_reloads_keep_the_running_workers_and_config() {
     let addr = router.addr;
     let with_c = |extra: &str| yaml_for(&[&a, &c], extra);
     let rejected = [
-        ("policy", with_c("policy: round_robin\n")),
-        ("cache", with_c("cache:\n  threshold: 0.5\n")),
-        ("server", with_c("server:\n  admin_token: new-token\n")),
-        ("proxy", with_c("proxy:\n  max_retries: 7\n")),
+        (
+            "policy",
+            with_c("policy: round_robin\n"),
+            "policy: (unset) → round_robin",
+        ),
+        (
+            "cache",
+            with_c("cache:\n  threshold: 0.5\n"),
+            "cache.threshold: (unset) → 0.5",
+        ),
+        (
+            "server",
+            with_c("server:\n  admin_token: new-token\n"),
+            "server.admin_token: (unset) → ***",
+        ),
+        (
+            "proxy",
+            with_c("proxy:\n  max_retries: 7\n  connect_timeout_secs: 3\n"),
+            "proxy.max_retries: (unset) → 7; proxy.connect_timeout_secs: (unset) → 3",
+        ),
     ];
-    for (key, yaml) in &rejected {
+    for (key, yaml, changes) in &rejected {
         let f = TempFile::new("w.yaml", yaml);
-        assert_eq!(
-            reload::apply(
-                router.router.config(),
-                router.router.pool(),
-                std::slice::from_ref(&f.path)
-            ),
-            Outcome::Rejected { key },
-            "{yaml}"
+        let outcome = reload::apply(
+            router.router.config(),
+            router.router.pool(),
+            std::slice::from_ref(&f.path),
         );
+        let Outcome::Rejected { key: k, changes: c } = outcome else {
+            panic!("{yaml}: {outcome:?}")
+        };
+        assert_eq!((k, c.join("; ").as_str()), (*key, *changes), "{yaml}");
     }
     let invalid = [
         (

@@ -94,6 +94,82 @@ impl PolicyKind {
     }
 }
 
+/// The merged files' keys other than `workers`, as written (for naming what a rejected
+/// reload changed). Not part of the configuration's meaning: always equal.
+#[derive(Clone, Default)]
+pub struct Settings(Arc<Value>);
+
+impl PartialEq for Settings {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Settings(..)")
+    }
+}
+
+/// Adds to `out` one line per leaf where `a` and `b` differ below `path`.
+fn diff_values(path: &str, a: Option<&Value>, b: Option<&Value>, out: &mut Vec<String>) {
+    let join = |k: &Value| {
+        let k = match k {
+            Value::String(s) => s.clone(),
+            other => show_value(other),
+        };
+        if path.is_empty() {
+            k
+        } else {
+            format!("{path}.{k}")
+        }
+    };
+    let empty = Value::Mapping(Mapping::new());
+    // A section one side leaves out: its keys are each unset there.
+    let (a, b) = match (a, b) {
+        (None | Some(Value::Null), Some(m @ Value::Mapping(_))) => (Some(&empty), Some(m)),
+        (Some(m @ Value::Mapping(_)), None | Some(Value::Null)) => (Some(m), Some(&empty)),
+        other => other,
+    };
+    match (a, b) {
+        (Some(Value::Mapping(x)), Some(Value::Mapping(y))) => {
+            for (k, v) in x {
+                diff_values(&join(k), Some(v), y.get(k), out);
+            }
+            for (k, v) in y {
+                if !x.contains_key(k) {
+                    diff_values(&join(k), None, Some(v), out);
+                }
+            }
+        }
+        (a, b) if a == b => {}
+        (a, b) => {
+            let show = |v: Option<&Value>| match v {
+                None | Some(Value::Null) => "(unset)".to_string(),
+                Some(_) if crate::redact::is_secret_key(path) => crate::redact::MASK.to_string(),
+                Some(v) => show_value(v),
+            };
+            out.push(format!("{path}: {} → {}", show(a), show(b)));
+        }
+    }
+}
+
+/// One value on one line, as YAML flow, user-info masked, at most 60 characters.
+fn show_value(v: &Value) -> String {
+    let text = match v {
+        Value::String(s) => s.clone(),
+        other => serde_yaml_ng::to_string(other)
+            .unwrap_or_default()
+            .trim_end()
+            .replace('\n', " "),
+    };
+    let text = crate::redact::line(&crate::redact::url(&text));
+    match text.char_indices().nth(60) {
+        Some((i, _)) => format!("{}…", &text[..i]),
+        None => text,
+    }
+}
+
 /// The whole validated configuration.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Config {
@@ -102,6 +178,8 @@ pub struct Config {
     /// At least one, URLs normalised, duplicates merged (first occurrence wins).
     pub workers: Vec<WorkerConfig>,
     pub cache: CacheConfig,
+    /// The files' keys as written, for naming a rejected reload's changes.
+    pub settings: Settings,
     pub health: HealthConfig,
     pub circuit_breaker: BreakerConfig,
     pub proxy: ProxyConfig,
@@ -659,6 +737,18 @@ pub struct LogConfig {
     /// An `EnvFilter` directive such as `info` or `cache_aware_router=debug`; `RUST_LOG`
     /// wins when set. Default `info`.
     pub level: String,
+    /// ANSI colours in text logs (default `auto`: only when stderr is a terminal).
+    pub color: LogColor,
+}
+
+/// `log.color`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum LogColor {
+    /// Colours when stderr is a terminal, none in a file or a pipe.
+    Auto,
+    Always,
+    Never,
 }
 
 /// Log line format.
@@ -917,6 +1007,7 @@ struct RawTls {
 struct RawLog {
     format: Option<LogFormat>,
     level: Option<String>,
+    color: Option<LogColor>,
 }
 
 impl RawWorker {
@@ -1463,7 +1554,16 @@ impl Config {
                 typed::<RawConfig>(last, &text)?
             }
         };
-        Self::from_raw(raw, &Checker { layers: &layers }, require_workers)
+        let mut config = Self::from_raw(raw, &Checker { layers: &layers }, require_workers)?;
+        let mut merged = Value::Mapping(Mapping::new());
+        for l in &layers {
+            merge(&mut merged, l.doc.clone());
+        }
+        if let Value::Mapping(m) = &mut merged {
+            m.remove("workers");
+        }
+        config.settings = Settings(Arc::new(merged));
+        Ok(config)
     }
 
     fn from_raw(
@@ -1758,6 +1858,7 @@ impl Config {
         let log = LogConfig {
             format: raw.log.format.unwrap_or(LogFormat::Text),
             level,
+            color: raw.log.color.unwrap_or(LogColor::Auto),
         };
 
         let policy = raw.policy.unwrap_or(PolicyKind::CacheAware);
@@ -1997,7 +2098,25 @@ impl Config {
             proxy,
             log,
             precise,
+            settings: Settings::default(),
         })
+    }
+
+    /// Every key other than `workers` whose value differs between the files of two
+    /// configs, by its full path with both values: `cache.threshold: 0.3 → 0.55`,
+    /// `(unset)` for a key one of them leaves out (its default then applies). A
+    /// credential's value is shown as `***`, a URL's user-info masked; a long value is
+    /// cut at 60 characters. Compares what the files say, so a key written differently
+    /// but meaning the same (`0.30` and `0.3`) is not listed.
+    pub fn changed_settings(&self, other: &Config) -> Vec<String> {
+        let mut out = Vec::new();
+        diff_values(
+            "",
+            Some(&self.settings.0),
+            Some(&other.settings.0),
+            &mut out,
+        );
+        out
     }
 
     /// Names the first top-level key other than `workers` that differs between two
@@ -2918,6 +3037,29 @@ mod tests {
             ("b.yaml", "proxy:\n  tls:\n    verify: no\n"),
         ]);
         assert!(e.contains("verify"), "{e}");
+    }
+
+    #[test]
+    fn changed_settings_name_every_key_by_its_path() {
+        let a = load(&[(
+            "a",
+            "cache:\n  threshold: 0.3\n  match_abs_threshold: 100\nproxy:\n  api_key: old\nstate:\n  redis_url: \"redis://:pw@r:6379\"\nworkers:\n  - url: http://a:1\n",
+        )])
+        .unwrap();
+        let b = load(&[(
+            "b",
+            "cache:\n  threshold: 0.55\n  match_abs_threshold: 100\nproxy:\n  api_key: new\nstate:\n  redis_url: \"redis://:pw2@r:6379\"\nworkers:\n  - url: http://b:1\n",
+        )])
+        .unwrap();
+        assert_eq!(
+            a.changed_settings(&b),
+            [
+                "cache.threshold: 0.3 → 0.55",
+                "proxy.api_key: *** → ***",
+                "state.redis_url: redis://***@r:6379 → redis://***@r:6379",
+            ]
+        );
+        assert!(a.changed_settings(&a).is_empty());
     }
 
     #[test]
