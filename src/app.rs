@@ -26,6 +26,8 @@ use crate::shutdown::{self, Shutdown, Trigger};
 pub struct RunningRouter {
     /// The address it listens on.
     pub addr: SocketAddr,
+    /// The admin listener's address (`server.admin`), when one is configured.
+    pub admin_addr: Option<SocketAddr>,
     pub router: Arc<Router>,
     trigger: Trigger,
     task: JoinHandle<()>,
@@ -45,9 +47,25 @@ impl RunningRouter {
     }
 }
 
-/// Serves `config` on an already bound `listener` (tests bind `127.0.0.1:0` first).
+/// Serves `config` on an already bound `listener` (tests bind `127.0.0.1:0` first),
+/// and on `server.admin` when set (bound here; `Err` when it cannot be).
 pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRouter> {
     let addr = listener.local_addr()?;
+    let admin = match &config.server.admin {
+        None => None,
+        Some(a) => {
+            let bind = format!("{}:{}", a.host, a.port);
+            let std = std::net::TcpListener::bind(&bind).map_err(|e| {
+                std::io::Error::new(
+                    e.kind(),
+                    format!("cannot listen on {bind} (server.admin): {e}"),
+                )
+            })?;
+            std.set_nonblocking(true)?;
+            Some(TcpListener::from_std(std)?)
+        }
+    };
+    let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
     let grace = config.server.shutdown_grace;
     let router = Arc::new(Router::new(config));
     let (trigger, shutdown) = shutdown::channel();
@@ -100,8 +118,30 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
     {
         tokio::spawn(task);
     }
-    let task = tokio::spawn(serve(Arc::clone(&router), listener, shutdown, grace));
+    let admin_task = admin.map(|l| {
+        tokio::spawn(serve(
+            Arc::clone(&router),
+            l,
+            service::Listener::Admin,
+            shutdown.clone(),
+            grace,
+        ))
+    });
+    let main = tokio::spawn(serve(
+        Arc::clone(&router),
+        listener,
+        service::Listener::Main,
+        shutdown,
+        grace,
+    ));
+    let task = tokio::spawn(async move {
+        let _ = main.await;
+        if let Some(t) = admin_task {
+            let _ = t.await;
+        }
+    });
     Ok(RunningRouter {
+        admin_addr,
         addr,
         router,
         trigger,
@@ -126,6 +166,9 @@ pub async fn run(config: Config, files: Vec<PathBuf>) -> std::io::Result<()> {
         "cache-aware-router listening"
     );
     let running = spawn(config, listener)?;
+    if let Some(admin) = running.admin_addr {
+        tracing::info!(addr = %admin, "admin listener (/workers, /metrics, admin API) listening");
+    }
     let reload_task = tokio::spawn(reload::run(
         running.router.config().clone(),
         Arc::clone(running.router.pool()),
@@ -167,6 +210,7 @@ async fn listen(addr: &str) -> std::io::Result<TcpListener> {
 async fn serve(
     router: Arc<Router>,
     listener: TcpListener,
+    on: service::Listener,
     mut shutdown: Shutdown,
     grace: Duration,
 ) {
@@ -180,7 +224,7 @@ async fn serve(
                     let router = Arc::clone(&router);
                     let service = service_fn(move |req| {
                         let router = Arc::clone(&router);
-                        async move { Ok::<_, Infallible>(service::handle(router, req).await) }
+                        async move { Ok::<_, Infallible>(service::handle(router, req, on).await) }
                     });
                     let conn = http1::Builder::new()
                         .timer(TokioTimer::new())

@@ -472,3 +472,45 @@ async fn admin_token_is_accepted_whatever_the_case_of_the_bearer_scheme() {
     }
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_admin_listener_takes_the_admin_endpoints_off_the_public_port() {
+    let w = FakeWorker::start().await;
+    let router = start_router(&yaml_for(
+        &[&w],
+        "server:\n  admin_token: qa-admin-token-1\n  admin:\n    host: 127.0.0.1\n    port: 0\n",
+    ))
+    .await;
+    let public = router.addr;
+    let private = router.admin_addr.expect("an admin listener");
+    assert_ne!(public, private);
+    // /health answers on both.
+    for addr in [public, private] {
+        assert_eq!(send(addr, &Req::get("/health")).await.status, 200);
+    }
+    // /workers, /metrics and the mutations: the admin listener only.
+    for req in [
+        Req::get("/workers"),
+        Req::get("/metrics"),
+        admin("POST", "/cache/clear"),
+        admin("DELETE", &format!("/workers?url={}", w.url())),
+    ] {
+        let resp = send(public, &req).await;
+        assert_error(&resp, 404, "admin listener");
+    }
+    assert_eq!(send(private, &Req::get("/workers")).await.status, 200);
+    assert_eq!(send(private, &Req::get("/metrics")).await.status, 200);
+    // Mutations there still need the token.
+    let no_token = Req::new("POST", "/cache/clear").header("Content-Length", "0");
+    assert_eq!(send(private, &no_token).await.status, 401);
+    assert_eq!(
+        send(private, &admin("POST", "/cache/clear")).await.status,
+        200
+    );
+    // Requests are served on the public port only.
+    let chat = Req::post("/v1/chat/completions", chat_body("hi", false));
+    assert_eq!(send(public, &chat).await.status, 200);
+    assert_error(&send(private, &chat).await, 404, "main port");
+    assert_eq!(w.count(), 1);
+    router.shutdown().await;
+}

@@ -284,6 +284,17 @@ pub struct ServerConfig {
     /// idle gaps included (default 30 s); past it the client gets 408 and the
     /// connection is closed.
     pub body_timeout: Duration,
+    /// `server.admin`: a listener of its own for `/workers`, `/metrics` and the admin
+    /// API (`/health` answers on both); `None` = they share the main port.
+    pub admin: Option<AdminListen>,
+}
+
+/// `server.admin: {host, port}` (host default: `server.host`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdminListen {
+    pub host: String,
+    /// 0 = any free port (tests).
+    pub port: u16,
 }
 
 /// One entry of `workers:`.
@@ -903,6 +914,14 @@ struct RawServer {
     admin_token: Option<String>,
     shutdown_grace_secs: Option<Secs>,
     body_timeout_secs: Option<Secs>,
+    admin: Option<RawAdmin>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    host: Option<String>,
+    port: Option<u16>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -1584,9 +1603,37 @@ impl Config {
         if host.parse::<std::net::IpAddr>().is_err() && host != "localhost" {
             return Err(ck.bad("server.host", host, "is not an IP address to listen on"));
         }
+        let port = s.port.unwrap_or(6700);
+        let admin = match s.admin {
+            None => None,
+            Some(a) => {
+                let Some(admin_port) = a.port else {
+                    return Err(ck.err(
+                        "server.admin.port",
+                        "is missing: give the admin listener a port of its own (e.g. 6701)",
+                    ));
+                };
+                let admin_host = a.host.unwrap_or_else(|| host.clone());
+                if admin_host.trim().is_empty() {
+                    return Err(ck.err("server.admin.host", "is empty"));
+                }
+                if admin_port != 0 && admin_port == port && admin_host == host {
+                    return Err(ck.bad(
+                        "server.admin.port",
+                        admin_port,
+                        "is the main port: the admin listener needs another one",
+                    ));
+                }
+                Some(AdminListen {
+                    host: admin_host,
+                    port: admin_port,
+                })
+            }
+        };
         let server = ServerConfig {
+            admin,
             host,
-            port: s.port.unwrap_or(6700),
+            port,
             max_body_bytes: max_body_bytes as usize,
             admin_token: ck.secret("server.admin_token", s.admin_token)?,
             shutdown_grace: ck.secs(
@@ -3060,6 +3107,39 @@ mod tests {
             ]
         );
         assert!(a.changed_settings(&a).is_empty());
+    }
+
+    #[test]
+    fn an_admin_listener_needs_a_port_of_its_own() {
+        let c = load(&[
+            ("a", ONE),
+            ("b", "server:\n  host: 10.0.0.1\n  admin:\n    port: 6701\n"),
+        ])
+        .unwrap();
+        assert_eq!(
+            c.server.admin,
+            Some(AdminListen {
+                host: "10.0.0.1".into(),
+                port: 6701
+            })
+        );
+        assert_eq!(load(&[("a", ONE)]).unwrap().server.admin, None);
+        for (doc, key, what) in [
+            (
+                "server:\n  admin: {host: 127.0.0.1}\n",
+                "server.admin.port",
+                "is missing",
+            ),
+            (
+                "server:\n  port: 6700\n  admin: {port: 6700}\n",
+                "server.admin.port",
+                "main port",
+            ),
+            ("server:\n  admin: {port: 6701, tls: true}\n", "tls", ""),
+        ] {
+            let e = err(&[("a.yaml", ONE), ("b.yaml", doc)]);
+            assert!(e.contains(key) && e.contains(what), "{doc}: {e}");
+        }
     }
 
     #[test]
