@@ -367,10 +367,8 @@ pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
     use http_body_util::BodyExt;
     let policy = router.policy();
     let text = router.metrics().encode(
+        &**policy,
         &router.worker_set(),
-        policy.tree().map(|t| &**t),
-        policy.precise().map(|p| &**p),
-        policy.sessions(),
         router
             .response_cache()
             .and_then(|c| c.stats())

@@ -267,7 +267,25 @@ pub struct Metrics {
     seen_evicted: AtomicU64,
     seen_skipped: AtomicU64,
     seen_aged_out: AtomicU64,
+    /// Worker labels given per-worker series at the last scrape (see
+    /// [`Metrics::worker_series`]).
+    workers_seen: std::sync::Mutex<Vec<Arc<str>>>,
 }
+
+/// Every decision reason, for series at 0 from start-up.
+const REASONS: [Reason; 8] = [
+    Reason::CacheHit,
+    Reason::HitOverloaded,
+    Reason::Miss,
+    Reason::EmptyText,
+    Reason::NoWorker,
+    Reason::Session,
+    Reason::Conversation,
+    Reason::CacheSignal,
+];
+
+/// `prefix_tokens_total`'s kinds.
+const PREFIX_KINDS: [&str; 3] = ["available", "predicted", "delivered"];
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -313,6 +331,7 @@ impl Metrics {
             seen_evicted: AtomicU64::new(0),
             seen_skipped: AtomicU64::new(0),
             seen_aged_out: AtomicU64::new(0),
+            workers_seen: Default::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -697,7 +716,77 @@ impl Metrics {
             "Requests the other router replicas have in flight on the worker, as last published",
             f.remote_in_flight.clone(),
         );
+        for reason in REASONS {
+            let _ = m.decisions.get_or_create(&ReasonLabels {
+                reason: reason.as_str(),
+            });
+        }
+        for result in ["applied", "rejected", "invalid"] {
+            let _ = m.reloads.get_or_create(&ResultLabels { result });
+        }
         Metrics { registry: r, ..m }
+    }
+
+    /// Gives every worker of `set` its per-worker series at 0 (those its events would
+    /// create: saved and engine tokens, `prefix_tokens_total` under `policy`, drift,
+    /// latency histograms), so a worker's first increments are seen; drops the series of
+    /// workers that left since the last scrape. `requests_total` keeps a departed
+    /// worker's series (one per status it answered, not known here).
+    fn worker_series(&self, set: &WorkerSet, policy: &'static str) {
+        let now: Vec<Arc<str>> = set
+            .workers()
+            .iter()
+            .map(|w| Arc::clone(w.label()))
+            .collect();
+        let mut seen = self.workers_seen.lock().unwrap_or_else(|e| e.into_inner());
+        for gone in seen.iter().filter(|w| !now.contains(w)) {
+            let labels = WorkerLabels {
+                worker: Arc::clone(gone),
+            };
+            for f in [
+                &self.estimated_saved,
+                &self.engine_cached,
+                &self.engine_prompt,
+            ] {
+                f.remove(&labels);
+            }
+            self.drift.remove(&labels);
+            self.drift_low.remove(&labels);
+            self.ttfb.remove(&labels);
+            self.duration.remove(&labels);
+            self.signals.back_pressure.remove(&labels);
+            for kind in PREFIX_KINDS {
+                self.prefix_tokens.remove(&PrefixLabels {
+                    worker: Arc::clone(gone),
+                    policy,
+                    kind,
+                });
+            }
+        }
+        for w in &now {
+            let labels = WorkerLabels {
+                worker: Arc::clone(w),
+            };
+            for f in [
+                &self.estimated_saved,
+                &self.engine_cached,
+                &self.engine_prompt,
+            ] {
+                let _ = f.get_or_create(&labels);
+            }
+            let _ = self.drift_low.get_or_create(&labels);
+            let _ = self.ttfb.get_or_create(&labels);
+            let _ = self.duration.get_or_create(&labels);
+            let _ = self.signals.back_pressure.get_or_create(&labels);
+            for kind in PREFIX_KINDS {
+                let _ = self.prefix_tokens.get_or_create(&PrefixLabels {
+                    worker: Arc::clone(w),
+                    policy,
+                    kind,
+                });
+            }
+        }
+        *seen = now;
     }
 
     /// One routing decision and how long it took.
@@ -883,17 +972,20 @@ impl Metrics {
         self.reloads.get_or_create(&ResultLabels { result }).inc();
     }
 
-    /// Prometheus text exposition, with gauges read from `set` now, and precise mode's
-    /// families from `precise` when given.
+    /// Prometheus text exposition, with gauges read from `set` now and from `policy`
+    /// (its tree, precise mode's index and feeds, sessions), the response cache and the
+    /// fleet when given.
     pub fn encode(
         &self,
+        policy: &dyn crate::policy::Policy,
         set: &WorkerSet,
-        tree: Option<&SharedTree>,
-        precise: Option<&Precise>,
-        sessions: Option<SessionStats>,
         response_cache: Option<CacheGauges>,
         fleet: Option<&crate::fleet::Fleet>,
     ) -> String {
+        let tree: Option<&SharedTree> = policy.tree().map(|t| &**t);
+        let precise: Option<&Precise> = policy.precise().map(|p| &**p);
+        let sessions: Option<SessionStats> = policy.sessions();
+        self.worker_series(set, policy.name());
         if let Some(f) = fleet {
             self.encode_fleet(set, f);
         }

@@ -269,11 +269,18 @@ async fn a_replica_that_starts_late_bootstraps_from_the_snapshot() {
     // Replica 2 starts after all of that was said.
     let two = start_router(&yaml_for(&[&w0, &w1], &state(&redis))).await;
     wait_connected(two.addr).await;
-    let view = get_workers(two.addr).await;
-    assert!(
-        view["fleet"]["snapshot_messages"].as_u64().unwrap() >= 1,
-        "{view}"
-    );
+    // Connected comes first; the snapshot is read right after (under load, later).
+    wait_until(
+        "replica 2 read the snapshot",
+        Duration::from_secs(5),
+        || async {
+            get_workers(two.addr).await["fleet"]["snapshot_messages"]
+                .as_u64()
+                .unwrap_or(0)
+                >= 1
+        },
+    )
+    .await;
     for k in 0..4 {
         let (_, by) = send_tagged(two.addr, &[&w0, &w1], chat_with(&system(k), "later")).await;
         assert_eq!(by, 1, "prefix {k} known from the snapshot");

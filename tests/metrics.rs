@@ -124,6 +124,10 @@ async fn metrics_after_a_scripted_workload_match_it_exactly() {
         ("hit_overloaded", 1.0),
         ("empty_text", 1.0),
         ("no_worker", 1.0),
+        // Every reason is listed, at 0 until it happens.
+        ("session", 0.0),
+        ("conversation", 0.0),
+        ("cache_signal", 0.0),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -195,5 +199,78 @@ async fn metrics_after_a_scripted_workload_match_it_exactly() {
             Some(1.0)
         );
     }
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_first_scrape_lists_every_known_series_at_zero_and_a_leaver_loses_its_own() {
+    let (a, b) = (FakeWorker::start().await, FakeWorker::start().await);
+    let router = start_router(&yaml_for(&[&a, &b], "server:\n  admin_token: t0k\n")).await;
+    let m = scrape(router.addr).await;
+    for reason in [
+        "cache_hit",
+        "hit_overloaded",
+        "miss",
+        "empty_text",
+        "no_worker",
+        "session",
+        "conversation",
+        "cache_signal",
+    ] {
+        assert_eq!(
+            m.get(DECISIONS, &[("reason", reason)]),
+            Some(0.0),
+            "{reason}"
+        );
+    }
+    for result in ["applied", "rejected", "invalid"] {
+        assert_eq!(
+            m.get("cache_aware_router_reloads_total", &[("result", result)]),
+            Some(0.0),
+            "{result}"
+        );
+    }
+    let (la, lb) = (
+        worker_label(router.addr, 0).await,
+        worker_label(router.addr, 1).await,
+    );
+    for label in [&la, &lb] {
+        for family in [PROMPT_TOKENS, CACHED_TOKENS] {
+            assert_eq!(m.get(family, &[("worker", label)]), Some(0.0), "{family}");
+        }
+        assert_eq!(
+            m.get(
+                "cache_aware_router_prefix_tokens_total",
+                &[
+                    ("worker", label),
+                    ("policy", "cache_aware"),
+                    ("kind", "delivered")
+                ]
+            ),
+            Some(0.0)
+        );
+        assert_eq!(
+            m.get(
+                "cache_aware_router_request_duration_seconds_count",
+                &[("worker", label)]
+            ),
+            Some(0.0)
+        );
+    }
+    // A worker removed: its series go with it at the next scrape.
+    let del = Req::new("DELETE", &format!("/workers?url={}", b.url()))
+        .header("Authorization", "Bearer t0k")
+        .header("Content-Length", "0");
+    assert_eq!(send(router.addr, &del).await.status, 200);
+    let m = scrape(router.addr).await;
+    assert_eq!(m.get(PROMPT_TOKENS, &[("worker", &la)]), Some(0.0));
+    assert_eq!(m.get(PROMPT_TOKENS, &[("worker", &lb)]), None);
+    assert_eq!(
+        m.get(
+            "cache_aware_router_request_duration_seconds_count",
+            &[("worker", &lb)]
+        ),
+        None
+    );
     router.shutdown().await;
 }
