@@ -41,6 +41,18 @@ pub enum ProxyError {
         "requests that fetch media from remote URLs are not accepted here (proxy.remote_media_url_policy)"
     )]
     RemoteMedia(StatusCode),
+    /// Every usable worker stayed at `max_load` for the whole `proxy.queue.timeout_ms`
+    /// (503).
+    #[error(
+        "every usable worker stayed at max_load for {ms} ms (proxy.queue.timeout_ms); retry later"
+    )]
+    QueueTimeout { ms: u64 },
+    /// Every usable worker is at `max_load` and `proxy.queue.max_waiting` requests
+    /// already wait (503).
+    #[error(
+        "every usable worker is at max_load and the queue is full ({max} waiting, proxy.queue.max_waiting); retry later"
+    )]
+    QueueFull { max: usize },
     /// No worker could be connected to (503: retryable, the pool is down).
     #[error("no worker could be reached: {0}")]
     Unreachable(String),
@@ -67,7 +79,10 @@ impl ProxyError {
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotPassedThrough { .. } => StatusCode::NOT_FOUND,
             ProxyError::BadBody(_) | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
-            ProxyError::NoWorker(_) | ProxyError::Unreachable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::NoWorker(_)
+            | ProxyError::Unreachable(_)
+            | ProxyError::QueueTimeout { .. }
+            | ProxyError::QueueFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::RemoteMedia(s) => *s,
             ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -83,6 +98,8 @@ impl ProxyError {
             ProxyError::NotPassedThrough { .. } => "not_found",
             ProxyError::BadBody(_) | ProxyError::BadRequest(_) => "invalid_request_error",
             ProxyError::NoWorker(_) | ProxyError::Unreachable(_) => "no_worker_available",
+            ProxyError::QueueTimeout { .. } => "queue_timeout",
+            ProxyError::QueueFull { .. } => "queue_full",
             ProxyError::RemoteMedia(_) => "remote_media_rejected",
             ProxyError::Upstream(_) => "upstream_error",
             ProxyError::Timeout(_) => "upstream_timeout",

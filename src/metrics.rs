@@ -270,6 +270,26 @@ pub struct Metrics {
     /// Worker labels given per-worker series at the last scrape (see
     /// [`Metrics::worker_series`]).
     workers_seen: std::sync::Mutex<Vec<Arc<str>>>,
+    /// `proxy.queue`: requests waiting for a slot now, their waits, refusals by cause.
+    queue_waiting: Gauge,
+    waiting: Arc<std::sync::atomic::AtomicUsize>,
+    queue_wait: Histogram,
+    queue_rejected: Family<CauseLabels, Counter>,
+}
+
+/// A request's place in the admission queue; dropping it (served, refused, or the
+/// client gone) gives the place back.
+#[derive(Debug)]
+pub struct QueuePlace {
+    waiting: Arc<std::sync::atomic::AtomicUsize>,
+    gauge: Gauge,
+}
+
+impl Drop for QueuePlace {
+    fn drop(&mut self) {
+        self.waiting.fetch_sub(1, Ordering::Relaxed);
+        self.gauge.dec();
+    }
 }
 
 /// Every decision reason, for series at 0 from start-up.
@@ -332,6 +352,10 @@ impl Metrics {
             seen_skipped: AtomicU64::new(0),
             seen_aged_out: AtomicU64::new(0),
             workers_seen: Default::default(),
+            queue_waiting: Gauge::default(),
+            waiting: Arc::default(),
+            queue_wait: latency_histogram(),
+            queue_rejected: Family::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -461,6 +485,22 @@ impl Metrics {
             "reloads",
             "SIGHUP reloads by result (applied, rejected, invalid)",
             m.reloads.clone(),
+        );
+        r.register(
+            "queue_waiting",
+            "Requests waiting for an in-flight slot now (proxy.queue: every usable worker at max_load)",
+            m.queue_waiting.clone(),
+        );
+        r.register_with_unit(
+            "queue_wait",
+            "How long queued requests waited before a slot freed",
+            Unit::Seconds,
+            m.queue_wait.clone(),
+        );
+        r.register(
+            "queue_rejected",
+            "Requests the admission queue answered 503: full (max_waiting reached) or timeout (timeout_ms passed)",
+            m.queue_rejected.clone(),
         );
         let g = &m.signals;
         r.register(
@@ -724,6 +764,9 @@ impl Metrics {
         for result in ["applied", "rejected", "invalid"] {
             let _ = m.reloads.get_or_create(&ResultLabels { result });
         }
+        for cause in ["full", "timeout"] {
+            let _ = m.queue_rejected.get_or_create(&CauseLabels { cause });
+        }
         Metrics { registry: r, ..m }
     }
 
@@ -964,6 +1007,32 @@ impl Metrics {
         self.response_cache
             .store_errors
             .get_or_create(&OpLabels { op })
+            .inc();
+    }
+
+    /// Takes a place in the admission queue, unless `max` requests already wait.
+    pub fn queue_enter(&self, max: usize) -> Option<QueuePlace> {
+        self.waiting
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .ok()?;
+        self.queue_waiting.inc();
+        Some(QueuePlace {
+            waiting: Arc::clone(&self.waiting),
+            gauge: self.queue_waiting.clone(),
+        })
+    }
+
+    /// A queued request got a slot after waiting `took`.
+    pub fn queue_waited(&self, took: Duration) {
+        self.queue_wait.observe(took.as_secs_f64());
+    }
+
+    /// A request the queue refused: `full` or `timeout`.
+    pub fn queue_rejected(&self, cause: &'static str) {
+        self.queue_rejected
+            .get_or_create(&CauseLabels { cause })
             .inc();
     }
 

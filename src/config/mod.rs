@@ -730,6 +730,18 @@ pub struct ProxyConfig {
     /// How `https://` workers are verified (`proxy.tls`; default the platform's trust
     /// store).
     pub tls: TlsSetting,
+    /// `proxy.queue`: requests that find every usable worker at `max_load` wait for a
+    /// slot instead of failing at once.
+    pub queue: QueueConfig,
+}
+
+/// `proxy.queue: {max_waiting, timeout_ms}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueConfig {
+    /// Requests that may wait at once (default 0 = off: a full pool answers 503 at once).
+    pub max_waiting: usize,
+    /// Longest a request waits for a slot (default 1000 ms), then 503.
+    pub timeout: Duration,
 }
 
 /// What to do with requests that reference remote media by URL (`http(s)://` images).
@@ -1012,6 +1024,14 @@ struct RawProxy {
     api_key: Option<String>,
     passthrough: Option<Value>,
     tls: Option<RawTls>,
+    queue: Option<RawQueue>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawQueue {
+    max_waiting: Option<u64>,
+    timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -1861,7 +1881,29 @@ impl Config {
             raw_tls.insecure_skip_verify.unwrap_or(false),
         )
         .map_err(|m| ck.err("proxy.tls.ca_file", m))?;
+        let q = p.queue.unwrap_or_default();
+        let max_waiting = q.max_waiting.unwrap_or(0);
+        if max_waiting > 1_000_000 {
+            return Err(ck.bad(
+                "proxy.queue.max_waiting",
+                max_waiting,
+                "is out of range (requests, 0 = off, to 1,000,000)",
+            ));
+        }
+        let timeout_ms = q.timeout_ms.unwrap_or(1000);
+        if !(1..=600_000).contains(&timeout_ms) {
+            return Err(ck.bad(
+                "proxy.queue.timeout_ms",
+                timeout_ms,
+                "is out of range (milliseconds, 1 to 600000)",
+            ));
+        }
+        let queue = QueueConfig {
+            max_waiting: max_waiting as usize,
+            timeout: Duration::from_millis(timeout_ms),
+        };
         let proxy = ProxyConfig {
+            queue,
             max_retries: p.max_retries.unwrap_or(2),
             initial_backoff: Duration::from_millis(p.initial_backoff_ms.unwrap_or(50)),
             backoff_multiplier,

@@ -158,6 +158,8 @@ impl Drop for InFlightGuard {
             self.worker.record(a, Outcome::Neutral, now());
         }
         self.worker.in_flight.fetch_sub(1, Ordering::Relaxed);
+        // No waiter: a stored permit, one spurious re-check later at most.
+        self.worker.freed.notify_one();
     }
 }
 

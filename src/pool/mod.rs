@@ -52,6 +52,8 @@ pub trait PoolListener: Send + Sync {
 /// The pool: the current [`WorkerSet`] and the one path that changes it.
 pub struct Pool {
     set: ArcSwap<WorkerSet>,
+    /// Notified once per in-flight slot freed on any worker (FIFO among waiters).
+    freed: Arc<tokio::sync::Notify>,
     ids: Mutex<Ids>,
     breaker: BreakerConfig,
     listeners: RwLock<Vec<Arc<dyn PoolListener>>>,
@@ -96,19 +98,27 @@ impl Ids {
 }
 
 impl Pool {
+    /// Notified once per in-flight slot freed on any worker: a request waiting for one
+    /// (`proxy.queue`) registers with `notified()` before it re-checks the workers.
+    pub fn slot_freed(&self) -> &tokio::sync::Notify {
+        &self.freed
+    }
+
     /// A pool of `workers` (validated config: keys distinct), all healthy, nothing in
     /// flight.
     pub fn new(workers: &[WorkerConfig], breaker: &BreakerConfig) -> Self {
         let mut ids = Ids::default();
+        let freed = Arc::new(tokio::sync::Notify::new());
         let set = workers
             .iter()
             .map(|cfg| {
                 let id = ids.get_or_assign(cfg.key());
-                Arc::new(Worker::new(id, cfg.clone(), breaker))
+                Arc::new(Worker::new(id, cfg.clone(), breaker).sharing(&freed))
             })
             .collect();
         ids.configured = workers.to_vec();
         Pool {
+            freed,
             set: ArcSwap::from_pointee(WorkerSet::new(set)),
             ids: Mutex::new(ids),
             breaker: breaker.clone(),
@@ -169,7 +179,7 @@ impl Pool {
                 Some(w) if w.config() == cfg => Arc::clone(w),
                 _ => {
                     let id = ids.get_or_assign(cfg.key());
-                    Arc::new(Worker::new(id, cfg.clone(), &self.breaker))
+                    Arc::new(Worker::new(id, cfg.clone(), &self.breaker).sharing(&self.freed))
                 }
             })
             .collect();

@@ -25,6 +25,9 @@ pub struct Worker {
     key_hash: u64,
     /// Requests forwarded and not yet finished (body ended or dropped).
     pub(super) in_flight: AtomicUsize,
+    /// Told when one of its in-flight slots frees; shared by the pool's workers, so a
+    /// request queued for any slot (`proxy.queue`) wakes (see [`super::Pool::slot_freed`]).
+    pub(super) freed: Arc<tokio::sync::Notify>,
     /// Requests the other router replicas have in flight here (`crate::fleet`; 0 when
     /// not shared or when their shares expired).
     remote_in_flight: AtomicUsize,
@@ -66,6 +69,7 @@ impl Worker {
             feeds,
             config,
             in_flight: AtomicUsize::new(0),
+            freed: Arc::default(),
             remote_in_flight: AtomicUsize::new(0),
             healthy: AtomicBool::new(true),
             breaker: Mutex::new(CircuitBreaker::new(breaker)),
@@ -74,6 +78,12 @@ impl Worker {
             prefill: Prefill::default(),
             hits: Default::default(),
         }
+    }
+
+    /// The same worker, telling `freed` (the pool's) when a slot frees.
+    pub(super) fn sharing(mut self, freed: &Arc<tokio::sync::Notify>) -> Self {
+        self.freed = Arc::clone(freed);
+        self
     }
 
     /// What its answers said of the router's prefix memory (see `pool::hits`).
@@ -196,6 +206,12 @@ impl Worker {
     /// under `max_load`.
     pub fn is_routable(&self, now: Instant) -> bool {
         self.is_healthy() && self.has_capacity() && self.breaker().is_available(now)
+    }
+
+    /// Whether the only thing keeping a request off it at `now` is `max_load`: healthy,
+    /// breaker admitting, every slot taken (a request may wait for one).
+    pub fn is_full(&self, now: Instant) -> bool {
+        self.is_healthy() && !self.has_capacity() && self.breaker().is_available(now)
     }
 
     pub(super) fn has_capacity(&self) -> bool {

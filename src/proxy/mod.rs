@@ -285,7 +285,11 @@ impl Router {
                 tokio::time::sleep(self.backoff(attempt)).await;
                 started = Instant::now();
             }
-            let Some((pick, mut guard)) = self.pick(set, route, &tried) else {
+            let picked = match self.pick(set, route, &tried) {
+                None if attempt == 0 => self.wait_for_slot(set, route, &tried).await?,
+                picked => picked,
+            };
+            let Some((pick, mut guard)) = picked else {
                 if let Some((resp, guard, log)) = held {
                     return Ok(self.respond(
                         resp,
@@ -409,6 +413,57 @@ impl Router {
                 route.req.prepared.clone(),
             )),
             None => Err(last_error),
+        }
+    }
+
+    /// `proxy.queue`: when no worker could be picked only because every usable one is at
+    /// `max_load`, waits (FIFO among the waiting, bounded by `max_waiting`) for a slot to
+    /// free and picks again, for at most `timeout_ms`. `Ok(None)` when waiting cannot
+    /// help (the queue is off, or no worker is merely full); `Err` when the queue is full
+    /// or the time ran out (503 + Retry-After, saying which). A client that leaves drops
+    /// this future and so its place.
+    async fn wait_for_slot(
+        &self,
+        set: &WorkerSet,
+        route: &Route<'_>,
+        tried: &WorkerMask,
+    ) -> Result<Option<(Pick, InFlightGuard)>, ProxyError> {
+        let q = self.config.proxy.queue;
+        let only_full = |now| {
+            set.workers()
+                .iter()
+                .any(|w| !tried.contains(w.id()) && w.is_full(now))
+        };
+        if q.max_waiting == 0 || !only_full(crate::pool::now()) {
+            return Ok(None);
+        }
+        let Some(_place) = self.metrics.queue_enter(q.max_waiting) else {
+            self.metrics.queue_rejected("full");
+            return Err(ProxyError::QueueFull { max: q.max_waiting });
+        };
+        let since = Instant::now();
+        let deadline = since + q.timeout;
+        loop {
+            // Registered before the re-check, so a slot freed in between is not missed.
+            let freed = self.pool.slot_freed().notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if let Some(picked) = self.pick(set, route, tried) {
+                self.metrics.queue_waited(since.elapsed());
+                return Ok(Some(picked));
+            }
+            if !only_full(crate::pool::now()) {
+                return Ok(None);
+            }
+            if tokio::time::timeout_at(deadline.into(), freed)
+                .await
+                .is_err()
+            {
+                self.metrics.queue_rejected("timeout");
+                return Err(ProxyError::QueueTimeout {
+                    ms: q.timeout.as_millis() as u64,
+                });
+            }
         }
     }
 
