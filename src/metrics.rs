@@ -1263,6 +1263,8 @@ impl Metrics {
         f.worker_blocks.clear();
         f.live_ranks.clear();
         f.rank_mismatch.clear();
+        f.parity_checks.clear();
+        f.parity_lost.clear();
         f.decisions.clear();
         let now = crate::pool::now();
         let stale = precise.config().stale;

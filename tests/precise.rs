@@ -1187,21 +1187,28 @@ async fn parity_run(template: Option<&std::path::Path>, requests: usize) -> serd
         assert_eq!(d["fallback"]["parity_lost"], 1, "{d}");
         assert_eq!(d["precise"]["tokenizer"], requests as u64, "{d}");
         let label = worker_label(router.addr, 0).await;
-        let m = scrape(router.addr).await;
-        assert_eq!(
-            m.value(
-                "cache_aware_router_precise_parity_lost",
-                &[("worker", &label)]
-            ),
-            1.0
-        );
-        assert_eq!(
-            m.value(
-                "cache_aware_router_precise_parity_checks_total",
-                &[("worker", &label), ("result", "mismatch")]
-            ),
-            requests as f64
-        );
+        let checked =
+            get_workers(router.addr).await["workers"][0]["kv_events"]["parity"]["mismatches"]
+                .as_u64()
+                .unwrap();
+        // Scraped twice: the counter shows the total, not the total once per scrape.
+        for _ in 0..2 {
+            let m = scrape(router.addr).await;
+            assert_eq!(
+                m.value(
+                    "cache_aware_router_precise_parity_lost",
+                    &[("worker", &label)]
+                ),
+                1.0
+            );
+            assert_eq!(
+                m.value(
+                    "cache_aware_router_precise_parity_checks_total",
+                    &[("worker", &label), ("result", "mismatch")]
+                ),
+                checked as f64
+            );
+        }
     }
     router.shutdown().await;
     view

@@ -379,14 +379,18 @@ fn check(precise: &Precise, c: &Check, now: Instant) {
     let label = cause.as_ref().map(Cause::as_str);
     let mismatch = cause.is_some();
     match parity.record(cause, config.parity_floor) {
-        Some(Turn::Lost) => tracing::warn!(
+        Some(Turn::Lost) => {
+            // Starts the once-per-interval gate: the next line comes a minute later.
+            let _ = parity.warn.due();
+            tracing::warn!(
             worker = %c.worker,
             match_share = parity.recent_share(),
             floor = config.parity_floor,
             cause = label.unwrap_or(""),
             detail = detail.as_deref().unwrap_or(""),
             "precise: token parity lost: the engine's KV blocks do not match the router's tokens; the approximate tree routes for this worker until they do"
-        ),
+            )
+        }
         Some(Turn::Regained) => tracing::info!(
             worker = %c.worker,
             match_share = parity.recent_share(),
@@ -396,7 +400,7 @@ fn check(precise: &Precise, c: &Check, now: Instant) {
             if let Some(n) = parity.warn.due() {
                 tracing::warn!(
                     worker = %c.worker,
-                    mismatches = n,
+                    mismatches_since_last_line = n,
                     cause = label.unwrap_or(""),
                     detail = detail.as_deref().unwrap_or(""),
                     "precise: token parity still lost"
