@@ -36,7 +36,12 @@ pub use state::StateConfig;
 
 /// `cache-aware-router` command line.
 #[derive(Debug, Parser)]
-#[command(name = "cache-aware-router", version, about, subcommand_negates_reqs = true)]
+#[command(
+    name = "cache-aware-router",
+    version,
+    about,
+    subcommand_negates_reqs = true
+)]
 pub struct Cli {
     /// YAML config file; repeat to layer files in order (later files override earlier
     /// ones key by key; lists replace).

@@ -101,7 +101,11 @@ pub fn table(settings: &[Setting], rows: &[Measured], recommended: Option<usize>
             m.ttft_quantile(0.5),
             m.ttft_quantile(0.99),
             m.rejected,
-            if recommended == Some(i) { "**recommended**" } else { "" },
+            if recommended == Some(i) {
+                "**recommended**"
+            } else {
+                ""
+            },
         );
     }
     t

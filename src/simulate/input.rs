@@ -225,12 +225,16 @@ mod tests {
         assert_eq!((a.arrival_ms, a.duration_ms), (Some(1200.0), Some(850.0)));
         assert_eq!(a.output_tokens, 9);
         let b = &log.requests[1];
-        assert_eq!((b.endpoint, b.arrival_ms, b.output_tokens), (Endpoint::ChatCompletions, None, 64));
+        assert_eq!(
+            (b.endpoint, b.arrival_ms, b.output_tokens),
+            (Endpoint::ChatCompletions, None, 64)
+        );
     }
 
     #[test]
     fn mooncake_lines_become_the_chat_body_trace_matrix_sends() {
-        let text = r#"{"timestamp": 5, "input_length": 600, "output_length": 500, "hash_ids": [1, 2]}"#;
+        let text =
+            r#"{"timestamp": 5, "input_length": 600, "output_length": 500, "hash_ids": [1, 2]}"#;
         let log = read(text, Format::Auto, None, 64, false).unwrap();
         let r = &log.requests[0];
         assert_eq!((r.arrival_ms, r.output_tokens), (Some(5.0), 64));
@@ -247,8 +251,14 @@ mod tests {
         assert!(e.message.contains("`body` must be a JSON object"), "{e}");
         let log = read(text, Format::Requests, None, 64, true).unwrap();
         assert_eq!((log.requests.len(), log.skipped), (1, 2));
-        let e = read("{\"path\": \"/x\", \"body\": {}}", Format::Requests, None, 64, false)
-            .unwrap_err();
+        let e = read(
+            "{\"path\": \"/x\", \"body\": {}}",
+            Format::Requests,
+            None,
+            64,
+            false,
+        )
+        .unwrap_err();
         assert!(e.message.contains("not a routed endpoint"), "{e}");
         let e = read("{\"hash_ids\": \"x\"}", Format::Auto, None, 64, false).unwrap_err();
         assert!(e.message.contains("not a Mooncake trace line"), "{e}");

@@ -207,11 +207,22 @@ pub fn run(args: &SimulateArgs, show_progress: bool) -> Result<Report, SimError>
         .start_paused(true)
         .build()
         .map_err(SimError::Runtime)?;
+    // Every row layers only policy and cache thresholds: one max_prompt_bytes for all.
+    let max_prompt_bytes = configs
+        .first()
+        .map_or(32 * 1024, |c| c.cache.max_prompt_bytes);
+    let contexts: Vec<_> = requests
+        .iter()
+        .map(|r| prompt::extract(r.endpoint, &r.body, max_prompt_bytes))
+        .collect();
     let mut bar = Progress::new(show_progress, settings.len() * requests.len());
     let rows = runtime.block_on(async {
         let mut rows = Vec::with_capacity(configs.len());
         for (i, config) in configs.iter().enumerate() {
-            let m = run::replay(config, &model, &requests, args.seed, || bar.tick()).await;
+            let m = run::replay(config, &model, &requests, &contexts, args.seed, || {
+                bar.tick()
+            })
+            .await;
             bar.row_done(i + 1, settings.len(), &settings[i].label);
             rows.push(m);
         }
@@ -241,7 +252,9 @@ fn pool_model(args: &SimulateArgs) -> Result<PoolModel, SimError> {
         (args.rate, "--rate"),
     ] {
         if !(v.is_finite() && v > 0.0) {
-            return Err(SimError::Setting(format!("{what} must be a number > 0, got {v}")));
+            return Err(SimError::Setting(format!(
+                "{what} must be a number > 0, got {v}"
+            )));
         }
     }
     for (v, what) in [
@@ -249,7 +262,9 @@ fn pool_model(args: &SimulateArgs) -> Result<PoolModel, SimError> {
         (args.decode_ms_per_token, "--decode-ms-per-token"),
     ] {
         if !(v.is_finite() && v >= 0.0) {
-            return Err(SimError::Setting(format!("{what} must be a number >= 0, got {v}")));
+            return Err(SimError::Setting(format!(
+                "{what} must be a number >= 0, got {v}"
+            )));
         }
     }
     Ok(PoolModel {
@@ -309,7 +324,9 @@ fn row_config(
     let mut overlay = setting.yaml.clone();
     overlay.push_str("workers:\n");
     for i in 0..workers {
-        overlay.push_str(&format!("  - url: http://engine-{i}.simulate.invalid:8000\n"));
+        overlay.push_str(&format!(
+            "  - url: http://engine-{i}.simulate.invalid:8000\n"
+        ));
     }
     let row = Path::new("<simulate grid row>");
     let sources = user

@@ -23,7 +23,7 @@ use super::engine::{EngineModel, Timing};
 use crate::config::Config;
 use crate::policy::{self, Answer, Outcome, Pick, RouteRequest};
 use crate::pool::{InFlightGuard, Pool};
-use crate::prompt::{self, Endpoint};
+use crate::prompt::{Endpoint, RouteContext};
 use crate::proxy::body::settle_usage;
 use crate::proxy::pick_slot;
 use crate::tree::WorkerMask;
@@ -131,10 +131,13 @@ struct InFlight {
 
 /// Replays `requests` (sorted by arrival) through `config`'s policy over `model`;
 /// `seed` seeds the policies' random choices; `progress` is told after each request.
+/// `contexts` are the requests' routing contexts (`prompt::extract` at the config's
+/// `max_prompt_bytes`), worked out once for every run.
 pub async fn replay(
     config: &Config,
     model: &PoolModel,
     requests: &[Prepared],
+    contexts: &[RouteContext<'_>],
     seed: u64,
     mut progress: impl FnMut(),
 ) -> Measured {
@@ -191,8 +194,13 @@ pub async fn replay(
     };
     for (index, r) in requests.iter().enumerate() {
         let arrival_ns = ms_to_ns(r.arrival_ms);
-        while events.peek().is_some_and(|Reverse(e)| e.at_ns <= arrival_ns) {
-            let Some(Reverse(e)) = events.pop() else { break };
+        while events
+            .peek()
+            .is_some_and(|Reverse(e)| e.at_ns <= arrival_ns)
+        {
+            let Some(Reverse(e)) = events.pop() else {
+                break;
+            };
             advance_to(e.at_ns).await;
             handle(e, &mut flying);
         }
@@ -205,9 +213,11 @@ pub async fn replay(
             .map(|e| e.cached_tokens(&r.hashes, r.prompt_tokens))
             .max()
             .unwrap_or(0);
-        let ctx = prompt::extract(r.endpoint, &r.body, config.cache.max_prompt_bytes);
+        let Some(ctx) = contexts.get(index) else {
+            break;
+        };
         let req = RouteRequest {
-            ctx: Some(&ctx),
+            ctx: Some(ctx),
             prepared: policy::Prepared::Nothing,
             session: None,
             tie: Some(ctx.digest),
