@@ -147,8 +147,8 @@ impl Report {
         out.push_str(
             "\navailable / predicted / delivered = Σ tokens ÷ Σ prompt tokens: the longest \
              prefix any engine held at arrival / the policy's prediction for its pick / what \
-             the chosen engine served from cache. TTFT = prefill queue wait + 20 ms-style \
-             base + uncached tokens ÷ prefill rate (simulated ms). Recommended: best \
+             the chosen engine served from cache. TTFT = prefill queue wait + the fixed \
+             prefill base + uncached tokens ÷ prefill rate (simulated ms). Recommended: best \
              delivered among rows within 10 % of the best TTFT p99 that rejected nothing.\n",
         );
         if self.skipped > 0 {
