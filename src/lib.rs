@@ -34,6 +34,8 @@
 //! metrics      every metric name and label (prometheus-client)
 //! admin        GET /health, /workers, /metrics; the admin API
 //! reload       SIGHUP: re-read files, replace the pool's workers
+//! simulate     `simulate`: a request log through the same policy code over modelled
+//!              engines (the engine model sim-engine uses), a grid of settings
 //! error        ProxyError -> JSON response
 //! redact       credentials out of every message, log line and answer
 //! clock, shutdown  tokio's clock for state machines; one shutdown signal
@@ -77,5 +79,6 @@ pub mod reload;
 pub mod service;
 pub mod shutdown;
 pub mod signals;
+pub mod simulate;
 pub mod tokenize;
 pub mod tree;

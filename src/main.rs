@@ -4,12 +4,25 @@ use std::process::ExitCode;
 
 use cache_aware_router::{
     app,
-    config::{Cli, Config, LogColor, LogFormat},
+    config::{Cli, Command, Config, LogColor, LogFormat},
+    simulate,
 };
 use clap::Parser;
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
+    if let Some(Command::Simulate(args)) = &cli.command {
+        return match simulate::run(args, true) {
+            Ok(report) => {
+                print!("{}", report.render(args));
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("cache-aware-router simulate: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     let config = match Config::load(&cli.config) {
         Ok(c) => c,
         Err(e) => {

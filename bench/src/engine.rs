@@ -72,23 +72,19 @@ use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper::{Method, Request, Response, StatusCode};
 use hyper_util::rt::TokioIo;
-use lru::LruCache;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value, json};
 use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
-use xxhash_rust::xxh3::Xxh3;
 
 use crate::embeddings;
 use crate::prompts::WORDS;
+pub use cache_aware_router::simulate::engine::{PrefixCache, block_hashes};
 
 /// Response header naming the replica that served a request.
 pub const ENGINE_HEADER: &str = "x-sim-engine";
-
-/// Seed of the first block's hash chain (any constant; equal across engines).
-const ROOT_HASH: u64 = 0x6361_6368_6521_0001;
 
 /// Size of the simulated vocabulary (Qwen2.5's): every token id is below it.
 pub const VOCAB_SIZE: u32 = 151_936;
@@ -270,91 +266,6 @@ pub enum ConfigError {
     /// The name cannot be sent as an HTTP header value.
     #[error("engine name {0:?} is not a valid header value")]
     Name(String),
-}
-
-/// Chained hashes of the full `block_size`-token blocks of `tokens`, plus the
-/// token count. Block `i`'s hash covers block `i - 1`'s hash and block `i`'s words.
-pub fn block_hashes<'a>(
-    tokens: impl IntoIterator<Item = &'a str>,
-    block_size: usize,
-) -> (usize, Vec<u64>) {
-    let block_size = block_size.max(1);
-    let mut hashes = Vec::new();
-    let mut hasher = Xxh3::with_seed(ROOT_HASH);
-    let mut in_block = 0;
-    let mut n = 0;
-    for word in tokens {
-        hasher.update(word.as_bytes());
-        hasher.update(&[0]);
-        in_block += 1;
-        n += 1;
-        if in_block == block_size {
-            let h = hasher.digest();
-            hashes.push(h);
-            hasher = Xxh3::with_seed(h);
-            in_block = 0;
-        }
-    }
-    (n, hashes)
-}
-
-/// One replica's prefix cache: a set of block hashes with LRU eviction.
-///
-/// Insertion touches a request's blocks from last to first, so the first blocks
-/// are the most recently used and a chain is evicted from its tail (vLLM frees a
-/// request's blocks in reverse order for the same reason).
-#[derive(Debug)]
-pub struct PrefixCache {
-    blocks: LruCache<u64, ()>,
-    block_size: usize,
-}
-
-impl PrefixCache {
-    /// An empty cache holding at most `capacity` blocks of `block_size` tokens.
-    pub fn new(capacity: NonZeroUsize, block_size: NonZeroUsize) -> Self {
-        Self {
-            blocks: LruCache::new(capacity),
-            block_size: block_size.get(),
-        }
-    }
-
-    /// Tokens of a prompt (`n_tokens` long, with full-block `hashes`) that are
-    /// already cached: leading cached blocks × block size, at most `n_tokens - 1`.
-    /// Does not change the cache.
-    pub fn cached_tokens(&self, hashes: &[u64], n_tokens: usize) -> usize {
-        let max_blocks = n_tokens.saturating_sub(1) / self.block_size;
-        let hit = hashes
-            .iter()
-            .take(max_blocks)
-            .take_while(|h| self.blocks.contains(h))
-            .count();
-        hit * self.block_size
-    }
-
-    /// [`Self::cached_tokens`], then inserts or touches every full block of the
-    /// prompt (evicting least recently used blocks past capacity).
-    pub fn lookup_and_insert(&mut self, hashes: &[u64], n_tokens: usize) -> usize {
-        let cached = self.cached_tokens(hashes, n_tokens);
-        for &h in hashes.iter().rev() {
-            self.blocks.put(h, ());
-        }
-        cached
-    }
-
-    /// Blocks currently held.
-    pub fn len(&self) -> usize {
-        self.blocks.len()
-    }
-
-    /// True when no block is held.
-    pub fn is_empty(&self) -> bool {
-        self.blocks.is_empty()
-    }
-
-    /// Capacity, in blocks.
-    pub fn capacity(&self) -> usize {
-        self.blocks.cap().get()
-    }
 }
 
 /// Token counts of one response, in OpenAI/vLLM `usage` shape.

@@ -96,23 +96,19 @@ impl GuardedBody {
                     let cached = u.cached_tokens.unwrap_or(0);
                     tap.metrics.engine_usage(worker, u.prompt_tokens, cached);
                     if let Some(g) = &guard {
-                        g.learn(u.prompt_tokens, cached, tap.streamed);
-                        if let Some(delivered) = g.worker().hits().delivered(u.cached_tokens) {
+                        let d = &tap.log.decision;
+                        let (delivered, short) = settle_usage(
+                            g,
+                            u.prompt_tokens,
+                            u.cached_tokens,
+                            tap.streamed,
+                            (d.predicted_tokens, d.stamp),
+                            tap.block_tokens,
+                        );
+                        if let Some(delivered) = delivered {
                             tap.hit_numbers(g.worker(), delivered);
-                            let d = &tap.log.decision;
-                            if crate::policy::Shortfall::of(
-                                d.predicted_tokens,
-                                delivered,
-                                tap.block_tokens,
-                            ) {
-                                g.worker().hits().shortfall();
-                                shortfall = Some(crate::policy::Shortfall {
-                                    stamp: d.stamp,
-                                    predicted_tokens: d.predicted_tokens,
-                                    delivered_tokens: delivered,
-                                });
-                            }
                         }
+                        shortfall = short;
                     }
                 }
                 let keyed = matches!(
@@ -138,6 +134,38 @@ impl GuardedBody {
             tap.log.write(how);
         }
     }
+}
+
+/// What a complete answer's usage tells the router, applied as the proxy applies it
+/// (and `simulate`, with the same code): the in-flight `guard` learns the worker's
+/// tokens per byte (and its prefill speed when `streamed`); the worker's hit counters
+/// hear the `cached_tokens` it reported; a delivery far short of the pick's
+/// `(predicted tokens, tree stamp)` counts as a shortfall ([`crate::policy::Shortfall::of`],
+/// with `block_tokens` tokens per engine block), to be given to `Policy::answered`.
+/// Returns the delivered tokens (`None` while the worker has never reported cached
+/// tokens) and the shortfall, if any. Counts are prompt tokens.
+pub fn settle_usage(
+    guard: &InFlightGuard,
+    prompt_tokens: u64,
+    cached_tokens: Option<u64>,
+    streamed: bool,
+    (predicted_tokens, stamp): (u64, u64),
+    block_tokens: u64,
+) -> (Option<u64>, Option<crate::policy::Shortfall>) {
+    guard.learn(prompt_tokens, cached_tokens.unwrap_or(0), streamed);
+    let Some(delivered) = guard.worker().hits().delivered(cached_tokens) else {
+        return (None, None);
+    };
+    let short = crate::policy::Shortfall::of(predicted_tokens, delivered, block_tokens);
+    if short {
+        guard.worker().hits().shortfall();
+    }
+    let shortfall = short.then_some(crate::policy::Shortfall {
+        stamp,
+        predicted_tokens,
+        delivered_tokens: delivered,
+    });
+    (Some(delivered), shortfall)
 }
 
 impl BodyTap {

@@ -475,50 +475,14 @@ impl Router {
         })
     }
 
-    /// One decision plus the in-flight slot on the chosen worker. A worker that filled
-    /// up between the decision and the slot is skipped and the decision re-run.
+    /// One decision plus the in-flight slot on the chosen worker ([`pick_slot`]).
     fn pick(
         &self,
         set: &WorkerSet,
         route: &Route<'_>,
         tried: &WorkerMask,
     ) -> Option<(Pick, InFlightGuard)> {
-        let mut excluded = tried.clone();
-        let mut rng = rand::rng();
-        loop {
-            let now = crate::pool::now();
-            let mut candidates: Vec<Candidate> = set
-                .workers()
-                .iter()
-                .map(|w| Candidate {
-                    id: w.id(),
-                    load: w.load(),
-                    usable: !excluded.contains(w.id()) && w.is_routable(now),
-                    cache_aware: w.config().cache_aware,
-                })
-                .collect();
-            // Fallback workers take requests only while no primary one is usable, and
-            // workers that pushed back (429, 503 + Retry-After) only while no other is.
-            let is_fallback = |i: usize| set.workers()[i].config().role == Role::Fallback;
-            let is_saturated = |i: usize| set.workers()[i].signals().is_saturated(now);
-            for avoid in [&is_fallback as &dyn Fn(usize) -> bool, &is_saturated] {
-                if (0..candidates.len()).any(|i| candidates[i].usable && !avoid(i)) {
-                    for (i, c) in candidates.iter_mut().enumerate() {
-                        c.usable &= !avoid(i);
-                    }
-                }
-            }
-            let pick = self.policy.pick(&route.req, set, &candidates, &mut rng);
-            let id = pick.worker?;
-            let worker = set.get(id)?;
-            // Lost a race for the last slot, or the breaker's last probe slot: re-pick.
-            if let Some(mut guard) = InFlightGuard::try_acquire(worker)
-                && guard.admit()
-            {
-                return Some((pick, guard));
-            }
-            excluded.insert(id);
-        }
+        pick_slot(&*self.policy, set, &route.req, tried, &mut rand::rng())
     }
 
     /// Backoff before retry number `attempt` (1-based): initial × multiplier^(attempt-1),
@@ -613,6 +577,54 @@ impl Router {
             "request"
         );
         entry.replay()
+    }
+}
+
+/// One decision plus the in-flight slot on the chosen worker, as every request makes
+/// it (the proxy, and `simulate` with the same policy code): candidates are the set's
+/// workers, usable when routable now and not in `tried`; fallback workers only while no
+/// primary one is usable, and workers that pushed back only while no other is. A worker
+/// that filled up between the decision and the slot is skipped and the decision re-run.
+/// `None` when no worker is usable.
+pub fn pick_slot(
+    policy: &dyn Policy,
+    set: &WorkerSet,
+    req: &RouteRequest<'_>,
+    tried: &WorkerMask,
+    rng: &mut dyn rand::RngCore,
+) -> Option<(Pick, InFlightGuard)> {
+    let mut excluded = tried.clone();
+    loop {
+        let now = crate::pool::now();
+        let mut candidates: Vec<Candidate> = set
+            .workers()
+            .iter()
+            .map(|w| Candidate {
+                id: w.id(),
+                load: w.load(),
+                usable: !excluded.contains(w.id()) && w.is_routable(now),
+                cache_aware: w.config().cache_aware,
+            })
+            .collect();
+        let is_fallback = |i: usize| set.workers()[i].config().role == Role::Fallback;
+        let is_saturated = |i: usize| set.workers()[i].signals().is_saturated(now);
+        for avoid in [&is_fallback as &dyn Fn(usize) -> bool, &is_saturated] {
+            if (0..candidates.len()).any(|i| candidates[i].usable && !avoid(i)) {
+                for (i, c) in candidates.iter_mut().enumerate() {
+                    c.usable &= !avoid(i);
+                }
+            }
+        }
+        let pick = policy.pick(req, set, &candidates, rng);
+        let id = pick.worker?;
+        let worker = set.get(id)?;
+        // Lost a race for the last slot, or the breaker's last probe slot: re-pick.
+        if let Some(mut guard) = InFlightGuard::try_acquire(worker)
+            && guard.admit()
+        {
+            return Some((pick, guard));
+        }
+        excluded.insert(id);
     }
 }
 

@@ -1,0 +1,279 @@
+//! One simulated replay: the log's requests, in arrival order, through a real policy
+//! (`policy::build`) in front of N [`EngineModel`]s, on tokio's paused clock.
+//!
+//! Each request is routed as the proxy routes it: `prompt::extract` of its body, the
+//! proxy's [`pick_slot`] (candidates, usability, the policy's `pick`, the in-flight
+//! guard), the guard's prefill reservation, `Policy::observe(Served)` at once (a
+//! streamed answer's headers come before its prefill, as sim-engine sends them), the
+//! guard's `first_byte` at the end of prefill, and at the last byte the proxy's
+//! [`settle_usage`] with the engine's `cached_tokens` and `Policy::answered` on a
+//! shortfall; dropping the guard ends the request's in-flight count. Between events the
+//! clock is advanced (`tokio::time::advance`) to the next one, so every state machine
+//! the policies read (learned rates, drain estimates, staleness) sees simulated time.
+//! Must run inside a current-thread runtime whose time is paused.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+use std::time::Duration;
+
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+
+use super::engine::{EngineModel, Timing};
+use crate::config::Config;
+use crate::policy::{self, Answer, Outcome, Pick, RouteRequest};
+use crate::pool::{InFlightGuard, Pool};
+use crate::prompt::{Endpoint, RouteContext};
+use crate::proxy::body::settle_usage;
+use crate::proxy::pick_slot;
+use crate::tree::WorkerMask;
+
+/// A request as the simulation replays it (worked out once, shared by every run).
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    pub endpoint: Endpoint,
+    pub body: bytes::Bytes,
+    /// Arrival, in ms from the start of the replay.
+    pub arrival_ms: f64,
+    /// The engine's prompt tokens (words of the whole prompt text).
+    pub prompt_tokens: usize,
+    /// Chained hashes of its full KV blocks.
+    pub hashes: Vec<u64>,
+    /// Tokens generated.
+    pub output_tokens: u64,
+    /// Logged time from arrival to last byte, in ms; `None` = from the engine model.
+    pub duration_ms: Option<f64>,
+}
+
+/// The engine pool's model.
+#[derive(Debug, Clone, Copy)]
+pub struct PoolModel {
+    pub workers: usize,
+    /// KV capacity per engine, in blocks.
+    pub kv_blocks: std::num::NonZeroUsize,
+    /// Tokens per KV block.
+    pub block_tokens: std::num::NonZeroUsize,
+    pub timing: Timing,
+}
+
+/// What one run measured. Token counts are engine prompt tokens.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Measured {
+    pub requests: u64,
+    /// Requests no worker could take (every worker at `max_load`).
+    pub rejected: u64,
+    pub prompt_tokens: u64,
+    /// Σ longest prefix any engine held at the request's arrival (the reuse perfect
+    /// routing could have had).
+    pub available_tokens: u64,
+    /// Σ the pick's predicted prefix ([`Pick::saved_tokens`]; 0 for load-only policies).
+    pub predicted_tokens: u64,
+    /// Σ the chosen engine's `cached_tokens`.
+    pub delivered_tokens: u64,
+    /// Requests per worker, by worker position.
+    pub per_worker: Vec<u64>,
+    /// Most requests in flight on one worker at once.
+    pub peak_in_flight: u64,
+    /// Each request's estimated TTFT (queue wait + prefill), in ms, sorted.
+    pub ttft_ms: Vec<f64>,
+}
+
+impl Measured {
+    /// `tokens` ÷ Σ prompt tokens (0 when there were none).
+    pub fn ratio(&self, tokens: u64) -> f64 {
+        if self.prompt_tokens == 0 {
+            0.0
+        } else {
+            tokens as f64 / self.prompt_tokens as f64
+        }
+    }
+
+    /// Max ÷ mean requests per worker (1 = perfectly even; 0 with no requests).
+    pub fn max_over_mean(&self) -> f64 {
+        let n = self.per_worker.len().max(1) as f64;
+        let total: u64 = self.per_worker.iter().sum();
+        let max = self.per_worker.iter().copied().max().unwrap_or(0);
+        if total == 0 {
+            0.0
+        } else {
+            max as f64 / (total as f64 / n)
+        }
+    }
+
+    /// The `q` quantile (0–1) of TTFT, in ms (nearest rank; 0 with no requests).
+    pub fn ttft_quantile(&self, q: f64) -> f64 {
+        if self.ttft_ms.is_empty() {
+            return 0.0;
+        }
+        let rank = ((q * self.ttft_ms.len() as f64).ceil() as usize).clamp(1, self.ttft_ms.len());
+        self.ttft_ms[rank - 1]
+    }
+}
+
+/// An event of a request in flight, in time order (ties: first byte before last, then
+/// by request index, so runs are deterministic).
+#[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
+struct Event {
+    at_ns: u64,
+    kind: u8,
+    index: usize,
+}
+
+const FIRST_BYTE: u8 = 0;
+const LAST_BYTE: u8 = 1;
+
+struct InFlight {
+    guard: InFlightGuard,
+    pick: Pick,
+    prompt_tokens: u64,
+    cached_tokens: u64,
+}
+
+/// Replays `requests` (sorted by arrival) through `config`'s policy over `model`;
+/// `seed` seeds the policies' random choices; `progress` is told after each request.
+/// `contexts` are the requests' routing contexts (`prompt::extract` at the config's
+/// `max_prompt_bytes`), worked out once for every run.
+pub async fn replay(
+    config: &Config,
+    model: &PoolModel,
+    requests: &[Prepared],
+    contexts: &[RouteContext<'_>],
+    seed: u64,
+    mut progress: impl FnMut(),
+) -> Measured {
+    let pool = Pool::new(&config.workers, &config.circuit_breaker);
+    let policy = policy::build(config, &pool);
+    let set = pool.set();
+    let mut engines: Vec<EngineModel> = (0..model.workers)
+        .map(|_| EngineModel::new(model.kv_blocks, model.block_tokens, model.timing))
+        .collect();
+    let mut rng = StdRng::seed_from_u64(seed);
+    let start = tokio::time::Instant::now();
+    let mut m = Measured {
+        per_worker: vec![0; model.workers],
+        ..Measured::default()
+    };
+    let mut events: BinaryHeap<Reverse<Event>> = BinaryHeap::new();
+    let mut flying: Vec<Option<InFlight>> = (0..requests.len()).map(|_| None).collect();
+    let block_tokens = model.block_tokens.get() as u64;
+    let advance_to = |at_ns: u64| async move {
+        let now = tokio::time::Instant::now().duration_since(start);
+        let at = Duration::from_nanos(at_ns);
+        if at > now {
+            tokio::time::advance(at - now).await;
+        }
+    };
+    let ms_to_ns = |ms: f64| (ms.max(0.0) * 1e6) as u64;
+    let handle = |e: Event, flying: &mut Vec<Option<InFlight>>| {
+        let Some(f) = flying[e.index].as_mut() else {
+            return;
+        };
+        if e.kind == FIRST_BYTE {
+            f.guard.first_byte();
+            return;
+        }
+        let Some(f) = flying[e.index].take() else {
+            return;
+        };
+        let (_, shortfall) = settle_usage(
+            &f.guard,
+            f.prompt_tokens,
+            Some(f.cached_tokens),
+            true,
+            (f.pick.saved_tokens(), f.pick.stamp),
+            block_tokens,
+        );
+        if shortfall.is_some() {
+            let answer = Answer {
+                response_id: None,
+                shortfall,
+                prepared: None,
+            };
+            policy.answered(f.guard.worker(), &answer);
+        }
+        drop(f.guard);
+    };
+    for (index, r) in requests.iter().enumerate() {
+        let arrival_ns = ms_to_ns(r.arrival_ms);
+        while events
+            .peek()
+            .is_some_and(|Reverse(e)| e.at_ns <= arrival_ns)
+        {
+            let Some(Reverse(e)) = events.pop() else {
+                break;
+            };
+            advance_to(e.at_ns).await;
+            handle(e, &mut flying);
+        }
+        advance_to(arrival_ns).await;
+        progress();
+        m.requests += 1;
+        m.prompt_tokens += r.prompt_tokens as u64;
+        m.available_tokens += engines
+            .iter()
+            .map(|e| e.cached_tokens(&r.hashes, r.prompt_tokens))
+            .max()
+            .unwrap_or(0);
+        let Some(ctx) = contexts.get(index) else {
+            break;
+        };
+        let req = RouteRequest {
+            ctx: Some(ctx),
+            prepared: policy::Prepared::Nothing,
+            session: None,
+            tie: Some(ctx.digest),
+            chain: Default::default(),
+        };
+        let Some((pick, mut guard)) =
+            pick_slot(&*policy, &set, &req, &WorkerMask::default(), &mut rng)
+        else {
+            m.rejected += 1;
+            continue;
+        };
+        guard.reserve_prefill(pick.prefill_tokens, ctx.total_len as u64);
+        let worker = std::sync::Arc::clone(guard.worker());
+        policy.observe(&req, &pick, &worker, Outcome::Served);
+        let position = set
+            .workers()
+            .iter()
+            .position(|w| w.id() == worker.id())
+            .unwrap_or(0);
+        let engine = &mut engines[position.min(model.workers - 1)];
+        let served = engine.serve(r.arrival_ms, &r.hashes, r.prompt_tokens);
+        let timing = engine.timing();
+        let last_ms = match r.duration_ms {
+            Some(d) => (r.arrival_ms + d).max(served.first_token_ms),
+            None => {
+                served.first_token_ms
+                    + timing.decode_ms_per_token * r.output_tokens.saturating_sub(1) as f64
+            }
+        };
+        m.per_worker[position] += 1;
+        m.peak_in_flight = m.peak_in_flight.max(worker.in_flight() as u64);
+        m.predicted_tokens += pick.saved_tokens();
+        m.delivered_tokens += served.cached_tokens;
+        m.ttft_ms.push(served.first_token_ms - r.arrival_ms);
+        events.push(Reverse(Event {
+            at_ns: ms_to_ns(served.first_token_ms),
+            kind: FIRST_BYTE,
+            index,
+        }));
+        events.push(Reverse(Event {
+            at_ns: ms_to_ns(last_ms),
+            kind: LAST_BYTE,
+            index,
+        }));
+        flying[index] = Some(InFlight {
+            guard,
+            pick,
+            prompt_tokens: r.prompt_tokens as u64,
+            cached_tokens: served.cached_tokens,
+        });
+    }
+    while let Some(Reverse(e)) = events.pop() {
+        advance_to(e.at_ns).await;
+        handle(e, &mut flying);
+    }
+    m.ttft_ms.sort_by(f64::total_cmp);
+    m
+}

@@ -1,0 +1,65 @@
+//! `simulate` on the committed 500-line Mooncake sample: `cache_aware`'s delivered hit
+//! rate matches what `trace-matrix` measured over real router and sim-engine processes
+//! on the same lines (README, "simulate"), and two runs recommend the same row.
+
+use std::path::PathBuf;
+
+use cache_aware_router::simulate::{self, SimulateArgs, input::Format};
+
+/// `trace-matrix --trace bench/data/mooncake_sample_500.jsonl --policies cache_aware,…`
+/// (defaults: 4 engines × 64,000 blocks of 16 tokens, time scale 0.07), 2026-12-01:
+/// cache_aware's hit rate (Σ engines' cached_tokens ÷ Σ prompt tokens).
+const TRACE_MATRIX_CACHE_AWARE: f64 = 0.152;
+
+fn args() -> SimulateArgs {
+    SimulateArgs {
+        input: PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join("bench/data/mooncake_sample_500.jsonl"),
+        format: Format::Auto,
+        limit: 0,
+        skip_bad_lines: false,
+        workers: 4,
+        kv_blocks: 64_000,
+        block_tokens: 16,
+        prefill_tokens_per_sec: 12_500.0,
+        ttft_base_ms: 20.0,
+        decode_ms_per_token: 15.0,
+        max_output_tokens: 64,
+        rate: 10.0,
+        config: Vec::new(),
+        seed: 0,
+    }
+}
+
+#[test]
+fn cache_aware_matches_trace_matrix_and_the_recommendation_is_stable() {
+    let a = args();
+    let first = simulate::run(&a, false).expect("simulate runs on the sample");
+    assert_eq!(first.requests, 500);
+    let row = first
+        .settings
+        .iter()
+        .position(|s| s.label == "cache_aware (defaults)")
+        .expect("the grid has cache_aware at its defaults");
+    let m = &first.rows[row];
+    let hit = m.ratio(m.delivered_tokens);
+    assert!(
+        (hit - TRACE_MATRIX_CACHE_AWARE).abs() <= 0.02,
+        "simulate's cache_aware hit rate {hit:.3} vs trace-matrix {TRACE_MATRIX_CACHE_AWARE}"
+    );
+    // Cache-aware routing beats round robin by far on this conversation trace.
+    let rr = first
+        .settings
+        .iter()
+        .position(|s| s.label == "round_robin")
+        .expect("round_robin row");
+    assert!(first.rows[rr].ratio(first.rows[rr].delivered_tokens) < hit - 0.04);
+    let second = simulate::run(&a, false).expect("second run");
+    assert!(first.recommended.is_some());
+    assert_eq!(first.recommended, second.recommended);
+    assert_eq!(
+        first.render(&a),
+        second.render(&a),
+        "two runs print the same table"
+    );
+}
