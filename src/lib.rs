@@ -3,9 +3,10 @@
 //! # Architecture
 //!
 //! ```text
-//! main.rs      CLI -> Config::load -> app::run
+//! main.rs      cli -> Config::load -> app::run (or a tool: simulate)
+//! cli          the command line: serve, --config-check, simulate
 //! app          builds the Router, spawns every long-lived task, SIGHUP, SIGTERM drain
-//! config       CLI + YAML layers -> validated Config (source: positions and words;
+//! config       YAML layers -> validated Config (source: positions and words;
 //!              secret: credentials; passthrough: which other paths reach a worker)
 //! service      the hyper service: admin endpoints, or the proxy
 //! proxy        body -> prompt -> policy -> upstream -> GuardedBody, retries
@@ -63,6 +64,7 @@
 pub mod admin;
 pub mod app;
 pub mod cache;
+pub mod cli;
 pub mod clock;
 pub mod config;
 pub mod discovery;

@@ -4,7 +4,8 @@ use std::process::ExitCode;
 
 use cache_aware_router::{
     app,
-    config::{Cli, Command, Config, LogColor, LogFormat},
+    cli::{Cli, Command},
+    config::{Config, LogColor, LogFormat},
     simulate,
 };
 use clap::Parser;

@@ -13,7 +13,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
 use serde::Deserialize;
 use serde_yaml_ng::{Mapping, Value};
 
@@ -35,38 +34,6 @@ pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticC
 pub use secret::Secret;
 pub use state::StateConfig;
 pub use tls::TlsSetting;
-
-/// `cache-aware-router` command line.
-#[derive(Debug, Parser)]
-#[command(
-    name = "cache-aware-router",
-    version,
-    about,
-    subcommand_negates_reqs = true
-)]
-pub struct Cli {
-    /// YAML config file; repeat to layer files in order (later files override earlier
-    /// ones key by key; lists replace).
-    #[arg(short = 'c', long = "config", value_name = "FILE", required = true)]
-    pub config: Vec<PathBuf>,
-
-    /// Validate the config files and exit: 0 when valid, 2 with a message otherwise.
-    #[arg(long)]
-    pub config_check: bool,
-
-    /// A tool instead of serving.
-    #[command(subcommand)]
-    pub command: Option<Command>,
-}
-
-/// `cache-aware-router <COMMAND>`.
-#[derive(Debug, clap::Subcommand)]
-pub enum Command {
-    /// Replay a request log (JSONL bodies or a Mooncake trace) through the same policy
-    /// code with no network, over a model of N engines, and print a table over a grid
-    /// of policies and settings with the recommended one marked.
-    Simulate(crate::simulate::SimulateArgs),
-}
 
 /// Routing policy (top-level `policy` key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]

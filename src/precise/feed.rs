@@ -222,7 +222,7 @@ pub struct Feed {
     /// `precise.block_size` (0 = none).
     foreign_block_size: AtomicU64,
     /// The worker's token parity, shared by its ranks.
-    parity: Arc<super::parity::ParityState>,
+    parity: Arc<super::parity::state::ParityState>,
     pub stats: FeedStats,
 }
 
@@ -232,7 +232,7 @@ impl Feed {
     /// the rank, so it is stable across reloads that keep them.
     pub fn ranks(url: &WorkerUrl, config: &KvEventsConfig, origin: Instant) -> Vec<Arc<Feed>> {
         let routed_since = Arc::new(AtomicU64::new(0));
-        let parity = Arc::new(super::parity::ParityState::default());
+        let parity = Arc::new(super::parity::state::ParityState::default());
         (0..config.dp_size.max(1))
             .map(|rank| {
                 let endpoint = config.rank_endpoint(rank);
@@ -387,7 +387,7 @@ impl Feed {
     }
 
     /// The worker's token parity (shared by its ranks).
-    pub fn parity(&self) -> &super::parity::ParityState {
+    pub fn parity(&self) -> &super::parity::state::ParityState {
         &self.parity
     }
 
