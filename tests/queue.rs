@@ -81,6 +81,13 @@ async fn past_the_time_out_or_the_bound_the_client_gets_503_saying_which() {
     }
     assert_eq!(w.count(), 2);
     let m = scrape(router.addr).await;
+    assert_eq!(
+        m.value(
+            "cache_aware_router_routing_decisions_total",
+            &[("reason", "no_worker")]
+        ),
+        4.0
+    );
     for (cause, n) in [("timeout", 2.0), ("full", 2.0)] {
         assert_eq!(
             m.value(

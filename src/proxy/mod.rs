@@ -286,7 +286,13 @@ impl Router {
                 started = Instant::now();
             }
             let picked = match self.pick(set, route, &tried) {
-                None if attempt == 0 => self.wait_for_slot(set, route, &tried).await?,
+                None if attempt == 0 => match self.wait_for_slot(set, route, &tried).await {
+                    Ok(picked) => picked,
+                    Err(e) => {
+                        self.metrics.decision(Reason::NoWorker, started.elapsed());
+                        return Err(e);
+                    }
+                },
                 picked => picked,
             };
             let Some((pick, mut guard)) = picked else {
