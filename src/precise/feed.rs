@@ -408,12 +408,13 @@ impl Feed {
     /// Times the router dropped this rank's blocks (engine clears, gaps, restarts,
     /// resets): a parity check that spans one is not counted.
     pub fn clears(&self) -> u64 {
-        let s = self.stats.counts();
-        s.cleared
-            + s.clears_gap
-            + s.clears_restart
-            + s.clears_reconnect
-            + s.clears_unhealthy
+        let s = &self.stats;
+        let n = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        n(&s.cleared)
+            + n(&s.clears_gap)
+            + n(&s.clears_restart)
+            + n(&s.clears_reconnect)
+            + n(&s.clears_unhealthy)
             + self.resets()
     }
 

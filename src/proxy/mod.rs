@@ -297,13 +297,7 @@ impl Router {
             };
             let Some((pick, mut guard)) = picked else {
                 if let Some((resp, guard, log)) = held {
-                    return Ok(self.respond(
-                        resp,
-                        guard,
-                        log,
-                        route.cache.clone(),
-                        route.req.prepared.clone(),
-                    ));
+                    return Ok(self.respond(resp, guard, log, route));
                 }
                 self.metrics.decision(Reason::NoWorker, started.elapsed());
                 return Err(last_error);
@@ -387,13 +381,7 @@ impl Router {
                     let retryable = pushed_back.is_some()
                         || self.config.proxy.retryable_statuses.contains(&status);
                     if attempt == retries || !retryable {
-                        return Ok(self.respond(
-                            resp,
-                            guard,
-                            log,
-                            route.cache.clone(),
-                            route.req.prepared.clone(),
-                        ));
+                        return Ok(self.respond(resp, guard, log, route));
                     }
                     tracing::warn!(
                         request_id = ?request_id,
@@ -411,13 +399,7 @@ impl Router {
             }
         }
         match held {
-            Some((resp, guard, log)) => Ok(self.respond(
-                resp,
-                guard,
-                log,
-                route.cache.clone(),
-                route.req.prepared.clone(),
-            )),
+            Some((resp, guard, log)) => Ok(self.respond(resp, guard, log, route)),
             None => Err(last_error),
         }
     }
@@ -507,9 +489,11 @@ impl Router {
         resp: Response<Incoming>,
         guard: InFlightGuard,
         log: AccessLog,
-        pending: Option<Pending>,
-        prepared: Prepared,
+        route: &Route<'_>,
     ) -> Response<ProxyBody> {
+        let pending = route.cache.clone();
+        // Handed back with the answer (precise mode's parity check); cloning shares it.
+        let prepared = route.req.prepared.clone();
         self.metrics.request(log.endpoint, &log.worker, log.status);
         let record = pending.and_then(|p| cache::Recorder::start(p, resp.status(), resp.headers()));
         self.metrics.first_byte(&log.worker, log.arrived.elapsed());
