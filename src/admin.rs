@@ -43,6 +43,11 @@ struct WorkerView {
     /// Requests the other router replicas have in flight here (`state:`; 0 alone).
     remote_in_flight: usize,
     healthy: bool,
+    /// A health probe has answered since it joined; until then `/health` does not
+    /// count it (it is routed to all the same).
+    probed: bool,
+    /// Why its last health probe failed; `null` after a good one.
+    probe_error: Option<String>,
     breaker: &'static str,
     max_load: Option<usize>,
     load_penalty: u32,
@@ -443,6 +448,8 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
             in_flight: w.in_flight(),
             remote_in_flight: w.remote_in_flight(),
             healthy: w.is_healthy(),
+            probed: w.is_probed(),
+            probe_error: w.probe_run().last_error.clone(),
             breaker: w.breaker_state(now).as_str(),
             max_load: w.config().max_load.map(|m| m.get()),
             load_penalty: w.config().load_penalty,

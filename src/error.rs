@@ -53,15 +53,20 @@ pub enum ProxyError {
         "every usable worker is at max_load and the queue is full ({max} waiting, proxy.queue.max_waiting); retry later"
     )]
     QueueFull { max: usize },
-    /// No worker could be connected to (503: retryable, the pool is down).
-    #[error("no worker could be reached: {0}")]
+    /// The chosen worker could not be connected to (503; another worker is tried while
+    /// one is left, so the client sees this only when none could be).
+    #[error("could not connect to the worker: {0}")]
     Unreachable(String),
     /// A worker failed after the connection was made (502).
     #[error("upstream worker failed: {0}")]
     Upstream(String),
-    /// No response headers within `proxy.request_timeout_secs` (504).
-    #[error("upstream worker did not answer within {0} s (proxy.request_timeout_secs)")]
-    Timeout(u64),
+    /// No response headers within the attempt's time, in seconds: what was left of
+    /// `proxy.request_timeout_secs` (counted from the request's arrival), or
+    /// `proxy.attempt_timeout_secs` (504). Retried only when the latter is set.
+    #[error(
+        "the worker sent no response headers within {0:.1} s (proxy.request_timeout_secs bounds the whole wait, proxy.attempt_timeout_secs one attempt)"
+    )]
+    Timeout(f64),
     /// A mutating admin endpoint without a configured token (403) or with a wrong one (401).
     #[error("{0}")]
     Forbidden(&'static str),

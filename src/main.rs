@@ -57,8 +57,8 @@ fn main() -> ExitCode {
     match runtime.block_on(app::run(config, cli.config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            tracing::error!(error = %e, "fatal");
-            eprintln!("cache-aware-router: {e}");
+            // Once, in the log's own format (logging is up by now).
+            tracing::error!("cannot run: {e}");
             ExitCode::FAILURE
         }
     }

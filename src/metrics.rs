@@ -76,6 +76,22 @@ struct CauseLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+/// How a request's exchange with its client ended, one per request (the access log's
+/// `outcome`): `complete` (the whole answer, the router's own errors included),
+/// `client_gone` (the client left first, before or after the headers),
+/// `upstream_error` (the worker broke the body), `upstream_idle_timeout`.
+pub const OUTCOMES: [&str; 4] = [
+    "complete",
+    "client_gone",
+    "upstream_error",
+    "upstream_idle_timeout",
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WorkerKindLabels {
     worker: Arc<str>,
     kind: &'static str,
@@ -275,6 +291,7 @@ pub struct Metrics {
     waiting: Arc<std::sync::atomic::AtomicUsize>,
     queue_wait: Histogram,
     queue_rejected: Family<CauseLabels, Counter>,
+    outcomes: Family<OutcomeLabels, Counter>,
 }
 
 /// A request's place in the admission queue; dropping it (served, refused, or the
@@ -356,6 +373,7 @@ impl Metrics {
             waiting: Arc::default(),
             queue_wait: latency_histogram(),
             queue_rejected: Family::default(),
+            outcomes: Family::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -496,6 +514,11 @@ impl Metrics {
             "How long queued requests waited before a slot freed",
             Unit::Seconds,
             m.queue_wait.clone(),
+        );
+        r.register(
+            "request_outcomes",
+            "Requests by how their client's exchange ended: complete, client_gone (before or after the headers), upstream_error, upstream_idle_timeout",
+            m.outcomes.clone(),
         );
         r.register(
             "queue_rejected",
@@ -763,6 +786,9 @@ impl Metrics {
         }
         for result in ["applied", "rejected", "invalid"] {
             let _ = m.reloads.get_or_create(&ResultLabels { result });
+        }
+        for outcome in OUTCOMES {
+            let _ = m.outcomes.get_or_create(&OutcomeLabels { outcome });
         }
         for cause in ["full", "timeout"] {
             let _ = m.queue_rejected.get_or_create(&CauseLabels { cause });
@@ -1033,6 +1059,13 @@ impl Metrics {
     pub fn queue_rejected(&self, cause: &'static str) {
         self.queue_rejected
             .get_or_create(&CauseLabels { cause })
+            .inc();
+    }
+
+    /// How one request ended, one of [`OUTCOMES`].
+    pub fn outcome(&self, outcome: &'static str) {
+        self.outcomes
+            .get_or_create(&OutcomeLabels { outcome })
             .inc();
     }
 

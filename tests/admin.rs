@@ -484,9 +484,12 @@ async fn an_admin_listener_takes_the_admin_endpoints_off_the_public_port() {
     let public = router.addr;
     let private = router.admin_addr.expect("an admin listener");
     assert_ne!(public, private);
-    // /health answers on both.
+    // /health answers on both (200 once the worker's first probe is in).
     for addr in [public, private] {
-        assert_eq!(send(addr, &Req::get("/health")).await.status, 200);
+        wait_until("GET /health says 200", STEP_TIMEOUT, || async {
+            send(addr, &Req::get("/health")).await.status == 200
+        })
+        .await;
     }
     // /workers, /metrics and the mutations: the admin listener only.
     for req in [

@@ -631,3 +631,85 @@ async fn health_flapping_below_either_threshold_changes_nothing() {
     }
     router.shutdown().await;
 }
+
+/// A port nothing listens on.
+fn dead_url() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("http://{}", l.local_addr().unwrap())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_503_at_once_when_the_only_worker_is_dead() {
+    // Default probes: every 10 s, 3 failures to go down. The first probe decides.
+    let router = start_router(&yaml_for_urls(&[dead_url()], "")).await;
+    wait_until("GET /health says 503", Duration::from_secs(2), || async {
+        get(router.addr, "/health").await.status == 503
+    })
+    .await;
+    let h = get(router.addr, "/health").await;
+    assert_eq!(h.json()["healthy_workers"], 0, "{}", h.text());
+    let w = worker_view(router.addr, 0).await;
+    assert_eq!(
+        (w["healthy"].clone(), w["probed"].clone()),
+        (false.into(), true.into())
+    );
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_joins_is_probed_at_once_and_counted_only_once_it_answers() {
+    let live = FakeWorker::start().await;
+    let router = start_router(&yaml_for(
+        &[&live],
+        "server:\n  admin_token: qa-admin-token-1\n",
+    ))
+    .await;
+    wait_until(
+        "the live worker counted",
+        Duration::from_secs(2),
+        || async { get(router.addr, "/health").await.json()["healthy_workers"] == 1 },
+    )
+    .await;
+    let dead = dead_url();
+    let added = send(
+        router.addr,
+        &Req::new("POST", "/workers")
+            .header("Authorization", "Bearer qa-admin-token-1")
+            .header("Content-Type", "application/json")
+            .body(format!(r#"{{"url":"{dead}"}}"#).into_bytes()),
+    )
+    .await;
+    assert!(added.status < 300, "{}", added.text());
+    let started = Instant::now();
+    wait_until(
+        "the dead worker marked unhealthy",
+        Duration::from_secs(2),
+        || async { worker_view(router.addr, 1).await["healthy"] == false },
+    )
+    .await;
+    assert!(
+        started.elapsed() < Duration::from_secs(2),
+        "not a probe interval later"
+    );
+    let h = get(router.addr, "/health").await;
+    assert_eq!(h.json()["healthy_workers"], 1, "{}", h.text());
+    // And a live one that joins counts once its first probe answers.
+    let second = FakeWorker::start().await;
+    let added = send(
+        router.addr,
+        &Req::new("POST", "/workers")
+            .header("Authorization", "Bearer qa-admin-token-1")
+            .header("Content-Type", "application/json")
+            .body(format!(r#"{{"url":"{}"}}"#, second.url()).into_bytes()),
+    )
+    .await;
+    assert!(added.status < 300, "{}", added.text());
+    wait_until(
+        "the new live worker counted",
+        Duration::from_secs(2),
+        || async { get(router.addr, "/health").await.json()["healthy_workers"] == 2 },
+    )
+    .await;
+    assert!(second.probes().len() >= 1);
+    router.shutdown().await;
+}

@@ -693,9 +693,17 @@ pub struct ProxyConfig {
     pub retryable_statuses: Vec<u16>,
     /// TCP connect bound (default 2 s).
     pub connect_timeout: Duration,
-    /// Bound on the wait for response headers (default 600 s: a non-streamed vLLM
-    /// response sends its headers only when generation ends).
+    /// Bound on the client's wait for response headers, from the request's arrival over
+    /// every attempt (default 600 s: a non-streamed vLLM response sends its headers only
+    /// when generation ends); also the longest silence between two body frames.
     pub request_timeout: Duration,
+    /// `proxy.attempt_timeout_secs`: how long one attempt waits for headers before it is
+    /// abandoned (its connection closed, so the engine aborts it) and the request tried
+    /// on another worker, within `request_timeout`. Unset (the default): an attempt may
+    /// use the whole `request_timeout`, and a time-out is not retried — the engine may
+    /// still be computing it (a non-streamed answer's headers come at its end), so a
+    /// second try would pay its prefill twice.
+    pub attempt_timeout: Option<Duration>,
     /// Idle pooled upstream connections are closed after this (default 4 s, below
     /// uvicorn's 5 s keep-alive, so a reused socket is never one the worker closed).
     pub pool_idle_timeout: Duration,
@@ -1002,6 +1010,7 @@ struct RawProxy {
     retryable_statuses: Option<Vec<u16>>,
     connect_timeout_secs: Option<Secs>,
     request_timeout_secs: Option<Secs>,
+    attempt_timeout_secs: Option<Secs>,
     pool_idle_timeout_secs: Option<Secs>,
     add_routed_peer_header: Option<bool>,
     remote_media_url_policy: Option<Value>,
@@ -1887,6 +1896,29 @@ impl Config {
             max_waiting: max_waiting as usize,
             timeout: Duration::from_millis(timeout_ms),
         };
+        let request_timeout = ck.secs(
+            "proxy.request_timeout_secs",
+            p.request_timeout_secs,
+            600.0,
+            None,
+        )?;
+        let attempt_timeout = match p.attempt_timeout_secs {
+            None => None,
+            Some(v) => {
+                let t = ck.secs("proxy.attempt_timeout_secs", Some(v), 0.0, None)?;
+                if t > request_timeout {
+                    return Err(ck.bad(
+                        "proxy.attempt_timeout_secs",
+                        v.0,
+                        format!(
+                            "is longer than proxy.request_timeout_secs ({} s), which bounds every attempt together",
+                            request_timeout.as_secs_f64()
+                        ),
+                    ));
+                }
+                Some(t)
+            }
+        };
         let proxy = ProxyConfig {
             queue,
             max_retries: p.max_retries.unwrap_or(2),
@@ -1900,12 +1932,8 @@ impl Config {
                 2.0,
                 None,
             )?,
-            request_timeout: ck.secs(
-                "proxy.request_timeout_secs",
-                p.request_timeout_secs,
-                600.0,
-                None,
-            )?,
+            request_timeout,
+            attempt_timeout,
             pool_idle_timeout: ck.secs(
                 "proxy.pool_idle_timeout_secs",
                 p.pool_idle_timeout_secs,

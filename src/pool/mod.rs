@@ -54,6 +54,8 @@ pub struct Pool {
     set: ArcSwap<WorkerSet>,
     /// Notified once per in-flight slot freed on any worker (FIFO among waiters).
     freed: Arc<tokio::sync::Notify>,
+    /// Notified when a worker joins, so the health task probes it at once.
+    joined: tokio::sync::Notify,
     ids: Mutex<Ids>,
     breaker: BreakerConfig,
     listeners: RwLock<Vec<Arc<dyn PoolListener>>>,
@@ -104,6 +106,12 @@ impl Pool {
         &self.freed
     }
 
+    /// Notified (one permit kept) when a worker joined the set: the health task probes
+    /// the workers no probe has answered yet.
+    pub fn worker_joined(&self) -> &tokio::sync::Notify {
+        &self.joined
+    }
+
     /// A pool of `workers` (validated config: keys distinct), all healthy, nothing in
     /// flight.
     pub fn new(workers: &[WorkerConfig], breaker: &BreakerConfig) -> Self {
@@ -119,6 +127,7 @@ impl Pool {
         ids.configured = workers.to_vec();
         Pool {
             freed,
+            joined: tokio::sync::Notify::new(),
             set: ArcSwap::from_pointee(WorkerSet::new(set)),
             ids: Mutex::new(ids),
             breaker: breaker.clone(),
@@ -173,11 +182,13 @@ impl Pool {
         let old = self.set.load_full();
         let by_key: HashMap<&str, &Arc<Worker>> =
             old.workers().iter().map(|w| (w.key(), w)).collect();
+        let mut joined = false;
         let next: Vec<Arc<Worker>> = workers
             .iter()
             .map(|cfg| match by_key.get(cfg.key()) {
                 Some(w) if w.config() == cfg => Arc::clone(w),
                 _ => {
+                    joined = true;
                     let id = ids.get_or_assign(cfg.key());
                     Arc::new(Worker::new(id, cfg.clone(), &self.breaker).sharing(&self.freed))
                 }
@@ -191,6 +202,9 @@ impl Pool {
             .cloned()
             .collect();
         self.set.store(Arc::new(WorkerSet::new(next)));
+        if joined {
+            self.joined.notify_one();
+        }
         self.leave(ids, &gone);
     }
 

@@ -83,9 +83,10 @@ impl WorkerSet {
         self.round_robin.fetch_add(1, Ordering::Relaxed)
     }
 
-    /// Workers that are healthy now.
+    /// Workers a health probe found healthy (a worker that joined counts only after its
+    /// first good probe, so readiness tells the truth).
     pub fn healthy_count(&self) -> usize {
-        self.workers.iter().filter(|w| w.is_healthy()).count()
+        self.workers.iter().filter(|w| w.is_known_healthy()).count()
     }
 }
 

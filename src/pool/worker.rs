@@ -32,6 +32,9 @@ pub struct Worker {
     /// not shared or when their shares expired).
     remote_in_flight: AtomicUsize,
     healthy: AtomicBool,
+    /// A health probe has answered since it joined: until then it is routable (so a
+    /// fresh router serves at once) but not counted healthy by `/health`.
+    probed: AtomicBool,
     /// One lock for the whole state machine: a transition is one step.
     breaker: Mutex<CircuitBreaker>,
     /// Consecutive probe results, owned by the health-check task.
@@ -52,6 +55,9 @@ pub struct Worker {
 pub struct ProbeRun {
     pub successes: u32,
     pub failures: u32,
+    /// Why the last probe failed (`status 503`, a connect or TLS error); `None` after a
+    /// good one. Shown in `/workers`.
+    pub last_error: Option<String>,
 }
 
 impl Worker {
@@ -72,6 +78,7 @@ impl Worker {
             freed: Arc::default(),
             remote_in_flight: AtomicUsize::new(0),
             healthy: AtomicBool::new(true),
+            probed: AtomicBool::new(false),
             breaker: Mutex::new(CircuitBreaker::new(breaker)),
             probes: Mutex::new(ProbeRun::default()),
             signals: Signals::default(),
@@ -200,6 +207,21 @@ impl Worker {
     /// Sets health; returns whether it changed (the caller logs the transition).
     pub fn set_healthy(&self, healthy: bool) -> bool {
         self.healthy.swap(healthy, Ordering::Relaxed) != healthy
+    }
+
+    /// Whether a health probe has answered since it joined (see [`super::health`]).
+    pub fn is_probed(&self) -> bool {
+        self.probed.load(Ordering::Relaxed)
+    }
+
+    /// Records that a probe answered (the health task's).
+    pub fn set_probed(&self) {
+        self.probed.store(true, Ordering::Relaxed);
+    }
+
+    /// Healthy by a probe's answer: what `/health` counts.
+    pub fn is_known_healthy(&self) -> bool {
+        self.is_probed() && self.is_healthy()
     }
 
     /// Whether another request may be sent at `now`: healthy, breaker admitting, and

@@ -88,6 +88,7 @@ impl GuardedBody {
         if let Some(mut tap) = self.tap.take() {
             let worker = &tap.log.worker;
             tap.metrics.finished(worker, tap.log.arrived.elapsed());
+            tap.metrics.outcome(how);
             if how == "complete"
                 && let Some(found) = tap.scanner.take().map(UsageScanner::found)
             {
@@ -195,8 +196,13 @@ impl BodyTap {
 impl Drop for GuardedBody {
     fn drop(&mut self) {
         // Dropped before the end: the client went away mid-body (an empty body is
-        // complete without a single poll).
-        let how = if self.inner.is_end_stream() {
+        // complete without a single poll), unless the stream's last event had passed.
+        let got_all = self
+            .tap
+            .as_ref()
+            .and_then(|t| t.scanner.as_ref())
+            .is_some_and(UsageScanner::saw_end);
+        let how = if self.inner.is_end_stream() || got_all {
             "complete"
         } else {
             "client_gone"

@@ -146,19 +146,37 @@ impl Router {
         // `x-cache` on every answer while the cache is on: bypass unless the lookup
         // says otherwise.
         let mut x_cache = self.cache.as_ref().map(|_| cache::Status::Bypass);
+        let mut unanswered = Unanswered {
+            metrics: &self.metrics,
+            endpoint: label,
+            request_id: &request_id,
+            arrived: Instant::now(),
+            waiting_on: None,
+            answered: false,
+        };
         let result = if label == "models" {
-            models::get(self, req, &request_id).await
+            models::get(self, req, &request_id, &mut unanswered.waiting_on).await
         } else if label == "other" && !self.config.proxy.passthrough.allows(path) {
             Err(ProxyError::NotPassedThrough {
                 path: shown_path(path),
                 rule: self.config.proxy.passthrough.describe(),
             })
         } else {
-            self.proxy(req, &request_id, label, &mut x_cache).await
+            self.proxy(
+                req,
+                &request_id,
+                label,
+                &mut x_cache,
+                &mut unanswered.waiting_on,
+            )
+            .await
         };
+        unanswered.answered = true;
+        drop(unanswered);
         let mut resp = result.unwrap_or_else(|e| {
             let status = e.status().as_u16();
             self.metrics.request(label, &self.no_worker, status);
+            self.metrics.outcome("complete");
             tracing::info!(
                 target: "cache_aware_router::access",
                 request_id = request_id.to_str().unwrap_or("-"),
@@ -167,6 +185,7 @@ impl Router {
                 reason = if matches!(e, ProxyError::NoWorker(_)) { "no_worker" } else { "-" },
                 status,
                 error = %e,
+                outcome = "complete",
                 "request"
             );
             e.into_response()
@@ -187,6 +206,7 @@ impl Router {
         request_id: &HeaderValue,
         label: &'static str,
         x_cache: &mut Option<cache::Status>,
+        waiting_on: &mut Option<Arc<str>>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let arrived = Instant::now();
         let (parts, body) = req.into_parts();
@@ -250,7 +270,7 @@ impl Router {
             started,
             cache: pending,
         };
-        self.forward(&set, &parts, body.clone(), &route, request_id)
+        self.forward(&set, &parts, body.clone(), &route, request_id, waiting_on)
             .await
     }
 
@@ -263,6 +283,7 @@ impl Router {
         body: Bytes,
         route: &Route<'_>,
         request_id: &HeaderValue,
+        waiting_on: &mut Option<Arc<str>>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let base = upstream::RequestTemplate::new(parts, request_id);
         let mut tried = WorkerMask::default();
@@ -274,6 +295,8 @@ impl Router {
         // Whether `held` is a push-back (429, 503 + Retry-After).
         let mut held_pushed_back = false;
         let retries = self.config.proxy.max_retries;
+        // One bound on the client's wait for headers, over every attempt and backoff.
+        let deadline = route.arrived + self.config.proxy.request_timeout;
         let mut started = route.started;
         for attempt in 0..=retries {
             if attempt > 0 {
@@ -282,7 +305,12 @@ impl Router {
                 if held_pushed_back && !self.any_unsaturated(set, &tried) {
                     break;
                 }
-                tokio::time::sleep(self.backoff(attempt)).await;
+                let left = deadline.saturating_duration_since(Instant::now());
+                let backoff = self.backoff(attempt);
+                if backoff >= left {
+                    break;
+                }
+                tokio::time::sleep(backoff).await;
                 started = Instant::now();
             }
             let picked = match self.pick(set, route, &tried) {
@@ -299,9 +327,14 @@ impl Router {
                 if let Some((resp, guard, log)) = held {
                     return Ok(self.respond(resp, guard, log, route));
                 }
-                self.metrics.decision(Reason::NoWorker, started.elapsed());
+                // A retry that finds no worker left is not a decision: the client gets
+                // the last attempt's error (a 504 stays a time-out).
+                if attempt == 0 {
+                    self.metrics.decision(Reason::NoWorker, started.elapsed());
+                }
                 return Err(last_error);
             };
+            *waiting_on = Some(Arc::clone(guard.worker().label()));
             let worker = Arc::clone(guard.worker());
             let decision = Decision {
                 reason: pick.reason,
@@ -337,9 +370,15 @@ impl Router {
                 pick.prefill_tokens,
                 route.req.ctx.map_or(0, |c| c.total_len) as u64,
             );
+            let left = deadline.saturating_duration_since(Instant::now());
+            let wait = self
+                .config
+                .proxy
+                .attempt_timeout
+                .map_or(left, |a| a.min(left));
             let result = self
                 .client
-                .send(&worker, &base, body.clone(), pick.dp_rank)
+                .send(&worker, &base, body.clone(), pick.dp_rank, wait)
                 .await;
             let pushed_back = result.as_ref().ok().and_then(back_pressure);
             if let Some(wait) = pushed_back {
@@ -393,8 +432,22 @@ impl Router {
                     held_pushed_back = pushed_back.is_some();
                 }
                 Err(e) => {
-                    tracing::warn!(request_id = ?request_id, worker = %worker.url(), error = %e, "upstream attempt failed");
+                    // The engine may still be computing a timed-out request: another
+                    // try would pay its prefill twice, unless the operator bounded each
+                    // attempt (`attempt_timeout_secs`) to fail over.
+                    let timed_out = matches!(e, ProxyError::Timeout(_));
+                    let again = attempt < retries
+                        && (!timed_out || self.config.proxy.attempt_timeout.is_some())
+                        && deadline > Instant::now();
+                    if again {
+                        tracing::warn!(request_id = ?request_id, worker = %worker.url(), error = %e, "upstream attempt failed; trying another worker");
+                    } else {
+                        tracing::warn!(request_id = ?request_id, worker = %worker.url(), error = %e, "upstream attempt failed");
+                    }
                     last_error = e;
+                    if !again {
+                        break;
+                    }
                 }
             }
         }
@@ -553,6 +606,7 @@ impl Router {
         arrived: Instant,
     ) -> Response<ProxyBody> {
         self.metrics.request(label, &self.cache_worker, 200);
+        self.metrics.outcome("complete");
         tracing::info!(
             target: "cache_aware_router::access",
             request_id = request_id.to_str().unwrap_or("-"),
@@ -657,6 +711,45 @@ impl Drop for Attempt<'_> {
             self.policy
                 .observe(self.req, self.pick, self.worker, Outcome::Cancelled);
         }
+    }
+}
+
+/// Status logged and counted for a request whose client left before its response
+/// headers (nginx's "client closed request").
+const CLIENT_CLOSED: u16 = 499;
+
+/// Writes the access line and counts the outcome of a request whose client left before
+/// any response was returned (hyper drops the request's future): status 499, outcome
+/// `client_gone`, with the worker it was waiting on, if any. Answered requests are
+/// logged where their response ends instead, so each request has exactly one line.
+struct Unanswered<'a> {
+    metrics: &'a Metrics,
+    endpoint: &'static str,
+    request_id: &'a HeaderValue,
+    arrived: Instant,
+    /// The worker of the attempt in progress.
+    waiting_on: Option<Arc<str>>,
+    answered: bool,
+}
+
+impl Drop for Unanswered<'_> {
+    fn drop(&mut self) {
+        if self.answered {
+            return;
+        }
+        let worker = self.waiting_on.take().unwrap_or_else(|| Arc::from("none"));
+        self.metrics.request(self.endpoint, &worker, CLIENT_CLOSED);
+        self.metrics.outcome("client_gone");
+        tracing::info!(
+            target: "cache_aware_router::access",
+            request_id = self.request_id.to_str().unwrap_or("-"),
+            endpoint = self.endpoint,
+            worker = &*worker,
+            status = CLIENT_CLOSED,
+            duration_ms = format_args!("{:.1}", self.arrived.elapsed().as_secs_f64() * 1e3),
+            outcome = "client_gone",
+            "request"
+        );
     }
 }
 

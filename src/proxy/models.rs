@@ -1,5 +1,6 @@
 //! `GET /v1/models`: proxied to a usable worker, the answer cached per worker set.
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -22,11 +23,12 @@ pub(super) async fn get(
     router: &Router,
     req: Request<Incoming>,
     request_id: &HeaderValue,
+    waiting_on: &mut Option<Arc<str>>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let set = router.worker_set();
     let ttl = router.config.proxy.models_cache;
     if let Some(c) = set.models.fresh(ttl) {
-        if set.healthy_count() == 0 {
+        if !set.workers().iter().any(|w| w.is_healthy()) {
             return Err(ProxyError::NoWorker("no worker is healthy"));
         }
         return Ok(build(StatusCode::OK, c.content_type, c.body));
@@ -41,7 +43,7 @@ pub(super) async fn get(
         started: now,
     };
     let resp = router
-        .forward(&set, &parts, Bytes::new(), &route, request_id)
+        .forward(&set, &parts, Bytes::new(), &route, request_id, waiting_on)
         .await?;
     if resp.status() != StatusCode::OK || ttl.is_zero() {
         return Ok(resp);

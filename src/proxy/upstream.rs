@@ -26,7 +26,6 @@ pub struct Upstream {
     /// Same settings, no pooling: the resend after a stale pooled connection must not
     /// pick up another socket the worker already closed.
     fresh: Client<Connector, Full<Bytes>>,
-    request_timeout: std::time::Duration,
     api_key: Option<Secret>,
 }
 
@@ -60,19 +59,22 @@ impl Upstream {
         Upstream {
             client,
             fresh,
-            request_timeout: cfg.request_timeout,
             api_key: cfg.api_key.clone(),
         }
     }
 
     /// Sends one attempt to `worker`, to its data-parallel rank `dp_rank` when set;
-    /// resolves when the response headers arrive.
+    /// resolves when the response headers arrive, or fails with
+    /// [`ProxyError::Timeout`] after `timeout` (what is left of the request's
+    /// `request_timeout`). A time-out drops the attempt: hyper closes its connection
+    /// (it cannot be reused mid-request), which tells the engine the client is gone.
     pub async fn send(
         &self,
         worker: &Worker,
         template: &RequestTemplate,
         body: Bytes,
         dp_rank: Option<u32>,
+        timeout: std::time::Duration,
     ) -> Result<Response<Incoming>, ProxyError> {
         let uri = worker
             .url()
@@ -113,11 +115,11 @@ impl Upstream {
                 other => other,
             }
         };
-        match tokio::time::timeout(self.request_timeout, call).await {
+        match tokio::time::timeout(timeout, call).await {
             Ok(Ok(resp)) => Ok(resp),
             Ok(Err(e)) if e.is_connect() => Err(ProxyError::Unreachable(describe(&e))),
             Ok(Err(e)) => Err(ProxyError::Upstream(describe(&e))),
-            Err(_) => Err(ProxyError::Timeout(self.request_timeout.as_secs())),
+            Err(_) => Err(ProxyError::Timeout(timeout.as_secs_f64())),
         }
     }
 }

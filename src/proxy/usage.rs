@@ -48,6 +48,8 @@ pub enum UsageScanner {
         skipping: bool,
         usage: Option<Usage>,
         response_id: Option<String>,
+        /// The stream's last event has passed ([`sse_line_ends`]).
+        ended: bool,
     },
 }
 
@@ -74,6 +76,7 @@ impl UsageScanner {
                 skipping: false,
                 usage: None,
                 response_id: None,
+                ended: false,
             })
         } else if ct.starts_with("application/json") {
             Some(UsageScanner::Json {
@@ -113,6 +116,7 @@ impl UsageScanner {
                 skipping,
                 usage,
                 response_id,
+                ended,
             } => {
                 let mut rest = chunk;
                 while let Some(nl) = rest.iter().position(|b| *b == b'\n') {
@@ -124,6 +128,7 @@ impl UsageScanner {
                         if response_id.is_none() {
                             *response_id = sse_line_response_id(line);
                         }
+                        *ended |= sse_line_ends(line);
                     }
                     line.clear();
                     *skipping = false;
@@ -139,6 +144,12 @@ impl UsageScanner {
                 }
             }
         }
+    }
+
+    /// Whether an SSE answer's last event has passed: a client that stops reading
+    /// after it (Python's urllib closes right after `data: [DONE]`) got the whole answer.
+    pub fn saw_end(&self) -> bool {
+        matches!(self, UsageScanner::Sse { ended: true, .. })
     }
 
     /// The usage found, once the body has ended.
@@ -233,6 +244,21 @@ fn head_response_id(head: &[u8]) -> Option<String> {
     }
     .deserialize(&mut de);
     id.filter(|i| is_response || i.starts_with("resp"))
+}
+
+/// Whether an SSE line is a stream's last event: OpenAI's `data: [DONE]` (vLLM and
+/// SGLang send it too), Anthropic's `event: message_stop`, or a `/v1/responses`
+/// terminal event (`response.completed`, `response.failed`, `response.incomplete`).
+fn sse_line_ends(line: &[u8]) -> bool {
+    if let Some(v) = line.strip_prefix(b"data:") {
+        return v.trim_ascii() == b"[DONE]";
+    }
+    line.strip_prefix(b"event:").is_some_and(|v| {
+        matches!(
+            v.trim_ascii(),
+            b"message_stop" | b"response.completed" | b"response.failed" | b"response.incomplete"
+        )
+    })
 }
 
 /// The response id of an SSE `response.created` / `response.completed` data line.
