@@ -22,6 +22,35 @@ fn version_flag_prints_the_package_version() {
 }
 
 #[test]
+fn help_names_the_signals_the_environment_the_config_reference_and_exit_codes() {
+    let o = run(&["--help"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let help = stdout(&o);
+    for words in [
+        "SIGHUP",
+        "Only `workers` may change live",
+        "SIGTERM, SIGINT",
+        "server.shutdown_grace_secs",
+        "RUST_LOG",
+        "Overrides log.level",
+        "CACHE_AWARE_ROUTER_MIN_NOFILE",
+        "SSL_CERT_FILE",
+        "KUBECONFIG",
+        "README.md, section \"Configuration\"",
+        "config.example.yaml",
+        "--config-check: 0 when the files are valid, 2",
+    ] {
+        assert!(help.contains(words), "--help lacks {words:?}:\n{help}");
+    }
+    // The README section it points at exists.
+    let readme = include_str!("../README.md");
+    assert!(
+        readme.contains("\n## Configuration\n"),
+        "README has no Configuration section"
+    );
+}
+
+#[test]
 fn config_check_accepts_a_valid_file() {
     let f = TempFile::new("valid.yaml", VALID);
     let o = config_check(&[&f.path]);
