@@ -284,7 +284,23 @@ async fn adding_a_worker_refuses_bad_bodies_with_400_and_a_duplicate_with_409() 
         let r = send(addr, &add_worker(&format!(r#"{{"url":"{dup}"}}"#))).await;
         assert_error(&r, 409, &format!("duplicate {dup}"));
     }
+    // A plain JSON string is the same entry as {"url": …}, like `- URL` in the config.
+    let r = send(addr, &add_worker(&format!(r#""{}""#, a.url()))).await;
+    assert_error(&r, 409, "duplicate as a plain string");
+    let r = send(addr, &add_worker("8000")).await;
+    assert_error(&r, 400, "a number");
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("a URL string or a mapping with `url:`")),
+        "{}",
+        r.text()
+    );
     assert_eq!(urls(addr).await, [a.url()]);
+    let b = FakeWorker::start().await;
+    let r = send(addr, &add_worker(&format!(r#""{}""#, b.url()))).await;
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(urls(addr).await, [a.url(), b.url()]);
     router.shutdown().await;
 }
 

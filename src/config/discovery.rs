@@ -31,7 +31,7 @@ pub struct KubernetesDiscovery {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawKubernetes {
     namespace: Option<String>,
     label_selector: String,
@@ -51,7 +51,7 @@ pub struct DnsDiscovery {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawDns {
     name: String,
     port: u16,
@@ -83,8 +83,7 @@ impl DiscoveryConfig {
         let (k, body) = m.iter().next().expect("one entry");
         match k.as_str() {
             Some("dns") => {
-                let d: RawDns = serde_yaml_ng::from_value(body.clone())
-                    .map_err(|e| ck.err("discovery.dns", e.to_string()))?;
+                let d: RawDns = ck.typed("discovery.dns", body.clone())?;
                 let name = d.name.trim().trim_end_matches('.').to_string();
                 if name.is_empty()
                     || name.len() > 253
@@ -126,8 +125,7 @@ impl DiscoveryConfig {
                 }))
             }
             Some("kubernetes") => {
-                let k: RawKubernetes = serde_yaml_ng::from_value(body.clone())
-                    .map_err(|e| ck.err("discovery.kubernetes", e.to_string()))?;
+                let k: RawKubernetes = ck.typed("discovery.kubernetes", body.clone())?;
                 if k.label_selector.trim().is_empty() {
                     return Err(ck.err(
                         "discovery.kubernetes.label_selector",

@@ -36,8 +36,7 @@ pub use state::StateConfig;
 pub use tls::TlsSetting;
 
 /// Routing policy (top-level `policy` key).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PolicyKind {
     /// Longest prefix match in the radix tree, guarded by load balance (the default).
     CacheAware,
@@ -223,8 +222,7 @@ pub struct SessionConfig {
 }
 
 /// `session.mode`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SessionMode {
     /// Follow the binding unless its worker is unusable or overloaded (the default).
     Soft,
@@ -244,8 +242,7 @@ pub struct ConsistentHashConfig {
 }
 
 /// `consistent_hash.key`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum HashKey {
     Auto,
     Session,
@@ -328,8 +325,7 @@ pub struct KvEventsConfig {
 }
 
 /// `workers[i].role`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Role {
     #[default]
     Primary,
@@ -758,8 +754,7 @@ pub struct LogConfig {
 }
 
 /// `log.color`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogColor {
     /// Colours when stderr is a terminal, none in a file or a pipe.
     Auto,
@@ -768,12 +763,94 @@ pub enum LogColor {
 }
 
 /// Log line format.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum LogFormat {
     Text,
     Json,
 }
+
+/// A value that is one of a fixed set of names (`policy`, `log.format`, `workers[].role`,
+/// …). Read as a plain string whatever the YAML form, so that every refusal — a wrong
+/// name, a number, a list, a mapping, a `!tag` — lists the names the key takes, not
+/// the YAML library's enum rules.
+trait Named: Sized + 'static {
+    /// Every accepted name, in the order a refusal lists them.
+    const NAMES: &'static [&'static str];
+    fn from_name(name: &str) -> Option<Self>;
+}
+
+/// [`Named`]'s names in words: "`a` or `b`", "one of: `a`, `b`, `c`".
+fn one_of(names: &[&str]) -> String {
+    let quoted: Vec<String> = names.iter().map(|n| format!("`{n}`")).collect();
+    match quoted.as_slice() {
+        [a, b] => format!("{a} or {b}"),
+        all => format!("one of: {}", all.join(", ")),
+    }
+}
+
+fn deserialize_named<'de, D: serde::Deserializer<'de>, T: Named>(d: D) -> Result<T, D::Error> {
+    struct V<T>(std::marker::PhantomData<T>);
+    impl<T: Named> serde::de::Visitor<'_> for V<T> {
+        type Value = T;
+        fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str(&one_of(T::NAMES))
+        }
+        fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<T, E> {
+            T::from_name(v).ok_or_else(|| E::unknown_variant(v, T::NAMES))
+        }
+    }
+    d.deserialize_any(V(std::marker::PhantomData))
+}
+
+/// `impl Named` and `Deserialize` for an enum of unit variants, one name each.
+macro_rules! named {
+    ($ty:ty { $($name:literal => $variant:expr),+ $(,)? }) => {
+        impl Named for $ty {
+            const NAMES: &'static [&'static str] = &[$($name),+];
+            fn from_name(name: &str) -> Option<Self> {
+                match name {
+                    $($name => Some($variant),)+
+                    _ => None,
+                }
+            }
+        }
+        impl<'de> Deserialize<'de> for $ty {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                deserialize_named(d)
+            }
+        }
+    };
+}
+
+named!(PolicyKind {
+    "cache_aware" => PolicyKind::CacheAware,
+    "round_robin" => PolicyKind::RoundRobin,
+    "random" => PolicyKind::Random,
+    "least_load" => PolicyKind::LeastLoad,
+    "power_of_two" => PolicyKind::PowerOfTwo,
+    "consistent_hash" => PolicyKind::ConsistentHash,
+    "precise_cache_aware" => PolicyKind::PreciseCacheAware,
+    "cost_aware" => PolicyKind::CostAware,
+    "lmcache_aware" => PolicyKind::LmcacheAware,
+});
+named!(SessionMode { "soft" => SessionMode::Soft, "hard" => SessionMode::Hard });
+named!(HashKey {
+    "auto" => HashKey::Auto,
+    "session" => HashKey::Session,
+    "digest" => HashKey::Digest,
+});
+named!(Role { "primary" => Role::Primary, "fallback" => Role::Fallback });
+named!(LogColor {
+    "auto" => LogColor::Auto,
+    "always" => LogColor::Always,
+    "never" => LogColor::Never,
+});
+named!(LogFormat { "text" => LogFormat::Text, "json" => LogFormat::Json });
+named!(ContentFormat {
+    "auto" => ContentFormat::Auto,
+    "string" => ContentFormat::String,
+    "openai" => ContentFormat::OpenAi,
+});
 
 /// A config error: which file, which key, what was wrong.
 #[derive(Debug, thiserror::Error)]
@@ -844,12 +921,12 @@ impl<'de> Deserialize<'de> for Secs {
 // checked alone; defaults are applied in `Config::from_raw`.
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawConfig {
     policy: Option<PolicyKind>,
     #[serde(default)]
     server: RawServer,
-    workers: Option<Vec<RawWorker>>,
+    workers: Option<Vec<WorkerEntry>>,
     #[serde(default)]
     cache: RawCache,
     #[serde(default)]
@@ -876,7 +953,7 @@ struct RawConfig {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawEngineMetrics {
     enabled: Option<bool>,
     path: Option<String>,
@@ -885,7 +962,7 @@ struct RawEngineMetrics {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawLmcache {
     endpoint: String,
     refresh_secs: Option<Secs>,
@@ -893,7 +970,7 @@ struct RawLmcache {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawSession {
     enabled: Option<bool>,
     headers: Option<Vec<String>>,
@@ -904,14 +981,14 @@ struct RawSession {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawConsistentHash {
     key: Option<HashKey>,
     load_factor: Option<f64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawServer {
     host: Option<String>,
     port: Option<u16>,
@@ -923,14 +1000,50 @@ struct RawServer {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawAdmin {
     host: Option<String>,
     port: Option<u16>,
 }
 
+/// What a `workers:` entry may be, in the config's words (every error about one says it).
+const WORKER_ENTRY: &str = "a URL string or a mapping with `url:`";
+
+/// One `workers:` entry (and the admin API's `POST /workers` body): a plain URL string
+/// (`- http://10.0.0.1:8000`, the form other routers take) or a mapping with `url:` and
+/// the optional keys of [`RawWorker`]; `- URL` means the same as `- url: URL`, and one
+/// list may mix both.
+#[derive(Debug)]
+struct WorkerEntry(RawWorker);
+
+impl<'de> Deserialize<'de> for WorkerEntry {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = WorkerEntry;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(WORKER_ENTRY)
+            }
+            fn visit_str<E: serde::de::Error>(self, url: &str) -> Result<WorkerEntry, E> {
+                Ok(WorkerEntry(RawWorker::of_url(url.to_string())))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<WorkerEntry, A::Error> {
+                // The derived struct reads the keys through the same (path-tracking)
+                // access, so an error inside still names `workers[i].key`.
+                RawWorker::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(WorkerEntry)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// The mapping form of a `workers:` entry (see [`WorkerEntry`]).
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping with `url:`")]
 struct RawWorker {
     url: String,
     name: Option<String>,
@@ -944,7 +1057,7 @@ struct RawWorker {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawKvEvents {
     endpoint: String,
     topic: Option<String>,
@@ -953,7 +1066,7 @@ struct RawKvEvents {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawPrecise {
     block_size: Option<u64>,
     max_blocks: Option<u64>,
@@ -967,7 +1080,7 @@ struct RawPrecise {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawCache {
     threshold: Option<f64>,
     match_abs_threshold: Option<u64>,
@@ -983,7 +1096,7 @@ struct RawCache {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawHealth {
     endpoint: Option<String>,
     interval_secs: Option<Secs>,
@@ -993,7 +1106,7 @@ struct RawHealth {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawBreaker {
     failure_threshold: Option<u32>,
     timeout_secs: Option<Secs>,
@@ -1001,7 +1114,7 @@ struct RawBreaker {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawProxy {
     max_retries: Option<u32>,
     initial_backoff_ms: Option<u64>,
@@ -1022,21 +1135,21 @@ struct RawProxy {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawQueue {
     max_waiting: Option<u64>,
     timeout_ms: Option<u64>,
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawTls {
     ca_file: Option<PathBuf>,
     insecure_skip_verify: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawLog {
     format: Option<LogFormat>,
     level: Option<String>,
@@ -1044,6 +1157,21 @@ struct RawLog {
 }
 
 impl RawWorker {
+    /// `- URL`: the entry with only its URL.
+    fn of_url(url: String) -> RawWorker {
+        RawWorker {
+            url,
+            name: None,
+            role: None,
+            max_load: None,
+            load_penalty: None,
+            cache_aware: None,
+            api_key: None,
+            kv_events: None,
+            lmcache: None,
+        }
+    }
+
     /// Checks one worker entry; an error names the field and says what is wrong.
     fn validate(self) -> Result<WorkerConfig, (&'static str, String)> {
         let url = WorkerUrl::parse(&self.url)
@@ -1311,7 +1439,7 @@ impl WorkerConfig {
     /// "api_key"?: "…"}`. The error names the field and the bad value.
     pub fn from_json(body: &[u8]) -> Result<WorkerConfig, String> {
         let mut de = serde_json::Deserializer::from_slice(body);
-        let raw: RawWorker = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let WorkerEntry(raw) = serde_path_to_error::deserialize(&mut de).map_err(|e| {
             let path = e.path().to_string();
             let message = if redact::is_secret_key(&path) {
                 // serde_json quotes the bad value; a credential's is never shown.
@@ -1360,6 +1488,10 @@ impl Layer<'_> {
     fn sets(&self, path: &[source::Seg<'_>]) -> bool {
         let mut v = &self.doc;
         for seg in path {
+            // A `!tag` on a section is no part of its path.
+            if let Value::Tagged(t) = v {
+                v = &t.value;
+            }
             let next = match (seg, v) {
                 (source::Seg::Key(k), Value::Mapping(m)) => m.get(*k),
                 (source::Seg::Index(i), Value::Sequence(s)) => s.get(*i),
@@ -1461,6 +1593,30 @@ impl Checker<'_> {
             0 => Err(self.bad(key, 0, "is out of range (must be ≥ 1)")),
             n => Ok(n),
         }
+    }
+
+    /// The section at `key`, read from the merged document (`v`) into `T`; an error
+    /// names the full key path and says what was wrong in the config's words, like a
+    /// refusal of the file itself.
+    fn typed<T: serde::de::DeserializeOwned>(&self, key: &str, v: Value) -> Result<T, ConfigError> {
+        serde_path_to_error::deserialize(v).map_err(|e| {
+            let path = e.path().to_string();
+            let full = match path.as_str() {
+                "." => key.to_string(),
+                p if p.starts_with('[') => format!("{key}{p}"),
+                p => format!("{key}.{p}"),
+            };
+            let written = if redact::is_secret_key(&full) {
+                Some(redact::MASK.to_string())
+            } else {
+                self.find(&full)
+                    .1
+                    .map(|s| redact::url(&s.text).into_owned())
+                    .filter(|w| !w.is_empty())
+            };
+            let message = source::humanize(&e.into_inner().to_string(), &full, written.as_deref());
+            self.err(&full, message)
+        })
     }
 
     /// A credential at `key`, checked by [`Secret::parse`].
@@ -1677,7 +1833,7 @@ impl Config {
         let mut seen: HashMap<WorkerUrl, (usize, Option<String>)> =
             HashMap::with_capacity(raw_workers.len());
         let mut keys: HashMap<String, usize> = HashMap::with_capacity(raw_workers.len());
-        for (i, w) in raw_workers.into_iter().enumerate() {
+        for (i, WorkerEntry(w)) in raw_workers.into_iter().enumerate() {
             let worker = w
                 .validate()
                 .map_err(|(field, m)| ck.err(&format!("workers[{i}].{field}"), m))?;
@@ -2292,6 +2448,76 @@ mod tests {
     }
 
     const ONE: &str = "workers:\n  - url: http://127.0.0.1:8001\n";
+
+    #[test]
+    fn a_worker_entry_may_be_a_plain_url_string_mixed_with_mappings() {
+        let plain = load(&[(
+            "a.yaml",
+            "workers:\n  - http://10.0.0.1:8000\n  - \"http://10.0.0.2:8000/\"\n  - {url: http://10.0.0.3:8000, max_load: 4}\n",
+        )])
+        .unwrap();
+        let mapped = load(&[(
+            "a.yaml",
+            "workers:\n  - url: http://10.0.0.1:8000\n  - url: http://10.0.0.2:8000\n  - {url: http://10.0.0.3:8000, max_load: 4}\n",
+        )])
+        .unwrap();
+        assert_eq!(plain.workers, mapped.workers);
+        assert_eq!(plain.workers[1].url.as_str(), "http://10.0.0.2:8000");
+        assert_eq!(plain.workers[2].max_load, NonZeroUsize::new(4));
+        let flow = load(&[("a.yaml", "workers: [\"http://10.0.0.1:8000\"]\n")]).unwrap();
+        assert_eq!(flow.workers, mapped.workers[..1]);
+        // A bad plain URL is refused like a bad `url:`, and nothing else is an entry.
+        let e = err(&[("a.yaml", "workers:\n  - http://a:1\n  - ftp://b:1\n")]);
+        assert!(
+            e.contains("a.yaml:3: `workers[1].url`") && e.contains("ftp"),
+            "{e}"
+        );
+        for (doc, want) in [
+            (
+                "workers: [8000]\n",
+                "`workers[0]`: `8000` is not a URL string or a mapping with `url:`",
+            ),
+            (
+                "workers: [[http://a:1]]\n",
+                "`workers[0]`: a list is not a URL string or a mapping with `url:`",
+            ),
+            (
+                "workers: [~]\n",
+                "`workers[0]`: `~` is not a URL string or a mapping with `url:`",
+            ),
+            ("workers: [{name: a}]\n", "`workers[0]`: missing key `url`"),
+        ] {
+            let e = err(&[("a.yaml", doc)]);
+            assert!(e.contains(want), "{doc:?}: {e}");
+        }
+        // The admin API's `POST /workers` body takes the same two forms.
+        let w = WorkerConfig::from_json(br#""http://10.0.0.1:8000/""#).unwrap();
+        assert_eq!(w, mapped.workers[0]);
+        let w = WorkerConfig::from_json(br#"{"url":"http://10.0.0.1:8000"}"#).unwrap();
+        assert_eq!(w, mapped.workers[0]);
+        let e = WorkerConfig::from_json(b"8000").unwrap_err();
+        assert!(e.contains("a URL string or a mapping with `url:`"), "{e}");
+        let e = WorkerConfig::from_json(br#"{"url":"http://a:1","role":"backup"}"#).unwrap_err();
+        assert!(
+            e.contains("`role`") && e.contains("`primary` or `fallback`"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn every_named_value_reads_back_its_own_name() {
+        fn each<T: Named + PartialEq + std::fmt::Debug>(name: impl Fn(&T) -> &'static str) {
+            for n in T::NAMES {
+                let v = T::from_name(n).unwrap_or_else(|| panic!("{n}"));
+                assert_eq!(name(&v), *n);
+            }
+        }
+        each::<PolicyKind>(|p| p.as_str());
+        each::<Role>(|r| r.as_str());
+        assert_eq!(PolicyKind::NAMES.len(), 9);
+        assert_eq!(one_of(&["a", "b"]), "`a` or `b`");
+        assert_eq!(one_of(&["a", "b", "c"]), "one of: `a`, `b`, `c`");
+    }
 
     #[test]
     fn engine_signal_keys_and_their_defaults() {

@@ -108,7 +108,7 @@ impl Default for ResponseCacheConfig {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 pub(super) struct RawResponseCache {
     enabled: Option<bool>,
     ttl_secs: Option<Secs>,
@@ -121,7 +121,7 @@ pub(super) struct RawResponseCache {
 }
 
 #[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 struct RawSemantic {
     embeddings_url: String,
     model: String,

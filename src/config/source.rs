@@ -252,7 +252,7 @@ pub fn humanize(message: &str, path: &str, written: Option<&str>) -> String {
             f if f.contains("as u128") || f.contains("as i128") => {
                 "a number too large for 64 bits".to_string()
             }
-            f => written.map_or_else(|| f.to_string(), |w| format!("`{w}`")),
+            f => written.map_or_else(|| unexpected_in_words(f), |w| format!("`{w}`")),
         };
         return format!("{shown} is not {}", in_words(expected));
     }
@@ -285,6 +285,19 @@ pub fn untyped_message(message: &str) -> String {
         return "a number too large for 64 bits (quote it if it is text, such as a token); the value is not shown".into();
     }
     crate::redact::line(message)
+}
+
+/// What serde found (`Unexpected`'s wording, when the value as written is not known) →
+/// what a config author calls it.
+fn unexpected_in_words(found: &str) -> String {
+    match found {
+        "unit value" | "unit" | "null" => "an empty value".into(),
+        "enum" | "unit variant" | "newtype variant" | "tuple variant" | "struct variant" => {
+            "a `!tagged` value".into()
+        }
+        "newtype struct" => "a value".into(),
+        f => f.to_string(),
+    }
 }
 
 /// A Rust type as serde names it → what a config author writes.

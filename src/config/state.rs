@@ -15,7 +15,7 @@ pub struct StateConfig {
 }
 
 #[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 pub(super) struct RawState {
     redis_url: Option<String>,
     namespace: Option<String>,

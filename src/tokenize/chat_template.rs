@@ -52,8 +52,8 @@ pub enum Untokenizable {
 }
 
 /// How the template reads a message's `content` (vLLM `--chat-template-content-format`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "lowercase")]
+/// Read from the config as `auto`, `string` or `openai` (`config::Named`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ContentFormat {
     /// Detect it from the template's source, as vLLM does.
     Auto,
