@@ -22,6 +22,7 @@ pub(super) async fn get(
     router: &Router,
     req: Request<Incoming>,
     request_id: &HeaderValue,
+    trace: crate::trace::TraceContext,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let set = router.worker_set();
     let ttl = router.config.proxy.models_cache;
@@ -39,6 +40,7 @@ pub(super) async fn get(
         req: RouteRequest::default(),
         arrived: now,
         started: now,
+        trace,
     };
     let resp = router
         .forward(&set, &parts, Bytes::new(), &route, request_id)
