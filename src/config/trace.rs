@@ -77,6 +77,13 @@ fn traces_url(written: &str) -> Result<http::Uri, String> {
     let Some(authority) = uri.authority().filter(|a| !a.host().is_empty()) else {
         return Err(format!("has no host: {SHAPE}"));
     };
+    let host_port = authority.as_str().rsplit('@').next().unwrap_or_default();
+    let after_host = &host_port[host_port.rfind(']').map_or(0, |i| i + 1)..];
+    if let Some((_, port)) = after_host.rsplit_once(':')
+        && !port.parse::<u16>().is_ok_and(|p| p > 0)
+    {
+        return Err(format!("has a bad port `{port}`: {SHAPE}"));
+    }
     if written.contains('?') || written.contains('#') {
         return Err(format!("has a query or fragment: {SHAPE}"));
     }
