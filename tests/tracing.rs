@@ -241,3 +241,35 @@ async fn the_access_log_line_carries_the_trace_id() {
     )
     .await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_cache_replay_exports_its_own_span() {
+    let collector = Collector::start().await;
+    let w = FakeWorker::start().await;
+    let extra = format!(
+        "response_cache:\n  enabled: true\ntracing:\n  otlp_endpoint: {}\n",
+        collector.url()
+    );
+    let router = start_router(&yaml_for(&[&w], &extra)).await;
+    assert_eq!(send(router.addr, &chat()).await.status, 200);
+    // The first answer is stored once its body ended; the same request then replays it.
+    wait_until("a cache hit", STEP_TIMEOUT, || async {
+        send(
+            router.addr,
+            &chat().header("traceparent", &client_traceparent()),
+        )
+        .await
+        .header("x-cache")
+            == Some("hit")
+    })
+    .await;
+    router.shutdown().await;
+    let spans = collector.spans();
+    let hit = spans
+        .iter()
+        .find(|s| s.attr_str("router.worker") == Some("cache"))
+        .expect("a span for the replay");
+    assert_eq!(hit.trace_id(), CLIENT_TRACE);
+    assert_eq!(hit.parent_span_id(), CLIENT_SPAN);
+    assert_eq!(hit.attr_str("router.reason"), Some("response_cache"));
+}
