@@ -134,10 +134,16 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
         shutdown,
         grace,
     ));
+    let export = router.exporter().cloned();
     let task = tokio::spawn(async move {
         let _ = main.await;
         if let Some(t) = admin_task {
             let _ = t.await;
+        }
+        // The spans of the drained requests: sent before the process exits. Blocking,
+        // and each POST runs on this runtime: off its worker threads.
+        if let Some(x) = export {
+            let _ = tokio::task::spawn_blocking(move || x.shutdown()).await;
         }
     });
     Ok(RunningRouter {

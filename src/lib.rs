@@ -39,10 +39,12 @@
 //!              engines (the engine model sim-engine uses), a grid of settings
 //! error        ProxyError -> JSON response
 //! redact       credentials out of every message, log line and answer
+//! trace        W3C traceparent: continued or started, sent upstream; export: one
+//!              span per request to an OTLP collector (batch, off the request path)
 //! clock, shutdown  tokio's clock for state machines; one shutdown signal
 //! ```
 //!
-//! Dependencies point one way: proxy -> cache, proxy -> policy -> fleet -> pool/tree;
+//! Dependencies point one way: proxy -> cache, proxy -> trace, proxy -> policy -> fleet -> pool/tree;
 //! health, reload, admin, discovery and the KV-event supervisor use the pool, never the
 //! proxy.
 //!
@@ -83,4 +85,5 @@ pub mod shutdown;
 pub mod signals;
 pub mod simulate;
 pub mod tokenize;
+pub mod trace;
 pub mod tree;

@@ -105,6 +105,18 @@ fn config_check_refuses_an_unbracketed_ipv6_worker_url() {
 }
 
 #[test]
+fn config_check_refuses_a_bad_otlp_endpoint_with_exit_2() {
+    assert_refused(
+        "tracing:\n  otlp_endpoint: \"collector:4318\"\n",
+        "tracing.otlp_endpoint",
+        Some("collector:4318"),
+    );
+    let base = TempFile::new("base.yaml", VALID);
+    let f = TempFile::new("otlp.yaml", "tracing:\n  otlp_endpoint: \"ftp://c\"\n");
+    assert_eq!(config_check(&[&base.path, &f.path]).status.code(), Some(2));
+}
+
+#[test]
 fn empty_worker_list_is_refused_with_a_message_saying_so() {
     let f = TempFile::new("empty-workers.yaml", "workers: []\n");
     for extra in [&["--config-check"][..], &[][..]] {

@@ -27,6 +27,7 @@ mod secret;
 pub mod source;
 mod state;
 mod tls;
+mod trace;
 
 pub use discovery::{DiscoveryConfig, DnsDiscovery, KubernetesDiscovery};
 pub use passthrough::Passthrough;
@@ -34,6 +35,7 @@ pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticC
 pub use secret::Secret;
 pub use state::StateConfig;
 pub use tls::TlsSetting;
+pub use trace::TracingConfig;
 
 /// Routing policy (top-level `policy` key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,6 +177,7 @@ pub struct Config {
     pub response_cache: ResponseCacheConfig,
     pub state: StateConfig,
     pub discovery: DiscoveryConfig,
+    pub tracing: TracingConfig,
 }
 
 /// `engine_metrics:` — scraping each engine's Prometheus endpoint for its own load
@@ -950,6 +953,8 @@ struct RawConfig {
     #[serde(default)]
     state: state::RawState,
     discovery: Option<Value>,
+    #[serde(default)]
+    tracing: trace::RawTracing,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -2339,8 +2344,10 @@ impl Config {
 
         let response_cache = raw.response_cache.validate(ck)?;
         let state = raw.state.validate(ck)?;
+        let tracing = raw.tracing.validate(ck)?;
 
         Ok(Config {
+            tracing,
             discovery,
             state,
             response_cache,
@@ -2421,6 +2428,9 @@ impl Config {
         }
         if self.discovery != other.discovery {
             return Some("discovery");
+        }
+        if self.tracing != other.tracing {
+            return Some("tracing");
         }
         None
     }

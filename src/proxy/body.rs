@@ -37,6 +37,8 @@ pub struct BodyTap {
     /// The policy's preparation of the request, handed back with the answer when it
     /// keyed the prompt's blocks (precise mode).
     pub prepared: crate::policy::Prepared,
+    /// The span exporter (`tracing.otlp_endpoint`); `None` = no span.
+    pub export: Option<Arc<crate::trace::export::Exporter>>,
 }
 
 /// Streams the upstream body to the client frame by frame (no buffering) and holds the
@@ -133,6 +135,9 @@ impl GuardedBody {
                 r.finish(how == "complete");
             }
             tap.log.write(how);
+            if let Some(x) = &tap.export {
+                x.record(&tap.log.finished(how));
+            }
         }
     }
 }

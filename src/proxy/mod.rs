@@ -37,6 +37,8 @@ use crate::policy::{
 use crate::pool::breaker::Outcome as BreakerOutcome;
 use crate::pool::{InFlightGuard, Pool, Worker, WorkerSet};
 use crate::prompt::{self, Endpoint};
+use crate::trace::TraceContext;
+use crate::trace::export::{Exporter, Finished};
 use crate::tree::WorkerMask;
 
 pub use crate::error::{BoxError, ProxyBody};
@@ -56,6 +58,9 @@ pub struct Router {
     no_worker: Arc<str>,
     /// Worker label of answers replayed from the response cache.
     cache_worker: Arc<str>,
+    /// One span per request to an OTLP collector (`tracing.otlp_endpoint`); `None` =
+    /// no export, and no span is built.
+    export: Option<Arc<Exporter>>,
 }
 
 impl Router {
@@ -84,7 +89,15 @@ impl Router {
                 .inspect_err(|e| tracing::error!(error = %e, "response cache off: it cannot start"))
                 .ok()
         });
+        let export = config.tracing.otlp_endpoint.as_ref().and_then(|url| {
+            Exporter::new(&config.tracing)
+                .inspect(|_| tracing::info!(collector = %crate::redact::url(&url.to_string()), "tracing: exporting one span per request"))
+                .inspect_err(|e| tracing::error!(error = %e, "tracing export off: it cannot start"))
+                .ok()
+                .map(Arc::new)
+        });
         Router {
+            export,
             client,
             pool,
             policy,
@@ -105,6 +118,11 @@ impl Router {
     /// The response cache, when `response_cache.enabled`.
     pub fn response_cache(&self) -> Option<&Arc<ResponseCache>> {
         self.cache.as_ref()
+    }
+
+    /// The span exporter, when `tracing.otlp_endpoint` is set (flushed at shutdown).
+    pub fn exporter(&self) -> Option<&Arc<Exporter>> {
+        self.export.as_ref()
     }
 
     /// The metrics registry (also fed by reload and `/metrics`).
@@ -139,23 +157,27 @@ impl Router {
     /// Answers a request for a worker (a routed endpoint, `/v1/models`, or a path
     /// `proxy.passthrough` allows). Never fails: errors become JSON responses.
     pub async fn serve(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        let arrived = Instant::now();
         let method = req.method().clone();
         let path = req.uri().path();
         let label = endpoint_label(&method, path);
         let request_id = headers::request_id(req.headers());
+        let trace = TraceContext::from_headers(req.headers());
         // `x-cache` on every answer while the cache is on: bypass unless the lookup
         // says otherwise.
         let mut x_cache = self.cache.as_ref().map(|_| cache::Status::Bypass);
         let mut unanswered = Unanswered {
             metrics: &self.metrics,
+            export: self.export.as_deref(),
+            trace,
             endpoint: label,
             request_id: &request_id,
-            arrived: Instant::now(),
+            arrived,
             waiting_on: None,
             answered: false,
         };
         let result = if label == "models" {
-            models::get(self, req, &request_id, &mut unanswered.waiting_on).await
+            models::get(self, req, &request_id, trace, &mut unanswered.waiting_on).await
         } else if label == "other" && !self.config.proxy.passthrough.allows(path) {
             Err(ProxyError::NotPassedThrough {
                 path: shown_path(path),
@@ -165,6 +187,7 @@ impl Router {
             self.proxy(
                 req,
                 &request_id,
+                trace,
                 label,
                 &mut x_cache,
                 &mut unanswered.waiting_on,
@@ -177,17 +200,39 @@ impl Router {
             let status = e.status().as_u16();
             self.metrics.request(label, &self.no_worker, status);
             self.metrics.outcome("complete");
+            let reason = if matches!(e, ProxyError::NoWorker(_)) {
+                "no_worker"
+            } else {
+                "-"
+            };
             tracing::info!(
                 target: "cache_aware_router::access",
                 request_id = request_id.to_str().unwrap_or("-"),
+                trace_id = %trace.trace_id,
                 endpoint = label,
                 worker = "-",
-                reason = if matches!(e, ProxyError::NoWorker(_)) { "no_worker" } else { "-" },
+                reason,
                 status,
                 error = %e,
                 outcome = "complete",
                 "request"
             );
+            if let Some(x) = &self.export {
+                x.record(&Finished {
+                    name: span_name(label),
+                    trace,
+                    arrived,
+                    endpoint: label,
+                    request_id: request_id.to_str().unwrap_or("-"),
+                    worker: Arc::clone(&self.no_worker),
+                    reason,
+                    matched_ratio: None,
+                    attempt: None,
+                    status,
+                    outcome: "complete",
+                    error: Some(&e.to_string()),
+                });
+            }
             e.into_response()
         });
         resp.headers_mut()
@@ -204,6 +249,7 @@ impl Router {
         &self,
         req: Request<Incoming>,
         request_id: &HeaderValue,
+        trace: TraceContext,
         label: &'static str,
         x_cache: &mut Option<cache::Status>,
         waiting_on: &mut Option<Arc<str>>,
@@ -226,7 +272,7 @@ impl Router {
             match c.lookup(e, &parts.headers, &body).await {
                 Lookup::Hit { entry, kind } => {
                     *x_cache = Some(cache::Status::Hit);
-                    return Ok(self.replay(&entry, kind, label, request_id, arrived));
+                    return Ok(self.replay(&entry, kind, label, request_id, trace, arrived));
                 }
                 Lookup::Route { status, pending: p } => {
                     *x_cache = Some(status);
@@ -269,6 +315,7 @@ impl Router {
             arrived,
             started,
             cache: pending,
+            trace,
         };
         self.forward(&set, &parts, body.clone(), &route, request_id, waiting_on)
             .await
@@ -285,7 +332,7 @@ impl Router {
         request_id: &HeaderValue,
         waiting_on: &mut Option<Arc<str>>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        let base = upstream::RequestTemplate::new(parts, request_id);
+        let base = upstream::RequestTemplate::new(parts, request_id, &route.trace);
         let mut tried = WorkerMask::default();
         let mut last_error =
             ProxyError::NoWorker("every worker is unhealthy, at max_load, or down");
@@ -415,6 +462,7 @@ impl Router {
                         status,
                         arrived: route.arrived,
                         delivered_tokens: None,
+                        trace: route.trace,
                     };
                     // A push-back was refused before any work: another worker may take it.
                     let retryable = pushed_back.is_some()
@@ -587,6 +635,7 @@ impl Router {
             drift_for: self.config.cache.drift_for,
             block_tokens: self.config.cache.engine_block_tokens as u64,
             prepared,
+            export: self.export.clone(),
         };
         let body =
             GuardedBody::new(incoming, guard, self.config.proxy.request_timeout, tap).boxed();
@@ -603,6 +652,7 @@ impl Router {
         kind: &'static str,
         label: &'static str,
         request_id: &HeaderValue,
+        trace: TraceContext,
         arrived: Instant,
     ) -> Response<ProxyBody> {
         self.metrics.request(label, &self.cache_worker, 200);
@@ -610,6 +660,7 @@ impl Router {
         tracing::info!(
             target: "cache_aware_router::access",
             request_id = request_id.to_str().unwrap_or("-"),
+            trace_id = %trace.trace_id,
             endpoint = label,
             worker = "cache",
             reason = "response_cache",
@@ -620,6 +671,22 @@ impl Router {
             outcome = "complete",
             "request"
         );
+        if let Some(x) = &self.export {
+            x.record(&Finished {
+                name: span_name(label),
+                trace,
+                arrived,
+                endpoint: label,
+                request_id: request_id.to_str().unwrap_or("-"),
+                worker: Arc::clone(&self.cache_worker),
+                reason: "response_cache",
+                matched_ratio: None,
+                attempt: None,
+                status: 200,
+                outcome: "complete",
+                error: None,
+            });
+        }
         entry.replay()
     }
 }
@@ -724,6 +791,8 @@ const CLIENT_CLOSED: u16 = 499;
 /// logged where their response ends instead, so each request has exactly one line.
 struct Unanswered<'a> {
     metrics: &'a Metrics,
+    export: Option<&'a Exporter>,
+    trace: TraceContext,
     endpoint: &'static str,
     request_id: &'a HeaderValue,
     arrived: Instant,
@@ -740,9 +809,11 @@ impl Drop for Unanswered<'_> {
         let worker = self.waiting_on.take().unwrap_or_else(|| Arc::from("none"));
         self.metrics.request(self.endpoint, &worker, CLIENT_CLOSED);
         self.metrics.outcome("client_gone");
+        let request_id = self.request_id.to_str().unwrap_or("-");
         tracing::info!(
             target: "cache_aware_router::access",
-            request_id = self.request_id.to_str().unwrap_or("-"),
+            request_id,
+            trace_id = %self.trace.trace_id,
             endpoint = self.endpoint,
             worker = &*worker,
             status = CLIENT_CLOSED,
@@ -750,6 +821,22 @@ impl Drop for Unanswered<'_> {
             outcome = "client_gone",
             "request"
         );
+        if let Some(x) = self.export {
+            x.record(&Finished {
+                name: span_name(self.endpoint),
+                trace: self.trace,
+                arrived: self.arrived,
+                endpoint: self.endpoint,
+                request_id,
+                worker,
+                reason: "-",
+                matched_ratio: None,
+                attempt: None,
+                status: CLIENT_CLOSED,
+                outcome: "client_gone",
+                error: None,
+            });
+        }
     }
 }
 
@@ -765,6 +852,8 @@ struct Route<'a> {
     started: Instant,
     /// Where the answer goes in the response cache, on a miss.
     cache: Option<Pending>,
+    /// The router's span (W3C Trace Context), sent upstream as `traceparent`.
+    trace: TraceContext,
 }
 
 /// How a worker was chosen for one attempt.
@@ -798,6 +887,8 @@ pub struct AccessLog {
     pub arrived: Instant,
     /// Cached prompt tokens the engine reported in the answer, once read.
     pub delivered_tokens: Option<u64>,
+    /// The request's trace (its id is logged as `trace_id`).
+    pub trace: TraceContext,
 }
 
 impl AccessLog {
@@ -807,6 +898,7 @@ impl AccessLog {
         tracing::info!(
             target: "cache_aware_router::access",
             request_id = self.request_id.to_str().unwrap_or("-"),
+            trace_id = %self.trace.trace_id,
             endpoint = self.endpoint,
             worker = &*self.worker,
             role = self.role,
@@ -822,6 +914,37 @@ impl AccessLog {
             outcome,
             "request"
         );
+    }
+
+    /// The request's span as the exporter takes it; `outcome` as for [`AccessLog::write`].
+    pub fn finished(&self, outcome: &'static str) -> Finished<'_> {
+        Finished {
+            name: span_name(self.endpoint),
+            trace: self.trace,
+            arrived: self.arrived,
+            endpoint: self.endpoint,
+            request_id: self.request_id.to_str().unwrap_or("-"),
+            worker: Arc::clone(&self.worker),
+            reason: self.decision.reason.as_str(),
+            matched_ratio: Some(self.decision.matched_ratio),
+            attempt: Some(self.decision.attempt),
+            status: self.status,
+            outcome,
+            error: None,
+        }
+    }
+}
+
+/// The span name of an endpoint label: method and route, or `proxy` for a path
+/// `proxy.passthrough` let through (low cardinality: never the raw path).
+fn span_name(label: &'static str) -> &'static str {
+    match label {
+        "chat_completions" => "POST /v1/chat/completions",
+        "completions" => "POST /v1/completions",
+        "messages" => "POST /v1/messages",
+        "responses" => "POST /v1/responses",
+        "models" => "GET /v1/models",
+        _ => "proxy",
     }
 }
 

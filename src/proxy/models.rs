@@ -23,6 +23,7 @@ pub(super) async fn get(
     router: &Router,
     req: Request<Incoming>,
     request_id: &HeaderValue,
+    trace: crate::trace::TraceContext,
     waiting_on: &mut Option<Arc<str>>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let set = router.worker_set();
@@ -41,6 +42,7 @@ pub(super) async fn get(
         req: RouteRequest::default(),
         arrived: now,
         started: now,
+        trace,
     };
     let resp = router
         .forward(&set, &parts, Bytes::new(), &route, request_id, waiting_on)

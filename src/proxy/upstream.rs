@@ -266,7 +266,7 @@ impl Upstream {
 
 /// What every attempt of one request shares: method, path and query, and the client's
 /// end-to-end headers (hop-by-hop, Host, Content-Length and Expect removed; the request
-/// id set).
+/// id and the router's `traceparent` set).
 pub struct RequestTemplate {
     method: Method,
     path_and_query: String,
@@ -274,7 +274,11 @@ pub struct RequestTemplate {
 }
 
 impl RequestTemplate {
-    pub fn new(parts: &http::request::Parts, request_id: &HeaderValue) -> Self {
+    pub fn new(
+        parts: &http::request::Parts,
+        request_id: &HeaderValue,
+        trace: &crate::trace::TraceContext,
+    ) -> Self {
         let mut headers = parts.headers.clone();
         headers::strip_hop_by_hop(&mut headers);
         headers.remove(header::HOST);
@@ -284,6 +288,7 @@ impl RequestTemplate {
         // the engine's header size limit (uvicorn/h11: 16 KiB).
         headers.remove(crate::precise::TOKEN_IDS_HEADER);
         headers.insert(headers::REQUEST_ID.clone(), request_id.clone());
+        trace.propagate(&mut headers);
         RequestTemplate {
             method: parts.method.clone(),
             path_and_query: parts

@@ -20,6 +20,7 @@
 pub mod binary;
 pub mod dns;
 pub mod kube_api;
+pub mod otlp;
 pub mod redis;
 pub mod tls;
 
