@@ -113,16 +113,35 @@ fn init_tracing(config: &Config) {
     use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&config.log.level));
+    let ansi = match config.log.color {
+        LogColor::Auto => std::io::stderr().is_terminal(),
+        LogColor::Always => config.log.format == LogFormat::Text,
+        LogColor::Never => false,
+    };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
-        .with_ansi(match config.log.color {
-            LogColor::Auto => std::io::stderr().is_terminal(),
-            LogColor::Always => config.log.format == LogFormat::Text,
-            LogColor::Never => false,
-        });
+        .with_ansi(ansi);
     match config.log.format {
         LogFormat::Json => builder.json().init(),
-        LogFormat::Text => builder.init(),
+        LogFormat::Text if ansi => builder.init(),
+        // The same `key=value` text as the default field formatter, written straight:
+        // without colour that one still styles every field name (a third of an access
+        // line's formatting, measured with callgrind).
+        LogFormat::Text => builder.fmt_fields(plain_fields()).init(),
     }
+}
+
+/// `message key=value key=value …`, values as `Debug` writes them (strings quoted),
+/// as tracing-subscriber's default text fields read without colour.
+fn plain_fields() -> impl for<'w> tracing_subscriber::fmt::FormatFields<'w> + 'static {
+    use tracing_subscriber::field::MakeExt;
+    tracing_subscriber::fmt::format::debug_fn(|w, field, value| {
+        if field.name() == "message" {
+            write!(w, "{value:?}")
+        } else {
+            write!(w, "{}={value:?}", field.name())
+        }
+    })
+    .delimited(" ")
 }

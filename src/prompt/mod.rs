@@ -283,15 +283,27 @@ struct MediaSource<'a> {
 
 /// Appends a message's `content`: a string, an array of parts/blocks, or null.
 /// Returns false when it is neither (the caller falls back to the raw body).
+/// The text of a JSON string value (`raw` already validated by serde_json as one JSON
+/// value); `None` when `raw` is not a string. Without a backslash the text is the bytes
+/// between the quotes (a valid JSON string holds no raw control character or quote),
+/// so a long message is not scanned a second time; escapes are decoded by serde_json.
+pub(crate) fn json_str(raw: &RawValue) -> Option<Cow<'_, str>> {
+    let s = raw.get();
+    if s.len() >= 2 && s.starts_with('"') && memchr::memchr(b'\\', s.as_bytes()).is_none() {
+        return Some(Cow::Borrowed(&s[1..s.len() - 1]));
+    }
+    serde_json::from_str::<Cow<'_, str>>(s).ok()
+}
+
 pub(crate) fn content(raw: &RawValue, b: &mut PromptBuilder) -> bool {
     let s = raw.get().as_bytes();
     match s.first() {
-        Some(b'"') => match serde_json::from_str::<Cow<'_, str>>(raw.get()) {
-            Ok(t) => {
+        Some(b'"') => match json_str(raw) {
+            Some(t) => {
                 b.text(&t);
                 true
             }
-            Err(_) => false,
+            None => false,
         },
         Some(b'[') => match serde_json::from_str::<Vec<&RawValue>>(raw.get()) {
             Ok(parts) => {
@@ -315,12 +327,12 @@ pub(crate) fn content(raw: &RawValue, b: &mut PromptBuilder) -> bool {
 fn part(raw: &RawValue, b: &mut PromptBuilder) -> bool {
     let Ok(p) = serde_json::from_str::<Part<'_>>(raw.get()) else {
         // A bare string inside an array (seen in some clients) is text.
-        return match serde_json::from_str::<Cow<'_, str>>(raw.get()) {
-            Ok(t) => {
+        return match json_str(raw) {
+            Some(t) => {
                 b.text(&t);
                 true
             }
-            Err(_) => false,
+            None => false,
         };
     };
     let kind = p.kind.as_deref().unwrap_or("text");
@@ -381,6 +393,24 @@ pub(crate) fn is_remote_url(url: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_json_string_reads_the_same_with_or_without_the_fast_path() {
+        for v in [
+            r#""plain text, ünïcødé, 🦀""#,
+            r#""with \"escapes\" and \n a newline \u00e9""#,
+            r#""""#,
+            r#""a\\b""#,
+        ] {
+            let raw: &RawValue = serde_json::from_str(v).unwrap();
+            let want: String = serde_json::from_str(v).unwrap();
+            assert_eq!(json_str(raw).as_deref(), Some(want.as_str()), "{v}");
+        }
+        for v in ["1", "null", "[\"a\"]", r#"{"a":"b"}"#] {
+            let raw: &RawValue = serde_json::from_str(v).unwrap();
+            assert_eq!(json_str(raw), None, "{v}");
+        }
+    }
 
     #[test]
     fn cut_lands_on_a_char_boundary() {

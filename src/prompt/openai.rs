@@ -74,9 +74,9 @@ pub fn chat(body: &[u8], b: &mut PromptBuilder) -> bool {
 
 /// Appends a JSON value's text: a string's contents, anything else as written.
 fn json_text(raw: &RawValue, b: &mut PromptBuilder) {
-    match serde_json::from_str::<Cow<'_, str>>(raw.get()) {
-        Ok(s) => b.text(&s),
-        Err(_) => b.text(raw.get()),
+    match super::json_str(raw) {
+        Some(s) => b.text(&s),
+        None => b.text(raw.get()),
     }
 }
 
