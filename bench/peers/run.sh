@@ -72,7 +72,8 @@ if [ "$what" = all ] || [ "$what" = trace ]; then
 fi
 if [ "$what" = all ] || [ "$what" = overhead ]; then
     echo "== peer-overhead (about 4 minutes)" >&2
-    "$bin/peer-overhead" --peer-venv "$venv" "${router[@]}" "$@" | tee "$out/overhead.md" || status=1
+    # Ours at warn, as the peers (--peer-log-level warn): no line per request.
+    "$bin/peer-overhead" --peer-venv "$venv" "${router[@]}" --router-log-level warn "$@" | tee "$out/overhead.md" || status=1
 fi
 echo "== tables in $out" >&2
 exit $status

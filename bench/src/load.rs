@@ -46,24 +46,41 @@ pub const SMALL_SYSTEM: &str = "You are a concise assistant answering questions 
 /// router's prefix tree stays small): the shared system prompt, model `m`,
 /// `max_tokens`, `ignore_eos`; streamed ones ask for the usage chunk.
 pub fn small_chat_bodies(max_tokens: u64, stream: bool) -> BodyFn {
-    let bodies: Vec<Bytes> = (0..256)
-        .map(|k| {
-            let mut v = serde_json::json!({
-                "model": "m",
-                "messages": [
-                    {"role": "system", "content": SMALL_SYSTEM},
-                    {"role": "user", "content": format!("Question {k}: which river flows through city number {k}?")},
-                ],
-                "max_tokens": max_tokens,
-                "ignore_eos": true,
-            });
-            if stream {
-                v["stream"] = serde_json::json!(true);
-                v["stream_options"] = serde_json::json!({"include_usage": true});
-            }
-            Bytes::from(v.to_string())
-        })
-        .collect();
+    chat_bodies(max_tokens, stream, 0)
+}
+
+/// [`small_chat_bodies`] with the shared system prompt padded with plain words
+/// (the same in every body) until the longest body is `bytes` long, the others up
+/// to 4 bytes shorter (their question numbers have fewer digits): e.g. 2048 for
+/// the ~2 KB bodies of a chat with a longer system prompt. No padding when
+/// `bytes` is at most the unpadded length.
+pub fn chat_bodies(max_tokens: u64, stream: bool, bytes: usize) -> BodyFn {
+    let body = |k: usize, system: &str| {
+        let mut v = serde_json::json!({
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": format!("Question {k}: which river flows through city number {k}?")},
+            ],
+            "max_tokens": max_tokens,
+            "ignore_eos": true,
+        });
+        if stream {
+            v["stream"] = serde_json::json!(true);
+            v["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        v.to_string()
+    };
+    // The longest body without padding (k = 255 has the longest number); padding
+    // is plain ASCII, one byte of JSON per character.
+    let short = body(255, SMALL_SYSTEM).len();
+    let mut system = SMALL_SYSTEM.to_string();
+    const FILLER: &str = " Keep to the facts, name the river and the city, and say nothing else.";
+    while system.len() - SMALL_SYSTEM.len() + short < bytes {
+        system.push_str(FILLER);
+    }
+    system.truncate(SMALL_SYSTEM.len() + bytes.saturating_sub(short));
+    let bodies: Vec<Bytes> = (0..256).map(|k| Bytes::from(body(k, &system))).collect();
     Arc::new(move |i| bodies[(i % bodies.len() as u64) as usize].clone())
 }
 
@@ -460,4 +477,29 @@ pub async fn burst(spec: &BurstSpec, on_release: impl FnOnce()) -> BurstResult {
     req.connections = out.connected;
     out.requests = req;
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_bodies_are_padded_to_the_size_asked() {
+        let plain = small_chat_bodies(8, false);
+        let short = plain(255).len();
+        assert_eq!(chat_bodies(8, false, 0)(255), plain(255));
+        let padded = chat_bodies(20, true, 2048);
+        assert_eq!(padded(255).len(), 2048);
+        assert!(padded(3).len() >= 2044);
+        assert!(short < 2048);
+        let v: serde_json::Value = serde_json::from_slice(&padded(7)).unwrap();
+        assert_eq!(v["max_tokens"], 20);
+        assert_eq!(v["stream"], true);
+        assert!(
+            v["messages"][0]["content"]
+                .as_str()
+                .unwrap()
+                .starts_with(SMALL_SYSTEM)
+        );
+    }
 }

@@ -236,6 +236,7 @@ impl Peer {
                 ("HF_HUB_OFFLINE".into(), "1".into()),
             ],
             context: String::new(),
+            term_tree: false,
         }
     }
 }
@@ -249,15 +250,23 @@ pub struct PeerSetup {
     pub vllm_bin: PathBuf,
     /// `--log-level` given to the peers (`None`: their default, `info`).
     pub log_level: Option<String>,
+    /// nginx, for [`RouterKind::Nginx`] (default `/usr/sbin/nginx`, Debian's).
+    pub nginx_bin: PathBuf,
+    /// nginx writes an access log line per request (default off: the plain
+    /// proxy baseline).
+    pub nginx_access_log: bool,
 }
 
 impl PeerSetup {
-    /// Both peers from the virtualenv `venv` (see `bench/peers/run.sh`).
+    /// Both peers from the virtualenv `venv` (see `bench/peers/run.sh`); nginx
+    /// from `/usr/sbin/nginx`, without access log.
     pub fn from_venv(venv: &Path, log_level: Option<String>) -> Self {
         Self {
             sglang_bin: Peer::Sglang.bin_in(venv),
             vllm_bin: Peer::Vllm.bin_in(venv),
             log_level,
+            nginx_bin: PathBuf::from("/usr/sbin/nginx"),
+            nginx_access_log: false,
         }
     }
 
@@ -277,17 +286,90 @@ pub enum RouterKind {
     Ours,
     /// A peer router.
     Peer(Peer),
+    /// nginx as a plain round-robin reverse proxy (see [`nginx_config`]): the
+    /// baseline of what proxying alone costs.
+    Nginx,
 }
 
 impl RouterKind {
-    /// `cache-aware-router`, `sglang-router`, `vllm-router`.
+    /// `cache-aware-router`, `sglang-router`, `vllm-router`, `nginx`.
     pub fn name(self) -> &'static str {
         match self {
             RouterKind::Ours => "cache-aware-router",
             RouterKind::Peer(p) => p.name(),
+            RouterKind::Nginx => "nginx",
         }
     }
 }
+
+/// The nginx.conf of [`RouterKind::Nginx`]: a plain round-robin reverse proxy on
+/// 127.0.0.1:`port` in front of `workers` (`http://host:port` URLs), everything
+/// it writes (pid, temp files, the access log when `access_log`) under `dir`, its
+/// error log (level `warn`) to stderr. As nginx is usually run: `worker_processes
+/// auto` (one per core), the default round robin of an `upstream` block, the
+/// default `combined` access log format; for proxying LLM answers: an upstream keep-alive pool (`keepalive 64`,
+/// HTTP/1.1, `Connection` cleared), `proxy_buffering off` (streams pass as they
+/// come) and `proxy_request_buffering off`, bodies up to 64 MiB. Set above the
+/// defaults so that the load decides, not a limit: `worker_connections 4096`
+/// (default 512) and `keepalive_requests 1000000` on both sides (default 1000,
+/// after which nginx closes a keep-alive connection and the closed-loop clients
+/// would count that as an error).
+pub fn nginx_config(port: u16, workers: &[String], dir: &Path, access_log: bool) -> String {
+    let servers: String = workers
+        .iter()
+        .map(|w| {
+            let hostport = w.trim_start_matches("http://").trim_end_matches('/');
+            format!("        server {hostport};\n")
+        })
+        .collect();
+    let access = if access_log {
+        "access_log DIR/access.log;"
+    } else {
+        "access_log off;"
+    };
+    NGINX_CONF
+        .replace("ACCESS_LOG", access)
+        .replace("        SERVERS\n", &servers)
+        .replace("PORT", &port.to_string())
+        .replace("DIR", &dir.display().to_string())
+}
+
+/// [`nginx_config`]'s template.
+const NGINX_CONF: &str = r#"worker_processes auto;
+daemon off;
+master_process on;
+pid DIR/nginx.pid;
+error_log stderr warn;
+worker_rlimit_nofile 65536;
+events {
+    worker_connections 4096;
+}
+http {
+    ACCESS_LOG
+    client_body_temp_path DIR/client_body;
+    proxy_temp_path DIR/proxy;
+    fastcgi_temp_path DIR/fastcgi;
+    uwsgi_temp_path DIR/uwsgi;
+    scgi_temp_path DIR/scgi;
+    keepalive_requests 1000000;
+    upstream engines {
+        SERVERS
+        keepalive 64;
+        keepalive_requests 1000000;
+    }
+    server {
+        listen 127.0.0.1:PORT;
+        client_max_body_size 64m;
+        location / {
+            proxy_pass http://engines;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_request_buffering off;
+        }
+    }
+}
+"#;
 
 /// A router process started by [`start_any_router`].
 #[derive(Debug)]
@@ -324,8 +406,10 @@ pub fn probe_body(model: &str) -> Bytes {
 
 /// Starts `kind` with `policy` in front of `workers` on 127.0.0.1:`port` and waits
 /// until it answers `GET /health` and a probe chat request ([`probe_body`]) with
-/// 2xx. Ours gets [`router_config`] plus `extra_yaml`; a peer gets
-/// [`Peer::command`]. The child is pushed onto `procs`.
+/// 2xx. Ours gets [`router_config`] plus `extra_yaml` (a `log:` line there
+/// replaces the default one); a peer gets [`Peer::command`]; nginx (which ignores
+/// `policy`: round robin) gets [`nginx_config`] and is stopped with SIGTERM to its
+/// master and workers. The child is pushed onto `procs`.
 #[allow(clippy::too_many_arguments)]
 pub async fn start_any_router(
     kind: RouterKind,
@@ -348,6 +432,10 @@ pub async fn start_any_router(
                 "build it with `cargo build --release --workspace` or pass --router-bin",
             )?;
             let mut yaml = router_config(policy, port, workers);
+            // A `log:` entry of `extra_yaml` replaces the default one.
+            if extra_yaml.lines().any(|l| l.starts_with("log:")) {
+                yaml = yaml.replace(DEFAULT_LOG_YAML, "");
+            }
             yaml.push_str(extra_yaml);
             let config_path = dir.path().join("config.yaml");
             std::fs::write(&config_path, &yaml)
@@ -358,6 +446,7 @@ pub async fn start_any_router(
                 args: vec!["-c".into(), config_path.display().to_string()],
                 env: Vec::new(),
                 context: format!("--- its config ---\n{yaml}"),
+                term_tree: false,
             };
             let how = format!(
                 "`{} -c config.yaml` with config `{}`",
@@ -377,6 +466,46 @@ pub async fn start_any_router(
             )?;
             let spec = peer.command(bin, policy, port, workers, peers.log_level.as_deref());
             let how = format!("`{}`", spec.display_line());
+            (spec, how)
+        }
+        RouterKind::Nginx => {
+            procs::require_binary(
+                &peers.nginx_bin,
+                "nginx",
+                "install the Debian package (`apt-get install nginx`) or pass --nginx-bin",
+            )?;
+            let conf = nginx_config(port, workers, dir.path(), peers.nginx_access_log);
+            let conf_path = dir.path().join("nginx.conf");
+            std::fs::write(&conf_path, &conf)
+                .map_err(io_err(format!("write {}", conf_path.display())))?;
+            let spec = RouterCommand {
+                name: kind.name().into(),
+                program: peers.nginx_bin.clone(),
+                // `-e stderr`: the error log from the start, before the config is
+                // read (else the compiled-in /var/log/nginx/error.log).
+                args: vec![
+                    "-p".into(),
+                    dir.path().display().to_string(),
+                    "-e".into(),
+                    "stderr".into(),
+                    "-c".into(),
+                    conf_path.display().to_string(),
+                ],
+                env: Vec::new(),
+                context: format!("--- its config ---\n{conf}"),
+                term_tree: true,
+            };
+            let how = format!(
+                "`{} -p DIR -e stderr -c DIR/nginx.conf` (master + workers), \
+                 nginx.conf: `{}`",
+                peers.nginx_bin.display(),
+                conf.lines()
+                    .map(str::trim)
+                    .filter(|l| !l.is_empty() && !l.contains("_temp_path"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+                    .replace(&dir.path().display().to_string(), "DIR")
+            );
             (spec, how)
         }
     };
@@ -817,9 +946,12 @@ pub fn router_config(policy: &str, port: u16, workers: &[String]) -> String {
     for w in workers {
         let _ = writeln!(y, "  - url: {w}");
     }
-    y.push_str("log: { level: warn }\n");
+    y.push_str(DEFAULT_LOG_YAML);
     y
 }
+
+/// The `log:` line of [`router_config`]: no line per request.
+const DEFAULT_LOG_YAML: &str = "log: { level: warn }\n";
 
 /// Runs one contender from cold start to teardown and returns its summary.
 /// All children it started are killed and reaped before it returns, on every
@@ -1530,6 +1662,35 @@ mod tests {
             y,
             "policy: round_robin\nserver: { host: 127.0.0.1, port: 6700 }\nworkers:\n  \
              - url: http://127.0.0.1:1\n  - url: http://127.0.0.1:2\nlog: { level: warn }\n"
+        );
+    }
+
+    #[test]
+    fn nginx_config_is_a_plain_round_robin_proxy_with_keepalive_and_no_buffering() {
+        let workers = ["http://127.0.0.1:1".into(), "http://127.0.0.1:2/".into()];
+        let c = nginx_config(6700, &workers, Path::new("/tmp/x"), false);
+        for line in [
+            "worker_processes auto;",
+            "daemon off;",
+            "master_process on;",
+            "pid /tmp/x/nginx.pid;",
+            "error_log stderr warn;",
+            "    access_log off;",
+            "    upstream engines {\n        server 127.0.0.1:1;\n        server 127.0.0.1:2;\n        keepalive 64;",
+            "        listen 127.0.0.1:6700;",
+            "            proxy_pass http://engines;",
+            "            proxy_http_version 1.1;",
+            "            proxy_set_header Connection \"\";",
+            "            proxy_buffering off;",
+            "            proxy_request_buffering off;",
+        ] {
+            assert!(c.contains(line), "{line:?} not in:\n{c}");
+        }
+        assert!(!c.contains("DIR") && !c.contains("PORT") && !c.contains("SERVERS"));
+        let logged = nginx_config(6700, &workers, Path::new("/tmp/x"), true);
+        assert!(
+            logged.contains("    access_log /tmp/x/access.log;"),
+            "{logged}"
         );
     }
 }

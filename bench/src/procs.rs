@@ -68,6 +68,9 @@ pub fn io_err(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> ProcErr
 pub struct ChildProc {
     name: String,
     child: Child,
+    /// Stop it with SIGTERM to it and all its descendants first (see
+    /// [`RouterCommand::term_tree`]).
+    term_tree: bool,
 }
 
 impl ChildProc {
@@ -81,14 +84,54 @@ impl ChildProc {
         &self.name
     }
 
-    /// Kills the process and waits for it to exit.
+    /// Kills the process and waits for it to exit. One started with
+    /// [`RouterCommand::term_tree`] gets SIGTERM (it and its descendants) first and
+    /// up to 5 s to exit by itself.
     pub async fn stop(mut self) {
+        if self.term_tree && self.term_tree_now() {
+            let exited = tokio::time::timeout(Duration::from_secs(5), self.child.wait()).await;
+            if exited.is_ok() {
+                return;
+            }
+            eprintln!("warning: {} did not exit within 5 s of SIGTERM", self.name);
+        }
         let _ = self.child.start_kill();
         if tokio::time::timeout(Duration::from_secs(5), self.child.wait())
             .await
             .is_err()
         {
             eprintln!("warning: {} did not exit within 5 s of SIGKILL", self.name);
+        }
+    }
+
+    /// Sends SIGTERM to the process and all its descendants (with `kill`; this crate
+    /// has no unsafe code); false if it has exited already.
+    fn term_tree_now(&mut self) -> bool {
+        let Some(pid) = self.child.id() else {
+            return false;
+        };
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return false;
+        }
+        let pids: Vec<String> = process_tree(pid).iter().map(u32::to_string).collect();
+        let _ = std::process::Command::new("kill")
+            .arg("-TERM")
+            .args(&pids)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status();
+        true
+    }
+}
+
+impl Drop for ChildProc {
+    /// A [`RouterCommand::term_tree`] child's descendants (nginx's workers) would
+    /// outlive a SIGKILL of the parent alone: SIGTERM them all first; the parent is
+    /// then killed by `kill_on_drop` as any other child.
+    fn drop(&mut self) {
+        if self.term_tree {
+            self.term_tree_now();
         }
     }
 }
@@ -267,6 +310,7 @@ pub async fn start_engine(
     procs.push(ChildProc {
         name: format!("sim-engine {name}"),
         child,
+        term_tree: false,
     });
     let Some(stdout) = stdout else {
         return Err(ProcError::NotReady(format!("sim-engine {name}: no stdout")));
@@ -329,6 +373,7 @@ pub async fn start_redis(
     procs.push(ChildProc {
         name: "redis-server".into(),
         child,
+        term_tree: false,
     });
     let deadline = Instant::now() + startup_timeout;
     loop {
@@ -388,6 +433,7 @@ pub async fn start_router(
         args: vec!["-c".into(), config_path.display().to_string()],
         env: Vec::new(),
         context: format!("--- its config ---\n{yaml}"),
+        term_tree: false,
     };
     start_router_command(&spec, port, dir, startup_timeout, None, procs).await
 }
@@ -406,6 +452,10 @@ pub struct RouterCommand {
     pub env: Vec<(String, String)>,
     /// Shown with a start failure (e.g. the config file), may be empty.
     pub context: String,
+    /// Stop it with SIGTERM to it and its descendants, then SIGKILL after 5 s,
+    /// instead of SIGKILL at once: for a master process whose workers would outlive
+    /// it (nginx).
+    pub term_tree: bool,
 }
 
 impl RouterCommand {
@@ -466,6 +516,7 @@ pub async fn start_router_command(
     procs.push(ChildProc {
         name: spec.name.clone(),
         child,
+        term_tree: spec.term_tree,
     });
     let url = format!("http://127.0.0.1:{port}");
     let bad = |e: hyper::http::uri::InvalidUri| ProcError::NotReady(format!("bad URL: {e}"));

@@ -1,6 +1,7 @@
 //! `peer-overhead`: what each router costs per request, ours against the peer
-//! routers (sglang-router, vllm-router), measured against `sim-engine` replicas on
-//! 127.0.0.1 that answer at once, printed as markdown tables.
+//! routers (sglang-router, vllm-router) and against nginx as a plain round-robin
+//! reverse proxy, measured against `sim-engine` replicas on 127.0.0.1 that answer
+//! at once, printed as markdown tables.
 //!
 //! For each engine count (`--engines`, default 1 and 2) the engines are started
 //! once; then each router in turn (`--routers`, each with `--policy`, default
@@ -11,14 +12,25 @@
 //! drift cancels. added = through the router − direct, per percentile. The router
 //! is stopped before the next one starts. Load is closed-loop ([`bench::load`]):
 //! one keep-alive connection per concurrent client, small chat requests
-//! (`max_tokens` 8); every cell is bounded in time and count.
+//! (`max_tokens` 8, `--max-tokens`; streamed ones `--stream-max-tokens`, one SSE
+//! event per token plus the role, usage and `[DONE]` events; bodies padded to
+//! `--prompt-bytes`); every cell is bounded in time and count. Router CPU is the
+//! utime+stime of its process tree (nginx: master + workers) over the router run
+//! of a cell, its RSS the tree's at the end of the cell.
 //!
+//! Ours runs with its access log at `--router-log-level` (default `info`, its own
+//! default: one access line per request, written to a file in a scratch dir).
 //! Peers run from their PyPI packages in a virtualenv (`bench/peers/run.sh` makes
-//! it) with only what they need to run: address, worker URLs, policy, and the same
-//! log level as ours (`--peer-log-level`, default `warn`).
+//! it) with only what they need to run: address, worker URLs, policy, and a log
+//! level (`--peer-log-level`, default `warn`). nginx (`--routers ...,nginx`; the
+//! Debian package, `--nginx-bin`) runs [`matrix::nginx_config`]: `proxy_pass` round
+//! robin, upstream keep-alive pool, buffering off, `worker_processes auto`, access
+//! log off unless `--nginx-access-log`.
 //!
 //! Usage: `cargo build --release --workspace`, then `target/release/peer-overhead`
-//! (about 4 minutes on 2 cores).
+//! (about 4 minutes on 2 cores); against nginx:
+//! `target/release/peer-overhead --routers ours,nginx --engines 4 --prompt-bytes 2048
+//! --stream-max-tokens 20 --concurrency 1,64`.
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -43,6 +55,8 @@ enum RouterArg {
     Sglang,
     /// vllm-router.
     Vllm,
+    /// nginx as a plain round-robin reverse proxy (the cost of proxying alone).
+    Nginx,
 }
 
 impl RouterArg {
@@ -51,6 +65,7 @@ impl RouterArg {
             RouterArg::Ours => RouterKind::Ours,
             RouterArg::Sglang => RouterKind::Peer(Peer::Sglang),
             RouterArg::Vllm => RouterKind::Peer(Peer::Vllm),
+            RouterArg::Nginx => RouterKind::Nginx,
         }
     }
 }
@@ -63,12 +78,13 @@ enum Mode {
     Stream,
 }
 
-/// Added latency and requests/s of cache-aware-router, sglang-router and
-/// vllm-router over simulated engines on 127.0.0.1.
+/// Added latency, requests/s, CPU and memory of cache-aware-router, sglang-router,
+/// vllm-router and nginx over simulated engines on 127.0.0.1.
 #[derive(Debug, Parser)]
 #[command(name = "peer-overhead", version)]
 struct Cli {
-    /// Routers, comma-separated: ours, sglang, vllm.
+    /// Routers, comma-separated: ours, sglang, vllm, nginx (a plain round-robin
+    /// reverse proxy; not in the default list).
     #[arg(
         long,
         value_enum,
@@ -76,7 +92,7 @@ struct Cli {
         default_value = "ours,sglang,vllm"
     )]
     routers: Vec<RouterArg>,
-    /// Routing policy given to every router.
+    /// Routing policy given to every router but nginx (round robin).
     #[arg(long, default_value = "cache_aware")]
     policy: String,
     /// Engine counts behind each router, comma-separated.
@@ -105,6 +121,18 @@ struct Cli {
     /// max_tokens of the small chat requests.
     #[arg(long, default_value_t = 8)]
     max_tokens: u64,
+    /// max_tokens of the streamed requests (one SSE event per token, plus the
+    /// role, usage and `[DONE]` events) [default: --max-tokens].
+    #[arg(long)]
+    stream_max_tokens: Option<u64>,
+    /// Pad the shared system prompt so that each request body is about this many
+    /// bytes (e.g. 2048 for ~2 KB chat bodies; 0: unpadded, about 300 bytes).
+    #[arg(long, default_value_t = 0)]
+    prompt_bytes: usize,
+    /// `log.level` of ours (`info`, its default: one access line per request;
+    /// `warn`: none). The last one given wins (`bench/peers/run.sh` passes `warn`).
+    #[arg(long, default_value = "info", overrides_with = "router_log_level")]
+    router_log_level: String,
     /// Virtualenv holding the peer routers (`bin/smg`, `bin/vllm-router`).
     #[arg(long, default_value = "/tmp/peers-venv")]
     peer_venv: PathBuf,
@@ -114,11 +142,17 @@ struct Cli {
     /// vllm-router's executable [default: PEER_VENV/bin/vllm-router].
     #[arg(long)]
     vllm_bin: Option<PathBuf>,
-    /// `--log-level` given to the peers (`warn`: as ours runs here, no line per
-    /// request; `default`: leave theirs, `info`, where sglang-router logs two lines
-    /// per request).
+    /// `--log-level` given to the peers (`warn`: no line per request; `default`:
+    /// leave theirs, `info`, where sglang-router logs two lines per request).
     #[arg(long, default_value = "warn")]
     peer_log_level: String,
+    /// nginx executable (the Debian package's).
+    #[arg(long, default_value = "/usr/sbin/nginx")]
+    nginx_bin: PathBuf,
+    /// nginx writes an access log line per request (the default `combined`
+    /// format, to a file), like ours at `info`; off by default (plain proxy).
+    #[arg(long)]
+    nginx_access_log: bool,
     /// sim-engine executable [default: next to this executable].
     #[arg(long)]
     engine_bin: Option<PathBuf>,
@@ -179,6 +213,8 @@ struct Cell {
     direct: LoadResult,
     via: LoadResult,
     router_cpu_us_per_req: f64,
+    /// RSS of the router's process tree at the end of the cell, KiB.
+    router_rss_kib: u64,
 }
 
 impl Cell {
@@ -241,6 +277,17 @@ struct Ctx {
 }
 
 impl Ctx {
+    fn max_tokens(&self, stream: bool) -> u64 {
+        match self.cli.stream_max_tokens {
+            Some(n) if stream => n,
+            _ => self.cli.max_tokens,
+        }
+    }
+
+    fn bodies(&self, stream: bool) -> load::BodyFn {
+        load::chat_bodies(self.max_tokens(stream), stream, self.cli.prompt_bytes)
+    }
+
     fn spec(&self, targets: Vec<SocketAddr>, c: usize, d: Duration, stream: bool) -> LoadSpec {
         LoadSpec {
             targets,
@@ -250,7 +297,7 @@ impl Ctx {
             max_duration: d,
             request_timeout: self.request_timeout,
             stream,
-            body: load::small_chat_bodies(self.cli.max_tokens, stream),
+            body: self.bodies(stream),
             stop: None,
             progress: None,
         }
@@ -270,6 +317,16 @@ async fn try_run(cli: Cli) -> Result<bool, String> {
     }
     if let Some(b) = &cli.vllm_bin {
         peers.vllm_bin = b.clone();
+    }
+    peers.nginx_bin = cli.nginx_bin.clone();
+    peers.nginx_access_log = cli.nginx_access_log;
+    if cli.routers.contains(&RouterArg::Nginx) {
+        procs::require_binary(
+            &peers.nginx_bin,
+            "nginx",
+            "install the Debian package (`apt-get install nginx`) or pass --nginx-bin",
+        )
+        .map_err(|e| e.to_string())?;
     }
     let ctx = Ctx {
         engine_bin: cli
@@ -295,7 +352,7 @@ async fn try_run(cli: Cli) -> Result<bool, String> {
     )
     .map_err(|e| e.to_string())?;
     let command: Vec<String> = std::env::args().map(|a| procs::shell_quote(&a)).collect();
-    println!("# Router overhead: ours vs the peer routers\n");
+    println!("# Router overhead: ours vs the peer routers and nginx\n");
     println!("command: `{}`  ", command.join(" "));
     println!("{}\n", machine_facts());
     let t0 = Instant::now();
@@ -414,6 +471,7 @@ async fn start(
     procs_router: &mut Vec<ChildProc>,
 ) -> Result<StartedRouter, String> {
     let port = procs::free_port().map_err(|e| e.to_string())?;
+    let log = format!("log: {{ level: {} }}\n", ctx.cli.router_log_level);
     matrix::start_any_router(
         kind,
         &ctx.cli.policy,
@@ -421,7 +479,7 @@ async fn start(
         &ctx.peers,
         urls,
         port,
-        "",
+        &log,
         "m",
         ctx.startup,
         procs_router,
@@ -466,6 +524,7 @@ async fn measure_router(
                 mode,
                 c,
                 router_cpu_us_per_req: cpu_s * 1e6 / v.samples.len().max(1) as f64,
+                router_rss_kib: u1.rss_kib,
                 direct: d,
                 via: v,
             });
@@ -483,19 +542,32 @@ fn report(ctx: &Ctx, cells: &[Cell], runs: &[RouterRun], took: Duration) -> Stri
     let cli = &ctx.cli;
     let _ = writeln!(
         t,
-        "Engines answer at once (time factor 0). Small chat requests ({} bytes of JSON, \
-         max_tokens {}), closed loop, one keep-alive connection per client; per cell: warm-up \
-         {:.1} s to each target, then direct {:.1} s (client round robin over the engines), \
-         router {:.1} s, direct {:.1} s. µs; added = router − direct per percentile. Router CPU \
-         µs/req = its utime+stime (/proc) over the router run / requests. Policy \
-         `{}` for every router. Took {:.0} s.\n",
-        load::small_chat_bodies(cli.max_tokens, false)(0).len(),
-        cli.max_tokens,
+        "Engines answer at once (time factor 0). Chat requests ({} bytes of JSON, \
+         max_tokens {}; streamed {} bytes, max_tokens {}: {} SSE events with the role, usage \
+         and `[DONE]` ones), closed loop, one keep-alive connection per client; per cell: \
+         warm-up {:.1} s to each target, then direct {:.1} s (client round robin over the \
+         engines), router {:.1} s, direct {:.1} s. µs; added = router − direct per percentile. \
+         Router CPU µs/req = utime+stime (/proc) of its process tree (nginx: master + workers) \
+         over the router run / requests; RSS = the tree's at the end of the cell. Policy `{}` \
+         for every router but nginx (round robin); ours logs at `{}`{}. Took {:.0} s.\n",
+        ctx.bodies(false)(255).len(),
+        ctx.max_tokens(false),
+        ctx.bodies(true)(255).len(),
+        ctx.max_tokens(true),
+        ctx.max_tokens(true) + 3,
         cli.warm_s,
         cli.cell_s / 2.0,
         cli.cell_s,
         cli.cell_s / 2.0,
         cli.policy,
+        cli.router_log_level,
+        if !cli.routers.contains(&RouterArg::Nginx) {
+            ""
+        } else if cli.nginx_access_log {
+            ", nginx writes its access log"
+        } else {
+            ", nginx has no access log"
+        },
         took.as_secs_f64()
     );
     for &mode in &cli.modes {
@@ -513,11 +585,11 @@ fn report(ctx: &Ctx, cells: &[Cell], runs: &[RouterRun], took: Duration) -> Stri
         if stream {
             t.push_str(" added TTFB p50 / p99 |");
         }
-        t.push_str(" req/s via router (direct) | router CPU µs/req | errors |\n| --- | ---: | ---: | ---: | ---: | ---: |");
+        t.push_str(" req/s via router (direct) | router CPU µs/req | router RSS | errors |\n| --- | ---: | ---: | ---: | ---: | ---: |");
         if stream {
             t.push_str(" ---: |");
         }
-        t.push_str(" ---: | ---: | ---: |\n");
+        t.push_str(" ---: | ---: | ---: | ---: |\n");
         for cell in cells.iter().filter(|c| c.mode == mode) {
             let (d, v) = (cell.direct.latency_us(), cell.via.latency_us());
             let _ = write!(
@@ -543,10 +615,11 @@ fn report(ctx: &Ctx, cells: &[Cell], runs: &[RouterRun], took: Duration) -> Stri
             }
             let _ = writeln!(
                 t,
-                " {:.0} ({:.0}) | {:.0} | {} / {} |",
+                " {:.0} ({:.0}) | {:.0} | {} | {} / {} |",
                 cell.via.req_per_s(),
                 cell.direct.req_per_s(),
                 cell.router_cpu_us_per_req,
+                mib(cell.router_rss_kib),
                 cell.direct.errors,
                 cell.via.errors
             );
@@ -611,6 +684,7 @@ fn report(ctx: &Ctx, cells: &[Cell], runs: &[RouterRun], took: Duration) -> Stri
     }
     t.push('\n');
     t.push_str(&targets(cells, runs));
+    t.push_str(&against_nginx(cells));
     t
 }
 
@@ -676,7 +750,7 @@ fn targets(cells: &[Cell], runs: &[RouterRun]) -> String {
     let peers: Vec<RouterKind> = runs
         .iter()
         .map(|r| r.router)
-        .filter(|&k| k != RouterKind::Ours)
+        .filter(|&k| matches!(k, RouterKind::Peer(_)))
         .fold(Vec::new(), |mut v, k| {
             if !v.contains(&k) {
                 v.push(k);
@@ -693,7 +767,7 @@ fn targets(cells: &[Cell], runs: &[RouterRun]) -> String {
         let best_peer = cells
             .iter()
             .filter(|c| {
-                c.router != RouterKind::Ours
+                matches!(c.router, RouterKind::Peer(_))
                     && c.engines == ours.engines
                     && c.mode == ours.mode
                     && c.c == ours.c
@@ -759,6 +833,93 @@ fn targets(cells: &[Cell], runs: &[RouterRun]) -> String {
             peer.name(),
             if ratio >= 1.5 { "met" } else { "**MISSED**" }
         );
+    }
+    t
+}
+
+/// Ours against nginx, per engine count where both ran (issue 17's targets):
+/// non-streamed CPU/request at c=64 ≤ 2×, added p50 at c=1 ≤ 3×, requests/s at
+/// c=64 ≥ 0.6× nginx's, RSS at the end of the c=64 cell ≤ 50 MB; streamed: added
+/// TTFB p50 at c=1 ≤ 0.2 ms and CPU/request at c=64 ≤ 2× nginx's.
+fn against_nginx(cells: &[Cell]) -> String {
+    let mut t = String::new();
+    let find = |k: RouterKind, n: usize, m: Mode, c: usize| {
+        cells
+            .iter()
+            .find(|x| x.router == k && x.engines == n && x.mode == m && x.c == c)
+    };
+    let mut engines: Vec<usize> = cells
+        .iter()
+        .filter(|c| c.router == RouterKind::Nginx)
+        .map(|c| c.engines)
+        .collect();
+    engines.dedup();
+    let verdict = |ok: bool| if ok { "met" } else { "**MISSED**" };
+    for n in engines {
+        let mut lines: Vec<String> = Vec::new();
+        let pair = |m: Mode, c: usize| {
+            Some((
+                find(RouterKind::Ours, n, m, c)?,
+                find(RouterKind::Nginx, n, m, c)?,
+            ))
+        };
+        if let Some((o, x)) = pair(Mode::Plain, 64) {
+            let r = o.router_cpu_us_per_req / x.router_cpu_us_per_req.max(f64::MIN_POSITIVE);
+            lines.push(format!(
+                "non-streamed c=64: router CPU {:.0} vs {:.0} µs/req = {r:.2}× (≤ 2×): {}",
+                o.router_cpu_us_per_req,
+                x.router_cpu_us_per_req,
+                verdict(r <= 2.0)
+            ));
+            let r = o.via.req_per_s() / x.via.req_per_s().max(f64::MIN_POSITIVE);
+            lines.push(format!(
+                "non-streamed c=64: requests/s {:.0} vs {:.0} = {r:.2}× (≥ 0.6×): {}",
+                o.via.req_per_s(),
+                x.via.req_per_s(),
+                verdict(r >= 0.6)
+            ));
+            let mb = o.router_rss_kib as f64 * 1024.0 / 1e6;
+            lines.push(format!(
+                "non-streamed c=64: ours RSS {mb:.1} MB (nginx {:.1} MB) (≤ 50 MB): {}",
+                x.router_rss_kib as f64 * 1024.0 / 1e6,
+                verdict(mb <= 50.0)
+            ));
+        }
+        if let Some((o, x)) = pair(Mode::Plain, 1) {
+            let (a, b) = (o.added(|p| p.p50, false), x.added(|p| p.p50, false));
+            lines.push(format!(
+                "non-streamed c=1: added p50 {a:+.0} vs {b:+.0} µs = {:.2}× (≤ 3×): {}",
+                a / b.max(1.0),
+                verdict(a <= 3.0 * b.max(1.0))
+            ));
+        }
+        if let Some((o, x)) = pair(Mode::Stream, 1) {
+            let (a, b) = (o.added(|p| p.p50, true), x.added(|p| p.p50, true));
+            lines.push(format!(
+                "streamed c=1: added TTFB p50 {a:+.0} µs (nginx {b:+.0} µs) (≤ 200 µs): {}",
+                verdict(a <= 200.0)
+            ));
+        }
+        if let Some((o, x)) = pair(Mode::Stream, 64) {
+            let r = o.router_cpu_us_per_req / x.router_cpu_us_per_req.max(f64::MIN_POSITIVE);
+            lines.push(format!(
+                "streamed c=64: router CPU {:.0} vs {:.0} µs/req = {r:.2}× (≤ 2×): {}",
+                o.router_cpu_us_per_req,
+                x.router_cpu_us_per_req,
+                verdict(r <= 2.0)
+            ));
+        }
+        if lines.is_empty() {
+            continue;
+        }
+        let _ = writeln!(
+            t,
+            "\nOurs against nginx ({n} engine{}):\n",
+            if n == 1 { "" } else { "s" }
+        );
+        for l in lines {
+            let _ = writeln!(t, "- {l}");
+        }
     }
     t
 }
