@@ -119,16 +119,23 @@ impl UsageScanner {
                 ended,
             } => {
                 let mut rest = chunk;
-                while let Some(nl) = rest.iter().position(|b| *b == b'\n') {
+                while let Some(nl) = memchr::memchr(b'\n', rest) {
                     if !*skipping {
-                        line.extend_from_slice(&rest[..nl]);
-                        if let Some(u) = sse_line_usage(line) {
+                        // A line whole in this chunk is read where it lies; only one
+                        // split across chunks is put together in `line`.
+                        let whole: &[u8] = if line.is_empty() {
+                            &rest[..nl]
+                        } else {
+                            line.extend_from_slice(&rest[..nl]);
+                            line
+                        };
+                        if let Some(u) = sse_line_usage(whole) {
                             *usage = Some(u);
                         }
                         if response_id.is_none() {
-                            *response_id = sse_line_response_id(line);
+                            *response_id = sse_line_response_id(whole);
                         }
-                        *ended |= sse_line_ends(line);
+                        *ended |= sse_line_ends(whole);
                     }
                     line.clear();
                     *skipping = false;
@@ -264,7 +271,10 @@ fn sse_line_ends(line: &[u8]) -> bool {
 /// The response id of an SSE `response.created` / `response.completed` data line.
 fn sse_line_response_id(line: &[u8]) -> Option<String> {
     let data = line.strip_prefix(b"data:")?;
-    if !contains(data, b"\"response.created\"") && !contains(data, b"\"response.completed\"") {
+    // One search for both event types; most lines (every chat chunk) have neither.
+    if RESPONSE_EVENT.find(data).is_none()
+        || (!contains(data, b"\"response.created\"") && !contains(data, b"\"response.completed\""))
+    {
         return None;
     }
     #[derive(Deserialize)]
@@ -280,15 +290,36 @@ fn sse_line_response_id(line: &[u8]) -> Option<String> {
 
 fn sse_line_usage(line: &[u8]) -> Option<Usage> {
     let data = line.strip_prefix(b"data:")?;
-    if !contains(data, b"\"usage\"") {
-        return None;
+    // Parsed only when some `"usage"` key holds more than `null`: with
+    // `stream_options.include_usage` every chunk says `"usage":null` and only the last
+    // one counts.
+    let mut at = 0;
+    loop {
+        let p = at + USAGE_KEY.find(&data[at..])?;
+        at = p + b"\"usage\"".len();
+        let value = data[at..]
+            .iter()
+            .position(|b| !matches!(b, b' ' | b'\t' | b':'))
+            .map(|i| &data[at + i..]);
+        if value.is_some_and(|v| !v.starts_with(b"null")) {
+            break;
+        }
     }
     serde_json::from_slice::<Envelope>(data).ok()?.usage()
 }
 
+/// Whether `needle` occurs in `hay` (SIMD substring search: every SSE line of every
+/// stream is looked at, so a byte-by-byte window compare would cost more than the rest
+/// of forwarding the event).
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
+    memchr::memmem::find(hay, needle).is_some()
 }
+
+/// Prebuilt searchers for the needles every SSE line is searched for.
+static USAGE_KEY: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"usage\""));
+static RESPONSE_EVENT: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"response.c"));
 
 #[derive(Deserialize)]
 struct Envelope {
@@ -381,6 +412,27 @@ mod tests {
                 Some(Usage {
                     prompt_tokens: 50,
                     cached_tokens: Some(32)
+                }),
+                "split at {split}"
+            );
+        }
+    }
+
+    #[test]
+    fn null_usage_keys_are_skipped_and_spaced_ones_read() {
+        let stream = b"data: {\"usage\": null, \"choices\":[{\"delta\":{\"content\":\"say \\\"usage\\\" twice\"}}]}\n\ndata: {\"usage\" : {\"prompt_tokens\":7}}\n\n";
+        for split in 1..stream.len() {
+            let mut s = scanner("text/event-stream");
+            s.feed(&stream[..split]);
+            s.feed(&stream[split..]);
+            assert!(!s.saw_end(), "no [DONE] yet");
+            s.feed(b"data: [DONE]\n\n");
+            assert!(s.saw_end());
+            assert_eq!(
+                s.finish(),
+                Some(Usage {
+                    prompt_tokens: 7,
+                    cached_tokens: None
                 }),
                 "split at {split}"
             );
