@@ -218,20 +218,15 @@ impl Router {
                 "request"
             );
             if let Some(x) = &self.export {
-                x.record(&Finished {
-                    name: span_name(label),
+                x.record(&unrouted(
+                    label,
                     trace,
                     arrived,
-                    endpoint: label,
-                    request_id: request_id.to_str().unwrap_or("-"),
-                    worker: Arc::clone(&self.no_worker),
-                    reason,
-                    matched_ratio: None,
-                    attempt: None,
-                    status,
-                    outcome: "complete",
-                    error: Some(&e.to_string()),
-                });
+                    &request_id,
+                    Arc::clone(&self.no_worker),
+                    (reason, status, "complete"),
+                    Some(&e.to_string()),
+                ));
             }
             e.into_response()
         });
@@ -672,20 +667,15 @@ impl Router {
             "request"
         );
         if let Some(x) = &self.export {
-            x.record(&Finished {
-                name: span_name(label),
+            x.record(&unrouted(
+                label,
                 trace,
                 arrived,
-                endpoint: label,
-                request_id: request_id.to_str().unwrap_or("-"),
-                worker: Arc::clone(&self.cache_worker),
-                reason: "response_cache",
-                matched_ratio: None,
-                attempt: None,
-                status: 200,
-                outcome: "complete",
-                error: None,
-            });
+                request_id,
+                Arc::clone(&self.cache_worker),
+                ("response_cache", 200, "complete"),
+                None,
+            ));
         }
         entry.replay()
     }
@@ -822,21 +812,44 @@ impl Drop for Unanswered<'_> {
             "request"
         );
         if let Some(x) = self.export {
-            x.record(&Finished {
-                name: span_name(self.endpoint),
-                trace: self.trace,
-                arrived: self.arrived,
-                endpoint: self.endpoint,
-                request_id,
+            x.record(&unrouted(
+                self.endpoint,
+                self.trace,
+                self.arrived,
+                self.request_id,
                 worker,
-                reason: "-",
-                matched_ratio: None,
-                attempt: None,
-                status: CLIENT_CLOSED,
-                outcome: "client_gone",
-                error: None,
-            });
+                ("-", CLIENT_CLOSED, "client_gone"),
+                None,
+            ));
         }
+    }
+}
+
+/// The span of a request no worker's body answered (the router's own error, a
+/// response-cache replay, a client gone before the headers): `(reason, status,
+/// outcome)` as its access line says.
+fn unrouted<'a>(
+    endpoint: &'static str,
+    trace: TraceContext,
+    arrived: Instant,
+    request_id: &'a HeaderValue,
+    worker: Arc<str>,
+    (reason, status, outcome): (&'static str, u16, &'static str),
+    error: Option<&'a str>,
+) -> Finished<'a> {
+    Finished {
+        name: span_name(endpoint),
+        trace,
+        arrived,
+        endpoint,
+        request_id: request_id.to_str().unwrap_or("-"),
+        worker,
+        reason,
+        matched_ratio: None,
+        attempt: None,
+        status,
+        outcome,
+        error,
     }
 }
 
