@@ -10,6 +10,19 @@ use http_body_util::{BodyExt, Full};
 
 /// Error type of response bodies.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// An error and its causes on one line, `outer: cause: root cause` (hyper's and the
+/// connector's top-level messages alone say little).
+pub fn describe(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(cause) = src {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        src = cause.source();
+    }
+    s
+}
 /// The body of every response the router sends.
 pub type ProxyBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 

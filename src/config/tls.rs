@@ -55,6 +55,25 @@ fn platform_roots() -> &'static [CertificateDer<'static>] {
 }
 
 impl TlsSetting {
+    /// The connector of every outgoing call (workers, the OTLP collector): TCP with
+    /// `TCP_NODELAY` (small SSE writes must not wait for delayed ACKs) and
+    /// `connect_timeout` on the TCP connect; rustls over it for `https://`, verified as
+    /// this setting says.
+    pub fn https_connector(
+        &self,
+        connect_timeout: std::time::Duration,
+    ) -> hyper_rustls::HttpsConnector<hyper_util::client::legacy::connect::HttpConnector> {
+        let mut tcp = hyper_util::client::legacy::connect::HttpConnector::new();
+        tcp.set_nodelay(true);
+        tcp.set_connect_timeout(Some(connect_timeout));
+        tcp.enforce_http(false);
+        hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config((*self.client).clone())
+            .https_or_http()
+            .enable_http1()
+            .wrap_connector(tcp)
+    }
+
     /// Trust the platform's store plus the certificates of `ca_file` (PEM, one or more);
     /// `insecure_skip_verify` trusts any certificate instead. `Err` says what is wrong
     /// with the file (unreadable, not PEM, no certificate in it, a certificate rustls

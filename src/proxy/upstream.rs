@@ -35,20 +35,12 @@ impl Upstream {
     /// request's `request_timeout`), idle pooled connections closed after
     /// `pool_idle_timeout`; `https://` verified as `proxy.tls` says.
     pub fn new(cfg: &ProxyConfig) -> Self {
-        let mut tcp = HttpConnector::new();
-        tcp.set_nodelay(true);
-        tcp.set_connect_timeout(Some(cfg.connect_timeout));
-        tcp.enforce_http(false);
         if cfg.tls.insecure_skip_verify {
             tracing::warn!(
                 "proxy.tls.insecure_skip_verify is on: https:// workers are NOT verified; anyone on the path can read and change requests and answers"
             );
         }
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config((*cfg.tls.client).clone())
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(tcp);
+        let connector = cfg.tls.https_connector(cfg.connect_timeout);
         let client = Client::builder(TokioExecutor::new())
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(cfg.pool_idle_timeout)
@@ -301,14 +293,7 @@ impl RequestTemplate {
     }
 }
 
-/// The error and its causes on one line (hyper's top-level message alone says little).
+/// The error and its causes on one line ([`crate::error::describe`]).
 fn describe(e: &hyper_util::client::legacy::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = std::error::Error::source(e);
-    while let Some(cause) = src {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        src = cause.source();
-    }
-    s
+    crate::error::describe(e)
 }

@@ -197,16 +197,7 @@ struct Collector {
 
 impl Collector {
     fn new(runtime: tokio::runtime::Handle, url: String) -> Result<Self, String> {
-        let tls = TlsSetting::load(None, false)?;
-        let mut tcp = HttpConnector::new();
-        tcp.set_nodelay(true);
-        tcp.set_connect_timeout(Some(EXPORT_TIMEOUT));
-        tcp.enforce_http(false);
-        let connector = hyper_rustls::HttpsConnectorBuilder::new()
-            .with_tls_config((*tls.client).clone())
-            .https_or_http()
-            .enable_http1()
-            .wrap_connector(tcp);
+        let connector = TlsSetting::load(None, false)?.https_connector(EXPORT_TIMEOUT);
         let client = Client::builder(TokioExecutor::new()).build(connector);
         Ok(Collector {
             client,
@@ -264,20 +255,8 @@ impl HttpClient for Collector {
         self.observe(match &result {
             Ok(r) if r.status().is_success() => None,
             Ok(r) => Some(format!("the collector answered {}", r.status())),
-            Err(e) => Some(describe(&**e)),
+            Err(e) => Some(crate::error::describe(&**e)),
         });
         result
     }
-}
-
-/// An error and its causes on one line.
-fn describe(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(cause) = src {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        src = cause.source();
-    }
-    s
 }
