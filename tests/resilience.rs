@@ -153,12 +153,14 @@ async fn pool_with_no_healthy_worker_answers_503_and_recovers_without_a_restart(
         "health:\n  interval_secs: 0.04\n  failure_threshold: 2\n  success_threshold: 2\n",
     );
     let router = start_router(&yaml).await;
-    wait_until(
-        "/health reports not ready",
-        Duration::from_secs(2),
-        || async { get(router.addr, "/health").await.status == 503 },
-    )
+    // Its first probe has answered 503: unhealthy, not merely not probed yet (which
+    // /health also reports as not ready, while requests still go to it).
+    wait_until("A marked unhealthy", Duration::from_secs(2), || async {
+        let w = worker_view(router.addr, 0).await;
+        w["probed"] == true && w["healthy"] == false
+    })
     .await;
+    assert_eq!(get(router.addr, "/health").await.status, 503);
     assert_eq!(get(router.addr, "/workers").await.status, 200);
     let started = Instant::now();
     let r = post(
@@ -642,17 +644,26 @@ fn dead_url() -> String {
 async fn health_is_503_at_once_when_the_only_worker_is_dead() {
     // Default probes: every 10 s, 3 failures to go down. The first probe decides.
     let router = start_router(&yaml_for_urls(&[dead_url()], "")).await;
-    wait_until("GET /health says 503", Duration::from_secs(2), || async {
-        get(router.addr, "/health").await.status == 503
-    })
+    // Not counted before its probe answers; marked unhealthy by that first probe.
+    wait_until(
+        "the worker marked unhealthy",
+        Duration::from_secs(2),
+        || async {
+            let w = worker_view(router.addr, 0).await;
+            w["probed"] == true && w["healthy"] == false
+        },
+    )
     .await;
     let h = get(router.addr, "/health").await;
+    assert_eq!(h.status, 503, "{}", h.text());
     assert_eq!(h.json()["healthy_workers"], 0, "{}", h.text());
-    let w = worker_view(router.addr, 0).await;
-    assert_eq!(
-        (w["healthy"].clone(), w["probed"].clone()),
-        (false.into(), true.into())
-    );
+    let r = post(
+        router.addr,
+        "/v1/chat/completions",
+        chat_body("anyone?", false),
+    )
+    .await;
+    assert_eq!(r.status, 503, "{}", r.text());
     router.shutdown().await;
 }
 
