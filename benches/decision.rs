@@ -114,6 +114,20 @@ struct Lane {
     pick_t: Vec<Duration>,
     total_t: Vec<Duration>,
     hits: usize,
+    /// Minor page faults taken inside timed decisions (first touches of new memory).
+    faults: u64,
+}
+
+/// This thread's minor page faults so far (`/proc/thread-self/stat`, field 10); 0 where
+/// there is no such file.
+fn minor_faults() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/stat")
+        .ok()
+        .and_then(|s| {
+            let rest = &s[s.rfind(')')? + 2..];
+            rest.split(' ').nth(7)?.parse().ok()
+        })
+        .unwrap_or(0)
 }
 
 impl Lane {
@@ -127,11 +141,13 @@ impl Lane {
             pick_t: Vec::new(),
             total_t: Vec::new(),
             hits: 0,
+            faults: 0,
         }
     }
 
     /// One decision, as the proxy makes it: extract, pick, observe(Served).
     fn decide(&mut self, body: &[u8], max_prompt_bytes: usize) {
+        let f0 = minor_faults();
         let t0 = Instant::now();
         let ctx = extract(Endpoint::ChatCompletions, body, max_prompt_bytes);
         let t1 = Instant::now();
@@ -158,6 +174,7 @@ impl Lane {
             self.policy.observe(&req, &pick, w, Outcome::Served);
         }
         let t2 = Instant::now();
+        self.faults += minor_faults() - f0;
         std::hint::black_box(&pick);
         if pick.reason == cache_aware_router::policy::Reason::CacheHit {
             self.hits += 1;
@@ -399,6 +416,7 @@ fn main() {
         cases.push(vec![Lane::new(name, p.set(), policy)]);
     }
     let mut totals = Vec::new();
+    let mut paired = Vec::new();
     for lanes in &mut cases {
         for (n, body) in bodies.iter().enumerate() {
             let k = lanes.len();
@@ -406,13 +424,39 @@ fn main() {
                 lanes[(n + j) % k].decide(body, max_prompt_bytes);
             }
         }
+        // Same request, adjacent in time: the per-request difference against the first
+        // lane (sharing off) is robust where a lane's p50 is not (half the requests
+        // insert a new 30 KiB leaf and half do not, so the p50 sits between two modes).
+        for lane in &lanes[1..] {
+            let mut d: Vec<f64> = lane
+                .total_t
+                .iter()
+                .zip(&lanes[0].total_t)
+                .map(|(on, off)| (on.as_secs_f64() - off.as_secs_f64()) * 1e6)
+                .collect();
+            d.sort_by(f64::total_cmp);
+            let mean = |t: &[Duration]| {
+                t.iter().map(Duration::as_secs_f64).sum::<f64>() * 1e6 / t.len() as f64
+            };
+            paired.push(format!(
+                "{} vs off, per request: median difference {:+.1} µs; mean decision {:.1} vs \
+                 {:.1} µs ({:+.1} %)",
+                lane.name,
+                d[d.len() / 2],
+                mean(&lane.total_t),
+                mean(&lanes[0].total_t),
+                100.0 * (mean(&lane.total_t) / mean(&lanes[0].total_t) - 1.0),
+            ));
+        }
         for lane in lanes.iter_mut() {
             println!(
-                "\n{}: {} decisions on {} KiB chat bodies ({} cache hits)",
+                "\n{}: {} decisions on {} KiB chat bodies ({} cache hits, {:.2} minor page \
+                 faults per decision)",
                 lane.name,
                 decisions,
                 bodies[0].len() / 1024,
                 lane.hits,
+                lane.faults as f64 / decisions as f64,
             );
             if lane.name == "cache_aware" {
                 report("extract (JSON -> routing text)", &mut lane.extract_t);
@@ -438,6 +482,9 @@ fn main() {
     };
     if let Some(off) = find("cache_aware") {
         println!();
+        for line in &paired {
+            println!("{line}");
+        }
         for s in [&every, &fill_only] {
             let Some(on) = find(s.name) else { continue };
             println!(

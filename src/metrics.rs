@@ -771,7 +771,7 @@ impl Metrics {
         );
         r.register(
             "fleet_remote_prefix_records",
-            "Chunk hashes held from the other router replicas",
+            "Prefix records (chunk hash, worker) held from the other router replicas",
             f.remote_records.clone(),
         );
         r.register(

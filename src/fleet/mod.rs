@@ -25,22 +25,22 @@
 //! newest [`LOG_MESSAGES`]), read and applied, oldest first, right after subscribing
 //! (in-flight shares in it are stale and skipped).
 
+mod index;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
-use lru::LruCache;
 use tokio::sync::mpsc;
 
 use crate::config::StateConfig;
 use crate::pool::{Pool, Worker, WorkerId};
 use crate::shutdown::Shutdown;
 use crate::tree::{ChainMemo, PrefixMatch, RemotePrefixes, WorkerMask};
+use index::ChunkIndex;
 use wire::{Batch, Record};
 
 /// Bytes of routing text per hashed chunk: the granularity of a shared match.
@@ -51,8 +51,8 @@ pub const LOAD_EVERY: Duration = Duration::from_millis(100);
 pub const LOAD_TTL: Duration = Duration::from_secs(1);
 /// Longest a prefix record waits to be batched.
 pub const FLUSH_EVERY: Duration = Duration::from_millis(20);
-/// Chunk hashes kept from the other replicas (least recently stored go first); ~100
-/// bytes each.
+/// Prefix records (chunk hash, worker) kept from the other replicas, least recently
+/// stored replaced first; 16 bytes each, allocated when the fleet is built (16 MiB).
 pub const MAX_RECORDS: usize = 1 << 20;
 /// Messages kept in Redis for replicas that start late.
 pub const LOG_MESSAGES: usize = 1000;
@@ -64,6 +64,13 @@ const QUEUE: usize = 4096;
 /// hashes are completed on the request path instead (bounds the queue's memory when
 /// Redis is slow).
 const QUEUE_TEXT_BYTES: usize = 4 << 20;
+/// Text buffers kept for reuse by the request path, and the largest kept (bytes).
+/// (The publisher drains every [`FLUSH_EVERY`]: at 5,000 requests/s that is 100 texts
+/// in flight; with the default 32 KiB `cache.max_prompt_bytes`, ≤ 4 MiB kept.)
+const SPARE_BUFFERS: usize = 128;
+const SPARE_MAX_BYTES: usize = 64 << 10;
+/// Index sets cleared per lock hold when a worker's records go.
+const FORGET_SETS: usize = 4096;
 /// Longest one Redis call may take.
 const OP_TIMEOUT: Duration = Duration::from_millis(500);
 /// Least time between two log lines about Redis failures.
@@ -105,36 +112,6 @@ pub struct FleetCounts {
     pub connected: AtomicBool,
 }
 
-/// Keys that are xxh3 hashes already: the map uses them as they are (a second hash of
-/// a uniform 64-bit value buys nothing, and costs on every probe of a match).
-#[derive(Debug, Clone, Copy, Default)]
-struct ChunkHashes;
-
-impl std::hash::BuildHasher for ChunkHashes {
-    type Hasher = ChunkHasher;
-    fn build_hasher(&self) -> ChunkHasher {
-        ChunkHasher(0)
-    }
-}
-
-#[derive(Debug, Default)]
-struct ChunkHasher(u64);
-
-impl std::hash::Hasher for ChunkHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only u64 keys are hashed (`write_u64`); anything else folds in, never panics.
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
-
 /// What the request path hands the publisher.
 enum Outgoing {
     /// A record as it is (bindings, and prefixes hashed on the request path).
@@ -144,7 +121,7 @@ enum Outgoing {
     Served {
         worker: u64,
         chain: Vec<u64>,
-        rest: Box<[u8]>,
+        rest: Vec<u8>,
     },
 }
 
@@ -164,7 +141,11 @@ pub struct Fleet {
     rx: Mutex<Option<mpsc::Receiver<Outgoing>>>,
     /// Bytes of [`Outgoing::Served::rest`] in the queue.
     queued_text: AtomicUsize,
-    index: Mutex<LruCache<u64, WorkerMask, ChunkHashes>>,
+    /// Emptied `rest` buffers, back from the publisher for the request path to fill
+    /// again: no allocation, and memory already touched (a fresh 30 KiB buffer costs
+    /// its page faults on every request).
+    spare: Mutex<Vec<Vec<u8>>>,
+    index: Mutex<ChunkIndex>,
     /// Per other replica: when it last published, and its share.
     loads: Mutex<HashMap<u64, Share>>,
     /// The session layer's bindings, when the policy shares them.
@@ -231,10 +212,8 @@ impl Fleet {
             tx,
             rx: Mutex::new(Some(rx)),
             queued_text: AtomicUsize::new(0),
-            index: Mutex::new(LruCache::with_hasher(
-                NonZeroUsize::new(MAX_RECORDS).expect("non-zero"),
-                ChunkHashes,
-            )),
+            spare: Mutex::new(Vec::new()),
+            index: Mutex::new(ChunkIndex::new(MAX_RECORDS)),
             loads: Mutex::new(HashMap::new()),
             bindings: std::sync::OnceLock::new(),
             counts: FleetCounts::default(),
@@ -270,6 +249,7 @@ impl Fleet {
             } => {
                 self.queued_text.fetch_sub(rest.len(), Ordering::Relaxed);
                 extend(&mut chain, &rest);
+                self.recycle(rest);
                 Record::Prefix { worker, chain }
             }
         }
@@ -281,11 +261,33 @@ impl Fleet {
             self.counts.dropped.fetch_add(1, Ordering::Relaxed);
             if let Outgoing::Served { rest, .. } = e.into_inner() {
                 self.queued_text.fetch_sub(rest.len(), Ordering::Relaxed);
+                self.recycle(rest);
             }
         }
     }
 
-    /// Chunk hashes held from the other replicas.
+    /// A copy of `text` in a spare buffer when there is one.
+    fn copied(&self, text: &[u8]) -> Vec<u8> {
+        let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
+        let mut buf = spare.unwrap_or_default();
+        buf.extend_from_slice(text);
+        buf
+    }
+
+    /// Keeps `buf` for [`Fleet::copied`]: at most [`SPARE_BUFFERS`], none larger than
+    /// [`SPARE_MAX_BYTES`] (an outsized prompt's buffer is freed).
+    fn recycle(&self, mut buf: Vec<u8>) {
+        if buf.capacity() > SPARE_MAX_BYTES {
+            return;
+        }
+        buf.clear();
+        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
+        if spare.len() < SPARE_BUFFERS {
+            spare.push(buf);
+        }
+    }
+
+    /// Prefix records (chunk hash, worker) held from the other replicas.
     pub fn remote_records(&self) -> usize {
         self.index.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
@@ -503,24 +505,24 @@ impl Fleet {
             .collect();
         let mut load = None;
         let mut bindings = Vec::new();
-        {
-            let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
-            for r in records {
-                match r {
-                    Record::Prefix { worker, chain } => {
-                        let Some(&id) = by_key.get(&worker) else {
-                            continue;
-                        };
-                        // Tail first: the head, stored last, is evicted last, so what
-                        // eviction leaves of a chain is still a prefix.
-                        for h in chain.into_iter().rev() {
-                            index.get_or_insert_mut(h, WorkerMask::default).insert(id);
-                        }
+        for r in records {
+            match r {
+                Record::Prefix { worker, chain } => {
+                    let Some(&id) = by_key.get(&worker) else {
+                        continue;
+                    };
+                    // One chain per lock hold (at most `wire::MAX_CHAIN` stores, a few
+                    // µs), so a request's lookup never waits behind a whole message.
+                    // Tail first: the head, stored last, is replaced last, so what
+                    // eviction leaves of a chain is still a prefix.
+                    let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
+                    for h in chain.into_iter().rev() {
+                        index.insert(h, id);
                     }
-                    Record::Load(l) if live => load = Some(l),
-                    Record::Load(_) => {}
-                    Record::Binding { kind, key, worker } => bindings.push((kind, key, worker)),
                 }
+                Record::Load(l) if live => load = Some(l),
+                Record::Load(_) => {}
+                Record::Binding { kind, key, worker } => bindings.push((kind, key, worker)),
             }
         }
         if let Some(sink) = self.bindings.get() {
@@ -607,10 +609,11 @@ impl<'a> LazyChain<'a> {
 
 /// The last `i` < `n` for which `holds(i)` is true, for a `holds` that is true up to some
 /// point and false after it; `None` when none is. Starts at `guess` (clamped to the
-/// chain), gallops from there (+1, +2, +4, …; the chain's end is tried before a gallop
+/// chain), gallops from there (+1, +4, +16, …; the chain's end is tried before a gallop
 /// passes it) or, when `guess` is not held, from 0 below it, and bisects: O(log m)
 /// probes for a match of m, one when the guess is the whole chain. Each probe of `i`
-/// needs the chain's hashes up to `i`, so a good guess also hashes less.
+/// needs the chain's hashes up to `i`, so a good guess also hashes less (trying the
+/// end first would hash the whole text for every match that stops early).
 fn last_held(n: usize, guess: usize, mut holds: impl FnMut(usize) -> bool) -> Option<usize> {
     if n == 0 {
         return None;
@@ -624,6 +627,8 @@ fn last_held(n: usize, guess: usize, mut holds: impl FnMut(usize) -> bool) -> Op
     } else {
         return None;
     };
+    // Steps grow four-fold: a 256-chunk match past a 16-chunk guess is 5 probes, not 9
+    // (each a miss in a 16 MiB table), for about one more bisection probe otherwise.
     let mut step = 1;
     while lo + step < hi {
         let next = lo + step;
@@ -635,7 +640,7 @@ fn last_held(n: usize, guess: usize, mut holds: impl FnMut(usize) -> bool) -> Op
             break;
         }
         lo = next;
-        step *= 2;
+        step *= 4;
     }
     if hi == n {
         // The gallop reached the chain's end: the whole chain, or bisect below its end.
@@ -675,20 +680,19 @@ impl RemotePrefixes for Fleet {
         if index.is_empty() {
             return best;
         }
+        // A local match longer than the text's whole chunks is more than any record here
+        // can match (or tie): nothing to hash or probe.
+        let n = text.len() / CHUNK_BYTES;
+        if guess > n * CHUNK_BYTES {
+            return best;
+        }
         let mut chain = LazyChain::new(text, memo);
-        let n = chain.len;
-        let held = |chain: &mut LazyChain<'_>, i: usize| {
-            index
-                .peek(&chain.get(i))
-                .map(|m| m.intersection(eligible))
-                .filter(|m| !m.is_empty())
-        };
         let start = (guess / CHUNK_BYTES).saturating_sub(1);
-        let Some(last) = last_held(n, start, |i| held(&mut chain, i).is_some()) else {
+        let Some(last) = last_held(n, start, |i| index.held(chain.get(i), eligible)) else {
             return best;
         };
         best.matched = (last + 1) * CHUNK_BYTES;
-        best.workers = held(&mut chain, last).unwrap_or_default();
+        best.workers = index.holders(chain.get(last), eligible);
         best
     }
 
@@ -706,11 +710,9 @@ impl RemotePrefixes for Fleet {
         }
         let mut chain = LazyChain::new(text, memo);
         let n = chain.len;
-        let Some(holders) = index.peek(&chain.get(0)).map(|m| m.intersection(eligible)) else {
-            return;
-        };
+        let holders = index.holders(chain.get(0), eligible);
         for w in holders.iter() {
-            let holds = |i: usize| index.peek(&chain.get(i)).is_some_and(|m| m.contains(w));
+            let holds = |i: usize| index.held_by(chain.get(i), w);
             if let Some(last) = last_held(n, 0, holds) {
                 f(w, (last + 1) * CHUNK_BYTES);
             }
@@ -739,7 +741,7 @@ impl RemotePrefixes for Fleet {
             Outgoing::Served {
                 worker: w,
                 chain,
-                rest: rest.into(),
+                rest: self.copied(rest),
             }
         } else {
             self.queued_text.fetch_sub(rest.len(), Ordering::Relaxed);
@@ -749,16 +751,15 @@ impl RemotePrefixes for Fleet {
         self.queue(out);
     }
 
+    /// In steps of [`FORGET_SETS`] sets per lock hold (~0.5 MiB of the table), so the
+    /// request path never waits behind the whole 16 MiB pass.
     fn forget(&self, worker: WorkerId) {
-        let mut index = self.index.lock().unwrap_or_else(|p| p.into_inner());
-        let mut empty = Vec::new();
-        for (h, m) in index.iter_mut() {
-            if m.remove(worker) && m.is_empty() {
-                empty.push(*h);
-            }
-        }
-        for h in empty {
-            index.pop(&h);
+        let sets = self.index.lock().unwrap_or_else(|p| p.into_inner()).sets();
+        for start in (0..sets).step_by(FORGET_SETS) {
+            self.index
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .forget_in(worker, start..start + FORGET_SETS);
         }
     }
 }

@@ -242,8 +242,12 @@ pub fn pick_cache_aware(
             stamp: held.stamp,
         }
     };
+    // The other replicas' longest match over every eligible worker: no one worker's can
+    // be longer, which spares `own` a second remote lookup when the tree's is as long.
+    let mut remote_best = 0;
     if let Some((r, memo)) = memory.remote {
         let other = r.longest_prefix(text, &eligible, memo, m.matched);
+        remote_best = other.matched;
         if other.matched > m.matched {
             m = other;
         } else if other.matched == m.matched && other.matched > 0 {
@@ -276,7 +280,9 @@ pub fn pick_cache_aware(
         }
         let only: WorkerMask = [c.id].into_iter().collect();
         let mut n = tree.longest_prefix(text, &only).matched;
-        if let Some((r, memo)) = memory.remote {
+        if let Some((r, memo)) = memory.remote
+            && (remote_best > n || !eligible.contains(c.id))
+        {
             n = n.max(r.longest_prefix(text, &only, memo, n).matched);
         }
         n
