@@ -27,6 +27,10 @@ Environment:
                                  proxy.tls.ca_file adds to it).
   KUBECONFIG                     Cluster access for `discovery: kubernetes` (else
                                  ~/.kube/config, else the in-cluster service account).
+  OTEL_EXPORTER_OTLP_TRACES_HEADERS, OTEL_EXPORTER_OTLP_HEADERS
+                                 Extra headers (key1=value1,key2=value2) on span
+                                 exports, e.g. a collector's auth token; the endpoint
+                                 is tracing.otlp_endpoint.
   No config value comes from the environment: put secrets (api_key, admin_token) in a
   file of their own and layer it with a second -c.
 

@@ -840,6 +840,13 @@ mod tests {
         assert_eq!(f.remote_records(), before);
         f.apply(b"garbage");
         assert_eq!(f.counts.malformed.load(Ordering::Relaxed), 1);
+        // A tree match past the text's whole chunks: no record here can match or tie it.
+        let past = 4 * CHUNK_BYTES + 1;
+        assert_eq!(
+            f.longest_prefix(&text, &all, &ChainMemo::default(), past)
+                .matched,
+            0
+        );
         f.forget(a.id());
         assert_eq!(
             f.longest_prefix(&text, &all, &ChainMemo::default(), 0)
