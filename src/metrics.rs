@@ -23,6 +23,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::{Registry, Unit};
 
+mod handles;
+
 use crate::policy::Reason;
 use crate::policy::session::SessionStats;
 use crate::pool::WorkerSet;
@@ -286,6 +288,8 @@ pub struct Metrics {
     /// Worker labels given per-worker series at the last scrape (see
     /// [`Metrics::worker_series`]).
     workers_seen: std::sync::Mutex<Vec<Arc<str>>>,
+    /// The per-worker series a routed request updates, resolved once per worker.
+    handles: handles::Handles,
     /// `proxy.queue`: requests waiting for a slot now, their waits, refusals by cause.
     queue_waiting: Gauge,
     waiting: Arc<std::sync::atomic::AtomicUsize>,
@@ -369,6 +373,7 @@ impl Metrics {
             seen_skipped: AtomicU64::new(0),
             seen_aged_out: AtomicU64::new(0),
             workers_seen: Default::default(),
+            handles: Default::default(),
             queue_waiting: Gauge::default(),
             waiting: Arc::default(),
             queue_wait: latency_histogram(),
@@ -855,6 +860,7 @@ impl Metrics {
                 });
             }
         }
+        self.handles.retain(self, &now);
         *seen = now;
     }
 
@@ -874,10 +880,9 @@ impl Metrics {
     /// ([`crate::policy::Pick::saved_tokens`]).
     pub fn estimated_saved(&self, worker: &Arc<str>, tokens: u64) {
         if tokens > 0 {
-            self.estimated_saved
-                .get_or_create(&WorkerLabels {
-                    worker: Arc::clone(worker),
-                })
+            self.handles
+                .get(self, worker)
+                .estimated_saved
                 .inc_by(tokens);
         }
     }
@@ -895,33 +900,25 @@ impl Metrics {
 
     /// Response headers arrived from `worker` after `elapsed`.
     pub fn first_byte(&self, worker: &Arc<str>, elapsed: Duration) {
-        self.ttfb
-            .get_or_create(&WorkerLabels {
-                worker: Arc::clone(worker),
-            })
+        self.handles
+            .get(self, worker)
+            .ttfb
             .observe(elapsed.as_secs_f64());
     }
 
     /// The response body from `worker` ended (or was dropped) after `elapsed`.
     pub fn finished(&self, worker: &Arc<str>, elapsed: Duration) {
-        self.duration
-            .get_or_create(&WorkerLabels {
-                worker: Arc::clone(worker),
-            })
+        self.handles
+            .get(self, worker)
+            .duration
             .observe(elapsed.as_secs_f64());
     }
 
     /// Token usage an engine reported in a response.
     pub fn engine_usage(&self, worker: &Arc<str>, prompt_tokens: u64, cached_tokens: u64) {
-        let labels = WorkerLabels {
-            worker: Arc::clone(worker),
-        };
-        self.engine_prompt
-            .get_or_create(&labels)
-            .inc_by(prompt_tokens);
-        self.engine_cached
-            .get_or_create(&labels)
-            .inc_by(cached_tokens);
+        let h = self.handles.get(self, worker);
+        h.engine_prompt.inc_by(prompt_tokens);
+        h.engine_cached.inc_by(cached_tokens);
     }
 
     /// One answer's three prefix numbers (tokens), and its worker's drift after it.
@@ -932,28 +929,31 @@ impl Metrics {
         [available, predicted, delivered]: [u64; 3],
         drift: crate::pool::hits::DriftNow,
     ) {
-        for (kind, n) in [
-            ("available", available),
-            ("predicted", predicted),
-            ("delivered", delivered),
-        ] {
-            self.prefix_tokens
-                .get_or_create(&PrefixLabels {
-                    worker: Arc::clone(worker),
-                    policy,
-                    kind,
-                })
-                .inc_by(n);
+        let h = self.handles.get(self, worker);
+        let numbers = [available, predicted, delivered];
+        match h.prefix(self, policy) {
+            Some(c) => {
+                for (c, n) in c.iter().zip(numbers) {
+                    c.inc_by(n);
+                }
+            }
+            // Another policy than the handles were made under (a reload).
+            None => {
+                for (kind, n) in PREFIX_KINDS.into_iter().zip(numbers) {
+                    self.prefix_tokens
+                        .get_or_create(&PrefixLabels {
+                            worker: Arc::clone(worker),
+                            policy,
+                            kind,
+                        })
+                        .inc_by(n);
+                }
+            }
         }
-        let labels = WorkerLabels {
-            worker: Arc::clone(worker),
-        };
         if let Some(r) = drift.ratio {
-            self.drift.get_or_create(&labels).set(r);
+            h.drift(self).set(r);
         }
-        self.drift_low
-            .get_or_create(&labels)
-            .set(i64::from(drift.low));
+        h.drift_low.set(i64::from(drift.low));
     }
 
     pub fn retry(&self) {
