@@ -23,86 +23,15 @@ use std::time::{Duration, Instant};
 use cache_aware_router::config::Config;
 use cache_aware_router::fleet::wire::{Batch, Record};
 use cache_aware_router::fleet::{Fleet, chain};
-use cache_aware_router::policy::{self, Candidate, Outcome, Policy, RouteRequest};
+use cache_aware_router::policy::{self, Policy};
 use cache_aware_router::pool::{Pool, WorkerId, WorkerSet};
 use cache_aware_router::prompt::{Endpoint, extract};
 use cache_aware_router::tree::{ChainMemo, RemotePrefixes, WorkerMask};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
-const WORDS: &[&str] = &[
-    "the",
-    "model",
-    "cache",
-    "prefix",
-    "token",
-    "block",
-    "worker",
-    "request",
-    "stream",
-    "decode",
-    "prefill",
-    "replica",
-    "router",
-    "latency",
-    "memory",
-    "context",
-    "user",
-    "assistant",
-    "system",
-    "answer",
-    "question",
-    "document",
-    "summary",
-    "code",
-    "data",
-    "table",
-    "value",
-    "field",
-    "error",
-    "result",
-    "first",
-    "second",
-];
-
-fn words(rng: &mut StdRng, bytes: usize) -> String {
-    let mut s = String::with_capacity(bytes + 16);
-    while s.len() < bytes {
-        s.push(' ');
-        s.push_str(WORDS[rng.random_range(0..WORDS.len())]);
-    }
-    s
-}
-
-fn chat_body(system: &str, user: &str) -> Vec<u8> {
-    serde_json::json!({
-        "model": "m",
-        "stream": true,
-        "messages": [
-            {"role": "system", "content": system},
-            {"role": "user", "content": user},
-        ]
-    })
-    .to_string()
-    .into_bytes()
-}
-
-fn percentile(sorted: &[Duration], p: f64) -> f64 {
-    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
-    sorted[i].as_secs_f64() * 1e6
-}
-
-/// Prints p50/p99/max of `samples` and returns (p50, p99) in µs.
-fn report(name: &str, samples: &mut [Duration]) -> (f64, f64) {
-    samples.sort();
-    let (p50, p99) = (percentile(samples, 0.50), percentile(samples, 0.99));
-    println!(
-        "{name:<34} n={:<6} p50={p50:>7.1} µs  p99={p99:>7.1} µs  max={:>8.1} µs",
-        samples.len(),
-        percentile(samples, 1.0),
-    );
-    (p50, p99)
-}
+mod common;
+use common::{chat_body, decide, minor_faults, report, words};
 
 /// One policy measured through the seam.
 struct Lane {
@@ -116,18 +45,6 @@ struct Lane {
     hits: usize,
     /// Minor page faults taken inside timed decisions (first touches of new memory).
     faults: u64,
-}
-
-/// This thread's minor page faults so far (`/proc/thread-self/stat`, field 10); 0 where
-/// there is no such file.
-fn minor_faults() -> u64 {
-    std::fs::read_to_string("/proc/thread-self/stat")
-        .ok()
-        .and_then(|s| {
-            let rest = &s[s.rfind(')')? + 2..];
-            rest.split(' ').nth(7)?.parse().ok()
-        })
-        .unwrap_or(0)
 }
 
 impl Lane {
@@ -148,40 +65,20 @@ impl Lane {
     /// One decision, as the proxy makes it: extract, pick, observe(Served).
     fn decide(&mut self, body: &[u8], max_prompt_bytes: usize) {
         let f0 = minor_faults();
-        let t0 = Instant::now();
-        let ctx = extract(Endpoint::ChatCompletions, body, max_prompt_bytes);
-        let t1 = Instant::now();
-        let req = RouteRequest {
-            ctx: Some(&ctx),
-            tie: Some(ctx.digest),
-            ..Default::default()
-        };
-        let candidates: Vec<Candidate> = self
-            .set
-            .workers()
-            .iter()
-            .map(|w| Candidate {
-                id: w.id(),
-                load: w.load(),
-                usable: true,
-                cache_aware: true,
-            })
-            .collect();
-        let pick = self
-            .policy
-            .pick(&req, &self.set, &candidates, &mut self.rng);
-        if let Some(w) = pick.worker.and_then(|id| self.set.get(id)) {
-            self.policy.observe(&req, &pick, w, Outcome::Served);
-        }
-        let t2 = Instant::now();
+        let d = decide(
+            &*self.policy,
+            &self.set,
+            body,
+            max_prompt_bytes,
+            &mut self.rng,
+        );
         self.faults += minor_faults() - f0;
-        std::hint::black_box(&pick);
-        if pick.reason == cache_aware_router::policy::Reason::CacheHit {
+        if d.hit {
             self.hits += 1;
         }
-        self.extract_t.push(t1 - t0);
-        self.pick_t.push(t2 - t1);
-        self.total_t.push(t2 - t0);
+        self.extract_t.push(d.extract);
+        self.pick_t.push(d.pick);
+        self.total_t.push(d.extract + d.pick);
     }
 }
 

@@ -815,12 +815,7 @@ fn clear_cache(
                     shown(&which)
                 )));
             };
-            let removed = {
-                let mut tree = tree.lock();
-                let before = tree.node_count();
-                tree.remove_worker(w.id());
-                before - tree.node_count()
-            };
+            let removed = tree.remove_worker(w.id());
             tracing::info!(worker = %w.url(), nodes = removed, "route records of one worker cleared (admin API)");
             serde_json::json!({"cleared": w.url().to_string(), "nodes_removed": removed})
         }

@@ -98,11 +98,22 @@ impl CacheAware {
 }
 
 impl PoolListener for CacheAware {
+    /// Its records go: up to ~0.25 s of work for a worker holding a quarter of a full
+    /// tree (done in short lock holds, see [`SharedTree::remove_worker`]), so inside a
+    /// runtime it runs on a blocking thread, not on the async worker that brought the
+    /// news (a health flip, an admin call, discovery).
     fn worker_left(&self, worker: &Worker) {
-        self.tree.lock().remove_worker(worker.id());
-        self.tree.set_capacity(worker.id(), None);
-        if let Some(r) = self.tree.remote() {
-            r.forget(worker.id());
+        let (tree, id) = (Arc::clone(&self.tree), worker.id());
+        let forget = move || {
+            tree.remove_worker(id);
+            tree.set_capacity(id, None);
+            if let Some(r) = tree.remote() {
+                r.forget(id);
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(forget)),
+            Err(_) => forget(),
         }
     }
 

@@ -37,12 +37,16 @@ pub use crate::pool::WorkerId;
 /// (other work on the engine, a restart) must not shrink its share for good.
 pub const CAPACITY_TTL: std::time::Duration = std::time::Duration::from_secs(300);
 
+/// Nodes visited or freed per lock hold by [`SharedTree::remove_worker`] (~0.2 ms of
+/// work on the bench machine, ~0.4 µs a node).
+pub const REMOVE_STEP: usize = 512;
+
 /// A tree shared by the request path and its upkeep task: one `std::sync::Mutex`, held
 /// for one match or one insert (a few microseconds), never across an `.await`, plus the
 /// eviction pass's flag and counters (see [`evict`]).
 #[derive(Debug, Default)]
 pub struct SharedTree {
-    tree: std::sync::Mutex<RadixTree>,
+    tree: parking_lot::Mutex<RadixTree>,
     /// Set while an eviction pass runs: inserts are then skipped (and counted).
     evicting: std::sync::atomic::AtomicBool,
     /// Inserts skipped because an eviction pass was running.
@@ -103,10 +107,10 @@ pub trait RemotePrefixes: Send + Sync + std::fmt::Debug {
 }
 
 impl SharedTree {
-    /// Locks the tree. A poisoned lock (a panic while holding it) is recovered: the tree
-    /// is a cache and stays structurally valid between operations.
-    pub fn lock(&self) -> std::sync::MutexGuard<'_, RadixTree> {
-        self.tree.lock().unwrap_or_else(|e| e.into_inner())
+    /// Locks the tree. A panic while holding it leaves it usable (no poisoning): the
+    /// tree is a cache and stays structurally valid between operations.
+    pub fn lock(&self) -> parking_lot::MutexGuard<'_, RadixTree> {
+        self.tree.lock()
     }
 
     /// Whether an eviction pass is running (Relaxed: a hint, the lock orders the data).
@@ -170,6 +174,25 @@ impl SharedTree {
         c.iter().map(|(w, b, _)| (*w, *b)).collect()
     }
 
+    /// Removes every record of `worker` (it left the pool or went down), holding the
+    /// lock for at most [`REMOVE_STEP`] nodes at a time: a worker of a 4-worker pool
+    /// holds ~250 k nodes of a full tree, which in one hold stalled every decision for
+    /// ~235 ms (`cargo bench --bench pool_scale`). Returns the nodes removed (other
+    /// inserts and evictions between the steps count too).
+    pub fn remove_worker(&self, worker: WorkerId) -> usize {
+        let mut tree = self.tree.lock();
+        let before = tree.node_count();
+        let mut r = Removal::below(tree.children_of(ROOT));
+        loop {
+            tree.remove_step(&mut r, worker, REMOVE_STEP);
+            if r.is_done() {
+                return before.saturating_sub(tree.node_count());
+            }
+            // Hand the lock to a decision waiting for it, if any, before the next step.
+            parking_lot::MutexGuard::bump(&mut tree);
+        }
+    }
+
     /// Shares this tree with the other router replicas through `remote` (once).
     pub fn share(&self, remote: std::sync::Arc<dyn RemotePrefixes>) {
         let _ = self.remote.set(remote);
@@ -199,6 +222,28 @@ impl SharedTree {
 }
 
 type NodeIdx = u32;
+
+/// A worker's removal in progress: what [`RadixTree::remove_step`] has left to do.
+#[derive(Debug, Default)]
+struct Removal {
+    /// Nodes still to visit.
+    stack: Vec<NodeIdx>,
+    /// Detached nodes still to free.
+    doomed: Vec<NodeIdx>,
+}
+
+impl Removal {
+    fn below(stack: Vec<NodeIdx>) -> Self {
+        Removal {
+            stack,
+            doomed: Vec::new(),
+        }
+    }
+
+    fn is_done(&self) -> bool {
+        self.stack.is_empty() && self.doomed.is_empty()
+    }
+}
 const ROOT: NodeIdx = 0;
 
 #[derive(Debug, Clone)]
@@ -438,10 +483,11 @@ impl RadixTree {
 
     /// Removes every record of `worker`; nodes left with no worker are freed (their
     /// whole subtree is then empty too, by the subset invariant). Cost: one pass over
-    /// the nodes that worker holds.
+    /// the nodes that worker holds, in one go (the request path uses
+    /// [`SharedTree::remove_worker`], which takes it in steps).
     pub fn remove_worker(&mut self, worker: WorkerId) {
-        let top = self.children_of(ROOT);
-        self.remove_below(top, worker);
+        let mut r = Removal::below(self.children_of(ROOT));
+        self.remove_step(&mut r, worker, usize::MAX);
     }
 
     /// Appends `(last_access, edge bytes)` of every node among arena slots `range` that
@@ -474,7 +520,7 @@ impl RadixTree {
                 // Free slots have no edge (and no workers).
                 if n.last_access < horizon && n.workers.contains(w) {
                     let before = self.worker_bytes(w);
-                    self.remove_below(vec![i as NodeIdx], w);
+                    self.remove_step(&mut Removal::below(vec![i as NodeIdx]), w, usize::MAX);
                     removed += before - self.worker_bytes(w);
                 }
             }
@@ -482,10 +528,29 @@ impl RadixTree {
         removed
     }
 
-    /// Removes `worker` from the subtrees under `stack`'s nodes, freeing nodes it leaves
-    /// empty.
-    fn remove_below(&mut self, mut stack: Vec<NodeIdx>, worker: WorkerId) {
-        while let Some(n) = stack.pop() {
+    /// Works on `r` (removing `worker` from the subtrees under `r`'s nodes, freeing the
+    /// nodes it leaves empty) until it is done or `budget` nodes were visited or freed;
+    /// what is left in `r` is the rest of the work. A node left empty is unlinked at once
+    /// and its subtree detached (each node's bytes accounted and its edge and workers
+    /// cleared, so that arena scans see a free slot), then freed a node at a time.
+    /// Slots kept in `r` across lock holds may have been freed or reused meanwhile: a
+    /// free slot holds no worker and is skipped, and a reused one is handled like any
+    /// node (removing a leaving worker from it is right). Returns the nodes worked on.
+    fn remove_step(&mut self, r: &mut Removal, worker: WorkerId, budget: usize) -> usize {
+        let mut work = 0;
+        while work < budget {
+            if let Some(n) = r.doomed.pop() {
+                work += 1;
+                let slot = std::mem::replace(&mut self.nodes[n as usize], Node::empty());
+                for &(_, c) in &slot.children {
+                    self.detach(c);
+                    r.doomed.push(c);
+                }
+                self.free.push(n);
+                continue;
+            }
+            let Some(n) = r.stack.pop() else { break };
+            work += 1;
             let node = &mut self.nodes[n as usize];
             if !node.workers.remove(worker) {
                 continue; // nor do its descendants hold it
@@ -493,7 +558,7 @@ impl RadixTree {
             let len = node.edge.len() as u64;
             let empty = node.workers.is_empty();
             if !empty {
-                stack.extend(node.children.iter().map(|(_, c)| *c));
+                r.stack.extend(node.children.iter().map(|(_, c)| *c));
             }
             if let Some(b) = self.worker_bytes.get_mut(worker.0 as usize) {
                 *b -= len;
@@ -501,9 +566,26 @@ impl RadixTree {
             if empty {
                 // Its descendants held only this worker too: free them all.
                 self.unlink(n);
-                self.release(n);
+                self.detach(n);
+                r.doomed.push(n);
             }
         }
+        work
+    }
+
+    /// Takes `node` (unlinked, or below an unlinked node) out of the tree's byte totals
+    /// and clears its edge and workers; its slot is freed later by [`Self::remove_step`].
+    fn detach(&mut self, node: NodeIdx) {
+        let slot = &mut self.nodes[node as usize];
+        let len = slot.edge.len() as u64;
+        self.total_bytes -= len;
+        for w in slot.workers.iter() {
+            if let Some(b) = self.worker_bytes.get_mut(w.0 as usize) {
+                *b -= len;
+            }
+        }
+        slot.edge = Box::default();
+        slot.workers = WorkerMask::default();
     }
 
     /// Slots in the node arena (live or free); bounds the ranges given to
@@ -828,6 +910,70 @@ mod tests {
         // Freed nodes are reused.
         t.insert(b"again", A);
         assert_eq!(t.longest_prefix(b"again!", &all()).matched, 5);
+    }
+
+    /// Reachable nodes and the sum of their edges, walked from the root.
+    fn walk(t: &RadixTree) -> (usize, u64) {
+        let (mut nodes, mut bytes, mut stack) = (0, 0, t.children_of(ROOT));
+        while let Some(n) = stack.pop() {
+            nodes += 1;
+            bytes += t.nodes[n as usize].edge.len() as u64;
+            stack.extend(t.children_of(n));
+        }
+        (nodes, bytes)
+    }
+
+    #[test]
+    fn a_removal_in_one_node_steps_survives_inserts_and_evictions_between_them() {
+        let mut t = RadixTree::new();
+        for i in 0..200 {
+            let w = [A, B, C][i % 3];
+            t.insert(
+                format!("system {} / turn {i} of a conversation", i % 5).as_bytes(),
+                w,
+            );
+        }
+        t.insert(b"only A, a long private prompt", A);
+        let mut r = Removal::below(t.children_of(ROOT));
+        let mut steps = 0;
+        while !r.is_done() {
+            assert!(t.remove_step(&mut r, A, 1) <= 1);
+            steps += 1;
+            // Between two steps: new records (reusing freed slots) and an eviction.
+            if steps % 7 == 0 {
+                t.insert(format!("new prompt {steps} for B").as_bytes(), B);
+                let mut leaves = Vec::new();
+                t.collect_leaves(0..t.arena_len(), &mut leaves);
+                if let Some(&(stamp, node)) = leaves.iter().min() {
+                    t.evict_leaf(node, stamp);
+                }
+            }
+        }
+        assert!(steps > 100, "{steps} steps");
+        assert_eq!(t.worker_bytes(A), 0);
+        assert_eq!(
+            t.longest_prefix(b"only A, a long private prompt", &all())
+                .matched,
+            0
+        );
+        let (nodes, bytes) = walk(&t);
+        assert_eq!(t.node_count(), nodes, "every live node is reachable");
+        assert_eq!(t.total_bytes(), bytes);
+        assert_eq!(
+            t.total_bytes(),
+            t.worker_bytes(B) + t.worker_bytes(C) - shared(&t)
+        );
+        let m = t.longest_prefix(b"system 4 / turn 199 of a conversation", &only(B));
+        assert_eq!(m.matched, 37, "B's records stay");
+    }
+
+    /// Bytes counted for both B and C (nodes both hold).
+    fn shared(t: &RadixTree) -> u64 {
+        t.nodes
+            .iter()
+            .filter(|n| n.workers.contains(B) && n.workers.contains(C))
+            .map(|n| n.edge.len() as u64)
+            .sum()
     }
 
     #[test]

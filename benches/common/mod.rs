@@ -1,0 +1,148 @@
+//! What the tail-latency benches share: prompt text, a decision through the policy seam
+//! as the proxy makes it, and percentile reports.
+
+#![allow(dead_code)] // each bench uses its own part
+
+use std::time::{Duration, Instant};
+
+use cache_aware_router::policy::{Candidate, Outcome, Policy, Reason, RouteRequest};
+use cache_aware_router::pool::WorkerSet;
+use cache_aware_router::prompt::{Endpoint, extract};
+use rand::Rng;
+use rand::rngs::StdRng;
+
+pub const WORDS: &[&str] = &[
+    "the",
+    "model",
+    "cache",
+    "prefix",
+    "token",
+    "block",
+    "worker",
+    "request",
+    "stream",
+    "decode",
+    "prefill",
+    "replica",
+    "router",
+    "latency",
+    "memory",
+    "context",
+    "user",
+    "assistant",
+    "system",
+    "answer",
+    "question",
+    "document",
+    "summary",
+    "code",
+    "data",
+    "table",
+    "value",
+    "field",
+    "error",
+    "result",
+    "first",
+    "second",
+];
+
+pub fn words(rng: &mut StdRng, bytes: usize) -> String {
+    let mut s = String::with_capacity(bytes + 16);
+    while s.len() < bytes {
+        s.push(' ');
+        s.push_str(WORDS[rng.random_range(0..WORDS.len())]);
+    }
+    s
+}
+
+pub fn chat_body(system: &str, user: &str) -> Vec<u8> {
+    serde_json::json!({
+        "model": "m",
+        "stream": true,
+        "messages": [
+            {"role": "system", "content": system},
+            {"role": "user", "content": user},
+        ]
+    })
+    .to_string()
+    .into_bytes()
+}
+
+pub fn percentile(sorted: &[Duration], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i].as_secs_f64() * 1e6
+}
+
+/// Prints p50/p99/max of `samples` and returns (p50, p99) in µs.
+pub fn report(name: &str, samples: &mut [Duration]) -> (f64, f64) {
+    samples.sort();
+    let (p50, p99) = (percentile(samples, 0.50), percentile(samples, 0.99));
+    println!(
+        "{name:<34} n={:<6} p50={p50:>7.1} µs  p99={p99:>7.1} µs  max={:>8.1} µs",
+        samples.len(),
+        percentile(samples, 1.0),
+    );
+    (p50, p99)
+}
+
+/// This thread's minor page faults so far (`/proc/thread-self/stat`, field 10); 0 where
+/// there is no such file.
+pub fn minor_faults() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/stat")
+        .ok()
+        .and_then(|s| {
+            let rest = &s[s.rfind(')')? + 2..];
+            rest.split(' ').nth(7)?.parse().ok()
+        })
+        .unwrap_or(0)
+}
+
+/// What one decision took.
+pub struct Decided {
+    /// JSON body to routing text.
+    pub extract: Duration,
+    /// `Policy::pick` and `Policy::observe(Served)`.
+    pub pick: Duration,
+    /// The pick was a cache hit.
+    pub hit: bool,
+}
+
+/// One decision, as the proxy makes it: extract, the candidates from the set, pick,
+/// observe(Served).
+pub fn decide(
+    policy: &dyn Policy,
+    set: &WorkerSet,
+    body: &[u8],
+    max_prompt_bytes: usize,
+    rng: &mut StdRng,
+) -> Decided {
+    let t0 = Instant::now();
+    let ctx = extract(Endpoint::ChatCompletions, body, max_prompt_bytes);
+    let t1 = Instant::now();
+    let req = RouteRequest {
+        ctx: Some(&ctx),
+        tie: Some(ctx.digest),
+        ..Default::default()
+    };
+    let candidates: Vec<Candidate> = set
+        .workers()
+        .iter()
+        .map(|w| Candidate {
+            id: w.id(),
+            load: w.load(),
+            usable: true,
+            cache_aware: true,
+        })
+        .collect();
+    let pick = policy.pick(&req, set, &candidates, rng);
+    if let Some(w) = pick.worker.and_then(|id| set.get(id)) {
+        policy.observe(&req, &pick, w, Outcome::Served);
+    }
+    let t2 = Instant::now();
+    std::hint::black_box(&pick);
+    Decided {
+        extract: t1 - t0,
+        pick: t2 - t1,
+        hit: pick.reason == Reason::CacheHit,
+    }
+}
