@@ -128,12 +128,27 @@ impl WorkerMask {
 }
 
 impl FromIterator<WorkerId> for WorkerMask {
+    /// The same set as inserting each id, built with one growing buffer: inserting a
+    /// pool's ids in order reallocated the boxed words once per 64 workers (15 times a
+    /// mask at 1,000 workers, the top cost of a decision there).
     fn from_iter<I: IntoIterator<Item = WorkerId>>(iter: I) -> Self {
-        let mut m = WorkerMask::default();
+        let mut low = 0;
+        let mut high: Vec<u64> = Vec::new();
         for w in iter {
-            m.insert(w);
+            let (word, bit) = split(w);
+            if word == 0 {
+                low |= bit;
+            } else {
+                if high.len() < word {
+                    high.resize(word, 0);
+                }
+                high[word - 1] |= bit;
+            }
         }
-        m
+        WorkerMask {
+            low,
+            high: (!high.is_empty()).then(|| high.into_boxed_slice()),
+        }
     }
 }
 
@@ -170,5 +185,22 @@ mod tests {
         let only_low: WorkerMask = [WorkerId(3)].into_iter().collect();
         assert!(!only_low.intersects(&b));
         assert!(only_low.intersection(&b).is_empty());
+    }
+
+    #[test]
+    fn collecting_equals_inserting_one_by_one() {
+        for ids in [
+            vec![],
+            vec![3],
+            vec![999, 0, 64, 63, 500],
+            (0..1000).collect(),
+        ] {
+            let collected: WorkerMask = ids.iter().map(|&i| WorkerId(i)).collect();
+            let mut inserted = WorkerMask::default();
+            for &i in &ids {
+                inserted.insert(WorkerId(i));
+            }
+            assert_eq!(collected, inserted, "{ids:?}");
+        }
     }
 }
