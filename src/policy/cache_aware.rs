@@ -253,12 +253,18 @@ pub fn pick_cache_aware(
             stamp: held.stamp,
         }
     };
-    // The other replicas' longest match over every eligible worker: no one worker's can
-    // be longer, which spares `own` a second remote lookup when the tree's is as long.
+    // A bound on the other replicas' longest match over every eligible worker: no one
+    // worker's can be longer, which spares `own` a second remote lookup when the tree's
+    // is as long. An empty answer bounds it by the guess only (the lookup skips a text
+    // the tree already matches past its whole chunks).
     let mut remote_best = 0;
     if let Some((r, memo)) = memory.remote {
         let other = r.longest_prefix(text, &eligible, memo, m.matched);
-        remote_best = other.matched;
+        remote_best = if other.matched > 0 {
+            other.matched
+        } else {
+            m.matched
+        };
         if other.matched > m.matched {
             m = other;
         } else if other.matched == m.matched && other.matched > 0 {
@@ -564,6 +570,72 @@ mod tests {
         serve(&params(), PROMPT, &cands(&[5, 0]), &mut t, &mut rng());
         let holders = t.longest_prefix(PROMPT, &[WorkerId(0), WorkerId(1)].into_iter().collect());
         assert!(holders.workers.contains(WorkerId(1)));
+    }
+
+    /// Other replicas' records as `crate::fleet::Fleet` answers them: whole 128-byte
+    /// chunks, nothing when the tree's match (the guess) is past the text's whole chunks.
+    #[derive(Debug)]
+    struct Remote(Vec<(WorkerId, usize)>);
+
+    impl RemotePrefixes for Remote {
+        fn longest_prefix(
+            &self,
+            text: &[u8],
+            eligible: &WorkerMask,
+            _: &ChainMemo,
+            guess: usize,
+        ) -> PrefixMatch {
+            let whole = text.len() / 128 * 128;
+            let held = self
+                .0
+                .iter()
+                .filter(|(w, _)| eligible.contains(*w) && guess <= whole);
+            let matched = held
+                .clone()
+                .map(|(_, n)| (*n).min(whole))
+                .max()
+                .unwrap_or(0);
+            PrefixMatch {
+                matched,
+                workers: held
+                    .filter(|(_, n)| *n >= matched)
+                    .map(|(w, _)| *w)
+                    .collect(),
+                stamp: 0,
+            }
+        }
+        fn prefix_per_worker(
+            &self,
+            _: &[u8],
+            _: &WorkerMask,
+            _: &ChainMemo,
+            _: &mut dyn FnMut(WorkerId, usize),
+        ) {
+        }
+        fn learned(&self, _: &[u8], _: WorkerId, _: &ChainMemo) {}
+        fn forget(&self, _: WorkerId) {}
+    }
+
+    #[test]
+    fn a_diverted_hit_counts_what_the_other_replicas_hold_for_its_worker() {
+        // Worker 0 holds the whole prompt here; another replica served its first 256
+        // bytes to worker 1. Worker 0 is overloaded, so the pick goes to worker 1, whose
+        // match is the other replica's (the first lookup, over every worker, answered
+        // nothing: the tree's match was past the text's whole chunks).
+        let text = [&[b'x'; 256][..], &[b'y'; 44][..]].concat();
+        let mut t = RadixTree::new();
+        t.insert(&text, WorkerId(0));
+        let remote = Remote(vec![(WorkerId(1), 256)]);
+        let memory = Memory {
+            tree: &t,
+            remote: Some((&remote, &ChainMemo::default())),
+            tokens_per_byte: &|_| 0.25,
+        };
+        let r = pick_cache_aware(&params(), &text, &cands(&[5, 0]), &memory, None, &mut rng());
+        assert_eq!(
+            (r.worker, r.reason, r.matched),
+            (Some(WorkerId(1)), Reason::HitOverloaded, 64)
+        );
     }
 
     #[test]

@@ -17,10 +17,10 @@
 //! ~260 bytes of RSS per node, so the default `max_tree_size` of 1 M nodes ≈ 260 MiB.
 //!
 //! Locking (see `workers::WorkerSet`): the tree is plain data with no interior locking;
-//! its owner wraps it in one `std::sync::Mutex`, held only for one match + insert (a few
-//! microseconds) and never across an `.await`. Whole-tree passes (removing a worker,
+//! its owner wraps it in one `parking_lot::Mutex`, held only for one match + insert (a
+//! few microseconds) and never across an `.await`. Whole-tree passes (removing a worker,
 //! eviction) run under the same lock but in bounded batches, so a request never waits
-//! behind a whole eviction pass.
+//! behind a whole pass.
 //!
 //! The idea follows SGLang's `sgl-model-gateway` approximate tree (per-node tenant sets
 //! and LRU stamps); the arena layout and the subset invariant are ours.
@@ -39,10 +39,11 @@ pub const CAPACITY_TTL: std::time::Duration = std::time::Duration::from_secs(300
 
 /// Nodes visited, freed or detached per lock hold by [`SharedTree::remove_worker`]
 /// (most steps ≤ 0.5 ms on the bench machine; freeing a shared prompt's node detaches
-/// all its children in one step, ~2.5 ms for ~3,500; 128 gave longer stalls, measured).
+/// all its children in one step, ~2.5 ms for ~3,500; 128 and 2,048 gave longer waits
+/// in `pool_scale`, measured).
 pub const REMOVE_STEP: usize = 512;
 
-/// A tree shared by the request path and its upkeep task: one `std::sync::Mutex`, held
+/// A tree shared by the request path and its upkeep task: one `parking_lot::Mutex`, held
 /// for one match or one insert (a few microseconds), never across an `.await`, plus the
 /// eviction pass's flag and counters (see [`evict`]).
 #[derive(Debug, Default)]
@@ -223,6 +224,7 @@ impl SharedTree {
 }
 
 type NodeIdx = u32;
+const ROOT: NodeIdx = 0;
 
 /// A worker's removal in progress: what [`RadixTree::remove_step`] has left to do.
 #[derive(Debug, Default)]
@@ -245,7 +247,6 @@ impl Removal {
         self.stack.is_empty() && self.doomed.is_empty()
     }
 }
-const ROOT: NodeIdx = 0;
 
 #[derive(Debug, Clone)]
 struct Node {
@@ -530,10 +531,11 @@ impl RadixTree {
     }
 
     /// Works on `r` (removing `worker` from the subtrees under `r`'s nodes, freeing the
-    /// nodes it leaves empty) until it is done or `budget` nodes were visited or freed;
-    /// what is left in `r` is the rest of the work. A node left empty is unlinked at once
-    /// and its subtree detached (each node's bytes accounted and its edge and workers
-    /// cleared, so that arena scans see a free slot), then freed a node at a time.
+    /// nodes it leaves empty) until it is done or `budget` nodes were visited, freed or
+    /// detached; what is left in `r` is the rest of the work. A node left empty is
+    /// unlinked at once and its subtree detached (each node's bytes accounted and its
+    /// edge and workers cleared, so that arena scans see a free slot), then freed a node
+    /// at a time.
     /// Slots kept in `r` across lock holds may have been freed or reused meanwhile: a
     /// free slot holds no worker and is skipped, and a reused one is handled like any
     /// node (removing a leaving worker from it is right). Returns the nodes worked on.
