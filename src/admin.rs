@@ -596,6 +596,10 @@ pub enum Mutation {
     Done(http::Response<ProxyBody>),
     /// `POST /workers`: the body holds the worker; see [`mutate_with_body`].
     NeedsBody,
+    /// `POST /cache/clear[?worker=…]` (the worker, if named): freeing route records is
+    /// blocking work (a whole tree, or one worker's share of it in steps: up to ~0.25 s
+    /// for 1 M nodes), done by [`clear_cache_blocking`] off the async workers.
+    ClearCache(Option<String>),
 }
 
 /// Largest `POST /workers` body, in bytes.
@@ -636,7 +640,7 @@ pub fn mutation<B>(router: &Router, req: &http::Request<B>) -> Option<Mutation> 
                 )),
             }
         }
-        _ => clear_cache(router, query_param(req.uri(), "worker").as_deref()),
+        _ => return Some(Mutation::ClearCache(query_param(req.uri(), "worker"))),
     };
     Some(Mutation::Done(
         resp.unwrap_or_else(ProxyError::into_response),
@@ -785,6 +789,23 @@ fn remove_worker(
         serde_json::json!({"removed": w.url().to_string(), "key": w.key(), "workers": router.worker_set().workers().len()})
             .to_string(),
     ))
+}
+
+/// `POST /cache/clear` on a blocking thread (see [`Mutation::ClearCache`]).
+pub async fn clear_cache_blocking(
+    router: std::sync::Arc<Router>,
+    worker: Option<String>,
+) -> http::Response<ProxyBody> {
+    let cleared = tokio::task::spawn_blocking(move || {
+        clear_cache(&router, worker.as_deref()).unwrap_or_else(ProxyError::into_response)
+    })
+    .await;
+    cleared.unwrap_or_else(|e| {
+        json_response(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            serde_json::json!({"error": {"message": format!("clearing the route records failed: {e}"), "type": "internal_error", "code": 500}}).to_string(),
+        )
+    })
 }
 
 fn clear_cache(

@@ -23,6 +23,7 @@ pub fn describe(e: &(dyn std::error::Error + 'static)) -> String {
     }
     s
 }
+
 /// The body of every response the router sends.
 pub type ProxyBody = http_body_util::combinators::BoxBody<Bytes, BoxError>;
 

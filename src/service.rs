@@ -40,6 +40,9 @@ pub async fn handle(
         return match resp {
             admin::Mutation::Done(r) => r,
             admin::Mutation::NeedsBody => admin::mutate_with_body(&router, req).await,
+            admin::Mutation::ClearCache(worker) => {
+                admin::clear_cache_blocking(Arc::clone(&router), worker).await
+            }
         };
     }
     if on == Listener::Admin {

@@ -27,6 +27,20 @@ async fn worker_view(addr: std::net::SocketAddr, i: usize) -> serde_json::Value 
     get_workers(addr).await["workers"][i].clone()
 }
 
+/// Waits until worker `i`'s first probe has marked it unhealthy (not merely unprobed:
+/// `/health` does not count an unprobed worker either, yet requests still go to it).
+async fn wait_probed_unhealthy(addr: std::net::SocketAddr, i: usize) {
+    wait_until(
+        "the worker marked unhealthy",
+        Duration::from_secs(2),
+        || async {
+            let w = worker_view(addr, i).await;
+            w["probed"] == true && w["healthy"] == false
+        },
+    )
+    .await;
+}
+
 const FLAKY: u8 = 0;
 const DOWN: u8 = 1;
 const UP: u8 = 2;
@@ -153,13 +167,8 @@ async fn pool_with_no_healthy_worker_answers_503_and_recovers_without_a_restart(
         "health:\n  interval_secs: 0.04\n  failure_threshold: 2\n  success_threshold: 2\n",
     );
     let router = start_router(&yaml).await;
-    // Its first probe has answered 503: unhealthy, not merely not probed yet (which
-    // /health also reports as not ready, while requests still go to it).
-    wait_until("A marked unhealthy", Duration::from_secs(2), || async {
-        let w = worker_view(router.addr, 0).await;
-        w["probed"] == true && w["healthy"] == false
-    })
-    .await;
+    // Its first probe has answered 503.
+    wait_probed_unhealthy(router.addr, 0).await;
     assert_eq!(get(router.addr, "/health").await.status, 503);
     assert_eq!(get(router.addr, "/workers").await.status, 200);
     let started = Instant::now();
@@ -645,15 +654,7 @@ async fn health_is_503_at_once_when_the_only_worker_is_dead() {
     // Default probes: every 10 s, 3 failures to go down. The first probe decides.
     let router = start_router(&yaml_for_urls(&[dead_url()], "")).await;
     // Not counted before its probe answers; marked unhealthy by that first probe.
-    wait_until(
-        "the worker marked unhealthy",
-        Duration::from_secs(2),
-        || async {
-            let w = worker_view(router.addr, 0).await;
-            w["probed"] == true && w["healthy"] == false
-        },
-    )
-    .await;
+    wait_probed_unhealthy(router.addr, 0).await;
     let h = get(router.addr, "/health").await;
     assert_eq!(h.status, 503, "{}", h.text());
     assert_eq!(h.json()["healthy_workers"], 0, "{}", h.text());
