@@ -8,14 +8,13 @@
 use std::borrow::Cow;
 
 use serde::Deserialize;
-use serde_json::value::RawValue;
 
-use super::{PromptBuilder, content};
+use super::{Content, PromptBuilder, append_content};
 
 #[derive(Deserialize)]
 struct MessagesBody<'a> {
     #[serde(borrow, default)]
-    system: Option<&'a RawValue>,
+    system: Option<Content<'a>>,
     #[serde(borrow)]
     messages: Vec<Message<'a>>,
 }
@@ -25,7 +24,7 @@ struct Message<'a> {
     #[serde(borrow, default)]
     role: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
+    content: Option<Content<'a>>,
 }
 
 /// Appends `system: <system>` then `role: content` per message.
@@ -33,17 +32,17 @@ pub fn messages(body: &[u8], b: &mut PromptBuilder) -> bool {
     let Ok(req) = serde_json::from_slice::<MessagesBody<'_>>(body) else {
         return false;
     };
-    if let Some(system) = req.system {
+    if let Some(system) = &req.system {
         b.role("system");
-        if !content(system, b) {
+        if !append_content(system, b) {
             return false;
         }
         b.end_message();
     }
     for m in &req.messages {
         b.role(m.role.as_deref().unwrap_or("user"));
-        if let Some(c) = m.content
-            && !content(c, b)
+        if let Some(c) = &m.content
+            && !append_content(c, b)
         {
             return false;
         }

@@ -10,7 +10,7 @@ use std::fmt::Write as _;
 use serde::Deserialize;
 use serde_json::value::RawValue;
 
-use super::{PromptBuilder, content};
+use super::{Content, PromptBuilder, Text, append_content};
 
 #[derive(Deserialize)]
 struct ChatBody<'a> {
@@ -23,7 +23,7 @@ struct ChatMessage<'a> {
     #[serde(borrow, default)]
     role: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
+    content: Option<Content<'a>>,
     #[serde(borrow, default)]
     tool_calls: Option<Vec<ToolCall<'a>>>,
 }
@@ -52,8 +52,8 @@ pub fn chat(body: &[u8], b: &mut PromptBuilder) -> bool {
     };
     for m in &req.messages {
         b.role(m.role.as_deref().unwrap_or("user"));
-        if let Some(c) = m.content
-            && !content(c, b)
+        if let Some(c) = &m.content
+            && !append_content(c, b)
         {
             return false;
         }
@@ -140,9 +140,10 @@ fn token_ids(ids: &[u64], b: &mut PromptBuilder) {
 #[derive(Deserialize)]
 struct ResponsesBody<'a> {
     #[serde(borrow, default)]
-    instructions: Option<Cow<'a, str>>,
+    instructions: Option<Text<'a>>,
+    /// A string (one user message) or an array of items.
     #[serde(borrow, default)]
-    input: Option<&'a RawValue>,
+    input: Option<Content<'a>>,
     #[serde(borrow, default)]
     previous_response_id: Option<Cow<'a, str>>,
     /// A conversation id, or `{"id": …}`.
@@ -170,7 +171,7 @@ struct ResponsesItem<'a> {
     #[serde(borrow, default)]
     role: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
-    content: Option<&'a RawValue>,
+    content: Option<Content<'a>>,
     #[serde(borrow, default)]
     name: Option<Cow<'a, str>>,
     #[serde(borrow, default)]
@@ -197,30 +198,28 @@ pub fn responses(body: &[u8], b: &mut PromptBuilder) -> bool {
     }
     if let Some(i) = &req.instructions {
         b.role("system");
-        b.text(i);
+        b.text(&i.0);
         b.end_message();
     }
-    let Some(input) = req.input else {
-        return req.instructions.is_some();
+    let items = match &req.input {
+        None => return req.instructions.is_some(),
+        Some(Content::Text(t)) => {
+            b.role("user");
+            b.text(t);
+            b.end_message();
+            return true;
+        }
+        Some(Content::Parts(items)) => items,
     };
-    if input.get().starts_with('"') {
-        b.role("user");
-        let ok = content(input, b);
-        b.end_message();
-        return ok;
-    }
-    let Ok(items) = serde_json::from_str::<Vec<&RawValue>>(input.get()) else {
-        return false;
-    };
-    for raw in items {
+    for &raw in items {
         let Ok(item) = serde_json::from_str::<ResponsesItem<'_>>(raw.get()) else {
             return false;
         };
         match item.kind.as_deref().unwrap_or("message") {
             "message" => {
                 b.role(item.role.as_deref().unwrap_or("user"));
-                if let Some(c) = item.content
-                    && !content(c, b)
+                if let Some(c) = &item.content
+                    && !append_content(c, b)
                 {
                     return false;
                 }

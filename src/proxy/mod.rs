@@ -622,7 +622,13 @@ impl Router {
         let tap = body::BodyTap {
             metrics: Arc::clone(&self.metrics),
             policy: Arc::clone(&self.policy),
-            scanner: usage::UsageScanner::for_response(&parts.headers),
+            scanner: usage::UsageScanner::for_response(
+                &parts.headers,
+                !matches!(
+                    log.endpoint,
+                    "chat_completions" | "completions" | "messages"
+                ),
+            ),
             streamed: is_sse,
             record,
             log,

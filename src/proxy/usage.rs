@@ -48,6 +48,9 @@ pub enum UsageScanner {
         skipping: bool,
         usage: Option<Usage>,
         response_id: Option<String>,
+        /// Whether data lines are searched for a response id (not for an endpoint that
+        /// never answers with one).
+        wants_id: bool,
         /// The stream's last event has passed ([`sse_line_ends`]).
         ended: bool,
     },
@@ -62,7 +65,10 @@ pub struct Found {
 
 impl UsageScanner {
     /// A scanner for a response with these headers, when it is uncompressed JSON or SSE.
-    pub fn for_response(headers: &HeaderMap) -> Option<Self> {
+    /// `wants_id`: the request's endpoint may answer with a `/v1/responses` id (false
+    /// for chat completions, completions and messages: their streams' lines are then
+    /// not searched for one).
+    pub fn for_response(headers: &HeaderMap, wants_id: bool) -> Option<Self> {
         let encoded = headers
             .get(header::CONTENT_ENCODING)
             .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
@@ -76,6 +82,7 @@ impl UsageScanner {
                 skipping: false,
                 usage: None,
                 response_id: None,
+                wants_id,
                 ended: false,
             })
         } else if ct.starts_with("application/json") {
@@ -116,6 +123,7 @@ impl UsageScanner {
                 skipping,
                 usage,
                 response_id,
+                wants_id,
                 ended,
             } => {
                 let mut rest = chunk;
@@ -132,7 +140,7 @@ impl UsageScanner {
                         if let Some(u) = sse_line_usage(whole) {
                             *usage = Some(u);
                         }
-                        if response_id.is_none() {
+                        if *wants_id && response_id.is_none() {
                             *response_id = sse_line_response_id(whole);
                         }
                         *ended |= sse_line_ends(whole);
@@ -183,8 +191,9 @@ impl UsageScanner {
                 };
                 let response_id = env
                     .id
-                    .clone()
-                    .filter(|_| env.object.as_deref() == Some("response"));
+                    .as_deref()
+                    .filter(|_| env.object.as_deref() == Some("response"))
+                    .map(str::to_owned);
                 Found {
                     usage: env.usage(),
                     response_id,
@@ -194,10 +203,12 @@ impl UsageScanner {
                 line,
                 usage,
                 response_id,
+                wants_id,
                 ..
             } => Found {
                 usage: usage.or_else(|| sse_line_usage(&line)),
-                response_id: response_id.or_else(|| sse_line_response_id(&line)),
+                response_id: response_id
+                    .or_else(|| wants_id.then(|| sse_line_response_id(&line)).flatten()),
             },
         }
     }
@@ -320,12 +331,14 @@ static USAGE_KEY: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
 static RESPONSE_EVENT: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
     std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"response.c"));
 
+/// The fields of an answer (or an SSE data line) the scanner reads; `id` and `object`
+/// borrowed, so a line's parse allocates nothing for them.
 #[derive(Deserialize)]
-struct Envelope {
-    #[serde(default)]
-    id: Option<String>,
-    #[serde(default)]
-    object: Option<String>,
+struct Envelope<'a> {
+    #[serde(default, borrow)]
+    id: Option<std::borrow::Cow<'a, str>>,
+    #[serde(default, borrow)]
+    object: Option<std::borrow::Cow<'a, str>>,
     #[serde(default)]
     usage: Option<RawUsage>,
     /// Anthropic `message_start` carries usage inside `message`.
@@ -353,7 +366,7 @@ struct Details {
     cached_tokens: Option<u64>,
 }
 
-impl Envelope {
+impl Envelope<'_> {
     fn usage(self) -> Option<Usage> {
         let u = self.usage.or_else(|| self.message.and_then(|m| m.usage))?;
         if let Some(prompt) = u.prompt_tokens {
@@ -380,7 +393,7 @@ mod tests {
     fn scanner(ct: &'static str) -> UsageScanner {
         let mut h = HeaderMap::new();
         h.insert(header::CONTENT_TYPE, HeaderValue::from_static(ct));
-        UsageScanner::for_response(&h).unwrap()
+        UsageScanner::for_response(&h, true).unwrap()
     }
 
     #[test]
@@ -490,6 +503,15 @@ mod tests {
                 "split at {split}"
             );
         }
+        // A chat stream is not searched for one (its endpoint never answers with one).
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        let mut s = UsageScanner::for_response(&h, false).unwrap();
+        s.feed(stream);
+        assert_eq!(s.found().response_id, None);
     }
 
     #[test]
@@ -521,7 +543,7 @@ mod tests {
             HeaderValue::from_static("text/event-stream"),
         );
         h.insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
-        assert!(UsageScanner::for_response(&h).is_none());
+        assert!(UsageScanner::for_response(&h, true).is_none());
         let mut s = scanner("application/json");
         s.feed(&vec![b' '; MAX_JSON_BYTES + 1]);
         s.feed(br#"{"usage":{"prompt_tokens":1}}"#);
