@@ -234,6 +234,11 @@ async fn serve(
                     });
                     let conn = http1::Builder::new()
                         .timer(TokioTimer::new())
+                        // Copy each frame into the write buffer (one `write`) instead of
+                        // queueing it for `writev`: SSE events are small and the queue's
+                        // bookkeeping cost more than the copy (callgrind, a 23-event
+                        // stream: 274.7k -> 270.3k instructions).
+                        .writev(false)
                         .serve_connection(TokioIo::new(stream), service);
                     let conn = graceful.watch(conn);
                     tokio::spawn(async move {

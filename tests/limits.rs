@@ -197,6 +197,81 @@ async fn worker_silent_past_the_request_timeout_answers_504_json() {
     router.shutdown().await;
 }
 
+/// `request_timeout_secs` also bounds a silence inside a body: a stream that keeps
+/// producing runs past it, however long; one that goes quiet mid-body is cut after it and
+/// counted `upstream_idle_timeout`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_is_cut_by_a_silent_gap_never_by_its_length() {
+    let w = FakeWorker::start_with(|req| {
+        if req.body_str().contains("steady") {
+            let events: Vec<String> = (0..8).map(|i| format!("{{\"n\":{i}}}")).collect();
+            Reply::sse(&events, Duration::from_millis(100))
+        } else {
+            Reply::status(200)
+                .header("Content-Type", "text/event-stream")
+                .chunked(vec![
+                    Step::Write(b"data: {\"n\":0}\n\n".to_vec()),
+                    Step::Sleep(Duration::from_secs(3)),
+                    Step::Write(b"data: {\"n\":1}\n\n".to_vec()),
+                ])
+        }
+    })
+    .await;
+    let router = start_router(&yaml_for(&[&w], "proxy:\n  request_timeout_secs: 0.3\n")).await;
+
+    let steady = post(
+        router.addr,
+        "/v1/chat/completions",
+        chat_body("steady", true),
+    )
+    .await;
+    assert_eq!(steady.status, 200);
+    assert_eq!(
+        steady.text().matches("data: ").count(),
+        8,
+        "{}",
+        steady.text()
+    );
+    let ran = steady.done_at - steady.head_at;
+    assert!(ran >= Duration::from_millis(600), "the stream ran {ran:?}");
+
+    // The cut stream ends without its last chunk: read it piece by piece to the error.
+    let mut conn = Conn::connect(router.addr).await;
+    let req = Req::post("/v1/chat/completions", chat_body("silent", true));
+    conn.send(&req).await.unwrap();
+    let head = conn.read_head().await;
+    assert_eq!(head.status, 200);
+    let mut body = Vec::new();
+    let ended = loop {
+        match conn.try_next_piece().await {
+            Ok(Some(p)) => body.extend_from_slice(&p),
+            Ok(None) => panic!("a complete body: {}", String::from_utf8_lossy(&body)),
+            Err(e) => break e,
+        }
+    };
+    let waited = head.at.elapsed();
+    let body = String::from_utf8_lossy(&body);
+    assert!(body.contains(r#"{"n":0}"#), "{body}");
+    assert!(!body.contains(r#"{"n":1}"#), "{body}");
+    assert_eq!(ended.kind(), std::io::ErrorKind::UnexpectedEof, "{ended}");
+    assert!(
+        waited >= Duration::from_millis(250) && waited < Duration::from_secs(2),
+        "cut after {waited:?}"
+    );
+
+    let m = scrape(router.addr).await;
+    let outcome = |o: &str| {
+        m.value(
+            "cache_aware_router_request_outcomes_total",
+            &[("outcome", o)],
+        )
+    };
+    assert_eq!(outcome("upstream_idle_timeout"), 1.0);
+    assert_eq!(outcome("complete"), 1.0);
+    assert_eq!(in_flight(router.addr).await, [0]);
+    router.shutdown().await;
+}
+
 /// An engine's operator endpoints, which a client must not reach with the router's key.
 const OPERATOR_PATHS: [&str; 7] = [
     "/collective_rpc",

@@ -46,13 +46,16 @@ pub struct BodyTap {
 ///
 /// A gap of more than `idle_timeout` between two frames ends the body with an error (a
 /// hung worker must not hold a client forever); a stream that keeps producing is never
-/// cut, however long it runs.
+/// cut, however long it runs. The timer is not moved per frame: a frame only notes its
+/// time, and a timer that fires early is set again from the last frame's.
 #[derive(Debug)]
 pub struct GuardedBody {
     inner: Incoming,
     guard: Option<InFlightGuard>,
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
+    /// When the last frame arrived (the body's start before the first).
+    last_frame: Instant,
     tap: Option<BodyTap>,
 }
 
@@ -73,6 +76,7 @@ impl GuardedBody {
             guard: Some(guard),
             idle_timeout,
             idle: Box::pin(tokio::time::sleep(idle_timeout)),
+            last_frame: Instant::now(),
             tap: Some(tap),
         }
     }
@@ -227,8 +231,7 @@ impl Body for GuardedBody {
         let this = &mut *self;
         match Pin::new(&mut this.inner).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                let deadline = Instant::now() + this.idle_timeout;
-                this.idle.as_mut().reset(deadline);
+                this.last_frame = Instant::now();
                 if frame.is_data()
                     && let Some(g) = &mut this.guard
                 {
@@ -259,9 +262,18 @@ impl Body for GuardedBody {
                 Poll::Ready(None)
             }
             Poll::Pending => {
-                if this.guard.is_some() && this.idle.as_mut().poll(cx).is_ready() {
-                    this.finish(Some(Outcome::Failure), "upstream_idle_timeout");
-                    return Poll::Ready(Some(Err(Box::new(IdleTimeout(this.idle_timeout)))));
+                if this.guard.is_none() {
+                    return Poll::Pending;
+                }
+                while this.idle.as_mut().poll(cx).is_ready() {
+                    let deadline = this.last_frame + this.idle_timeout;
+                    if Instant::now() >= deadline {
+                        this.finish(Some(Outcome::Failure), "upstream_idle_timeout");
+                        let e = IdleTimeout(this.idle_timeout);
+                        return Poll::Ready(Some(Err(Box::new(e))));
+                    }
+                    // Frames came since it was set: wait out the rest of the gap.
+                    this.idle.as_mut().reset(deadline);
                 }
                 Poll::Pending
             }
