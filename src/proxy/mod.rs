@@ -624,10 +624,7 @@ impl Router {
             policy: Arc::clone(&self.policy),
             scanner: usage::UsageScanner::for_response(
                 &parts.headers,
-                !matches!(
-                    log.endpoint,
-                    "chat_completions" | "completions" | "messages"
-                ),
+                may_answer_with_response_id(log.endpoint),
             ),
             streamed: is_sse,
             record,
@@ -1015,6 +1012,19 @@ fn endpoint_label(method: &Method, path: &str) -> &'static str {
     }
 }
 
+/// Whether an answer to the endpoint labelled `label` ([`endpoint_label`]) may carry a
+/// `/v1/responses` id: every label but those of the three endpoints that never answer
+/// with one (a pass-through path may).
+fn may_answer_with_response_id(label: &str) -> bool {
+    ![
+        Endpoint::ChatCompletions,
+        Endpoint::Completions,
+        Endpoint::Messages,
+    ]
+    .iter()
+    .any(|e| e.as_str() == label)
+}
+
 /// The request's declared `Content-Length`, when it has a valid one.
 pub fn content_length(headers: &http::HeaderMap) -> Option<u64> {
     headers
@@ -1034,6 +1044,16 @@ fn shown_path(path: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_responses_and_unknown_paths_are_searched_for_a_response_id() {
+        let label = |m: &Method, p: &str| may_answer_with_response_id(endpoint_label(m, p));
+        assert!(label(&Method::POST, "/v1/responses"));
+        assert!(label(&Method::POST, "/v1/some/passthrough"));
+        for p in ["/v1/chat/completions", "/v1/completions", "/v1/messages"] {
+            assert!(!label(&Method::POST, p), "{p}");
+        }
+    }
 
     #[test]
     fn retry_after_reads_both_forms() {
