@@ -298,3 +298,62 @@ async fn usage_scan_holds_back_no_sse_event_not_even_a_split_usage_chunk() {
     );
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_events_reaches_the_client_while_the_worker_holds_the_stream_open() {
+    // 20 events in one write (an engine's burst), then silence until the gate opens: the
+    // events the router has already read must not wait for the next one.
+    let events: String = (0..20)
+        .map(|i| format!("data: {}\n\n", sse_event(i)))
+        .collect();
+    let mut burst =
+        "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+            .to_string();
+    for i in 0..20 {
+        let e = format!("data: {}\n\n", sse_event(i));
+        burst.push_str(&format!("{:x}\r\n{e}\r\n", e.len()));
+    }
+    let done = "data: [DONE]\n\n";
+    let tail = format!("{:x}\r\n{done}\r\n0\r\n\r\n", done.len());
+    let gate = Gate::new();
+    let g = gate.clone();
+    let w = FakeWorker::start_with(move |_| {
+        Reply::raw(vec![
+            Step::Write(burst.clone().into_bytes()),
+            Step::Wait(g.clone()),
+            Step::Write(tail.clone().into_bytes()),
+        ])
+    })
+    .await;
+    let router = start_router(&yaml_for(&[&w], "")).await;
+    let mut conn = Conn::connect(router.addr).await;
+    conn.send(&Req::post("/v1/chat/completions", chat_body("burst", true)))
+        .await
+        .unwrap();
+    assert_eq!(conn.read_head().await.status, 200);
+    let mut body = Vec::new();
+    while body.len() < events.len() {
+        match within(
+            "the burst, before the worker goes on",
+            conn.try_next_piece(),
+        )
+        .await
+        {
+            Ok(Some(p)) => body.extend_from_slice(&p),
+            other => panic!("stream ended early: {other:?}"),
+        }
+    }
+    assert_eq!(
+        String::from_utf8_lossy(&body),
+        events,
+        "every event, in order, once"
+    );
+    gate.open();
+    let mut rest = Vec::new();
+    while let Ok(Some(p)) = within("the end", conn.try_next_piece()).await {
+        rest.extend_from_slice(&p);
+    }
+    assert_eq!(String::from_utf8_lossy(&rest), done);
+    wait_all_idle(router.addr, Duration::from_millis(500)).await;
+    router.shutdown().await;
+}
