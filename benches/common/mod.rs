@@ -117,11 +117,14 @@ pub fn decide(
     rng: &mut StdRng,
 ) -> Decided {
     let t0 = Instant::now();
-    let ctx = extract(Endpoint::ChatCompletions, body, max_prompt_bytes);
+    let mut ctx = extract(Endpoint::ChatCompletions, body, max_prompt_bytes);
     let t1 = Instant::now();
+    // As the proxy does: the chunk hashes move from the context to the request.
+    let chain = std::mem::take(&mut ctx.chain).into();
     let req = RouteRequest {
         ctx: Some(&ctx),
         tie: Some(ctx.digest),
+        chain,
         ..Default::default()
     };
     let candidates: Vec<Candidate> = set

@@ -10,9 +10,10 @@
 //! summed into each worker's `remote_in_flight` (load comparisons and `max_load`), each
 //! replica's share expiring [`LOAD_TTL`] after its last publish.
 //!
-//! Routing never waits on Redis: the request path only hashes the served prompt and
-//! hands the record to a bounded channel (dropped and counted when full); publishing and
-//! applying run in two tasks. A Redis outage degrades to per-process routing (the other
+//! Routing never waits on Redis: the request path hashes nothing of its own (the chunk
+//! hashes come with the prompt's digest, `crate::prompt::chunks`), it only hands the
+//! served prompt's record to a bounded channel (dropped and counted when full);
+//! publishing and applying run in two tasks. A Redis outage degrades to per-process routing (the other
 //! replicas' loads expire; their prefix records stay, they were true) and is counted and
 //! logged; both tasks reconnect and sharing resumes. Precise mode needs none of this:
 //! every replica follows the engines' own KV events.
@@ -29,7 +30,7 @@ mod index;
 pub mod wire;
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -38,13 +39,13 @@ use tokio::sync::mpsc;
 
 use crate::config::StateConfig;
 use crate::pool::{Pool, Worker, WorkerId};
+pub use crate::prompt::chunks::{CHUNK_BYTES, chain};
+use crate::prompt::chunks::{extend, link};
 use crate::shutdown::Shutdown;
 use crate::tree::{ChainMemo, PrefixMatch, RemotePrefixes, WorkerMask};
 use index::ChunkIndex;
 use wire::{Batch, Record};
 
-/// Bytes of routing text per hashed chunk: the granularity of a shared match.
-pub const CHUNK_BYTES: usize = 128;
 /// How often a replica publishes its in-flight counts.
 pub const LOAD_EVERY: Duration = Duration::from_millis(100);
 /// A replica's in-flight share counts this long after its last publish.
@@ -60,15 +61,6 @@ pub const LOG_MESSAGES: usize = 1000;
 const LOG_TTL: Duration = Duration::from_secs(24 * 3600);
 /// Records waiting for the publisher; past it new ones are dropped (and counted).
 const QUEUE: usize = 4096;
-/// Routing text (bytes) queued for the publisher to hash; past it a served prompt's
-/// hashes are completed on the request path instead (bounds the queue's memory when
-/// Redis is slow).
-const QUEUE_TEXT_BYTES: usize = 4 << 20;
-/// Text buffers kept for reuse by the request path, and the largest kept (bytes).
-/// (The publisher drains every [`FLUSH_EVERY`]: at 5,000 requests/s that is 100 texts
-/// in flight; with the default 32 KiB `cache.max_prompt_bytes`, ≤ 4 MiB kept.)
-const SPARE_BUFFERS: usize = 128;
-const SPARE_MAX_BYTES: usize = 64 << 10;
 /// Index sets cleared per lock hold when a worker's records go.
 const FORGET_SETS: usize = 4096;
 /// Longest one Redis call may take.
@@ -112,19 +104,6 @@ pub struct FleetCounts {
     pub connected: AtomicBool,
 }
 
-/// What the request path hands the publisher.
-enum Outgoing {
-    /// A record as it is (bindings, and prefixes hashed on the request path).
-    Record(Record),
-    /// A served prompt: the chunk hashes its pick computed (`chain`) and the text of its
-    /// whole chunks after them (`rest`), hashed by the publisher, off the request path.
-    Served {
-        worker: u64,
-        chain: Vec<u64>,
-        rest: Vec<u8>,
-    },
-}
-
 /// One replica's published in-flight counts (worker key hash, requests) and when.
 type Share = (Instant, Vec<(u64, u32)>);
 
@@ -137,14 +116,8 @@ pub struct Fleet {
     log: String,
     client: redis::Client,
     pool: Arc<Pool>,
-    tx: mpsc::Sender<Outgoing>,
-    rx: Mutex<Option<mpsc::Receiver<Outgoing>>>,
-    /// Bytes of [`Outgoing::Served::rest`] in the queue.
-    queued_text: AtomicUsize,
-    /// Emptied `rest` buffers, back from the publisher for the request path to fill
-    /// again: no allocation, and memory already touched (a fresh 30 KiB buffer costs
-    /// its page faults on every request).
-    spare: Mutex<Vec<Vec<u8>>>,
+    tx: mpsc::Sender<Record>,
+    rx: Mutex<Option<mpsc::Receiver<Record>>>,
     index: Mutex<ChunkIndex>,
     /// Per other replica: when it last published, and its share.
     loads: Mutex<HashMap<u64, Share>>,
@@ -164,36 +137,6 @@ impl std::fmt::Debug for Fleet {
     }
 }
 
-/// The chained hashes of `text`'s whole [`CHUNK_BYTES`] chunks: `h[i]` = [`link`] of
-/// `h[i-1]` (0 for the first) and chunk `i`, so equal hashes mean equal prefixes.
-pub fn chain(text: &[u8]) -> impl Iterator<Item = u64> + '_ {
-    text.chunks_exact(CHUNK_BYTES).scan(0u64, |prev, c| {
-        *prev = link(*prev, c);
-        Some(*prev)
-    })
-}
-
-/// Appends to `chain` (the hashes of the chunks before `rest`) those of `rest`'s whole
-/// chunks.
-fn extend(chain: &mut Vec<u64>, rest: &[u8]) {
-    let mut prev = chain.last().copied().unwrap_or(0);
-    chain.extend(rest.chunks_exact(CHUNK_BYTES).map(|c| {
-        prev = link(prev, c);
-        prev
-    }));
-}
-
-/// One step of [`chain`]: the hash of `chunk` after the chain's hash `prev` — xxh3-64
-/// of the chunk, unseeded (a seeded xxh3 costs ~40 % more per 128-byte chunk), folded
-/// into `prev` by a step that is a bijection of the chunk's hash for a given `prev`
-/// (xor, odd multiply, xor-shift) and not symmetric in the two (the rotation), so
-/// reordered chunks do not collide.
-fn link(prev: u64, chunk: &[u8]) -> u64 {
-    let x = (prev.rotate_left(29) ^ xxhash_rust::xxh3::xxh3_64(chunk))
-        .wrapping_mul(0x9E37_79B9_7F4A_7C15);
-    x ^ (x >> 32)
-}
-
 impl Fleet {
     /// The fleet for `cfg` (its `redis_url` set), over `pool`'s workers; connects when
     /// [`Fleet::run`] starts. `Err` when the URL cannot be used (config checked it).
@@ -211,8 +154,6 @@ impl Fleet {
             pool,
             tx,
             rx: Mutex::new(Some(rx)),
-            queued_text: AtomicUsize::new(0),
-            spare: Mutex::new(Vec::new()),
             index: Mutex::new(ChunkIndex::new(MAX_RECORDS)),
             loads: Mutex::new(HashMap::new()),
             bindings: std::sync::OnceLock::new(),
@@ -234,56 +175,13 @@ impl Fleet {
             key,
             worker: worker.key_hash(),
         };
-        self.queue(Outgoing::Record(r));
+        self.queue(r);
     }
 
-    /// The record `out` stands for, its chunks hashed (the publisher's side of
-    /// [`Fleet::queue`]).
-    fn complete(&self, out: Outgoing) -> Record {
-        match out {
-            Outgoing::Record(r) => r,
-            Outgoing::Served {
-                worker,
-                mut chain,
-                rest,
-            } => {
-                self.queued_text.fetch_sub(rest.len(), Ordering::Relaxed);
-                extend(&mut chain, &rest);
-                self.recycle(rest);
-                Record::Prefix { worker, chain }
-            }
-        }
-    }
-
-    /// Hands `out` to the publisher; dropped and counted when it is behind.
-    fn queue(&self, out: Outgoing) {
-        if let Err(e) = self.tx.try_send(out) {
+    /// Hands `record` to the publisher; dropped and counted when it is behind.
+    fn queue(&self, record: Record) {
+        if self.tx.try_send(record).is_err() {
             self.counts.dropped.fetch_add(1, Ordering::Relaxed);
-            if let Outgoing::Served { rest, .. } = e.into_inner() {
-                self.queued_text.fetch_sub(rest.len(), Ordering::Relaxed);
-                self.recycle(rest);
-            }
-        }
-    }
-
-    /// A copy of `text` in a spare buffer when there is one.
-    fn copied(&self, text: &[u8]) -> Vec<u8> {
-        let spare = self.spare.lock().unwrap_or_else(|p| p.into_inner()).pop();
-        let mut buf = spare.unwrap_or_default();
-        buf.extend_from_slice(text);
-        buf
-    }
-
-    /// Keeps `buf` for [`Fleet::copied`]: at most [`SPARE_BUFFERS`], none larger than
-    /// [`SPARE_MAX_BYTES`] (an outsized prompt's buffer is freed).
-    fn recycle(&self, mut buf: Vec<u8>) {
-        if buf.capacity() > SPARE_MAX_BYTES {
-            return;
-        }
-        buf.clear();
-        let mut spare = self.spare.lock().unwrap_or_else(|p| p.into_inner());
-        if spare.len() < SPARE_BUFFERS {
-            spare.push(buf);
         }
     }
 
@@ -303,7 +201,7 @@ impl Fleet {
         );
     }
 
-    async fn publish(self: Arc<Self>, mut rx: mpsc::Receiver<Outgoing>, mut shutdown: Shutdown) {
+    async fn publish(self: Arc<Self>, mut rx: mpsc::Receiver<Record>, mut shutdown: Shutdown) {
         let cfg = redis::aio::ConnectionManagerConfig::new()
             .set_connection_timeout(Some(OP_TIMEOUT))
             .set_response_timeout(Some(OP_TIMEOUT))
@@ -330,7 +228,7 @@ impl Fleet {
                 _ = flush.tick() => {
                     loop {
                         match rx.try_recv() {
-                            Ok(out) => batch.push(&self.complete(out)),
+                            Ok(r) => batch.push(&r),
                             Err(mpsc::error::TryRecvError::Empty) => break,
                             Err(mpsc::error::TryRecvError::Disconnected) => return,
                         }
@@ -575,8 +473,9 @@ impl Fleet {
     }
 }
 
-/// The chunk hashes of one text, computed only as far as they are asked for, kept in
-/// the request's [`ChainMemo`] so its pick and its publish hash the text once.
+/// The chunk hashes of one text, from the request's [`ChainMemo`]: the proxy's comes
+/// filled by extraction (`RouteContext::chain`); an empty one (tests, other callers) is
+/// filled as far as the search asks, and the publish reuses what it holds.
 struct LazyChain<'a> {
     text: &'a [u8],
     hashes: std::sync::MutexGuard<'a, Vec<u64>>,
@@ -687,8 +586,15 @@ impl RemotePrefixes for Fleet {
             return best;
         }
         let mut chain = LazyChain::new(text, memo);
-        let start = (guess / CHUNK_BYTES).saturating_sub(1);
-        let Some(last) = last_held(n, start, |i| index.held(chain.get(i), eligible)) else {
+        // The chunk whose record would tie the guess (or beat it, for a guess between
+        // chunk ends): when no eligible worker holds it, nothing here is as long as the
+        // guess, and the caller keeps its own match (one probe, the common case of a
+        // prompt the other replicas saw no more of than this one did).
+        let first = guess.div_ceil(CHUNK_BYTES).saturating_sub(1);
+        if guess > 0 && !index.held(chain.get(first), eligible) {
+            return best;
+        }
+        let Some(last) = last_held(n, first, |i| index.held(chain.get(i), eligible)) else {
             return best;
         };
         best.matched = (last + 1) * CHUNK_BYTES;
@@ -726,29 +632,16 @@ impl RemotePrefixes for Fleet {
         let Some(w) = self.pool.set().get(worker).map(|w| w.key_hash()) else {
             return;
         };
-        // The pick's hashes, taken (the request is done routing); the chunks it did not
-        // hash go to the publisher as text (a copy costs a fraction of hashing them),
-        // unless too much text waits already.
+        // The request's hashes, taken (it is done routing): the proxy's come whole from
+        // extraction; a caller that brought none (a test, say) has the rest hashed here.
         let n = (text.len() / CHUNK_BYTES).min(wire::MAX_CHAIN);
         let mut chain = std::mem::take(&mut *memo.lock());
         chain.truncate(n);
-        let rest = &text[chain.len() * CHUNK_BYTES..n * CHUNK_BYTES];
-        let out = if rest.is_empty() {
-            Outgoing::Record(Record::Prefix { worker: w, chain })
-        } else if self.queued_text.fetch_add(rest.len(), Ordering::Relaxed) + rest.len()
-            <= QUEUE_TEXT_BYTES
-        {
-            Outgoing::Served {
-                worker: w,
-                chain,
-                rest: self.copied(rest),
-            }
-        } else {
-            self.queued_text.fetch_sub(rest.len(), Ordering::Relaxed);
-            extend(&mut chain, rest);
-            Outgoing::Record(Record::Prefix { worker: w, chain })
-        };
-        self.queue(out);
+        if chain.len() < n {
+            let from = chain.len() * CHUNK_BYTES;
+            extend(&mut chain, &text[from..n * CHUNK_BYTES]);
+        }
+        self.queue(Record::Prefix { worker: w, chain });
     }
 
     /// In steps of [`FORGET_SETS`] sets per lock hold (~0.5 MiB of the table), so the
@@ -840,6 +733,20 @@ mod tests {
         assert_eq!(f.remote_records(), before);
         f.apply(b"garbage");
         assert_eq!(f.counts.malformed.load(Ordering::Relaxed), 1);
+        // A guess (the tree's own match) is tied or beaten, or nothing is reported.
+        for (guess, want) in [
+            (2 * CHUNK_BYTES + 5, 3 * CHUNK_BYTES),
+            (3 * CHUNK_BYTES, 3 * CHUNK_BYTES),
+            (3 * CHUNK_BYTES + 1, 0),
+            (4 * CHUNK_BYTES, 0),
+        ] {
+            let hashed = ChainMemo::from(hashes.clone());
+            for memo in [&ChainMemo::default(), &hashed] {
+                let m = f.longest_prefix(&text, &all, memo, guess);
+                assert_eq!(m.matched, want, "guess {guess}");
+                assert_eq!(m.workers.contains(a.id()), want > 0);
+            }
+        }
         // A tree match past the text's whole chunks: no record here can match or tie it.
         let past = 4 * CHUNK_BYTES + 1;
         assert_eq!(
@@ -870,27 +777,12 @@ mod tests {
                 LazyChain::new(&text, &memo).get(hashed - 1);
             }
             f.learned(&text, a, &memo);
-            let out = rx.try_recv().expect("queued");
-            assert_eq!(
-                matches!(out, Outgoing::Served { .. }),
-                hashed < 9,
-                "the rest goes as text"
-            );
-            let Record::Prefix { chain, .. } = f.complete(out) else {
+            let Record::Prefix { chain, .. } = rx.try_recv().expect("queued") else {
                 panic!("a prefix record");
             };
             assert_eq!(chain, whole, "pick hashed {hashed} chunks");
+            assert!(memo.lock().is_empty(), "the hashes were taken, not copied");
         }
-        assert_eq!(f.queued_text.load(Ordering::Relaxed), 0);
-        // Past the text budget the request path hashes: still the whole chain.
-        f.queued_text.store(QUEUE_TEXT_BYTES, Ordering::Relaxed);
-        f.learned(&text, a, &ChainMemo::default());
-        let out = rx.try_recv().expect("queued");
-        assert!(matches!(out, Outgoing::Record(_)));
-        let Record::Prefix { chain, .. } = f.complete(out) else {
-            panic!("a prefix record");
-        };
-        assert_eq!(chain, whole);
     }
 
     #[test]
@@ -941,24 +833,5 @@ mod tests {
         assert_eq!(lazy.get(3), all[3]);
         assert_eq!(lazy.get(1), all[1]);
         assert_eq!(lazy.get(4), all[4]);
-    }
-
-    #[test]
-    fn chain_is_prefix_closed_and_ignores_the_partial_tail() {
-        let a = vec![b'a'; CHUNK_BYTES * 3 + 5];
-        let mut b = a.clone();
-        b[CHUNK_BYTES * 2 + 1] = b'b';
-        let ha: Vec<u64> = chain(&a).collect();
-        let hb: Vec<u64> = chain(&b).collect();
-        assert_eq!(ha.len(), 3);
-        assert_eq!(ha[..2], hb[..2]);
-        assert_ne!(ha[2], hb[2]);
-        assert_ne!(ha[0], ha[1], "each chunk's hash folds in the one before");
-        // Reordered chunks do not collide.
-        let (x, y) = (vec![b'x'; CHUNK_BYTES], vec![b'y'; CHUNK_BYTES]);
-        let xy: Vec<u64> = chain(&[x.clone(), y.clone()].concat()).collect();
-        let yx: Vec<u64> = chain(&[y, x].concat()).collect();
-        assert_ne!(xy[1], yx[1]);
-        assert_eq!(chain(&a[..CHUNK_BYTES - 1]).count(), 0);
     }
 }

@@ -255,8 +255,8 @@ pub fn pick_cache_aware(
     };
     // A bound on the other replicas' longest match over every eligible worker: no one
     // worker's can be longer, which spares `own` a second remote lookup when the tree's
-    // is as long. An empty answer bounds it by the guess only (the lookup skips a text
-    // the tree already matches past its whole chunks).
+    // is as long. An empty answer bounds it by the guess only (the lookup reports no
+    // match shorter than the tree's).
     let mut remote_best = 0;
     if let Some((r, memo)) = memory.remote {
         let other = r.longest_prefix(text, &eligible, memo, m.matched);

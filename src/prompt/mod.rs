@@ -4,21 +4,23 @@
 //! content, per message), never the raw JSON: every chat body starts with the same
 //! envelope (`{"model":…,"messages":[{"role":…`), and routing on it would make unrelated
 //! requests look like cache hits. Rules per API family live in [`openai`] and
-//! [`anthropic`]. Media (images, audio, files) count towards the digest only; the text
-//! gets a short placeholder carrying the media's hash, so two requests that differ only
-//! in an image do not look like a full match, and no base64 ever enters the tree.
+//! [`anthropic`]. Media (images, audio, files) enter the text only as a short
+//! placeholder carrying the media's hash, so two requests that differ only in an image
+//! do not look like a full match, and no base64 ever enters the tree.
 //!
 //! Extraction never fails: a body that is not JSON or not of the endpoint's shape falls
 //! back to its raw bytes. It only reads the body; the upstream always receives the
 //! client's bytes unchanged.
 
 pub mod anthropic;
+pub mod chunks;
 pub mod openai;
 
 use std::borrow::Cow;
 
 use serde_json::value::RawValue;
-use xxhash_rust::xxh3::Xxh3;
+
+use chunks::Chunker;
 
 /// An API route whose body the router knows how to read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,8 +76,15 @@ pub struct RouteContext<'a> {
     pub text: Cow<'a, [u8]>,
     /// Length in bytes of the whole prompt (text plus media), before the cut.
     pub total_len: usize,
-    /// xxh3-64 of the whole prompt (text plus media bytes), before the cut.
+    /// Digest of the whole prompt before the cut ([`chunks::Chunker::digest`] of the text
+    /// with its media placeholders, which carry the media's xxh3-64; of the raw body
+    /// for [`Source::RawBody`]).
     pub digest: u64,
+    /// The chained hashes of `text`'s whole [`chunks::CHUNK_BYTES`] chunks
+    /// ([`chunks::chain`]), computed in the digest's pass: router replicas sharing
+    /// state match and publish prefixes by them. The proxy moves them into the
+    /// request's `ChainMemo`.
+    pub chain: Vec<u64>,
     pub source: Source,
     /// Whether the prompt references media by a remote `http(s)://` URL.
     pub has_remote_media: bool,
@@ -83,17 +92,17 @@ pub struct RouteContext<'a> {
     /// `previous_response_id`, else its `conversation` id. The worker that holds that
     /// state must answer it (see `policy::session`).
     pub continues: Option<u64>,
-    /// xxh3-64 of the prompt up to the cut (the routing text and any media before it),
-    /// when the prompt was longer than `max_prompt_bytes`; `None` when nothing was cut.
-    /// Equal for prompts whose kept text is equal, at no extra hashing (the digest's
-    /// hasher is read at the cut).
+    /// Digest of the prompt up to the cut (the routing text, media placeholders
+    /// included), when the prompt was longer than `max_prompt_bytes`; `None` when
+    /// nothing was cut. Equal for prompts whose kept text is equal, at no extra hashing
+    /// (the digest's chunker is read at the cut).
     pub cut_digest: Option<u64>,
 }
 
 /// Reads the routing context of `body` for `endpoint`. `max_prompt_bytes` bounds the
 /// routing text (bytes). Never fails; see the module docs for the fallback.
 pub fn extract(endpoint: Endpoint, body: &[u8], max_prompt_bytes: usize) -> RouteContext<'_> {
-    let mut b = PromptBuilder::new(max_prompt_bytes);
+    let mut b = PromptBuilder::sized(max_prompt_bytes, body.len());
     let ok = match endpoint {
         Endpoint::ChatCompletions => openai::chat(body, &mut b),
         Endpoint::Completions => openai::completions(body, &mut b),
@@ -109,24 +118,30 @@ pub fn extract(endpoint: Endpoint, body: &[u8], max_prompt_bytes: usize) -> Rout
 
 /// The fallback context: the body's own bytes (cut to `max_prompt_bytes`).
 pub fn raw_body(body: &[u8], max_prompt_bytes: usize) -> RouteContext<'_> {
+    let text = &body[..body.len().min(max_prompt_bytes)];
+    let mut h = Chunker::new(max_prompt_bytes, body.len());
+    h.update(text);
+    let cut_digest = (body.len() > text.len()).then(|| h.digest());
+    h.update(&body[text.len()..]);
     RouteContext {
-        text: Cow::Borrowed(&body[..body.len().min(max_prompt_bytes)]),
+        text: Cow::Borrowed(text),
         total_len: body.len(),
-        digest: xxhash_rust::xxh3::xxh3_64(body),
+        digest: h.digest(),
+        chain: h.into_chain(text.len()),
         source: Source::RawBody,
         has_remote_media: false,
         continues: None,
-        cut_digest: (body.len() > max_prompt_bytes)
-            .then(|| xxhash_rust::xxh3::xxh3_64(&body[..max_prompt_bytes])),
+        cut_digest,
     }
 }
 
-/// Accumulates routing text up to a byte cap while hashing and counting everything.
+/// Accumulates routing text up to a byte cap while hashing (in chunks, see [`chunks`])
+/// and counting everything.
 pub struct PromptBuilder {
     text: String,
     cap: usize,
     total_len: usize,
-    hasher: Xxh3,
+    hasher: Chunker,
     has_remote_media: bool,
     continues: Option<u64>,
     cut_digest: Option<u64>,
@@ -135,11 +150,17 @@ pub struct PromptBuilder {
 impl PromptBuilder {
     /// A builder keeping at most `cap` bytes of text.
     pub fn new(cap: usize) -> Self {
+        Self::sized(cap, 4096)
+    }
+
+    /// As [`PromptBuilder::new`], sized for a prompt of about `expect` bytes (the
+    /// body's length).
+    pub fn sized(cap: usize, expect: usize) -> Self {
         PromptBuilder {
             text: String::with_capacity(cap.min(4096)),
             cap,
             total_len: 0,
-            hasher: Xxh3::new(),
+            hasher: Chunker::new(cap, expect),
             has_remote_media: false,
             continues: None,
             cut_digest: None,
@@ -165,7 +186,13 @@ impl PromptBuilder {
             return;
         }
         self.total_len += s.len();
-        let room = self.cap - self.text.len();
+        // Once cut (on a character boundary, maybe short of the cap), the text is
+        // sealed: it stays a prefix of the prompt, and so do its chunk hashes.
+        let room = if self.cut_digest.is_some() {
+            0
+        } else {
+            self.cap - self.text.len()
+        };
         if room == 0 {
             self.note_cut();
             self.hasher.update(s.as_bytes());
@@ -197,14 +224,11 @@ impl PromptBuilder {
         self.text("\n");
     }
 
-    /// Counts media bytes (an image's data URL or JSON) towards length and digest, and
-    /// puts a placeholder with their hash in the text: `<image:0123456789abcdef>`.
+    /// Counts media bytes (an image's data URL or JSON) towards the length, and puts a
+    /// placeholder with their xxh3-64 in the text, `<image:0123456789abcdef>`, which
+    /// carries them into the digest.
     pub fn media(&mut self, kind: &str, raw: &[u8]) {
-        if self.text.len() == self.cap {
-            self.note_cut();
-        }
         self.total_len += raw.len();
-        self.hasher.update(raw);
         let h = xxhash_rust::xxh3::xxh3_64(raw);
         let mut tag = String::with_capacity(kind.len() + 20);
         tag.push('<');
@@ -226,9 +250,10 @@ impl PromptBuilder {
     /// The finished context.
     pub fn finish(self) -> RouteContext<'static> {
         RouteContext {
+            digest: self.hasher.digest(),
+            chain: self.hasher.into_chain(self.text.len()),
             text: Cow::Owned(self.text.into_bytes()),
             total_len: self.total_len,
-            digest: self.hasher.digest(),
             source: Source::Extracted,
             has_remote_media: self.has_remote_media,
             continues: self.continues,
@@ -578,6 +603,7 @@ mod tests {
                 text: Cow::Owned(self.text.into_owned()),
                 total_len: self.total_len,
                 digest: self.digest,
+                chain: self.chain,
                 source: self.source,
                 has_remote_media: self.has_remote_media,
                 continues: self.continues,
@@ -598,20 +624,44 @@ mod tests {
         let b = b.finish();
         assert_eq!(a.text, b.text);
         assert_eq!(a.cut_digest, b.cut_digest);
-        assert_eq!(a.cut_digest, Some(xxhash_rust::xxh3::xxh3_64(b"hello wo")));
+        assert_eq!(a.cut_digest, Some(chunks::digest(b"hello wo")));
         assert_ne!(a.digest, b.digest);
         // The whole-prompt digest is as before: of everything, in one piece.
-        assert_eq!(
-            a.digest,
-            xxhash_rust::xxh3::xxh3_64(b"hello world, and more")
-        );
+        assert_eq!(a.digest, chunks::digest(b"hello world, and more"));
         let mut c = PromptBuilder::new(64);
         c.text("short");
         assert_eq!(c.finish().cut_digest, None);
         assert_eq!(
             raw_body(b"0123456789", 4).cut_digest,
-            Some(xxhash_rust::xxh3::xxh3_64(b"0123"))
+            Some(chunks::digest(b"0123"))
         );
         assert_eq!(raw_body(b"0123", 4).cut_digest, None);
+    }
+
+    #[test]
+    fn the_chain_is_the_routing_texts_whole_chunks_and_text_stops_at_the_cut() {
+        let cap = chunks::CHUNK_BYTES * 3;
+        // "é" is two bytes: the cut falls one byte short of the cap, and what comes
+        // after it (a message end, more text) never enters the text.
+        let long = format!("{}é{}", "a".repeat(cap - 7), "b".repeat(500));
+        let body = serde_json::json!({"messages": [
+            {"role": "user", "content": long},
+            {"role": "user", "content": "more"},
+        ]})
+        .to_string();
+        let ctx = extract(Endpoint::ChatCompletions, body.as_bytes(), cap);
+        assert_eq!(ctx.source, Source::Extracted);
+        let expected = format!("user: {long}");
+        let kept = &expected.as_bytes()[..ctx.text.len()];
+        assert_eq!(ctx.text.len(), cap - 1);
+        assert_eq!(ctx.text.as_ref(), kept);
+        assert_eq!(ctx.chain, chunks::chain(&ctx.text).collect::<Vec<_>>());
+        assert_eq!(ctx.chain.len(), ctx.text.len() / chunks::CHUNK_BYTES);
+        assert_eq!(ctx.cut_digest, Some(chunks::digest(&ctx.text)));
+        // A raw body too.
+        let raw = vec![b'x'; cap + 7];
+        let r = raw_body(&raw, cap);
+        assert_eq!(r.chain, chunks::chain(&raw[..cap]).collect::<Vec<_>>());
+        assert_eq!(r.digest, chunks::digest(&raw));
     }
 }

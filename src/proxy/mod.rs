@@ -276,7 +276,8 @@ impl Router {
             }
         }
         let started = Instant::now();
-        let ctx = endpoint.map(|e| prompt::extract(e, &body, self.config.cache.max_prompt_bytes));
+        let mut ctx =
+            endpoint.map(|e| prompt::extract(e, &body, self.config.cache.max_prompt_bytes));
         if let (Some(c), RemoteMediaPolicy::Reject(status)) =
             (&ctx, self.config.proxy.remote_media_url_policy)
             && c.has_remote_media
@@ -298,6 +299,13 @@ impl Router {
         // Read whether or not session affinity is on: `consistent_hash` hashes it too.
         let session = policy::session::session_key(&self.config.session, &parts.headers, &body);
         let set = self.worker_set();
+        // The chunk hashes extraction computed with the digest, moved to the request:
+        // a shared-state pick matches by them and the publish of what was served
+        // takes them.
+        let chain = ctx
+            .as_mut()
+            .map(|c| std::mem::take(&mut c.chain))
+            .unwrap_or_default();
         let route = Route {
             label,
             req: RouteRequest {
@@ -305,7 +313,7 @@ impl Router {
                 prepared,
                 session,
                 tie: session.or(ctx.as_ref().map(|c| c.digest)),
-                chain: Default::default(),
+                chain: chain.into(),
             },
             arrived,
             started,

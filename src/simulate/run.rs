@@ -222,7 +222,8 @@ pub async fn replay(
             prepared: policy::Prepared::Nothing,
             session: None,
             tie: Some(ctx.digest),
-            chain: Default::default(),
+            // As the proxy does (it moves them; the replay keeps its contexts).
+            chain: ctx.chain.clone().into(),
         };
         let Some((pick, mut guard)) =
             pick_slot(&*policy, &set, &req, &WorkerMask::default(), &mut rng)

@@ -68,10 +68,20 @@ pub struct SharedTree {
     pub aged_out_bytes: std::sync::atomic::AtomicU64,
 }
 
-/// One request's chunk hashes, kept between its pick and its publish so the routing
-/// text is hashed once (filled and read only by the [`RemotePrefixes`] implementation).
+/// One request's chunk hashes (`crate::prompt::chunks`), kept between its pick and its
+/// publish so the routing text is hashed once: the proxy fills it from extraction,
+/// which computes them with the digest; the [`RemotePrefixes`] implementation reads it
+/// (completing what is missing) and takes it to publish.
 #[derive(Debug, Default)]
 pub struct ChainMemo(std::sync::Mutex<Vec<u64>>);
+
+impl From<Vec<u64>> for ChainMemo {
+    /// A memo holding `chain` (the routing text's chunk hashes, or a prefix of them:
+    /// `crate::prompt::RouteContext::chain`).
+    fn from(chain: Vec<u64>) -> Self {
+        ChainMemo(std::sync::Mutex::new(chain))
+    }
+}
 
 impl ChainMemo {
     /// The hashes computed so far (a prefix of the chain).
@@ -84,9 +94,10 @@ impl ChainMemo {
 /// told what this replica's workers served (implemented by `crate::fleet`). Its matches
 /// are in whole chunks of the routing text; bytes, like the tree's.
 pub trait RemotePrefixes: Send + Sync + std::fmt::Debug {
-    /// As [`RadixTree::longest_prefix`], over the other replicas' records. `guess`
-    /// (bytes; the tree's own match, say) is where the search starts: a close guess
-    /// hashes and probes less, a wrong one only costs a few more probes.
+    /// As [`RadixTree::longest_prefix`], over the other replicas' records, for a match
+    /// of at least `guess` bytes (the tree's own match, say): one shorter need not be
+    /// reported (the answer may then be empty), and the search starts there, so a
+    /// close guess probes less.
     fn longest_prefix(
         &self,
         text: &[u8],
