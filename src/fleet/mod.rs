@@ -594,7 +594,16 @@ impl RemotePrefixes for Fleet {
         if guess > 0 && !index.held(chain.get(first), eligible) {
             return best;
         }
-        let Some(last) = last_held(n, first, |i| index.held(chain.get(i), eligible)) else {
+        // `first` is known held when probed (a guess of 0 probes chunk 0 here first).
+        let mut known = guess > 0;
+        let holds = |i: usize| {
+            if known && i == first {
+                known = false;
+                return true;
+            }
+            index.held(chain.get(i), eligible)
+        };
+        let Some(last) = last_held(n, first, holds) else {
             return best;
         };
         best.matched = (last + 1) * CHUNK_BYTES;

@@ -573,7 +573,8 @@ mod tests {
     }
 
     /// Other replicas' records as `crate::fleet::Fleet` answers them: whole 128-byte
-    /// chunks, nothing when the tree's match (the guess) is past the text's whole chunks.
+    /// chunks, and nothing when no eligible record ties or beats the tree's match (the
+    /// guess; so nothing when it is past the text's whole chunks).
     #[derive(Debug)]
     struct Remote(Vec<(WorkerId, usize)>);
 
@@ -594,6 +595,7 @@ mod tests {
                 .clone()
                 .map(|(_, n)| (*n).min(whole))
                 .max()
+                .filter(|&m| m >= guess)
                 .unwrap_or(0);
             PrefixMatch {
                 matched,
@@ -635,6 +637,27 @@ mod tests {
         assert_eq!(
             (r.worker, r.reason, r.matched),
             (Some(WorkerId(1)), Reason::HitOverloaded, 64)
+        );
+        // The other replica holds less than the tree's match: the first lookup answers
+        // nothing, and the diverted worker's own (shorter) match is still asked for.
+        let remote = Remote(vec![(WorkerId(1), 128)]);
+        let memory = Memory {
+            tree: &t,
+            remote: Some((&remote, &ChainMemo::default())),
+            tokens_per_byte: &|_| 0.25,
+        };
+        let short = [&[b'x'; 256][..], &[b'y'; 128][..]].concat();
+        let r = pick_cache_aware(
+            &params(),
+            &short,
+            &cands(&[5, 0]),
+            &memory,
+            None,
+            &mut rng(),
+        );
+        assert_eq!(
+            (r.worker, r.reason, r.matched),
+            (Some(WorkerId(1)), Reason::HitOverloaded, 32)
         );
     }
 

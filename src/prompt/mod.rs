@@ -180,7 +180,8 @@ impl PromptBuilder {
         self.continues = Some(xxhash_rust::xxh3::xxh3_64(id.as_bytes()));
     }
 
-    /// Appends text: to the routing text (while under the cap), the length and the digest.
+    /// Appends text: to the routing text (while under the cap and not yet cut), the
+    /// length and the digest.
     pub fn text(&mut self, s: &str) {
         if s.is_empty() {
             return;
