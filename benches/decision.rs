@@ -12,8 +12,8 @@
 //! the tree fill's prompts, so lookups stop after the shared 2 KiB system prompt). The
 //! Redis URL names a closed port and is never connected (the decision path reads only
 //! the in-process index and queues a record for the publisher, not running here). A
-//! last pass times the remote lookup alone (`Fleet::longest_prefix`, and the chunk
-//! hashing inside it).
+//! last pass times the remote lookup alone (`Fleet::longest_prefix`, on the chunk
+//! hashes extraction computed) and, beside it, what those hashes cost (inside extract).
 //!
 //! Run: `cargo bench --bench decision` (add `-- --nodes 200000` for a quicker run).
 
