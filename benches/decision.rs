@@ -15,6 +15,11 @@
 //! last pass times the remote lookup alone (`Fleet::longest_prefix`, on the chunk
 //! hashes extraction computed) and, beside it, what those hashes cost (inside extract).
 //!
+//! The trees are held at their size after the fill, as a router's upkeep task holds its
+//! tree at `cache.max_tree_size` (an untimed eviction pass before the run and every 256
+//! decisions), so a new 30 KiB leaf reuses memory that evicted leaves freed; with
+//! `--growing` they grow without bound instead, and each new leaf's pages fault in.
+//!
 //! Run: `cargo bench --bench decision` (add `-- --nodes 200000` for a quicker run).
 
 use std::sync::Arc;
@@ -45,6 +50,9 @@ struct Lane {
     hits: usize,
     /// Minor page faults taken inside timed decisions (first touches of new memory).
     faults: u64,
+    /// Decisions that took no page fault (what the code costs apart from the kernel
+    /// handing it fresh pages).
+    clean_t: Vec<Duration>,
 }
 
 impl Lane {
@@ -59,6 +67,7 @@ impl Lane {
             total_t: Vec::new(),
             hits: 0,
             faults: 0,
+            clean_t: Vec::new(),
         }
     }
 
@@ -72,7 +81,11 @@ impl Lane {
             max_prompt_bytes,
             &mut self.rng,
         );
-        self.faults += minor_faults() - f0;
+        let faults = minor_faults() - f0;
+        self.faults += faults;
+        if faults == 0 {
+            self.clean_t.push(d.extract + d.pick);
+        }
         if d.hit {
             self.hits += 1;
         }
@@ -157,6 +170,7 @@ fn main() {
     let mut nodes_target = 1_000_000usize;
     let mut decisions = 4000usize;
     let mut publisher = true;
+    let mut growing = false;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -175,6 +189,9 @@ fn main() {
             // The fleets' publisher and subscriber not started (the request path alone;
             // past its text budget, the publisher's hashing moves back onto it).
             "--no-publisher" => publisher = false,
+            // The tree grows without bound (no eviction): every new prompt's leaf lands
+            // in memory never touched before, as while a router's tree first fills.
+            "--growing" => growing = true,
             _ => {} // cargo bench passes --bench
         }
     }
@@ -312,10 +329,47 @@ fn main() {
         let policy = policy::build(&cfg, &p);
         cases.push(vec![Lane::new(name, p.set(), policy)]);
     }
+    // At the cap (the default): each tree is held near its size after the fill, as a
+    // router's upkeep task holds it at `cache.max_tree_size`: an eviction pass (untimed,
+    // as it runs beside the request path) before the run and every EVICT_EVERY
+    // decisions takes it back to EVICT_SLACK nodes under that size, so new leaves reuse
+    // what evicted ones freed.
+    const EVICT_EVERY: usize = 256;
+    const EVICT_SLACK: usize = 16 * 1024;
+    let upkeep = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .expect("runtime");
+    let evict = |lanes: &[Lane]| {
+        if growing {
+            return;
+        }
+        for lane in lanes {
+            if let Some(tree) = lane.policy.tree() {
+                let to = nodes_target.saturating_sub(EVICT_SLACK);
+                upkeep.block_on(cache_aware_router::tree::evict::evict_to(tree, to));
+            }
+        }
+    };
+    println!(
+        "
+tree upkeep: {}",
+        if growing {
+            "none, the trees grow (--growing)".to_string()
+        } else {
+            format!(
+                "an eviction pass to {} nodes before the run and every {EVICT_EVERY} \
+                 decisions (untimed)",
+                nodes_target.saturating_sub(EVICT_SLACK)
+            )
+        }
+    );
     let mut totals = Vec::new();
     let mut paired = Vec::new();
     for lanes in &mut cases {
         for (n, body) in bodies.iter().enumerate() {
+            if n % EVICT_EVERY == 0 {
+                evict(lanes);
+            }
             let k = lanes.len();
             for j in 0..k {
                 lanes[(n + j) % k].decide(body, max_prompt_bytes);
@@ -360,6 +414,9 @@ fn main() {
             }
             let pick = report("pick + observe", &mut lane.pick_t);
             let total = report("decision (extract + pick + observe)", &mut lane.total_t);
+            if lane.faults > 0 && !lane.clean_t.is_empty() {
+                report("  decisions that took no fault", &mut lane.clean_t);
+            }
             totals.push((lane.name, pick, total));
         }
     }
