@@ -157,7 +157,9 @@ impl PromptBuilder {
     /// body's length).
     pub fn sized(cap: usize, expect: usize) -> Self {
         PromptBuilder {
-            text: String::with_capacity(cap.min(4096)),
+            // Sized once from the body (the text is rarely longer than its JSON), not
+            // doubled from 4 KiB with a copy at each step.
+            text: String::with_capacity(cap.min(expect)),
             cap,
             total_len: 0,
             hasher: Chunker::new(cap, expect),
