@@ -36,7 +36,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 mod common;
-use common::{chat_body, decide, minor_faults, report, words};
+use common::{Upkeep, chat_body, decide, minor_faults, report, words};
 
 /// One policy measured through the seam.
 struct Lane {
@@ -329,37 +329,29 @@ fn main() {
         let policy = policy::build(&cfg, &p);
         cases.push(vec![Lane::new(name, p.set(), policy)]);
     }
-    // At the cap (the default): each tree is held near its size after the fill, as a
-    // router's upkeep task holds it at `cache.max_tree_size`: an eviction pass (untimed,
-    // as it runs beside the request path) before the run and every EVICT_EVERY
-    // decisions takes it back to EVICT_SLACK nodes under that size, so new leaves reuse
-    // what evicted ones freed.
-    const EVICT_EVERY: usize = 256;
-    const EVICT_SLACK: usize = 16 * 1024;
-    let upkeep = tokio::runtime::Builder::new_current_thread()
-        .build()
-        .expect("runtime");
+    // At the cap (the default): each tree is held near its size after the fill (see
+    // `Upkeep`); `--growing` lets it grow.
+    let upkeep = Upkeep::new(nodes_target);
     let evict = |lanes: &[Lane]| {
         if growing {
             return;
         }
         for lane in lanes {
             if let Some(tree) = lane.policy.tree() {
-                let to = nodes_target.saturating_sub(EVICT_SLACK);
-                upkeep.block_on(cache_aware_router::tree::evict::evict_to(tree, to));
+                upkeep.pass(tree);
             }
         }
     };
     println!(
-        "
-tree upkeep: {}",
+        "\ntree upkeep: {}",
         if growing {
             "none, the trees grow (--growing)".to_string()
         } else {
             format!(
-                "an eviction pass to {} nodes before the run and every {EVICT_EVERY} \
-                 decisions (untimed)",
-                nodes_target.saturating_sub(EVICT_SLACK)
+                "an eviction pass to {} nodes before the run and every {} decisions \
+                 (untimed)",
+                upkeep.target(),
+                Upkeep::EVERY
             )
         }
     );
@@ -367,7 +359,7 @@ tree upkeep: {}",
     let mut paired = Vec::new();
     for lanes in &mut cases {
         for (n, body) in bodies.iter().enumerate() {
-            if n % EVICT_EVERY == 0 {
+            if n % Upkeep::EVERY == 0 {
                 evict(lanes);
             }
             let k = lanes.len();

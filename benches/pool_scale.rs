@@ -2,7 +2,9 @@
 //! `cache_aware` tree filled to its default cap (`cache.max_tree_size`, 1 M nodes) with
 //! prompts spread over the workers:
 //!
-//! 1. decision latency (extract + pick + observe, µs) for 2 KiB and 32 KiB chat bodies;
+//! 1. decision latency (extract + pick + observe, µs) for 2 KiB and 32 KiB chat bodies,
+//!    the tree held at its cap by an untimed eviction pass every 256 decisions (as the
+//!    router's upkeep task holds it);
 //! 2. membership changes while a second thread decides in a loop: a worker removed and
 //!    added back (`Pool::remove` / `Pool::add`, the admin API's and discovery's path,
 //!    which drops its tree records), the time each change took and the longest decision
@@ -24,7 +26,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 mod common;
-use common::{chat_body, decide, percentile, report, words};
+use common::{Upkeep, chat_body, decide, percentile, report, words};
 
 fn config(workers: usize, nodes: usize) -> Config {
     let yaml = format!(
@@ -89,11 +91,15 @@ fn bodies(f: &Fixture, n: usize, bytes: usize, rng: &mut StdRng) -> Vec<Vec<u8>>
     out
 }
 
-fn decisions(f: &Fixture, bodies: &[Vec<u8>], label: &str) {
+fn decisions(f: &Fixture, upkeep: &Upkeep, bodies: &[Vec<u8>], label: &str) {
     let mut rng = StdRng::seed_from_u64(7);
     let set = f.pool.set();
+    let tree = f.policy.tree().expect("cache_aware keeps a tree");
     let mut total = Vec::with_capacity(bodies.len());
-    for b in bodies {
+    for (n, b) in bodies.iter().enumerate() {
+        if n % Upkeep::EVERY == 0 {
+            upkeep.pass(tree);
+        }
         let d = decide(&*f.policy, &set, b, f.cfg.cache.max_prompt_bytes, &mut rng);
         total.push(d.extract + d.pick);
     }
@@ -227,11 +233,12 @@ fn main() {
         }
     }
     let mut rng = StdRng::seed_from_u64(42);
+    let upkeep = Upkeep::new(nodes);
     for workers in [4, 1000] {
         let f = fixture(workers, nodes, &mut rng);
         for kib in [2, 32] {
             let b = bodies(&f, 2000, kib << 10, &mut rng);
-            decisions(&f, &b, &format!("decision, {kib} KiB chat"));
+            decisions(&f, &upkeep, &b, &format!("decision, {kib} KiB chat"));
         }
         let b = bodies(&f, 500, 2 << 10, &mut rng);
         membership(&f, &b, 10);

@@ -85,6 +85,45 @@ pub fn report(name: &str, samples: &mut [Duration]) -> (f64, f64) {
     (p50, p99)
 }
 
+/// Holds trees near their size after the fill, as a router's upkeep task holds its tree
+/// at `cache.max_tree_size`: a pass (`tree::evict::evict_to`, run between timed
+/// decisions, as it runs beside the request path) takes a tree [`Upkeep::SLACK`] nodes
+/// under that size, so new leaves reuse what evicted ones freed instead of faulting in
+/// fresh pages.
+pub struct Upkeep {
+    rt: tokio::runtime::Runtime,
+    /// Nodes a pass leaves.
+    to: usize,
+}
+
+impl Upkeep {
+    /// Decisions between two passes.
+    pub const EVERY: usize = 256;
+    /// Nodes a pass leaves under the size after the fill.
+    pub const SLACK: usize = 16 * 1024;
+
+    /// Upkeep for trees filled to `nodes` nodes.
+    pub fn new(nodes: usize) -> Self {
+        Upkeep {
+            rt: tokio::runtime::Builder::new_current_thread()
+                .build()
+                .expect("runtime"),
+            to: nodes.saturating_sub(Self::SLACK),
+        }
+    }
+
+    /// The node count a pass leaves.
+    pub fn target(&self) -> usize {
+        self.to
+    }
+
+    /// One eviction pass over `tree`.
+    pub fn pass(&self, tree: &cache_aware_router::tree::SharedTree) {
+        self.rt
+            .block_on(cache_aware_router::tree::evict::evict_to(tree, self.to));
+    }
+}
+
 /// This thread's minor page faults so far (`/proc/thread-self/stat`, field 10); 0 where
 /// there is no such file.
 pub fn minor_faults() -> u64 {
