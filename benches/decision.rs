@@ -186,8 +186,7 @@ fn main() {
                     .and_then(|v| v.parse().ok())
                     .unwrap_or(decisions)
             }
-            // The fleets' publisher and subscriber not started (the request path alone;
-            // past its text budget, the publisher's hashing moves back onto it).
+            // The fleets' publisher and subscriber not started (the request path alone).
             "--no-publisher" => publisher = false,
             // The tree grows without bound (no eviction): every new prompt's leaf lands
             // in memory never touched before, as while a router's tree first fills.

@@ -13,9 +13,9 @@
 //! Routing never waits on Redis: the request path hashes nothing of its own (the chunk
 //! hashes come with the prompt's digest, `crate::prompt::chunks`), it only hands the
 //! served prompt's record to a bounded channel (dropped and counted when full);
-//! publishing and applying run in two tasks. A Redis outage degrades to per-process routing (the other
-//! replicas' loads expire; their prefix records stay, they were true) and is counted and
-//! logged; both tasks reconnect and sharing resumes. Precise mode needs none of this:
+//! publishing and applying run in two tasks. A Redis outage degrades to per-process
+//! routing (the other replicas' loads expire; their prefix records stay, they were true)
+//! and is counted and logged; both tasks reconnect and sharing resumes. Precise mode needs none of this:
 //! every replica follows the engines' own KV events.
 //!
 //! Session and `/v1/responses` bindings travel the same way ([`Fleet::bound`] out,
@@ -506,6 +506,22 @@ impl<'a> LazyChain<'a> {
     }
 }
 
+/// How much each step of [`last_held`]'s gallop grows.
+const GALLOP: usize = 4;
+
+/// The chunks [`last_held`] probes after a held `from` while every probe holds: `from`
+/// plus 1, 5, 21, … below `n - 1`, then `n - 1` (its first probes whatever they find,
+/// known before the search starts).
+fn gallop_probes(from: usize, n: usize) -> impl Iterator<Item = usize> {
+    let steps = std::iter::successors(Some((from + 1, 1usize)), |&(at, step)| {
+        Some((at + step * GALLOP, step * GALLOP))
+    });
+    steps
+        .map(|(at, _)| at)
+        .take_while(move |&at| at + 1 < n)
+        .chain((n > from + 1).then(|| n - 1))
+}
+
 /// The last `i` < `n` for which `holds(i)` is true, for a `holds` that is true up to some
 /// point and false after it; `None` when none is. Starts at `guess` (clamped to the
 /// chain), gallops from there (+1, +4, +16, …; the chain's end is tried before a gallop
@@ -526,7 +542,7 @@ fn last_held(n: usize, guess: usize, mut holds: impl FnMut(usize) -> bool) -> Op
     } else {
         return None;
     };
-    // Steps grow four-fold: a 256-chunk match past a 16-chunk guess is 5 probes, not 9
+    // Steps grow GALLOP-fold: a 256-chunk match past a 16-chunk guess is 5 probes, not 9
     // (each a miss in a 16 MiB table), for about one more bisection probe otherwise.
     let mut step = 1;
     while lo + step < hi {
@@ -539,7 +555,7 @@ fn last_held(n: usize, guess: usize, mut holds: impl FnMut(usize) -> bool) -> Op
             break;
         }
         lo = next;
-        step *= 4;
+        step *= GALLOP;
     }
     if hi == n {
         // The gallop reached the chain's end: the whole chain, or bisect below its end.
@@ -594,18 +610,12 @@ impl RemotePrefixes for Fleet {
         if guess > 0 && !index.held(chain.get(first), eligible) {
             return best;
         }
-        // The gallop's next probes (see `last_held`: +1, +4, +16, … and the chain's
-        // end), when their hashes are known (the proxy's memo comes whole from
+        // The gallop's next probes (`gallop_probes`), when their hashes are known (the proxy's memo comes whole from
         // extraction): their sets are loaded together now, not one dependent miss after
         // another (a 256-chunk match past a 16-chunk guess: 6 probes).
-        if n > 0 && chain.hashes.len() >= n {
-            let (mut at, mut step, mut fold) = (first + 1, 1, 0);
-            while at < n - 1 {
-                fold ^= index.touch(chain.hashes[at]);
-                step *= 4;
-                at += step;
-            }
-            std::hint::black_box(fold ^ index.touch(chain.hashes[n - 1]));
+        if chain.hashes.len() >= n {
+            let fold = gallop_probes(first, n).fold(0, |f, i| f ^ index.touch(chain.hashes[i]));
+            std::hint::black_box(fold);
         }
         // `first` is known held when probed (a guess of 0 probes chunk 0 here first).
         let mut known = guess > 0;
@@ -846,6 +856,18 @@ mod tests {
                 true
             });
             assert_eq!(probes, usize::from(n > 0));
+        }
+        // What is loaded ahead of a search is what the search probes while it holds.
+        for n in 1..300usize {
+            for from in [0, 1, n / 3, n - 1] {
+                let mut probed = Vec::new();
+                last_held(n, from, |i| {
+                    probed.push(i);
+                    true
+                });
+                let ahead: Vec<usize> = gallop_probes(from, n).collect();
+                assert_eq!(probed[1..], ahead[..], "n {n} from {from}");
+            }
         }
         let text = vec![7u8; CHUNK_BYTES * 5 + 3];
         let memo = ChainMemo::default();

@@ -629,7 +629,7 @@ mod tests {
         assert_eq!(a.cut_digest, b.cut_digest);
         assert_eq!(a.cut_digest, Some(chunks::digest(b"hello wo")));
         assert_ne!(a.digest, b.digest);
-        // The whole-prompt digest is as before: of everything, in one piece.
+        // The whole-prompt digest is of everything, however it was fed.
         assert_eq!(a.digest, chunks::digest(b"hello world, and more"));
         let mut c = PromptBuilder::new(64);
         c.text("short");
