@@ -37,11 +37,17 @@ pub use crate::pool::WorkerId;
 /// (other work on the engine, a restart) must not shrink its share for good.
 pub const CAPACITY_TTL: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// Nodes visited, freed or detached per lock hold by [`SharedTree::remove_worker`]
-/// (most steps ≤ 0.5 ms on the bench machine; freeing a shared prompt's node detaches
-/// all its children in one step, ~2.5 ms for ~3,500; 128 and 2,048 gave longer waits
-/// in `pool_scale`, measured).
-pub const REMOVE_STEP: usize = 512;
+/// Nodes visited, freed or detached per lock hold by [`SharedTree::remove_worker`]:
+/// ~30 µs on the bench machine, well within the time a decision that finds the lock
+/// held spins for it before sleeping ([`SPIN_FOR`]), so it is not put to sleep (and
+/// woken late) behind a step (`pool_scale`, 2026-12-03: 512-node steps let a decision
+/// wait 2–6 ms more often).
+pub const REMOVE_STEP: usize = 128;
+
+/// How long a thread that finds the tree locked spins for it before it sleeps. An upkeep
+/// step holds the lock for tens of microseconds; waking a sleeping thread took up to
+/// milliseconds on a VM (`pool_scale`), far longer than the wait itself.
+const SPIN_FOR: std::time::Duration = std::time::Duration::from_micros(200);
 
 /// A tree shared by the request path and its upkeep task: one `parking_lot::Mutex`, held
 /// for one match or one insert (a few microseconds), never across an `.await`, plus the
@@ -121,9 +127,26 @@ pub trait RemotePrefixes: Send + Sync + std::fmt::Debug {
 
 impl SharedTree {
     /// Locks the tree. A panic while holding it leaves it usable (no poisoning): the
-    /// tree is a cache and stays structurally valid between operations.
+    /// tree is a cache and stays structurally valid between operations. When the lock
+    /// is held (an upkeep step, another request), the caller spins for up to
+    /// [`SPIN_FOR`] before it sleeps.
     pub fn lock(&self) -> parking_lot::MutexGuard<'_, RadixTree> {
-        self.tree.lock()
+        if let Some(g) = self.tree.try_lock() {
+            return g;
+        }
+        let start = std::time::Instant::now();
+        loop {
+            for _ in 0..64 {
+                std::hint::spin_loop();
+            }
+            if let Some(g) = self.tree.try_lock() {
+                return g;
+            }
+            if start.elapsed() >= SPIN_FOR {
+                return self.tree.lock();
+            }
+            std::thread::yield_now();
+        }
     }
 
     /// Whether an eviction pass is running (Relaxed: a hint, the lock orders the data).
@@ -188,21 +211,27 @@ impl SharedTree {
     }
 
     /// Removes every record of `worker` (it left the pool or went down), holding the
-    /// lock for at most [`REMOVE_STEP`] nodes at a time: a worker of a 4-worker pool
-    /// holds ~250 k nodes of a full tree, which in one hold stalled every decision for
-    /// ~235 ms (`cargo bench --bench pool_scale`). Returns the nodes removed (other
-    /// inserts and evictions between the steps count too).
+    /// lock for at most [`REMOVE_STEP`] nodes at a time and freeing what each step took
+    /// out after releasing it: a worker of a 4-worker pool holds ~250 k nodes of a full
+    /// tree, which in one hold stalled every decision for ~235 ms (`cargo bench --bench
+    /// pool_scale`). Blocking (≈ 0.2–0.4 s for such a worker): call it off the async
+    /// runtime's threads. Returns the nodes removed (other inserts and evictions between
+    /// the steps count too).
     pub fn remove_worker(&self, worker: WorkerId) -> usize {
-        let mut tree = self.tree.lock();
-        let before = tree.node_count();
-        let mut r = Removal::below(tree.children_of(ROOT));
+        let (before, mut r) = {
+            let tree = self.lock();
+            (tree.node_count(), Removal::below(tree.children_of(ROOT)))
+        };
         loop {
-            tree.remove_step(&mut r, worker, REMOVE_STEP);
+            let mut freed = Freed::default();
+            let mut tree = self.lock();
+            tree.remove_step(&mut r, worker, REMOVE_STEP, &mut freed);
+            let after = tree.node_count();
+            drop(tree);
+            drop(freed);
             if r.is_done() {
-                return before.saturating_sub(tree.node_count());
+                return before.saturating_sub(after);
             }
-            // Hand the lock to a decision waiting for it, if any, before the next step.
-            parking_lot::MutexGuard::bump(&mut tree);
         }
     }
 
@@ -256,6 +285,24 @@ impl Removal {
 
     fn is_done(&self) -> bool {
         self.stack.is_empty() && self.doomed.is_empty()
+    }
+}
+
+/// Nodes taken out of a [`RadixTree`] (edges, worker masks, child lists), for the caller
+/// to drop after releasing the tree's lock: freeing them is most of the cost of an
+/// eviction or removal step, and no request needs to wait for it.
+#[derive(Debug, Default)]
+pub struct Freed(Vec<Node>);
+
+impl Freed {
+    /// Nodes held.
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    /// Whether it holds none.
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
     }
 }
 
@@ -500,7 +547,7 @@ impl RadixTree {
     /// [`SharedTree::remove_worker`], which takes it in steps).
     pub fn remove_worker(&mut self, worker: WorkerId) {
         let mut r = Removal::below(self.children_of(ROOT));
-        self.remove_step(&mut r, worker, usize::MAX);
+        self.remove_step(&mut r, worker, usize::MAX, &mut Freed::default());
     }
 
     /// Appends `(last_access, edge bytes)` of every node among arena slots `range` that
@@ -523,8 +570,14 @@ impl RadixTree {
     /// Removes each `(worker, horizon)`'s worker from the nodes among arena slots
     /// `range` last used before its horizon, with their subtrees (a node's stamp is at
     /// least any descendant's: an insert stamps the whole path), so an upkeep sweep can
-    /// run in short steps between lock holds. Returns the bytes removed.
-    pub fn age_out(&mut self, range: std::ops::Range<usize>, horizons: &[(WorkerId, u64)]) -> u64 {
+    /// run in short steps between lock holds; what is freed goes to `freed`. Returns the
+    /// bytes removed.
+    pub fn age_out(
+        &mut self,
+        range: std::ops::Range<usize>,
+        horizons: &[(WorkerId, u64)],
+        freed: &mut Freed,
+    ) -> u64 {
         let end = range.end.min(self.nodes.len());
         let mut removed = 0;
         for i in range.start.max(1)..end {
@@ -533,7 +586,8 @@ impl RadixTree {
                 // Free slots have no edge (and no workers).
                 if n.last_access < horizon && n.workers.contains(w) {
                     let before = self.worker_bytes(w);
-                    self.remove_step(&mut Removal::below(vec![i as NodeIdx]), w, usize::MAX);
+                    let mut r = Removal::below(vec![i as NodeIdx]);
+                    self.remove_step(&mut r, w, usize::MAX, freed);
                     removed += before - self.worker_bytes(w);
                 }
             }
@@ -550,7 +604,13 @@ impl RadixTree {
     /// Slots kept in `r` across lock holds may have been freed or reused meanwhile: a
     /// free slot holds no worker and is skipped, and a reused one is handled like any
     /// node (removing a leaving worker from it is right). Returns the nodes worked on.
-    fn remove_step(&mut self, r: &mut Removal, worker: WorkerId, budget: usize) -> usize {
+    fn remove_step(
+        &mut self,
+        r: &mut Removal,
+        worker: WorkerId,
+        budget: usize,
+        freed: &mut Freed,
+    ) -> usize {
         let mut work = 0;
         while work < budget {
             if let Some(n) = r.doomed.pop() {
@@ -558,9 +618,10 @@ impl RadixTree {
                 // Each child detached counts (a shared prompt's node has thousands).
                 work += 1 + slot.children.len();
                 for &(_, c) in &slot.children {
-                    self.detach(c);
+                    freed.0.push(self.detach(c));
                     r.doomed.push(c);
                 }
+                freed.0.push(slot);
                 self.free.push(n);
                 continue;
             }
@@ -581,7 +642,7 @@ impl RadixTree {
             if empty {
                 // Its descendants held only this worker too: free them all.
                 self.unlink(n);
-                self.detach(n);
+                freed.0.push(self.detach(n));
                 r.doomed.push(n);
             }
         }
@@ -589,8 +650,9 @@ impl RadixTree {
     }
 
     /// Takes `node` (unlinked, or below an unlinked node) out of the tree's byte totals
-    /// and clears its edge and workers; its slot is freed later by [`Self::remove_step`].
-    fn detach(&mut self, node: NodeIdx) {
+    /// and clears its edge and workers, returned (for the caller to drop) as a node that
+    /// holds just them; its slot is freed later by [`Self::remove_step`].
+    fn detach(&mut self, node: NodeIdx) -> Node {
         let slot = &mut self.nodes[node as usize];
         let len = slot.edge.len() as u64;
         self.total_bytes -= len;
@@ -599,8 +661,11 @@ impl RadixTree {
                 *b -= len;
             }
         }
-        slot.edge = Box::default();
-        slot.workers = WorkerMask::default();
+        Node {
+            edge: std::mem::take(&mut slot.edge),
+            workers: std::mem::take(&mut slot.workers),
+            ..Node::empty()
+        }
     }
 
     /// Slots in the node arena (live or free); bounds the ranges given to
@@ -625,8 +690,8 @@ impl RadixTree {
     /// Evicts one leaf found by [`RadixTree::collect_leaves`], unless it changed since:
     /// it must still be a live leaf with the same stamp (a touched or reused slot gets a
     /// newer stamp). Its parent may become a leaf for a later round; shared prefixes with
-    /// other children stay. Returns whether it was removed.
-    pub fn evict_leaf(&mut self, node: u32, stamp: u64) -> bool {
+    /// other children stay; what it held goes to `freed`. Returns whether it was removed.
+    pub fn evict_leaf(&mut self, node: u32, stamp: u64, freed: &mut Freed) -> bool {
         let Some(n) = self.nodes.get(node as usize) else {
             return false;
         };
@@ -634,7 +699,7 @@ impl RadixTree {
             return false;
         }
         self.unlink(node);
-        self.release(node);
+        self.release(node, freed);
         true
     }
 
@@ -705,8 +770,8 @@ impl RadixTree {
         }
     }
 
-    /// Frees `node` and its subtree, keeping the byte totals right.
-    fn release(&mut self, node: NodeIdx) {
+    /// Frees `node` and its subtree (into `freed`), keeping the byte totals right.
+    fn release(&mut self, node: NodeIdx, freed: &mut Freed) {
         let mut stack = vec![node];
         while let Some(n) = stack.pop() {
             let slot = &self.nodes[n as usize];
@@ -719,15 +784,17 @@ impl RadixTree {
                 }
             }
         }
-        self.free_subtree(node);
+        self.free_subtree(node, freed);
     }
 
-    /// Returns `node` and its subtree to the free list (no byte accounting).
-    fn free_subtree(&mut self, node: NodeIdx) {
+    /// Returns `node` and its subtree to the free list, their contents to `freed` (no
+    /// byte accounting).
+    fn free_subtree(&mut self, node: NodeIdx, freed: &mut Freed) {
         let mut stack = vec![node];
         while let Some(n) = stack.pop() {
             let slot = std::mem::replace(&mut self.nodes[n as usize], Node::empty());
             stack.extend(slot.children.iter().map(|(_, c)| *c));
+            freed.0.push(slot);
             self.free.push(n);
         }
     }
@@ -788,7 +855,7 @@ mod tests {
         assert_eq!(c_stamp, 4);
         // w0's engine had evicted b (last used at 2): what w0 last used before 2.5 goes.
         let before = t.worker_bytes(w0);
-        let removed = t.age_out(0..t.arena_len(), &[(w0, 3)]);
+        let removed = t.age_out(0..t.arena_len(), &[(w0, 3)], &mut Freed::default());
         assert_eq!(t.worker_bytes(w0), before - removed);
         // b's own leaf only: `wo` under the `t` that c (stamp 4) shares.
         assert_eq!(removed, 2);
@@ -802,7 +869,7 @@ mod tests {
         let only1: WorkerMask = [w1].into_iter().collect();
         assert_eq!(t.longest_prefix(&a, &only1).matched, a.len());
         // A horizon past everything empties w0 but keeps w1's records.
-        t.age_out(0..t.arena_len(), &[(w0, 99)]);
+        t.age_out(0..t.arena_len(), &[(w0, 99)], &mut Freed::default());
         assert_eq!(t.worker_bytes(w0), 0);
         assert_eq!(t.longest_prefix(&a, &only1).matched, a.len());
     }
@@ -952,7 +1019,7 @@ mod tests {
         let mut r = Removal::below(t.children_of(ROOT));
         let mut steps = 0;
         while !r.is_done() {
-            t.remove_step(&mut r, A, 1);
+            t.remove_step(&mut r, A, 1, &mut Freed::default());
             steps += 1;
             // Between two steps: new records (reusing freed slots) and an eviction.
             if steps % 7 == 0 {
@@ -960,7 +1027,7 @@ mod tests {
                 let mut leaves = Vec::new();
                 t.collect_leaves(0..t.arena_len(), &mut leaves);
                 if let Some(&(stamp, node)) = leaves.iter().min() {
-                    t.evict_leaf(node, stamp);
+                    t.evict_leaf(node, stamp, &mut Freed::default());
                 }
             }
         }
@@ -980,6 +1047,34 @@ mod tests {
         );
         let m = t.longest_prefix(b"system 4 / turn 199 of a conversation", &only(B));
         assert_eq!(m.matched, 37, "B's records stay");
+    }
+
+    #[test]
+    fn a_removal_hands_what_it_frees_to_the_caller() {
+        let mut t = RadixTree::new();
+        t.insert(b"shared system prompt / question one", A);
+        t.insert(b"shared system prompt / question two", A);
+        t.insert(b"shared system prompt / question three", B);
+        let before = t.total_bytes();
+        let mut freed = Freed::default();
+        t.remove_step(
+            &mut Removal::below(t.children_of(ROOT)),
+            A,
+            usize::MAX,
+            &mut freed,
+        );
+        // "one" and "wo" (under "t"): the nodes A alone held.
+        let edges: Vec<&[u8]> = freed
+            .0
+            .iter()
+            .map(|n| &*n.edge)
+            .filter(|e| !e.is_empty())
+            .collect();
+        assert_eq!(edges.len(), 2, "{edges:?}");
+        let edges: u64 = edges.iter().map(|e| e.len() as u64).sum();
+        assert_eq!(edges, 5);
+        assert_eq!(before - t.total_bytes(), edges);
+        assert_eq!(t.worker_bytes(A), 0);
     }
 
     /// Bytes counted for both B and C (nodes both hold).
@@ -1020,10 +1115,16 @@ mod tests {
         t.collect_leaves(0..t.arena_len(), &mut leaves);
         leaves.sort();
         assert_eq!(leaves.len(), 3);
-        // The oldest leaf is "...one".
+        // The oldest leaf is "...one"; its memory is handed over, to be freed unlocked.
         let (stamp, node) = leaves[0];
-        assert!(t.evict_leaf(node, stamp));
-        assert!(!t.evict_leaf(node, stamp), "already gone");
+        let mut freed = Freed::default();
+        assert!(t.evict_leaf(node, stamp, &mut freed));
+        assert_eq!(freed.len(), 1);
+        assert_eq!(&*freed.0[0].edge, b"one");
+        assert!(
+            !t.evict_leaf(node, stamp, &mut Freed::default()),
+            "already gone"
+        );
         assert_eq!(
             t.longest_prefix(b"system prompt / conversation one", &all())
                 .matched,
@@ -1038,7 +1139,7 @@ mod tests {
         // A touched leaf is not evicted with its old stamp.
         let (stamp, node) = leaves[1];
         t.insert(b"system prompt / conversation two", B);
-        assert!(!t.evict_leaf(node, stamp));
+        assert!(!t.evict_leaf(node, stamp, &mut Freed::default()));
     }
 
     #[test]
