@@ -5,9 +5,11 @@
 
 use std::time::{Duration, Instant};
 
-use cache_aware_router::policy::{Candidate, Outcome, Policy, Reason, RouteRequest};
+use cache_aware_router::policy::{Outcome, Policy, Reason, RouteRequest};
 use cache_aware_router::pool::WorkerSet;
 use cache_aware_router::prompt::{Endpoint, extract};
+use cache_aware_router::proxy::pick_slot;
+use cache_aware_router::tree::WorkerMask;
 use rand::Rng;
 use rand::rngs::StdRng;
 
@@ -146,8 +148,8 @@ pub struct Decided {
     pub hit: bool,
 }
 
-/// One decision, as the proxy makes it: extract, the candidates from the set, pick,
-/// observe(Served).
+/// One decision, as the proxy makes it: extract, `proxy::pick_slot` (the candidates
+/// from the set, pick, the in-flight slot), observe(Served).
 pub fn decide(
     policy: &dyn Policy,
     set: &WorkerSet,
@@ -166,20 +168,16 @@ pub fn decide(
         chain,
         ..Default::default()
     };
-    let candidates: Vec<Candidate> = set
-        .workers()
-        .iter()
-        .map(|w| Candidate {
-            id: w.id(),
-            load: w.load(),
-            usable: true,
-            cache_aware: true,
-        })
-        .collect();
-    let pick = policy.pick(&req, set, &candidates, rng);
-    if let Some(w) = pick.worker.and_then(|id| set.get(id)) {
-        policy.observe(&req, &pick, w, Outcome::Served);
-    }
+    // The proxy's own step: the candidates (health, breaker, load), the pick, and the
+    // chosen worker's in-flight slot, released at once.
+    let picked = pick_slot(policy, set, &req, &WorkerMask::default(), rng);
+    let pick = match picked {
+        Some((pick, guard)) => {
+            policy.observe(&req, &pick, guard.worker(), Outcome::Served);
+            pick
+        }
+        None => panic!("no usable worker"),
+    };
     let t2 = Instant::now();
     std::hint::black_box(&pick);
     Decided {

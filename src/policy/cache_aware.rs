@@ -32,7 +32,9 @@ use super::{Answer, Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRe
 use crate::config::CacheConfig;
 use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
-use crate::tree::{ChainMemo, PrefixMatch, RadixTree, RemotePrefixes, SharedTree, WorkerMask};
+use crate::tree::{
+    ChainMemo, MaskBuilder, PrefixMatch, RadixTree, RemotePrefixes, SharedTree, WorkerMask,
+};
 
 /// The `cache_aware` policy: its tree and thresholds.
 pub struct CacheAware {
@@ -201,9 +203,26 @@ pub fn pick_cache_aware(
     tie: Option<u64>,
     rng: &mut dyn RngCore,
 ) -> Pick {
-    let Some(least) = least_loaded(usable(candidates), tie, rng) else {
+    // One pass: the least load among usable workers (which of them carries it is worked
+    // out only when the pick goes there: a tie among many idle workers ranks each of
+    // them), the usable cache-aware workers, and every cache-aware one.
+    let (mut eligible, mut all) = (MaskBuilder::default(), MaskBuilder::default());
+    let mut least_load = None::<usize>;
+    for c in candidates {
+        if c.usable {
+            least_load = Some(least_load.map_or(c.load, |l| l.min(c.load)));
+        }
+        if c.cache_aware {
+            all.insert(c.id);
+            if c.usable {
+                eligible.insert(c.id);
+            }
+        }
+    }
+    let (Some(least_load), Some(first)) = (least_load, usable(candidates).next()) else {
         return Pick::load_only(None, text.len());
     };
+    let least = |rng: &mut dyn RngCore| least_loaded(usable(candidates), tie, rng).unwrap_or(first);
     let scale = |c: &Candidate| BlockScale {
         tokens_per_byte: (memory.tokens_per_byte)(c.id),
         block_tokens: params.block_tokens,
@@ -227,21 +246,12 @@ pub fn pick_cache_aware(
         }
     };
     if text.is_empty() {
-        return pick(least, Reason::EmptyText, 0, 0, 0);
+        return pick(least(rng), Reason::EmptyText, 0, 0, 0);
     }
     let tree = memory.tree;
-    let eligible: WorkerMask = candidates
-        .iter()
-        .filter(|c| c.usable && c.cache_aware)
-        .map(|c| c.id)
-        .collect();
+    let (eligible, all) = (eligible.build(), all.build());
     // What any cache-aware worker holds (available), then the usable ones' match: the
     // same walk when a holder of the longest is usable (the common case).
-    let all: WorkerMask = candidates
-        .iter()
-        .filter(|c| c.cache_aware)
-        .map(|c| c.id)
-        .collect();
     let held = tree.longest_prefix(text, &all);
     let usable_holders = held.workers.intersection(&eligible);
     let mut m = if usable_holders.is_empty() && held.matched > 0 {
@@ -305,12 +315,16 @@ pub fn pick_cache_aware(
         n
     };
     match cached {
-        Some(c) if is_overloaded(params, c.load, least.load) => {
+        Some(c) if is_overloaded(params, c.load, least_load) => {
+            let least = least(rng);
             pick(least, Reason::HitOverloaded, own(least), available, 0)
         }
         Some(c) => pick(c, Reason::CacheHit, m.matched, available, m.stamp),
-        None if m.matched == 0 => pick(least, Reason::Miss, 0, available, 0),
-        None => pick(least, Reason::Miss, own(least), available, 0),
+        None if m.matched == 0 => pick(least(rng), Reason::Miss, 0, available, 0),
+        None => {
+            let least = least(rng);
+            pick(least, Reason::Miss, own(least), available, 0)
+        }
     }
 }
 

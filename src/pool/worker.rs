@@ -37,6 +37,10 @@ pub struct Worker {
     probed: AtomicBool,
     /// One lock for the whole state machine: a transition is one step.
     breaker: Mutex<CircuitBreaker>,
+    /// Whether the breaker is closed, stored under its lock after each change: every
+    /// request asks each worker whether it is routable, and with 1,000 workers taking
+    /// 1,000 locks for the usual answer ("closed") was most of a decision's cost.
+    breaker_closed: AtomicBool,
     /// Consecutive probe results, owned by the health-check task.
     probes: Mutex<ProbeRun>,
     /// Its KV-event feeds (precise mode), one per DP rank in rank order; empty
@@ -80,6 +84,7 @@ impl Worker {
             healthy: AtomicBool::new(true),
             probed: AtomicBool::new(false),
             breaker: Mutex::new(CircuitBreaker::new(breaker)),
+            breaker_closed: AtomicBool::new(true),
             probes: Mutex::new(ProbeRun::default()),
             signals: Signals::default(),
             prefill: Prefill::default(),
@@ -112,6 +117,20 @@ impl Worker {
         self.breaker.lock().unwrap_or_else(|e| e.into_inner())
     }
 
+    /// Mirrors `b` (this worker's breaker, locked) into `breaker_closed`. A breaker
+    /// enters or leaves the closed state only in `admit` or `record`, which call this;
+    /// an open one turns half-open by time alone, which the locked path works out.
+    fn note_breaker(&self, b: &CircuitBreaker, now: Instant) {
+        self.breaker_closed
+            .store(b.state(now) == breaker::State::Closed, Ordering::Relaxed);
+    }
+
+    /// Whether the breaker would admit a request at `now`: closed (one atomic load), or
+    /// half-open with a probe slot free.
+    fn breaker_available(&self, now: Instant) -> bool {
+        self.breaker_closed.load(Ordering::Relaxed) || self.breaker().is_available(now)
+    }
+
     /// The breaker's state at `now`.
     pub fn breaker_state(&self, now: Instant) -> breaker::State {
         self.breaker().state(now)
@@ -119,7 +138,12 @@ impl Worker {
 
     /// Asks the breaker to admit one request; logs a transition.
     pub fn admit(&self, now: Instant) -> Option<Admission> {
-        let (admission, transition) = self.breaker().admit(now);
+        let (admission, transition) = {
+            let mut b = self.breaker();
+            let r = b.admit(now);
+            self.note_breaker(&b, now);
+            r
+        };
         if let Some(t) = transition {
             tracing::info!(worker = %self.config.url, from = t.from.as_str(), to = t.to.as_str(), "circuit breaker");
         }
@@ -128,7 +152,12 @@ impl Worker {
 
     /// Records how an admitted request ended; logs a transition.
     pub fn record(&self, admission: Admission, outcome: Outcome, now: Instant) {
-        let transition = self.breaker().record(admission, outcome, now);
+        let transition = {
+            let mut b = self.breaker();
+            let t = b.record(admission, outcome, now);
+            self.note_breaker(&b, now);
+            t
+        };
         if let Some(t) = transition {
             let level_warn = t.to == breaker::State::Open;
             if level_warn {
@@ -227,18 +256,64 @@ impl Worker {
     /// Whether another request may be sent at `now`: healthy, breaker admitting, and
     /// under `max_load`.
     pub fn is_routable(&self, now: Instant) -> bool {
-        self.is_healthy() && self.has_capacity() && self.breaker().is_available(now)
+        self.is_healthy() && self.has_capacity() && self.breaker_available(now)
     }
 
     /// Whether the only thing keeping a request off it at `now` is `max_load`: healthy,
     /// breaker admitting, every slot taken (a request may wait for one).
     pub fn is_full(&self, now: Instant) -> bool {
-        self.is_healthy() && !self.has_capacity() && self.breaker().is_available(now)
+        self.is_healthy() && !self.has_capacity() && self.breaker_available(now)
     }
 
     pub(super) fn has_capacity(&self) -> bool {
         self.config
             .max_load
             .is_none_or(|max| self.in_flight() + self.remote_in_flight() < max.get())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{WorkerConfig, WorkerUrl};
+
+    #[test]
+    fn routable_follows_the_breaker_through_open_half_open_and_closed() {
+        let w = Worker::new(
+            WorkerId(0),
+            WorkerConfig {
+                url: WorkerUrl::parse("http://127.0.0.1:1").unwrap(),
+                max_load: None,
+                load_penalty: 0,
+                cache_aware: true,
+                api_key: None,
+                kv_events: None,
+                lmcache: None,
+                name: None,
+                role: Default::default(),
+            },
+            &BreakerConfig {
+                failure_threshold: 2,
+                timeout: std::time::Duration::from_secs(10),
+                success_threshold: 1,
+            },
+        );
+        let t0 = now();
+        assert!(w.is_routable(t0));
+        for _ in 0..2 {
+            let a = w.admit(t0).expect("closed admits");
+            w.record(a, Outcome::Failure, t0);
+        }
+        assert!(!w.is_routable(t0), "open after two failures");
+        let later = t0 + std::time::Duration::from_secs(11);
+        assert!(
+            w.is_routable(later),
+            "half-open after the timeout: a probe may go"
+        );
+        let probe = w.admit(later).expect("a probe slot");
+        assert!(!w.is_routable(later), "its one probe slot is taken");
+        w.record(probe, Outcome::Success, later);
+        assert!(w.is_routable(later), "closed again");
+        assert_eq!(w.breaker_state(later), breaker::State::Closed);
     }
 }

@@ -708,22 +708,33 @@ pub fn pick_slot(
     let mut excluded = tried.clone();
     loop {
         let now = crate::pool::now();
+        let is_fallback = |i: usize| set.workers()[i].config().role == Role::Fallback;
+        let is_saturated = |i: usize| set.workers()[i].signals().is_saturated(now);
+        // Whether a usable worker is a fallback or saturated, noted while the list is
+        // built: the passes that take them out run only then (one pass over the pool,
+        // not three, in the common case).
+        let mut avoided = false;
         let mut candidates: Vec<Candidate> = set
             .workers()
             .iter()
-            .map(|w| Candidate {
-                id: w.id(),
-                load: w.load(),
-                usable: !excluded.contains(w.id()) && w.is_routable(now),
-                cache_aware: w.config().cache_aware,
+            .map(|w| {
+                let usable = !excluded.contains(w.id()) && w.is_routable(now);
+                avoided |=
+                    usable && (w.config().role == Role::Fallback || w.signals().is_saturated(now));
+                Candidate {
+                    id: w.id(),
+                    load: w.load(),
+                    usable,
+                    cache_aware: w.config().cache_aware,
+                }
             })
             .collect();
-        let is_fallback = |i: usize| set.workers()[i].config().role == Role::Fallback;
-        let is_saturated = |i: usize| set.workers()[i].signals().is_saturated(now);
-        for avoid in [&is_fallback as &dyn Fn(usize) -> bool, &is_saturated] {
-            if (0..candidates.len()).any(|i| candidates[i].usable && !avoid(i)) {
-                for (i, c) in candidates.iter_mut().enumerate() {
-                    c.usable &= !avoid(i);
+        if avoided {
+            for avoid in [&is_fallback as &dyn Fn(usize) -> bool, &is_saturated] {
+                if (0..candidates.len()).any(|i| candidates[i].usable && !avoid(i)) {
+                    for (i, c) in candidates.iter_mut().enumerate() {
+                        c.usable &= !avoid(i);
+                    }
                 }
             }
         }

@@ -128,26 +128,45 @@ impl WorkerMask {
 }
 
 impl FromIterator<WorkerId> for WorkerMask {
-    /// The same set as inserting each id, built with one growing buffer: inserting a
-    /// pool's ids in order reallocated the boxed words once per 64 workers (15 times a
-    /// mask at 1,000 workers, the top cost of a decision there).
+    /// The same set as inserting each id, built with one growing buffer ([`MaskBuilder`]).
     fn from_iter<I: IntoIterator<Item = WorkerId>>(iter: I) -> Self {
-        let mut low = 0;
-        let mut high: Vec<u64> = Vec::new();
+        let mut b = MaskBuilder::default();
         for w in iter {
-            let (word, bit) = split(w);
-            if word == 0 {
-                low |= bit;
-            } else {
-                if high.len() < word {
-                    high.resize(word, 0);
-                }
-                high[word - 1] |= bit;
-            }
+            b.insert(w);
         }
+        b.build()
+    }
+}
+
+/// Builds a [`WorkerMask`] an id at a time in one growing buffer: inserting a pool's ids
+/// in order into a mask reallocated its boxed words once per 64 workers (15 times a
+/// mask at 1,000 workers, the top cost of a decision there).
+#[derive(Debug, Default)]
+pub struct MaskBuilder {
+    low: u64,
+    high: Vec<u64>,
+}
+
+impl MaskBuilder {
+    /// Adds `w`.
+    #[inline]
+    pub fn insert(&mut self, w: WorkerId) {
+        let (word, bit) = split(w);
+        if word == 0 {
+            self.low |= bit;
+        } else {
+            if self.high.len() < word {
+                self.high.resize(word, 0);
+            }
+            self.high[word - 1] |= bit;
+        }
+    }
+
+    /// The mask.
+    pub fn build(self) -> WorkerMask {
         WorkerMask {
-            low,
-            high: (!high.is_empty()).then(|| high.into_boxed_slice()),
+            low: self.low,
+            high: (!self.high.is_empty()).then(|| self.high.into_boxed_slice()),
         }
     }
 }

@@ -28,7 +28,7 @@
 pub mod evict;
 mod mask;
 
-pub use mask::WorkerMask;
+pub use mask::{MaskBuilder, WorkerMask};
 
 pub use crate::pool::WorkerId;
 
@@ -428,11 +428,9 @@ impl RadixTree {
     pub fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask) -> PrefixMatch {
         let mut node = ROOT;
         let mut pos = 0;
-        let mut best = PrefixMatch {
-            matched: 0,
-            workers: WorkerMask::default(),
-            stamp: 0,
-        };
+        // The deepest node reached; its holders are taken once, at the end (a mask of
+        // over 64 workers allocates).
+        let mut last = None;
         while pos < text.len() {
             let Some(child) = self.child(node, text[pos]) else {
                 break;
@@ -443,15 +441,24 @@ impl RadixTree {
             }
             let n = common_prefix_len(&c.edge, &text[pos..]);
             pos += n;
-            best.matched = pos;
-            best.workers = c.workers.intersection(eligible);
-            best.stamp = c.last_access;
+            last = Some(c);
             if n < c.edge.len() {
                 break;
             }
             node = child;
         }
-        best
+        match last {
+            Some(c) => PrefixMatch {
+                matched: pos,
+                workers: c.workers.intersection(eligible),
+                stamp: c.last_access,
+            },
+            None => PrefixMatch {
+                matched: 0,
+                workers: WorkerMask::default(),
+                stamp: 0,
+            },
+        }
     }
 
     /// For each worker of `eligible` that holds a prefix of `text`: `f(worker, bytes,
