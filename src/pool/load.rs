@@ -168,23 +168,10 @@ pub(crate) use crate::clock::now;
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{WorkerConfig, WorkerUrl};
-    use std::num::NonZeroUsize;
 
     fn worker(max_load: Option<usize>) -> Arc<Worker> {
-        Arc::new(Worker::new(
-            crate::pool::WorkerId(0),
-            WorkerConfig {
-                url: WorkerUrl::parse("http://127.0.0.1:1").unwrap(),
-                max_load: max_load.and_then(NonZeroUsize::new),
-                load_penalty: 0,
-                cache_aware: true,
-                api_key: None,
-                kv_events: None,
-                lmcache: None,
-                name: None,
-                role: Default::default(),
-            },
+        Arc::new(crate::pool::worker::for_test(
+            max_load,
             &crate::config::BreakerConfig {
                 failure_threshold: 1,
                 timeout: std::time::Duration::from_secs(60),

@@ -272,26 +272,35 @@ impl Worker {
     }
 }
 
+/// A worker on a closed loopback port, for tests: `max_load` slots (none: unbounded),
+/// `breaker` as given.
+#[cfg(test)]
+pub(crate) fn for_test(max_load: Option<usize>, breaker: &BreakerConfig) -> Worker {
+    Worker::new(
+        WorkerId(0),
+        WorkerConfig {
+            url: crate::config::WorkerUrl::parse("http://127.0.0.1:1").unwrap(),
+            max_load: max_load.and_then(std::num::NonZeroUsize::new),
+            load_penalty: 0,
+            cache_aware: true,
+            api_key: None,
+            kv_events: None,
+            lmcache: None,
+            name: None,
+            role: Default::default(),
+        },
+        breaker,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::{WorkerConfig, WorkerUrl};
 
     #[test]
     fn routable_follows_the_breaker_through_open_half_open_and_closed() {
-        let w = Worker::new(
-            WorkerId(0),
-            WorkerConfig {
-                url: WorkerUrl::parse("http://127.0.0.1:1").unwrap(),
-                max_load: None,
-                load_penalty: 0,
-                cache_aware: true,
-                api_key: None,
-                kv_events: None,
-                lmcache: None,
-                name: None,
-                role: Default::default(),
-            },
+        let w = for_test(
+            None,
             &BreakerConfig {
                 failure_threshold: 2,
                 timeout: std::time::Duration::from_secs(10),
