@@ -38,8 +38,8 @@ pub struct Worker {
     /// One lock for the whole state machine: a transition is one step.
     breaker: Mutex<CircuitBreaker>,
     /// Whether the breaker is closed, stored under its lock after each change: every
-    /// request asks each worker whether it is routable, and with 1,000 workers taking
-    /// 1,000 locks for the usual answer ("closed") was most of a decision's cost.
+    /// request asks each worker whether it is routable, and the usual answer ("closed")
+    /// then costs no lock (1,000 lock round trips per request at 1,000 workers).
     breaker_closed: AtomicBool,
     /// Consecutive probe results, owned by the health-check task.
     probes: Mutex<ProbeRun>,
