@@ -135,6 +135,7 @@ impl Signals {
     }
 
     /// Whether the engine asked for no new requests until after `now`.
+    #[inline]
     pub fn is_saturated(&self, now: Instant) -> bool {
         let until = self.saturated_until_ns.load(Ordering::Relaxed);
         until != 0 && crate::clock::nanos(now) < until

@@ -104,6 +104,7 @@ impl Worker {
     }
 
     /// Its engine's reported load, LMCache signal and back-pressure.
+    #[inline]
     pub fn signals(&self) -> &Signals {
         &self.signals
     }
@@ -127,6 +128,7 @@ impl Worker {
 
     /// Whether the breaker would admit a request at `now`: closed (one atomic load), or
     /// half-open with a probe slot free.
+    #[inline]
     fn breaker_available(&self, now: Instant) -> bool {
         self.breaker_closed.load(Ordering::Relaxed) || self.breaker().is_available(now)
     }
@@ -179,11 +181,13 @@ impl Worker {
         &self.feeds
     }
 
+    #[inline]
     pub fn config(&self) -> &WorkerConfig {
         &self.config
     }
 
     /// Its stable handle in the pool.
+    #[inline]
     pub fn id(&self) -> WorkerId {
         self.id
     }
@@ -209,11 +213,13 @@ impl Worker {
 
     /// Requests in flight now. Relaxed: a load estimate, nothing else is published
     /// through this counter.
+    #[inline]
     pub fn in_flight(&self) -> usize {
         self.in_flight.load(Ordering::Relaxed)
     }
 
     /// Requests the other router replicas have in flight here, as they last published.
+    #[inline]
     pub fn remote_in_flight(&self) -> usize {
         self.remote_in_flight.load(Ordering::Relaxed)
     }
@@ -225,10 +231,12 @@ impl Worker {
 
     /// In-flight count (this replica's and the others') plus the configured penalty:
     /// what load comparisons use.
+    #[inline]
     pub fn load(&self) -> usize {
         self.in_flight() + self.remote_in_flight() + self.config.load_penalty as usize
     }
 
+    #[inline]
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
     }
@@ -255,6 +263,7 @@ impl Worker {
 
     /// Whether another request may be sent at `now`: healthy, breaker admitting, and
     /// under `max_load`.
+    #[inline]
     pub fn is_routable(&self, now: Instant) -> bool {
         self.is_healthy() && self.has_capacity() && self.breaker_available(now)
     }
@@ -265,6 +274,7 @@ impl Worker {
         self.is_healthy() && !self.has_capacity() && self.breaker_available(now)
     }
 
+    #[inline]
     pub(super) fn has_capacity(&self) -> bool {
         self.config
             .max_load

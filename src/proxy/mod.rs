@@ -714,11 +714,12 @@ pub fn pick_slot(
         // built: the passes that take them out run only then (one pass over the pool,
         // not three, in the common case).
         let mut avoided = false;
+        let none_excluded = excluded.is_empty();
         let mut candidates: Vec<Candidate> = set
             .workers()
             .iter()
             .map(|w| {
-                let usable = !excluded.contains(w.id()) && w.is_routable(now);
+                let usable = (none_excluded || !excluded.contains(w.id())) && w.is_routable(now);
                 avoided |=
                     usable && (w.config().role == Role::Fallback || w.signals().is_saturated(now));
                 Candidate {

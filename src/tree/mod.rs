@@ -428,9 +428,9 @@ impl RadixTree {
     pub fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask) -> PrefixMatch {
         let mut node = ROOT;
         let mut pos = 0;
-        // The deepest node reached; its holders are taken once, at the end (a mask of
-        // over 64 workers allocates).
-        let mut last = None;
+        // The deepest node reached (the root: none); its holders are taken once, at the
+        // end (a mask of over 64 workers allocates).
+        let mut last = ROOT;
         while pos < text.len() {
             let Some(child) = self.child(node, text[pos]) else {
                 break;
@@ -441,23 +441,24 @@ impl RadixTree {
             }
             let n = common_prefix_len(&c.edge, &text[pos..]);
             pos += n;
-            last = Some(c);
+            last = child;
             if n < c.edge.len() {
                 break;
             }
             node = child;
         }
-        match last {
-            Some(c) => PrefixMatch {
-                matched: pos,
-                workers: c.workers.intersection(eligible),
-                stamp: c.last_access,
-            },
-            None => PrefixMatch {
+        if last == ROOT {
+            return PrefixMatch {
                 matched: 0,
                 workers: WorkerMask::default(),
                 stamp: 0,
-            },
+            };
+        }
+        let c = &self.nodes[last as usize];
+        PrefixMatch {
+            matched: pos,
+            workers: c.workers.intersection(eligible),
+            stamp: c.last_access,
         }
     }
 
