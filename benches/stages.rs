@@ -9,7 +9,8 @@
 //!   cache hit: the path is re-stamped, nothing is allocated).
 //! - `pick_slot/{4,1000}_workers`: the proxy's pick for a held 2 KiB prompt
 //!   (`proxy::pick_slot`: the candidate list, the `cache_aware` pick, the in-flight slot)
-//!   and its observe, extraction excluded: what a request pays per worker in the pool.
+//!   and its observe, extraction excluded: what a request pays per worker in the pool;
+//!   `…_miss`: the pick alone for a prompt no worker holds (it goes to the least loaded).
 //!
 //! Run: `cargo bench --bench stages` (a filter narrows it: `-- pick_slot`).
 
@@ -117,6 +118,30 @@ fn picks(c: &mut Criterion) {
             b.iter(|| {
                 n += 1;
                 decide(&contexts[n % contexts.len()], &mut rng)
+            })
+        });
+        // Prompts the tree does not hold, picked but never observed: every pick a miss,
+        // which goes to the least loaded (here a tie among all the idle workers).
+        let fresh: Vec<Vec<u8>> = (0..64)
+            .map(|_| chat_body(&words(&mut rng, 1024), &words(&mut rng, 1024)))
+            .collect();
+        let fresh: Vec<RouteContext<'_>> = fresh
+            .iter()
+            .map(|b| extract(Endpoint::ChatCompletions, b, MAX_PROMPT_BYTES))
+            .collect();
+        g.bench_function(format!("{workers}_workers_miss"), |b| {
+            b.iter(|| {
+                n += 1;
+                let ctx = &fresh[n % fresh.len()];
+                let req = RouteRequest {
+                    ctx: Some(ctx),
+                    tie: Some(ctx.digest),
+                    chain: ctx.chain.clone().into(),
+                    ..Default::default()
+                };
+                pick_slot(&*policy, &set, &req, &WorkerMask::default(), &mut rng)
+                    .expect("a usable worker")
+                    .0
             })
         });
     }
