@@ -90,14 +90,10 @@ fn picks(c: &mut Criterion) {
         let policy = policy::build(&cfg, &pool);
         let set = pool.set();
         let mut rng = StdRng::seed_from_u64(3);
-        let bodies: Vec<Vec<u8>> = (0..64)
-            .map(|_| chat_body(&words(&mut rng, 1024), &words(&mut rng, 1024)))
-            .collect();
-        let contexts: Vec<RouteContext<'_>> = bodies
-            .iter()
-            .map(|b| extract(Endpoint::ChatCompletions, b, MAX_PROMPT_BYTES))
-            .collect();
-        let decide = |ctx: &RouteContext<'_>, rng: &mut StdRng| {
+        let (held, fresh) = (prompts(&mut rng), prompts(&mut rng));
+        let (held, fresh) = (contexts(&held), contexts(&fresh));
+        // One pick through the proxy's path; observed (served) or not.
+        let decide = |ctx: &RouteContext<'_>, rng: &mut StdRng, observe: bool| {
             let req = RouteRequest {
                 ctx: Some(ctx),
                 tie: Some(ctx.digest),
@@ -106,46 +102,46 @@ fn picks(c: &mut Criterion) {
             };
             let (pick, guard) = pick_slot(&*policy, &set, &req, &WorkerMask::default(), rng)
                 .expect("a usable worker");
-            policy.observe(&req, &pick, guard.worker(), Outcome::Served);
+            if observe {
+                policy.observe(&req, &pick, guard.worker(), Outcome::Served);
+            }
             pick
         };
         // Each prompt served once: the timed picks are cache hits.
-        for ctx in &contexts {
-            decide(ctx, &mut rng);
+        for ctx in &held {
+            decide(ctx, &mut rng, true);
         }
         let mut n = 0;
         g.bench_function(format!("{workers}_workers"), |b| {
             b.iter(|| {
                 n += 1;
-                decide(&contexts[n % contexts.len()], &mut rng)
+                decide(&held[n % held.len()], &mut rng, true)
             })
         });
         // Prompts the tree does not hold, picked but never observed: every pick a miss,
         // which goes to the least loaded (here a tie among all the idle workers).
-        let fresh: Vec<Vec<u8>> = (0..64)
-            .map(|_| chat_body(&words(&mut rng, 1024), &words(&mut rng, 1024)))
-            .collect();
-        let fresh: Vec<RouteContext<'_>> = fresh
-            .iter()
-            .map(|b| extract(Endpoint::ChatCompletions, b, MAX_PROMPT_BYTES))
-            .collect();
         g.bench_function(format!("{workers}_workers_miss"), |b| {
             b.iter(|| {
                 n += 1;
-                let ctx = &fresh[n % fresh.len()];
-                let req = RouteRequest {
-                    ctx: Some(ctx),
-                    tie: Some(ctx.digest),
-                    chain: ctx.chain.clone().into(),
-                    ..Default::default()
-                };
-                pick_slot(&*policy, &set, &req, &WorkerMask::default(), &mut rng)
-                    .expect("a usable worker")
-                    .0
+                decide(&fresh[n % fresh.len()], &mut rng, false)
             })
         });
     }
     g.finish();
+}
+
+/// 64 chat bodies of ~2 KiB, each its own prompt.
+fn prompts(rng: &mut StdRng) -> Vec<Vec<u8>> {
+    (0..64)
+        .map(|_| chat_body(&words(rng, 1024), &words(rng, 1024)))
+        .collect()
+}
+
+fn contexts(bodies: &[Vec<u8>]) -> Vec<RouteContext<'_>> {
+    bodies
+        .iter()
+        .map(|b| extract(Endpoint::ChatCompletions, b, MAX_PROMPT_BYTES))
+        .collect()
 }
 
 fn config() -> Criterion {
