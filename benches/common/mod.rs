@@ -170,14 +170,10 @@ pub fn decide(
     };
     // The proxy's own step: the candidates (health, breaker, load), the pick, and the
     // chosen worker's in-flight slot, released at once.
-    let picked = pick_slot(policy, set, &req, &WorkerMask::default(), rng);
-    let pick = match picked {
-        Some((pick, guard)) => {
-            policy.observe(&req, &pick, guard.worker(), Outcome::Served);
-            pick
-        }
-        None => panic!("no usable worker"),
-    };
+    let (pick, guard) =
+        pick_slot(policy, set, &req, &WorkerMask::default(), rng).expect("a usable worker");
+    policy.observe(&req, &pick, guard.worker(), Outcome::Served);
+    drop(guard);
     let t2 = Instant::now();
     std::hint::black_box(&pick);
     Decided {

@@ -77,12 +77,12 @@ pub async fn age_out(set: &SharedTree) -> u64 {
     }
     let mut removed = 0;
     let mut start = 0;
+    let mut freed = Freed::default();
     while start < set.lock().arena_len() {
-        let mut freed = Freed::default();
         removed += set
             .lock()
             .age_out(start..start + SCAN_STEP, &cut, &mut freed);
-        drop(freed);
+        freed.clear();
         start += SCAN_STEP;
         tokio::task::yield_now().await;
     }
@@ -112,6 +112,7 @@ pub async fn evict_to(set: &SharedTree, max_nodes: usize) -> usize {
         return 0;
     }
     let mut removed = 0;
+    let mut freed = Freed::default();
     set.set_evicting(true);
     // Each round removes leaves; parents that become leaves are taken in a later round.
     for _ in 0..64 {
@@ -136,7 +137,6 @@ pub async fn evict_to(set: &SharedTree, max_nodes: usize) -> usize {
             if excess == 0 {
                 break;
             }
-            let mut freed = Freed::default();
             {
                 let mut t = set.lock();
                 for &(stamp, node) in batch {
@@ -149,7 +149,7 @@ pub async fn evict_to(set: &SharedTree, max_nodes: usize) -> usize {
                     }
                 }
             }
-            drop(freed);
+            freed.clear();
             tokio::task::yield_now().await;
         }
     }

@@ -222,13 +222,13 @@ impl SharedTree {
             let tree = self.lock();
             (tree.node_count(), Removal::below(tree.children_of(ROOT)))
         };
+        let mut freed = Freed::default();
         loop {
-            let mut freed = Freed::default();
             let mut tree = self.lock();
             tree.remove_step(&mut r, worker, REMOVE_STEP, &mut freed);
             let after = tree.node_count();
             drop(tree);
-            drop(freed);
+            freed.clear();
             if r.is_done() {
                 return before.saturating_sub(after);
             }
@@ -295,14 +295,10 @@ impl Removal {
 pub struct Freed(Vec<Node>);
 
 impl Freed {
-    /// Nodes held.
-    pub fn len(&self) -> usize {
-        self.0.len()
-    }
-
-    /// Whether it holds none.
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
+    /// Frees what it holds (call it with the tree's lock released), keeping its buffer
+    /// for the next step.
+    pub fn clear(&mut self) {
+        self.0.clear();
     }
 }
 
@@ -1127,7 +1123,7 @@ mod tests {
         let (stamp, node) = leaves[0];
         let mut freed = Freed::default();
         assert!(t.evict_leaf(node, stamp, &mut freed));
-        assert_eq!(freed.len(), 1);
+        assert_eq!(freed.0.len(), 1);
         assert_eq!(&*freed.0[0].edge, b"one");
         assert!(
             !t.evict_leaf(node, stamp, &mut Freed::default()),
