@@ -38,6 +38,8 @@
 //! simulate     `simulate`: a request log through the same policy code over modelled
 //!              engines (the engine model sim-engine uses), a grid of settings
 //! error        ProxyError -> JSON response
+//! log_format   the text log line's fields and timestamp, written for less (one access
+//!              line per request)
 //! redact       credentials out of every message, log line and answer
 //! trace        W3C traceparent: continued or started, sent upstream; export: one
 //!              span per request to an OTLP collector (batch, off the request path)
@@ -72,6 +74,7 @@ pub mod config;
 pub mod discovery;
 pub mod error;
 pub mod fleet;
+pub mod log_format;
 pub mod metrics;
 pub mod policy;
 pub mod pool;

@@ -30,6 +30,7 @@ use crate::cache::{self, Lookup, Pending, ResponseCache};
 use crate::config::{Config, RemoteMediaPolicy, Role};
 use crate::error::ProxyError;
 use crate::fleet::Fleet;
+use crate::log_format::Decimal;
 use crate::metrics::Metrics;
 use crate::policy::{
     self, Candidate, Outcome, Pick, Policy, Prepared, Reason, RequestParts, RouteRequest,
@@ -830,7 +831,7 @@ impl Drop for Unanswered<'_> {
             endpoint = self.endpoint,
             worker = &*worker,
             status = CLIENT_CLOSED,
-            duration_ms = format_args!("{:.1}", self.arrived.elapsed().as_secs_f64() * 1e3),
+            duration_ms = %Decimal::millis(self.arrived.elapsed(), 1),
             outcome = "client_gone",
             "request"
         );
@@ -939,14 +940,14 @@ impl AccessLog {
             worker = &*self.worker,
             role = self.role,
             reason = self.decision.reason.as_str(),
-            matched_ratio = format_args!("{:.3}", self.decision.matched_ratio),
+            matched_ratio = %Decimal::new(self.decision.matched_ratio, 3),
             available_tokens = self.decision.available_tokens,
             predicted_tokens = self.decision.predicted_tokens,
             delivered_tokens = self.delivered_tokens.map_or(-1, |t| t as i64),
             decision_us = self.decision.decision_us,
             attempt = self.decision.attempt,
             status = self.status,
-            duration_ms = format_args!("{:.1}", self.arrived.elapsed().as_secs_f64() * 1e3),
+            duration_ms = %Decimal::millis(self.arrived.elapsed(), 1),
             outcome,
             "request"
         );
