@@ -206,18 +206,17 @@ pub fn pick_cache_aware(
     // One pass: the least load among usable workers (which of them carries it is worked
     // out only when the pick goes there: a tie among many idle workers ranks each of
     // them), the usable cache-aware workers, and every cache-aware one.
-    let (mut eligible, mut all) = (MaskBuilder::default(), MaskBuilder::default());
+    let (mut eligible, mut all) = (
+        MaskBuilder::for_ids(candidates.len()),
+        MaskBuilder::for_ids(candidates.len()),
+    );
     let mut least_load = None::<usize>;
     for c in candidates {
         if c.usable {
             least_load = Some(least_load.map_or(c.load, |l| l.min(c.load)));
         }
-        if c.cache_aware {
-            all.insert(c.id);
-            if c.usable {
-                eligible.insert(c.id);
-            }
-        }
+        all.insert_if(c.id, c.cache_aware);
+        eligible.insert_if(c.id, c.cache_aware && c.usable);
     }
     let (Some(least_load), Some(first)) = (least_load, usable(candidates).next()) else {
         return Pick::load_only(None, text.len());
@@ -283,15 +282,7 @@ pub fn pick_cache_aware(
     }
     // The least-loaded holder, and whether what it holds is a hit in whole blocks.
     let cached = (m.matched > 0)
-        .then(|| {
-            least_loaded(
-                candidates
-                    .iter()
-                    .filter(|c| c.usable && m.workers.contains(c.id)),
-                tie,
-                rng,
-            )
-        })
+        .then(|| least_usable_holder(candidates, &m.workers, tie, rng))
         .flatten()
         .filter(|c| {
             let aligned = scale(c).aligned_bytes(m.matched);
@@ -325,6 +316,38 @@ pub fn pick_cache_aware(
             let least = least(rng);
             pick(least, Reason::Miss, own(least), available, 0)
         }
+    }
+}
+
+/// The least-loaded usable worker among `holders` (see [`least_loaded`]). Holders are
+/// looked up by id when the list is in id order (the proxy's is the pool's, and a pool
+/// numbers its workers in order until one leaves): a pass over the holders, not over a
+/// pool of 1,000 workers. Otherwise one pass over the list.
+fn least_usable_holder<'a>(
+    candidates: &'a [Candidate],
+    holders: &WorkerMask,
+    tie: Option<u64>,
+    rng: &mut dyn RngCore,
+) -> Option<&'a Candidate> {
+    let by_id = |id: WorkerId| {
+        candidates
+            .get(id.0 as usize)
+            .filter(|c: &&Candidate| c.id == id)
+    };
+    if holders.iter().all(|id| by_id(id).is_some()) {
+        least_loaded(
+            holders.iter().filter_map(by_id).filter(|c| c.usable),
+            tie,
+            rng,
+        )
+    } else {
+        least_loaded(
+            candidates
+                .iter()
+                .filter(|c| c.usable && holders.contains(c.id)),
+            tie,
+            rng,
+        )
     }
 }
 
@@ -714,5 +737,41 @@ mod tests {
             counts[p.worker.unwrap().0 as usize] += 1;
         }
         assert!(counts.iter().all(|n| *n > 50), "{counts:?}");
+    }
+
+    #[test]
+    fn the_least_loaded_holder_is_the_same_whether_looked_up_by_id_or_by_a_pass() {
+        let cand = |id: u32, load: usize, usable: bool| Candidate {
+            id: WorkerId(id),
+            load,
+            usable,
+            cache_aware: true,
+        };
+        let in_order: Vec<Candidate> = (0..200)
+            .map(|i| cand(i, (i as usize * 7) % 5, i % 3 != 0))
+            .collect();
+        // A pool that lost a worker: ids no longer match positions.
+        let mut gapped = in_order.clone();
+        gapped.remove(40);
+        let mut reversed = in_order.clone();
+        reversed.reverse();
+        for holders in [
+            vec![1, 2, 70, 199],
+            vec![0, 3, 6],
+            (0..200).collect(),
+            vec![41, 150],
+        ] {
+            let mask: WorkerMask = holders.iter().map(|&i| WorkerId(i)).collect();
+            for list in [&in_order, &gapped, &reversed] {
+                let by_pass = least_loaded(
+                    list.iter().filter(|c| c.usable && mask.contains(c.id)),
+                    Some(42),
+                    &mut rng(),
+                )
+                .map(|c| c.id);
+                let got = least_usable_holder(list, &mask, Some(42), &mut rng()).map(|c| c.id);
+                assert_eq!(got, by_pass, "holders {holders:?}");
+            }
+        }
     }
 }

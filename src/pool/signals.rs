@@ -137,8 +137,15 @@ impl Signals {
     /// Whether the engine asked for no new requests until after `now`.
     #[inline]
     pub fn is_saturated(&self, now: Instant) -> bool {
+        self.is_saturated_at(crate::clock::nanos(now))
+    }
+
+    /// [`Signals::is_saturated`] at `now_ns` ([`crate::clock::nanos`] of now), for a
+    /// caller that asks many workers at one instant.
+    #[inline]
+    pub fn is_saturated_at(&self, now_ns: u64) -> bool {
         let until = self.saturated_until_ns.load(Ordering::Relaxed);
-        until != 0 && crate::clock::nanos(now) < until
+        until != 0 && now_ns < until
     }
 
     /// Seconds of saturation left at `now` (0 when none), for `/workers`.

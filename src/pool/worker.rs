@@ -236,6 +236,18 @@ impl Worker {
         self.in_flight() + self.remote_in_flight() + self.config.load_penalty as usize
     }
 
+    /// What a decision reads of it at `now`, each counter once: `(routable, load)` as
+    /// [`Worker::is_routable`] and [`Worker::load`] would say (every request reads this
+    /// for every worker in the pool).
+    #[inline]
+    pub fn routing_state(&self, now: Instant) -> (bool, usize) {
+        let in_flight = self.in_flight() + self.remote_in_flight();
+        let routable = self.is_healthy()
+            && self.config.max_load.is_none_or(|max| in_flight < max.get())
+            && self.breaker_available(now);
+        (routable, in_flight + self.config.load_penalty as usize)
+    }
+
     #[inline]
     pub fn is_healthy(&self) -> bool {
         self.healthy.load(Ordering::Relaxed)
@@ -334,5 +346,34 @@ mod tests {
         w.record(probe, Outcome::Success, later);
         assert!(w.is_routable(later), "closed again");
         assert_eq!(w.breaker_state(later), breaker::State::Closed);
+    }
+
+    #[test]
+    fn the_routing_state_reads_as_routable_and_load_do() {
+        let w = for_test(
+            Some(2),
+            &BreakerConfig {
+                failure_threshold: 1,
+                timeout: std::time::Duration::from_secs(10),
+                success_threshold: 1,
+            },
+        );
+        let t0 = now();
+        let agrees = |w: &Worker| {
+            assert_eq!(w.routing_state(t0), (w.is_routable(t0), w.load()));
+        };
+        agrees(&w);
+        w.in_flight.store(1, Ordering::Relaxed);
+        w.set_remote_in_flight(1);
+        agrees(&w);
+        assert!(!w.routing_state(t0).0, "full: 1 here and 1 elsewhere of 2");
+        w.set_remote_in_flight(0);
+        w.set_healthy(false);
+        agrees(&w);
+        w.set_healthy(true);
+        let a = w.admit(t0).expect("closed admits");
+        w.record(a, Outcome::Failure, t0);
+        agrees(&w);
+        assert!(!w.routing_state(t0).0, "open");
     }
 }

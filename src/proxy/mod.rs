@@ -709,8 +709,9 @@ pub fn pick_slot(
     let mut excluded = tried.clone();
     loop {
         let now = crate::pool::now();
+        let now_ns = crate::clock::nanos(now);
         let is_fallback = |i: usize| set.workers()[i].config().role == Role::Fallback;
-        let is_saturated = |i: usize| set.workers()[i].signals().is_saturated(now);
+        let is_saturated = |i: usize| set.workers()[i].signals().is_saturated_at(now_ns);
         // Whether a usable worker is a fallback or saturated, noted while the list is
         // built: the passes that take them out run only then (one pass over the pool,
         // not three, in the common case).
@@ -720,12 +721,13 @@ pub fn pick_slot(
             .workers()
             .iter()
             .map(|w| {
-                let usable = (none_excluded || !excluded.contains(w.id())) && w.is_routable(now);
-                avoided |=
-                    usable && (w.config().role == Role::Fallback || w.signals().is_saturated(now));
+                let (routable, load) = w.routing_state(now);
+                let usable = routable && (none_excluded || !excluded.contains(w.id()));
+                avoided |= usable
+                    && (w.config().role == Role::Fallback || w.signals().is_saturated_at(now_ns));
                 Candidate {
                     id: w.id(),
-                    load: w.load(),
+                    load,
                     usable,
                     cache_aware: w.config().cache_aware,
                 }

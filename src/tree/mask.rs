@@ -148,22 +148,41 @@ pub struct MaskBuilder {
 }
 
 impl MaskBuilder {
-    /// Adds `w`.
-    #[inline]
-    pub fn insert(&mut self, w: WorkerId) {
-        let (word, bit) = split(w);
-        if word == 0 {
-            self.low |= bit;
-        } else {
-            if self.high.len() < word {
-                self.high.resize(word, 0);
-            }
-            self.high[word - 1] |= bit;
+    /// A builder with room for ids below `n` without growing (larger ids still fit).
+    pub fn for_ids(n: usize) -> Self {
+        MaskBuilder {
+            low: 0,
+            high: vec![0; n.saturating_sub(1) / 64],
         }
     }
 
-    /// The mask.
-    pub fn build(self) -> WorkerMask {
+    /// Adds `w`.
+    #[inline]
+    pub fn insert(&mut self, w: WorkerId) {
+        self.insert_if(w, true);
+    }
+
+    /// Adds `w` when `yes`, without a branch on `yes`: a pass that sorts a whole pool's
+    /// ids into masks costs a few instructions per id.
+    #[inline]
+    pub fn insert_if(&mut self, w: WorkerId, yes: bool) {
+        let (word, bit) = split(w);
+        let bit = bit * u64::from(yes);
+        if word == 0 {
+            self.low |= bit;
+        } else if let Some(slot) = self.high.get_mut(word - 1) {
+            *slot |= bit;
+        } else if yes {
+            self.high.resize(word, 0);
+            self.high[word - 1] = bit;
+        }
+    }
+
+    /// The mask (trailing zero words dropped, as [`WorkerMask::insert`] leaves none).
+    pub fn build(mut self) -> WorkerMask {
+        while self.high.last() == Some(&0) {
+            self.high.pop();
+        }
         WorkerMask {
             low: self.low,
             high: (!self.high.is_empty()).then(|| self.high.into_boxed_slice()),
@@ -220,6 +239,25 @@ mod tests {
                 inserted.insert(WorkerId(i));
             }
             assert_eq!(collected, inserted, "{ids:?}");
+        }
+    }
+
+    #[test]
+    fn a_presized_builder_builds_the_same_masks() {
+        for (room, ids) in [
+            (0, vec![]),
+            (1000, vec![]),
+            (1000, vec![3]),
+            (64, vec![999, 0, 64, 63, 500]),
+            (1000, (0..1000).collect()),
+            (10, (0..300).step_by(7).collect()),
+        ] {
+            let expected: WorkerMask = ids.iter().map(|&i| WorkerId(i)).collect();
+            let mut b = MaskBuilder::for_ids(room);
+            for i in 0..1100 {
+                b.insert_if(WorkerId(i), ids.contains(&i));
+            }
+            assert_eq!(b.build(), expected, "room {room}, {ids:?}");
         }
     }
 }
