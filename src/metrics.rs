@@ -296,6 +296,10 @@ pub struct Metrics {
     queue_wait: Histogram,
     queue_rejected: Family<CauseLabels, Counter>,
     outcomes: Family<OutcomeLabels, Counter>,
+    /// `decisions_total` per [`REASONS`] entry, resolved once (each request counts one).
+    decision_counts: [Counter; REASONS.len()],
+    /// `request_outcomes_total` per [`OUTCOMES`] entry, resolved once.
+    outcome_counts: [Counter; OUTCOMES.len()],
 }
 
 /// A request's place in the admission queue; dropping it (served, refused, or the
@@ -338,7 +342,7 @@ impl Metrics {
     /// Creates and registers every family.
     pub fn new() -> Self {
         let mut r = Registry::with_prefix("cache_aware_router");
-        let m = Metrics {
+        let mut m = Metrics {
             requests: Family::default(),
             decisions: Family::default(),
             estimated_saved: Family::default(),
@@ -379,6 +383,8 @@ impl Metrics {
             queue_wait: latency_histogram(),
             queue_rejected: Family::default(),
             outcomes: Family::default(),
+            decision_counts: Default::default(),
+            outcome_counts: Default::default(),
             registry: Registry::default(),
         };
         r.register(
@@ -784,16 +790,19 @@ impl Metrics {
             "Requests the other router replicas have in flight on the worker, as last published",
             f.remote_in_flight.clone(),
         );
-        for reason in REASONS {
-            let _ = m.decisions.get_or_create(&ReasonLabels {
-                reason: reason.as_str(),
-            });
+        for (reason, count) in REASONS.iter().zip(&mut m.decision_counts) {
+            *count = m
+                .decisions
+                .get_or_create(&ReasonLabels {
+                    reason: reason.as_str(),
+                })
+                .clone();
         }
         for result in ["applied", "rejected", "invalid"] {
             let _ = m.reloads.get_or_create(&ResultLabels { result });
         }
-        for outcome in OUTCOMES {
-            let _ = m.outcomes.get_or_create(&OutcomeLabels { outcome });
+        for (outcome, count) in OUTCOMES.iter().zip(&mut m.outcome_counts) {
+            *count = m.outcomes.get_or_create(&OutcomeLabels { outcome }).clone();
         }
         for cause in ["full", "timeout"] {
             let _ = m.queue_rejected.get_or_create(&CauseLabels { cause });
@@ -866,11 +875,15 @@ impl Metrics {
 
     /// One routing decision and how long it took.
     pub fn decision(&self, reason: Reason, took: Duration) {
-        self.decisions
-            .get_or_create(&ReasonLabels {
-                reason: reason.as_str(),
-            })
-            .inc();
+        match REASONS.iter().position(|r| *r == reason) {
+            Some(i) => self.decision_counts[i].inc(),
+            None => self
+                .decisions
+                .get_or_create(&ReasonLabels {
+                    reason: reason.as_str(),
+                })
+                .inc(),
+        };
         if reason != Reason::NoWorker {
             self.decision_time.observe(took.as_secs_f64());
         }
@@ -1064,9 +1077,13 @@ impl Metrics {
 
     /// How one request ended, one of [`OUTCOMES`].
     pub fn outcome(&self, outcome: &'static str) {
-        self.outcomes
-            .get_or_create(&OutcomeLabels { outcome })
-            .inc();
+        match OUTCOMES.iter().position(|o| *o == outcome) {
+            Some(i) => self.outcome_counts[i].inc(),
+            None => self
+                .outcomes
+                .get_or_create(&OutcomeLabels { outcome })
+                .inc(),
+        };
     }
 
     /// A reload attempt: `applied`, `rejected` or `invalid`.

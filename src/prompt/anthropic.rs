@@ -5,11 +5,9 @@
 //! content blocks (`text`, `tool_use`, `tool_result`, images, documents, thinking) are
 //! read by the shared part reader in [`super`].
 
-use std::borrow::Cow;
-
 use serde::Deserialize;
 
-use super::{Content, PromptBuilder, append_content};
+use super::{Content, PromptBuilder, Text, append_content};
 
 #[derive(Deserialize)]
 struct MessagesBody<'a> {
@@ -22,7 +20,7 @@ struct MessagesBody<'a> {
 #[derive(Deserialize)]
 struct Message<'a> {
     #[serde(borrow, default)]
-    role: Option<Cow<'a, str>>,
+    role: Option<Text<'a>>,
     #[serde(borrow, default)]
     content: Option<Content<'a>>,
 }

@@ -272,15 +272,15 @@ impl PromptBuilder {
 #[derive(serde::Deserialize)]
 struct Part<'a> {
     #[serde(rename = "type", borrow, default)]
-    kind: Option<Cow<'a, str>>,
+    kind: Option<Text<'a>>,
     #[serde(borrow, default)]
     text: Option<Text<'a>>,
     #[serde(borrow, default)]
-    refusal: Option<Cow<'a, str>>,
+    refusal: Option<Text<'a>>,
     #[serde(borrow, default)]
     thinking: Option<Text<'a>>,
     #[serde(borrow, default)]
-    name: Option<Cow<'a, str>>,
+    name: Option<Text<'a>>,
     #[serde(borrow, default)]
     input: Option<&'a RawValue>,
     #[serde(borrow, default)]
@@ -325,8 +325,17 @@ pub(crate) enum Content<'a> {
 }
 
 /// A JSON string read as [`Content`] reads one (bytes, then UTF-8); anything else is a
-/// type error.
+/// type error. Borrowed from the body when it has no escapes: serde's own `Cow<str>`
+/// inside an `Option` always allocates, a `String` per field per request.
 pub(crate) struct Text<'a>(pub Cow<'a, str>);
+
+impl std::ops::Deref for Text<'_> {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
 
 struct ContentVisitor<'a>(std::marker::PhantomData<&'a ()>);
 

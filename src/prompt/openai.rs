@@ -21,7 +21,7 @@ struct ChatBody<'a> {
 #[derive(Deserialize)]
 struct ChatMessage<'a> {
     #[serde(borrow, default)]
-    role: Option<Cow<'a, str>>,
+    role: Option<Text<'a>>,
     #[serde(borrow, default)]
     content: Option<Content<'a>>,
     #[serde(borrow, default)]
@@ -37,7 +37,7 @@ struct ToolCall<'a> {
 #[derive(Deserialize)]
 struct FunctionCall<'a> {
     #[serde(borrow, default)]
-    name: Option<Cow<'a, str>>,
+    name: Option<Text<'a>>,
     /// A JSON-encoded string per the API; some clients send an object.
     #[serde(borrow, default)]
     arguments: Option<&'a RawValue>,
@@ -167,13 +167,13 @@ fn conversation_id(raw: &RawValue) -> Option<String> {
 #[derive(Deserialize)]
 struct ResponsesItem<'a> {
     #[serde(rename = "type", borrow, default)]
-    kind: Option<Cow<'a, str>>,
+    kind: Option<Text<'a>>,
     #[serde(borrow, default)]
-    role: Option<Cow<'a, str>>,
+    role: Option<Text<'a>>,
     #[serde(borrow, default)]
     content: Option<Content<'a>>,
     #[serde(borrow, default)]
-    name: Option<Cow<'a, str>>,
+    name: Option<Text<'a>>,
     #[serde(borrow, default)]
     arguments: Option<&'a RawValue>,
     #[serde(borrow, default)]
@@ -263,6 +263,16 @@ mod tests {
             r#"{"model":"m","messages":[{"role":"system","content":"Be brief."},{"role":"user","content":"Hi"}]}"#,
         );
         assert_eq!(t, "system: Be brief.\nuser: Hi\n");
+        // A role (read where it lies when it can be) with escapes is decoded; a role that
+        // is not a string makes the body unreadable (the raw body is the key).
+        let t = text(
+            Endpoint::ChatCompletions,
+            r#"{"model":"m","messages":[{"role":"us\u0065r","content":"Hi"}]}"#,
+        );
+        assert_eq!(t, "user: Hi\n");
+        let body = r#"{"model":"m","messages":[{"role":5,"content":"Hi"}]}"#;
+        let ctx = extract(Endpoint::ChatCompletions, body.as_bytes(), 1 << 20);
+        assert_eq!(ctx.source, Source::RawBody);
     }
 
     #[test]

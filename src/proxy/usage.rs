@@ -336,9 +336,9 @@ static RESPONSE_EVENT: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
 #[derive(Deserialize)]
 struct Envelope<'a> {
     #[serde(default, borrow)]
-    id: Option<std::borrow::Cow<'a, str>>,
+    id: Option<crate::prompt::Text<'a>>,
     #[serde(default, borrow)]
-    object: Option<std::borrow::Cow<'a, str>>,
+    object: Option<crate::prompt::Text<'a>>,
     #[serde(default)]
     usage: Option<RawUsage>,
     /// Anthropic `message_start` carries usage inside `message`.
@@ -479,6 +479,12 @@ mod tests {
         let mut s = scanner("application/json");
         s.feed(br#"{"id":"resp_123","object":"response","output":[],"usage":{"input_tokens":5}}"#);
         assert_eq!(s.found().response_id.as_deref(), Some("resp_123"));
+        // Escaped strings are decoded (read in place only when they have no escapes).
+        let mut s = scanner("application/json");
+        s.feed(br#"{"id":"resp_1","object":"response","usage":{"input_tokens":5}}"#);
+        let found = s.found();
+        assert_eq!(found.response_id.as_deref(), Some("resp_1"));
+        assert_eq!(found.usage.map(|u| u.prompt_tokens), Some(5));
         let mut s = scanner("application/json");
         s.feed(br#"{"id":"chatcmpl-1","object":"chat.completion"}"#);
         assert_eq!(s.found().response_id, None);
