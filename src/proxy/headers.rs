@@ -35,6 +35,17 @@ const HOP_BY_HOP: [HeaderName; 9] = [
 /// Removes hop-by-hop headers and every header named in `Connection`. Returns whether
 /// the message had `Transfer-Encoding` (so a stale `Content-Length` can be dropped).
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) -> bool {
+    // Which of them are present, from one pass over the names (a message has a handful):
+    // a `remove` hashes its name, and most messages carry none or one of the nine.
+    let mut present = 0u16;
+    for name in headers.keys() {
+        if let Some(i) = HOP_BY_HOP.iter().position(|h| h == name) {
+            present |= 1 << i;
+        }
+    }
+    if present == 0 {
+        return false;
+    }
     let chunked = headers.contains_key(header::TRANSFER_ENCODING);
     let named: Vec<HeaderName> = headers
         .get_all(header::CONNECTION)
@@ -43,8 +54,13 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) -> bool {
         .flat_map(|v| v.split(','))
         .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
         .collect();
-    for name in named.iter().chain(HOP_BY_HOP.iter()) {
+    for name in named.iter() {
         headers.remove(name);
+    }
+    for (i, name) in HOP_BY_HOP.iter().enumerate() {
+        if present & (1 << i) != 0 {
+            headers.remove(name);
+        }
     }
     chunked
 }
@@ -60,9 +76,9 @@ pub fn request_id(headers: &HeaderMap) -> HeaderValue {
             return v.clone();
         }
     }
-    let id: u128 = rand::random();
-    HeaderValue::from_str(&format!("{id:032x}"))
-        .unwrap_or_else(|_| HeaderValue::from_static("invalid"))
+    let mut hex = [0u8; 32];
+    crate::trace::hex_into(&rand::random::<[u8; 16]>(), &mut hex);
+    HeaderValue::from_bytes(&hex).unwrap_or_else(|_| HeaderValue::from_static("invalid"))
 }
 
 #[cfg(test)]
@@ -92,6 +108,21 @@ mod tests {
         let mut left: Vec<&str> = h.keys().map(|k| k.as_str()).collect();
         left.sort();
         assert_eq!(left, ["authorization", "x-request-id"]);
+        // None of them: nothing removed, not chunked.
+        let mut h = HeaderMap::new();
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        h.insert(header::CONTENT_LENGTH, HeaderValue::from_static("2"));
+        let before = h.clone();
+        assert!(!strip_hop_by_hop(&mut h));
+        assert_eq!(h, before);
+        // One of them, naming another: both go, nothing else does.
+        h.insert(header::CONNECTION, HeaderValue::from_static("x-hop"));
+        h.insert("x-hop", HeaderValue::from_static("1"));
+        assert!(!strip_hop_by_hop(&mut h));
+        assert_eq!(h, before);
     }
 
     #[test]
@@ -112,6 +143,12 @@ mod tests {
         let a = request_id(&HeaderMap::new());
         let b = request_id(&HeaderMap::new());
         assert_ne!(a, b);
-        assert!(a.to_str().unwrap().bytes().all(|c| c.is_ascii_hexdigit()));
+        assert!(
+            a.to_str()
+                .unwrap()
+                .bytes()
+                .all(|c| c.is_ascii_digit() || (b'a'..=b'f').contains(&c))
+        );
+        assert_eq!(a.len(), 32);
     }
 }

@@ -74,7 +74,7 @@ impl SpanId {
 }
 
 /// Writes `bytes` as lowercase hex into `out` (twice as long).
-fn hex_into(bytes: &[u8], out: &mut [u8]) {
+pub(crate) fn hex_into(bytes: &[u8], out: &mut [u8]) {
     const DIGITS: &[u8; 16] = b"0123456789abcdef";
     for (b, pair) in bytes.iter().zip(out.chunks_exact_mut(2)) {
         pair[0] = DIGITS[usize::from(b >> 4)];
