@@ -165,6 +165,12 @@ struct Cli {
     /// Limit per request, in s.
     #[arg(long, default_value_t = 30.0)]
     request_timeout_s: f64,
+    /// Measure every router this many times, the routers taking turns (ours, nginx,
+    /// ours, nginx, …), so that a slow stretch of a shared machine does not fall on one
+    /// of them. Each cell then reports the router's median round (by router CPU), and
+    /// "Ours against nginx" adds each round's CPU ratio.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
 }
 
 fn main() -> ExitCode {
@@ -215,6 +221,8 @@ struct Cell {
     router_cpu_us_per_req: f64,
     /// RSS of the router's process tree at the end of the cell, KiB.
     router_rss_kib: u64,
+    /// Which of the `--rounds` it was measured in (0-based).
+    round: usize,
 }
 
 impl Cell {
@@ -364,7 +372,9 @@ async fn try_run(cli: Cli) -> Result<bool, String> {
         procs::stop_all(procs_engines).await;
         r?;
     }
-    let text = report(&ctx, &cells, &runs, t0.elapsed());
+    let ratios = round_ratios(&cells);
+    let cells = median_cells(cells);
+    let text = report(&ctx, &cells, &ratios, &runs, t0.elapsed());
     println!("{text}");
     let ok = cells.iter().all(|c| c.errors() == 0) && runs.iter().all(|r| r.error.is_none());
     Ok(ok)
@@ -410,9 +420,19 @@ async fn engines_round(
     } else {
         None
     };
-    for &r in &ctx.cli.routers {
+    let rounds = ctx.cli.rounds.max(1);
+    for (round, &r) in (0..rounds).flat_map(|i| ctx.cli.routers.iter().map(move |r| (i, r))) {
         let kind = r.kind();
-        eprintln!("== {} in front of {n} engine(s)", kind.name());
+        eprintln!(
+            "== {} in front of {n} engine(s){}",
+            kind.name(),
+            if rounds > 1 {
+                format!(", round {} of {rounds}", round + 1)
+            } else {
+                String::new()
+            }
+        );
+        let first_cell = cells.len();
         let mut procs_router = Vec::new();
         let started = start(ctx, kind, &urls, &mut procs_router).await;
         let run = match started {
@@ -430,6 +450,9 @@ async fn engines_round(
                         .collect(),
                 );
                 let res = measure_router(ctx, kind, n, &direct, &router, cells).await;
+                for c in &mut cells[first_cell..] {
+                    c.round = round;
+                }
                 let other = watch.finish();
                 let end = procs::tree_usage(router.pid).unwrap_or_default();
                 if res.is_err() {
@@ -527,6 +550,7 @@ async fn measure_router(
                 router_rss_kib: u1.rss_kib,
                 direct: d,
                 via: v,
+                round: 0,
             });
         }
     }
@@ -537,7 +561,13 @@ fn mib(kib: u64) -> String {
     format!("{:.0} MiB", kib as f64 / 1024.0)
 }
 
-fn report(ctx: &Ctx, cells: &[Cell], runs: &[RouterRun], took: Duration) -> String {
+fn report(
+    ctx: &Ctx,
+    cells: &[Cell],
+    ratios: &RoundRatios,
+    runs: &[RouterRun],
+    took: Duration,
+) -> String {
     let mut t = String::new();
     let cli = &ctx.cli;
     let _ = writeln!(
@@ -570,6 +600,14 @@ fn report(ctx: &Ctx, cells: &[Cell], runs: &[RouterRun], took: Duration) -> Stri
         },
         took.as_secs_f64()
     );
+    if cli.rounds > 1 {
+        let _ = writeln!(
+            t,
+            "Each router was measured in {} rounds, taking turns; every cell below is the \
+             router's median round by router CPU.\n",
+            cli.rounds
+        );
+    }
     for &mode in &cli.modes {
         let stream = mode == Mode::Stream;
         let _ = writeln!(
@@ -684,7 +722,7 @@ fn report(ctx: &Ctx, cells: &[Cell], runs: &[RouterRun], took: Duration) -> Stri
     }
     t.push('\n');
     t.push_str(&targets(cells, runs));
-    t.push_str(&against_nginx(cells));
+    t.push_str(&against_nginx(cells, ratios));
     t
 }
 
@@ -837,11 +875,78 @@ fn targets(cells: &[Cell], runs: &[RouterRun]) -> String {
     t
 }
 
+/// Ours' router CPU over nginx's, per (engines, mode, c), one ratio per round in which
+/// both were measured.
+type RoundRatios = Vec<((usize, Mode, usize), Vec<f64>)>;
+
+fn round_ratios(cells: &[Cell]) -> RoundRatios {
+    let mut out: RoundRatios = Vec::new();
+    for o in cells.iter().filter(|c| c.router == RouterKind::Ours) {
+        let Some(x) = cells.iter().find(|x| {
+            x.router == RouterKind::Nginx
+                && (x.engines, x.mode, x.c, x.round) == (o.engines, o.mode, o.c, o.round)
+        }) else {
+            continue;
+        };
+        let r = o.router_cpu_us_per_req / x.router_cpu_us_per_req.max(f64::MIN_POSITIVE);
+        let key = (o.engines, o.mode, o.c);
+        match out.iter_mut().find(|(k, _)| *k == key) {
+            Some((_, v)) => v.push(r),
+            None => out.push((key, vec![r])),
+        }
+    }
+    out
+}
+
+/// Ours' router CPU over nginx's in cell `o` against `x`, and how it was had: with one
+/// round, the two cells' ratio; with several, the median of the rounds' own ratios
+/// (each round's pair ran back to back, so a slow stretch of the machine weighs on
+/// both), and the text that lists them.
+fn cpu_ratio(o: &Cell, x: &Cell, ratios: &RoundRatios) -> (f64, String) {
+    let single = o.router_cpu_us_per_req / x.router_cpu_us_per_req.max(f64::MIN_POSITIVE);
+    match ratios.iter().find(|(k, _)| *k == (o.engines, o.mode, o.c)) {
+        Some((_, v)) if v.len() > 1 => {
+            let each: Vec<String> = v.iter().map(|r| format!("{r:.2}×")).collect();
+            let mut sorted = v.clone();
+            sorted.sort_by(f64::total_cmp);
+            (
+                sorted[(sorted.len() - 1) / 2],
+                format!(" (median rounds); per round {}, median", each.join(", ")),
+            )
+        }
+        _ => (single, String::new()),
+    }
+}
+
+/// One cell per router, engine count, mode and concurrency: with several rounds, the
+/// round of median router CPU (the lower middle one of an even count), in the order the
+/// cells were first measured.
+fn median_cells(cells: Vec<Cell>) -> Vec<Cell> {
+    let mut groups: Vec<Vec<Cell>> = Vec::new();
+    for c in cells {
+        match groups.iter_mut().find(|g| {
+            let f = &g[0];
+            (f.router, f.engines, f.mode, f.c) == (c.router, c.engines, c.mode, c.c)
+        }) {
+            Some(g) => g.push(c),
+            None => groups.push(vec![c]),
+        }
+    }
+    groups
+        .into_iter()
+        .filter_map(|mut g| {
+            g.sort_by(|a, b| a.router_cpu_us_per_req.total_cmp(&b.router_cpu_us_per_req));
+            let mid = (g.len() - 1) / 2;
+            g.into_iter().nth(mid)
+        })
+        .collect()
+}
+
 /// Ours against nginx, per engine count where both ran (issue 17's targets):
 /// non-streamed CPU/request at c=64 ≤ 2×, added p50 at c=1 ≤ 3×, requests/s at
 /// c=64 ≥ 0.6× nginx's, RSS at the end of the c=64 cell ≤ 50 MB; streamed: added
 /// TTFB p50 at c=1 ≤ 0.2 ms and CPU/request at c=64 ≤ 2× nginx's.
-fn against_nginx(cells: &[Cell]) -> String {
+fn against_nginx(cells: &[Cell], ratios: &RoundRatios) -> String {
     let mut t = String::new();
     let find = |k: RouterKind, n: usize, m: Mode, c: usize| {
         cells
@@ -864,12 +969,12 @@ fn against_nginx(cells: &[Cell]) -> String {
             ))
         };
         if let Some((o, x)) = pair(Mode::Plain, 64) {
-            let r = o.router_cpu_us_per_req / x.router_cpu_us_per_req.max(f64::MIN_POSITIVE);
+            let (r, how) = cpu_ratio(o, x, ratios);
             lines.push(format!(
-                "non-streamed c=64: router CPU {:.0} vs {:.0} µs/req = {r:.2}× (≤ 2×): {}",
+                "non-streamed c=64: router CPU {:.0} vs {:.0} µs/req{how} = {r:.2}× (≤ 2×): {}",
                 o.router_cpu_us_per_req,
                 x.router_cpu_us_per_req,
-                verdict(r <= 2.0)
+                verdict(r <= 2.0),
             ));
             let r = o.via.req_per_s() / x.via.req_per_s().max(f64::MIN_POSITIVE);
             lines.push(format!(
@@ -901,12 +1006,12 @@ fn against_nginx(cells: &[Cell]) -> String {
             ));
         }
         if let Some((o, x)) = pair(Mode::Stream, 64) {
-            let r = o.router_cpu_us_per_req / x.router_cpu_us_per_req.max(f64::MIN_POSITIVE);
+            let (r, how) = cpu_ratio(o, x, ratios);
             lines.push(format!(
-                "streamed c=64: router CPU {:.0} vs {:.0} µs/req = {r:.2}× (≤ 2×): {}",
+                "streamed c=64: router CPU {:.0} vs {:.0} µs/req{how} = {r:.2}× (≤ 2×): {}",
                 o.router_cpu_us_per_req,
                 x.router_cpu_us_per_req,
-                verdict(r <= 2.0)
+                verdict(r <= 2.0),
             ));
         }
         if lines.is_empty() {
@@ -922,4 +1027,50 @@ fn against_nginx(cells: &[Cell]) -> String {
         }
     }
     t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cell(router: RouterKind, round: usize, cpu: f64) -> Cell {
+        Cell {
+            router,
+            engines: 4,
+            mode: Mode::Plain,
+            c: 64,
+            direct: LoadResult::default(),
+            via: LoadResult::default(),
+            router_cpu_us_per_req: cpu,
+            router_rss_kib: 0,
+            round,
+        }
+    }
+
+    #[test]
+    fn rounds_give_the_median_cell_and_the_median_paired_ratio() {
+        let cells = vec![
+            cell(RouterKind::Ours, 0, 90.0),
+            cell(RouterKind::Nginx, 0, 30.0),
+            cell(RouterKind::Ours, 1, 60.0),
+            cell(RouterKind::Nginx, 1, 40.0),
+            cell(RouterKind::Ours, 2, 70.0),
+            cell(RouterKind::Nginx, 2, 20.0),
+        ];
+        let ratios = round_ratios(&cells);
+        assert_eq!(ratios.len(), 1);
+        assert_eq!(ratios[0].1, vec![3.0, 1.5, 3.5]);
+        let median = median_cells(cells);
+        assert_eq!(median.len(), 2, "one cell per router");
+        let (o, x) = (&median[0], &median[1]);
+        assert_eq!((o.round, o.router_cpu_us_per_req), (2, 70.0));
+        assert_eq!((x.round, x.router_cpu_us_per_req), (0, 30.0));
+        // The verdict takes the rounds' median ratio (3.0), not 70 / 30.
+        let (r, how) = cpu_ratio(o, x, &ratios);
+        assert_eq!(r, 3.0);
+        assert!(how.contains("3.00×, 1.50×, 3.50×"), "{how}");
+        // One round: the two cells' own ratio.
+        let (r, how) = cpu_ratio(o, x, &round_ratios(&[cell(RouterKind::Ours, 0, 70.0)]));
+        assert!((r - 70.0 / 30.0).abs() < 1e-9 && how.is_empty());
+    }
 }
