@@ -12,7 +12,8 @@
 //! - [`Decimal`]: a fixed-point number for a field (`{:.3}` of a ratio, `{:.1}` of ms),
 //!   from integer digits instead of float formatting.
 //!
-//! `log.format: json` and coloured text keep tracing-subscriber's own formatters.
+//! `log.format: json` and coloured text keep tracing-subscriber's own field formatters;
+//! every format takes its timestamp from [`CachedTime`] (the same text as before).
 
 use std::cell::Cell;
 use std::fmt::{self, Write};

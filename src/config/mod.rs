@@ -484,6 +484,11 @@ pub struct WorkerUrl {
     path_prefix: String,
     /// `scheme://authority/prefix`, as displayed.
     full: String,
+    /// The scheme and authority parsed once, and the `Host` value: every request's URI
+    /// and headers take shared copies instead of parsing them again.
+    uri_scheme: http::uri::Scheme,
+    uri_authority: http::uri::Authority,
+    host: http::HeaderValue,
 }
 
 impl WorkerUrl {
@@ -571,6 +576,14 @@ impl WorkerUrl {
         }
         let url = WorkerUrl {
             full: format!("{scheme}://{authority}{path_prefix}"),
+            uri_scheme: scheme
+                .parse()
+                .map_err(|e| format!("not a valid URI scheme: {e}"))?,
+            uri_authority: authority
+                .parse()
+                .map_err(|e| format!("not a valid URI authority: {e}"))?,
+            host: http::HeaderValue::from_str(&authority)
+                .map_err(|e| format!("not a valid Host header: {e}"))?,
             scheme,
             authority,
             path_prefix: path_prefix.to_string(),
@@ -591,6 +604,11 @@ impl WorkerUrl {
         &self.authority
     }
 
+    /// [`WorkerUrl::authority`] as a `Host` header value (a shared copy).
+    pub fn host_header(&self) -> http::HeaderValue {
+        self.host.clone()
+    }
+
     /// The path prefix, `""` or `/something` without a trailing slash.
     pub fn path_prefix(&self) -> &str {
         &self.path_prefix
@@ -599,14 +617,18 @@ impl WorkerUrl {
     /// The upstream URI for a client `path_and_query` (which starts with `/`): the
     /// worker's prefix is put in front, the query is kept, no `//` appears.
     pub fn uri_for(&self, path_and_query: &str) -> Result<http::Uri, http::Error> {
-        let mut pq = String::with_capacity(self.path_prefix.len() + path_and_query.len());
-        pq.push_str(&self.path_prefix);
-        pq.push_str(path_and_query);
-        http::Uri::builder()
-            .scheme(self.scheme.as_str())
-            .authority(self.authority.as_str())
-            .path_and_query(pq)
-            .build()
+        let mut parts = http::uri::Parts::default();
+        parts.scheme = Some(self.uri_scheme.clone());
+        parts.authority = Some(self.uri_authority.clone());
+        parts.path_and_query = Some(if self.path_prefix.is_empty() {
+            path_and_query.parse()?
+        } else {
+            let mut pq = String::with_capacity(self.path_prefix.len() + path_and_query.len());
+            pq.push_str(&self.path_prefix);
+            pq.push_str(path_and_query);
+            pq.parse()?
+        });
+        Ok(http::Uri::from_parts(parts)?)
     }
 }
 
@@ -2769,6 +2791,19 @@ mod tests {
             ]
         );
         assert_eq!(c.workers[1].url.authority(), "[::1]:18003");
+        assert_eq!(c.workers[1].url.host_header(), "[::1]:18003");
+        assert_eq!(
+            c.workers[1]
+                .url
+                .uri_for("/v1/models?x=1")
+                .unwrap()
+                .to_string(),
+            "http://[::1]:18003/v1/models?x=1"
+        );
+        assert!(
+            c.workers[1].url.uri_for("/bad path").is_err(),
+            "a path the URI parser refuses is an error, not a panic"
+        );
         let u = &c.workers[3].url;
         assert_eq!(
             u.uri_for("/v1/chat/completions?trace=1")

@@ -72,27 +72,31 @@ impl Upstream {
             .url()
             .uri_for(&template.path_and_query)
             .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream URI: {e}")))?;
-        let mut headers = template.headers.clone();
-        if let Ok(host) = HeaderValue::from_str(worker.url().authority()) {
-            headers.insert(header::HOST, host);
-        }
-        if !body.is_empty() || template.method == Method::POST || template.method == Method::PUT {
-            headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
-        }
-        // A configured backend key always replaces the client's credential (built and
-        // checked at config time, so this cannot fall back to the client's).
-        if let Some(key) = self.key_for(worker) {
-            headers.insert(header::AUTHORIZATION, key.bearer().clone());
-        }
-        if let Some(rank) = dp_rank {
-            headers.insert(super::headers::DP_RANK.clone(), HeaderValue::from(rank));
-        }
+        // The headers are built again for a resend (rare) rather than cloned for it on
+        // every request.
+        let headers = || {
+            let mut headers = template.headers.clone();
+            headers.insert(header::HOST, worker.url().host_header());
+            if !body.is_empty() || template.method == Method::POST || template.method == Method::PUT
+            {
+                headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+            }
+            // A configured backend key always replaces the client's credential (built and
+            // checked at config time, so this cannot fall back to the client's).
+            if let Some(key) = self.key_for(worker) {
+                headers.insert(header::AUTHORIZATION, key.bearer().clone());
+            }
+            if let Some(rank) = dp_rank {
+                headers.insert(super::headers::DP_RANK.clone(), HeaderValue::from(rank));
+            }
+            headers
+        };
         let build = || {
             let mut req = Request::new(Full::new(body.clone()));
             *req.method_mut() = template.method.clone();
             *req.uri_mut() = uri.clone();
             *req.version_mut() = Version::HTTP_11;
-            *req.headers_mut() = headers.clone();
+            *req.headers_mut() = headers();
             req
         };
         let call = async {
@@ -170,9 +174,8 @@ impl Upstream {
         match target {
             crate::pool::Target::Path(path) => {
                 *req.uri_mut() = worker.url().uri_for(path).map_err(|e| e.to_string())?;
-                if let Ok(host) = HeaderValue::from_str(worker.url().authority()) {
-                    req.headers_mut().insert(header::HOST, host);
-                }
+                req.headers_mut()
+                    .insert(header::HOST, worker.url().host_header());
                 if let Some(key) = self.key_for(worker) {
                     req.headers_mut()
                         .insert(header::AUTHORIZATION, key.bearer().clone());
