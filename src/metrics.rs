@@ -296,7 +296,8 @@ pub struct Metrics {
     queue_wait: Histogram,
     queue_rejected: Family<CauseLabels, Counter>,
     outcomes: Family<OutcomeLabels, Counter>,
-    /// `decisions_total` per [`REASONS`] entry, resolved once (each request counts one).
+    /// `routing_decisions_total` per [`REASONS`] entry, resolved once (each request counts
+    /// one).
     decision_counts: [Counter; REASONS.len()],
     /// `request_outcomes_total` per [`OUTCOMES`] entry, resolved once.
     outcome_counts: [Counter; OUTCOMES.len()],
