@@ -236,9 +236,9 @@ impl Worker {
         self.in_flight() + self.remote_in_flight() + self.config.load_penalty as usize
     }
 
-    /// What a decision reads of it at `now`, each counter once: `(routable, load)` as
-    /// [`Worker::is_routable`] and [`Worker::load`] would say (every request reads this
-    /// for every worker in the pool).
+    /// What a decision reads of it at `now`, each counter once: `(routable, load)`, i.e.
+    /// [`Worker::is_routable`] and [`Worker::load`] (every request reads this for every
+    /// worker in the pool).
     #[inline]
     pub fn routing_state(&self, now: Instant) -> (bool, usize) {
         let in_flight = self.in_flight() + self.remote_in_flight();
@@ -277,7 +277,7 @@ impl Worker {
     /// under `max_load`.
     #[inline]
     pub fn is_routable(&self, now: Instant) -> bool {
-        self.is_healthy() && self.has_capacity() && self.breaker_available(now)
+        self.routing_state(now).0
     }
 
     /// Whether the only thing keeping a request off it at `now` is `max_load`: healthy,
@@ -349,7 +349,7 @@ mod tests {
     }
 
     #[test]
-    fn the_routing_state_reads_as_routable_and_load_do() {
+    fn the_routing_state_is_health_capacity_and_breaker_with_the_load() {
         let w = for_test(
             Some(2),
             &BreakerConfig {
@@ -359,21 +359,22 @@ mod tests {
             },
         );
         let t0 = now();
-        let agrees = |w: &Worker| {
-            assert_eq!(w.routing_state(t0), (w.is_routable(t0), w.load()));
-        };
-        agrees(&w);
+        assert_eq!(w.routing_state(t0), (true, 0));
         w.in_flight.store(1, Ordering::Relaxed);
+        assert_eq!(w.routing_state(t0), (true, 1), "one of two slots taken");
         w.set_remote_in_flight(1);
-        agrees(&w);
-        assert!(!w.routing_state(t0).0, "full: 1 here and 1 elsewhere of 2");
+        assert_eq!(
+            w.routing_state(t0),
+            (false, 2),
+            "full: 1 here and 1 elsewhere of 2"
+        );
+        assert_eq!(w.load(), 2);
         w.set_remote_in_flight(0);
         w.set_healthy(false);
-        agrees(&w);
+        assert_eq!(w.routing_state(t0), (false, 1), "unhealthy");
         w.set_healthy(true);
         let a = w.admit(t0).expect("closed admits");
         w.record(a, Outcome::Failure, t0);
-        agrees(&w);
-        assert!(!w.routing_state(t0).0, "open");
+        assert_eq!(w.routing_state(t0), (false, 1), "breaker open");
     }
 }

@@ -710,8 +710,8 @@ pub fn pick_slot(
     loop {
         let now = crate::pool::now();
         let now_ns = crate::clock::nanos(now);
-        let is_fallback = |i: usize| set.workers()[i].config().role == Role::Fallback;
-        let is_saturated = |i: usize| set.workers()[i].signals().is_saturated_at(now_ns);
+        let is_fallback = |w: &Worker| w.config().role == Role::Fallback;
+        let is_saturated = |w: &Worker| w.signals().is_saturated_at(now_ns);
         // Whether a usable worker is a fallback or saturated, noted while the list is
         // built: the passes that take them out run only then (one pass over the pool,
         // not three, in the common case).
@@ -723,8 +723,7 @@ pub fn pick_slot(
             .map(|w| {
                 let (routable, load) = w.routing_state(now);
                 let usable = routable && (none_excluded || !excluded.contains(w.id()));
-                avoided |= usable
-                    && (w.config().role == Role::Fallback || w.signals().is_saturated_at(now_ns));
+                avoided |= usable && (is_fallback(w) || is_saturated(w));
                 Candidate {
                     id: w.id(),
                     load,
@@ -734,10 +733,15 @@ pub fn pick_slot(
             })
             .collect();
         if avoided {
-            for avoid in [&is_fallback as &dyn Fn(usize) -> bool, &is_saturated] {
-                if (0..candidates.len()).any(|i| candidates[i].usable && !avoid(i)) {
-                    for (i, c) in candidates.iter_mut().enumerate() {
-                        c.usable &= !avoid(i);
+            let workers = set.workers();
+            for avoid in [&is_fallback as &dyn Fn(&Worker) -> bool, &is_saturated] {
+                if candidates
+                    .iter()
+                    .zip(workers)
+                    .any(|(c, w)| c.usable && !avoid(w))
+                {
+                    for (c, w) in candidates.iter_mut().zip(workers) {
+                        c.usable &= !avoid(w);
                     }
                 }
             }
