@@ -75,6 +75,12 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
         router.upstream().clone(),
         shutdown.clone(),
     ));
+    // Idle keep-alive connections to workers closed after `proxy.pool_idle_timeout_secs`.
+    tokio::spawn(crate::proxy::upstream::close_idle(
+        Arc::clone(router.pool()),
+        router.config().proxy.pool_idle_timeout,
+        shutdown.clone(),
+    ));
     // What the engines say about themselves: load scrapes, LMCache signals.
     if router.config().engine_metrics.enabled {
         tokio::spawn(crate::signals::engine_metrics::run(

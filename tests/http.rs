@@ -677,6 +677,89 @@ async fn pool_idle_timeout_below_the_workers_keep_alive_avoids_stale_connections
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_and_requests_share_one_kept_connection_and_an_empty_answer_returns_it() {
+    // 204s with no body, a JSON answer, then the health probe's connection: all one
+    // socket, used one request after another.
+    let w = FakeWorker::builder()
+        .reply(|req| {
+            if req.body_str().contains("empty") {
+                Reply::status(204)
+            } else {
+                Reply::ok()
+            }
+        })
+        .start()
+        .await;
+    let router = start_router(&yaml_for(&[&w], "")).await;
+    wait_until("the first health probe", STEP_TIMEOUT, || async {
+        !w.probes().is_empty()
+    })
+    .await;
+    for (i, text) in ["empty", "full", "empty", "empty", "full"]
+        .iter()
+        .enumerate()
+    {
+        let resp = post(
+            router.addr,
+            "/v1/chat/completions",
+            chat_body(&format!("{text} {i}"), false),
+        )
+        .await;
+        assert_eq!(resp.status, if *text == "empty" { 204 } else { 200 });
+    }
+    assert_eq!(w.requests().len(), 5);
+    assert_eq!(
+        w.connections(),
+        1,
+        "the probe's connection carried every request after it"
+    );
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connections_are_closed_by_the_router_after_the_pool_idle_timeout() {
+    // A burst opens several connections; once it is over they are closed within
+    // about the pool's idle timeout, not left open on the worker.
+    let w = FakeWorker::builder()
+        .reply(|_| {
+            Reply::ok().trickle(vec![
+                Step::Sleep(Duration::from_millis(30)),
+                Step::Write(OK_BODY.as_bytes().to_vec()),
+            ])
+        })
+        .start()
+        .await;
+    let router = start_router(&yaml_for(&[&w], "proxy:\n  pool_idle_timeout_secs: 0.1\n")).await;
+    let addr = router.addr;
+    let burst: Vec<_> = (0..4)
+        .map(|i| {
+            tokio::spawn(async move {
+                post(
+                    addr,
+                    "/v1/chat/completions",
+                    chat_body(&format!("burst {i}"), false),
+                )
+                .await
+            })
+        })
+        .collect();
+    for b in burst {
+        assert_eq!(within("burst request", b).await.unwrap().status, 200);
+    }
+    assert!(w.connections() >= 4, "the burst needed a connection each");
+    wait_until(
+        "every idle upstream connection closed",
+        Duration::from_secs(2),
+        || async { w.open_connections() == 0 },
+    )
+    .await;
+    // And the next request opens a new one, without an error.
+    let resp = post(addr, "/v1/chat/completions", chat_body("after", false)).await;
+    assert_eq!(resp.status, 200);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routed_peer_header_names_the_worker_when_enabled() {
     let w = FakeWorker::start().await;
     let router = start_router(&yaml_for(&[&w], "proxy:\n  add_routed_peer_header: true\n")).await;

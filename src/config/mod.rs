@@ -620,15 +620,32 @@ impl WorkerUrl {
         let mut parts = http::uri::Parts::default();
         parts.scheme = Some(self.uri_scheme.clone());
         parts.authority = Some(self.uri_authority.clone());
-        parts.path_and_query = Some(if self.path_prefix.is_empty() {
+        parts.path_and_query = Some(self.path_for(path_and_query)?);
+        Ok(http::Uri::from_parts(parts)?)
+    }
+
+    /// [`WorkerUrl::uri_for`] in origin form (path and query only), as an HTTP/1.1
+    /// request line to the worker itself carries it (RFC 9112 §3.2.1).
+    pub fn origin_form(&self, path_and_query: &str) -> Result<http::Uri, http::Error> {
+        Ok(http::Uri::from(self.path_for(path_and_query)?))
+    }
+
+    /// The worker's URI (its prefix as the path): a connection to it is opened to the
+    /// scheme, host and port.
+    pub fn origin(&self) -> Result<http::Uri, http::Error> {
+        self.uri_for("/")
+    }
+
+    /// The worker's prefix in front of `path_and_query`.
+    fn path_for(&self, path_and_query: &str) -> Result<http::uri::PathAndQuery, http::Error> {
+        Ok(if self.path_prefix.is_empty() {
             path_and_query.parse()?
         } else {
             let mut pq = String::with_capacity(self.path_prefix.len() + path_and_query.len());
             pq.push_str(&self.path_prefix);
             pq.push_str(path_and_query);
             pq.parse()?
-        });
-        Ok(http::Uri::from_parts(parts)?)
+        })
     }
 }
 

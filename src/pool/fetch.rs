@@ -3,6 +3,7 @@
 //! implements it, so every such request carries the backend key like proxied ones do.
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -24,7 +25,7 @@ pub enum Target<'a> {
 pub trait Fetch: Clone + Send + Sync + 'static {
     fn get(
         &self,
-        worker: &Worker,
+        worker: &Arc<Worker>,
         target: Target<'_>,
         timeout: Duration,
         max_bytes: usize,

@@ -16,6 +16,7 @@ pub mod breaker;
 mod fetch;
 pub mod health;
 pub mod hits;
+pub mod keep_alive;
 mod load;
 pub mod prefill;
 mod set;

@@ -52,6 +52,8 @@ pub struct Worker {
     prefill: Prefill,
     /// Available / predicted / delivered prefix tokens of its answers, and the drift.
     hits: super::hits::HitStats,
+    /// Its idle keep-alive connections (`proxy.pool_idle_timeout_secs`).
+    keep_alive: super::keep_alive::KeepAlive,
 }
 
 /// Consecutive health-probe results of one worker.
@@ -89,6 +91,7 @@ impl Worker {
             signals: Signals::default(),
             prefill: Prefill::default(),
             hits: Default::default(),
+            keep_alive: Default::default(),
         }
     }
 
@@ -101,6 +104,11 @@ impl Worker {
     /// What its answers said of the router's prefix memory (see `pool::hits`).
     pub fn hits(&self) -> &super::hits::HitStats {
         &self.hits
+    }
+
+    /// Its idle keep-alive connections, which the proxy takes and returns.
+    pub fn keep_alive(&self) -> &super::keep_alive::KeepAlive {
+        &self.keep_alive
     }
 
     /// Its engine's reported load, LMCache signal and back-pressure.

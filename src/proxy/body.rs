@@ -6,9 +6,9 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use super::upstream::UpstreamBody;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
-use hyper::body::Incoming;
 use tokio::time::{Instant, Sleep};
 
 use super::usage::UsageScanner;
@@ -52,7 +52,7 @@ pub struct BodyTap {
 /// time, and a timer that fires early is set again from the last frame's.
 #[derive(Debug)]
 pub struct GuardedBody {
-    inner: Incoming,
+    inner: UpstreamBody,
     guard: Option<InFlightGuard>,
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
@@ -77,7 +77,7 @@ pub struct IdleTimeout(Duration);
 
 impl GuardedBody {
     pub fn new(
-        inner: Incoming,
+        inner: UpstreamBody,
         guard: InFlightGuard,
         idle_timeout: Duration,
         tap: BodyTap,

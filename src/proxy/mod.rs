@@ -25,6 +25,7 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
 pub use body::GuardedBody;
+use upstream::UpstreamBody;
 
 use crate::cache::{self, Lookup, Pending, ResponseCache};
 use crate::config::{Config, RemoteMediaPolicy, Role};
@@ -342,7 +343,7 @@ impl Router {
             ProxyError::NoWorker("every worker is unhealthy, at max_load, or down");
         // A retryable answer kept until another worker takes the request: when none is
         // left, the client gets the worker's own answer (e.g. its 503), not ours.
-        let mut held: Option<(Response<Incoming>, InFlightGuard, AccessLog)> = None;
+        let mut held: Option<(Response<UpstreamBody>, InFlightGuard, AccessLog)> = None;
         // Whether `held` is a push-back (429, 503 + Retry-After).
         let mut held_pushed_back = false;
         let retries = self.config.proxy.max_retries;
@@ -591,7 +592,7 @@ impl Router {
     /// the in-flight guard.
     fn respond(
         &self,
-        resp: Response<Incoming>,
+        resp: Response<UpstreamBody>,
         guard: InFlightGuard,
         log: AccessLog,
         route: &Route<'_>,
@@ -1000,7 +1001,7 @@ const MAX_BACK_PRESSURE: Duration = Duration::from_secs(60);
 /// is read in both forms of RFC 9110 §10.2.3, delay-seconds (a value too large for any
 /// integer counts as the cap) and HTTP-date; the first header counts. Clamped to
 /// 100 ms ..= [`MAX_BACK_PRESSURE`].
-fn back_pressure(resp: &Response<Incoming>) -> Option<Duration> {
+fn back_pressure(resp: &Response<UpstreamBody>) -> Option<Duration> {
     let after = resp
         .headers()
         .get(header::RETRY_AFTER)

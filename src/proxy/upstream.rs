@@ -1,8 +1,15 @@
-//! The pooled upstream client and the per-attempt request.
+//! The upstream client: requests to workers on per-worker keep-alive connections
+//! (`crate::pool::keep_alive`), and the per-attempt request.
+
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, Version};
+use http_body::{Body, Frame, SizeHint};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 use hyper_rustls::HttpsConnector;
@@ -14,26 +21,34 @@ use super::headers;
 use crate::config::{ProxyConfig, Secret};
 use crate::error::ProxyError;
 use crate::pool::Worker;
+use crate::pool::keep_alive::Conn;
 
 /// The connector of every upstream call: plain TCP for `http://`, rustls over it for
 /// `https://` (`proxy.tls`).
 type Connector = HttpsConnector<HttpConnector>;
 
-/// hyper-util's pooled HTTP/1.1 client, configured from `proxy:`. Cheap to clone.
+/// The upstream client, configured from `proxy:`. Cheap to clone.
+///
+/// Proxied requests go over HTTP/1.1 connections of hyper's own, kept per worker
+/// ([`Worker::keep_alive`]): a request takes the worker's most recently idled one (or
+/// opens one), and its answer's body returns it when read to the end. Health probes,
+/// scrapes and other side calls use hyper-util's pooled client.
 #[derive(Clone)]
 pub struct Upstream {
+    /// Side calls ([`Upstream::get`], [`Upstream::post_json`]).
     client: Client<Connector, Full<Bytes>>,
-    /// Same settings, no pooling: the resend after a stale pooled connection must not
-    /// pick up another socket the worker already closed.
-    fresh: Client<Connector, Full<Bytes>>,
+    connector: Connector,
+    /// `proxy.pool_idle_timeout_secs`: an idle connection older than this is not used.
+    idle_timeout: Duration,
     api_key: Option<Secret>,
 }
 
 impl Upstream {
     /// TCP_NODELAY on (small SSE writes must not wait for delayed ACKs), connect bound
     /// by `connect_timeout` (the TCP connect; the TLS handshake then runs within the
-    /// request's `request_timeout`), idle pooled connections closed after
-    /// `pool_idle_timeout`; `https://` verified as `proxy.tls` says.
+    /// request's `request_timeout`), idle connections not reused after
+    /// `pool_idle_timeout` (and closed by [`close_idle`]); `https://` verified as
+    /// `proxy.tls` says.
     pub fn new(cfg: &ProxyConfig) -> Self {
         if cfg.tls.insecure_skip_verify {
             tracing::warn!(
@@ -45,12 +60,10 @@ impl Upstream {
             .pool_timer(TokioTimer::new())
             .pool_idle_timeout(cfg.pool_idle_timeout)
             .build(connector.clone());
-        let fresh = Client::builder(TokioExecutor::new())
-            .pool_max_idle_per_host(0)
-            .build(connector);
         Upstream {
             client,
-            fresh,
+            connector,
+            idle_timeout: cfg.pool_idle_timeout,
             api_key: cfg.api_key.clone(),
         }
     }
@@ -58,19 +71,23 @@ impl Upstream {
     /// Sends one attempt to `worker`, to its data-parallel rank `dp_rank` when set;
     /// resolves when the response headers arrive, or fails with
     /// [`ProxyError::Timeout`] after `timeout` (what is left of the request's
-    /// `request_timeout`). A time-out drops the attempt: hyper closes its connection
-    /// (it cannot be reused mid-request), which tells the engine the client is gone.
+    /// `request_timeout`). A time-out drops the attempt and its connection (it cannot
+    /// be reused mid-request), which tells the engine the client is gone.
+    ///
+    /// A kept connection that the worker closed as it was reused (uvicorn drops idle
+    /// keep-alive sockets after 5 s) answers nothing: the request is sent once more, on
+    /// a new connection, to the same worker.
     pub async fn send(
         &self,
-        worker: &Worker,
+        worker: &Arc<Worker>,
         template: &RequestTemplate,
         body: Bytes,
         dp_rank: Option<u32>,
-        timeout: std::time::Duration,
-    ) -> Result<Response<Incoming>, ProxyError> {
+        timeout: Duration,
+    ) -> Result<Response<UpstreamBody>, ProxyError> {
         let uri = worker
             .url()
-            .uri_for(&template.path_and_query)
+            .origin_form(&template.path_and_query)
             .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream URI: {e}")))?;
         // The headers are built again for a resend (rare) rather than cloned for it on
         // every request.
@@ -99,34 +116,164 @@ impl Upstream {
             *req.headers_mut() = headers();
             req
         };
-        let call = async {
-            match self.client.request(build()).await {
-                // A pooled connection the worker closed as we reused it (uvicorn drops
-                // idle keep-alive sockets after 5 s): nothing was answered, so send
-                // once more, on a new connection, to the same worker.
-                Err(e) if is_stale_connection(&e) => {
-                    tracing::debug!(worker = %worker.url(), error = %describe(&e), "stale pooled connection; resending once");
-                    self.fresh.request(build()).await
-                }
-                other => other,
+        tokio::time::timeout(timeout, self.exchange(worker, build))
+            .await
+            .unwrap_or(Err(ProxyError::Timeout(timeout.as_secs_f64())))
+    }
+
+    /// Sends `build()` to `worker` on a kept connection (or a new one); a kept one the
+    /// worker closed as it was reused gets one resend of `build()` on a new connection.
+    async fn exchange(
+        &self,
+        worker: &Arc<Worker>,
+        build: impl Fn() -> Request<Full<Bytes>>,
+    ) -> Result<Response<UpstreamBody>, ProxyError> {
+        let mut conn = self.checkout(worker).await?;
+        let resp = match conn.send_request(build()).await {
+            Err(e) if is_stale_connection(&e) => {
+                tracing::debug!(worker = %worker.url(), error = %crate::error::describe(&e), "stale connection; resending once on a new one");
+                drop(conn);
+                conn = self.connect(worker).await?;
+                conn.send_request(build()).await
             }
+            other => other,
         };
-        match tokio::time::timeout(timeout, call).await {
-            Ok(Ok(resp)) => Ok(resp),
-            Ok(Err(e)) if e.is_connect() => Err(ProxyError::Unreachable(describe(&e))),
-            Ok(Err(e)) => Err(ProxyError::Upstream(describe(&e))),
-            Err(_) => Err(ProxyError::Timeout(timeout.as_secs_f64())),
+        resp.map(|r| UpstreamBody::wrap(r, conn, worker))
+            .map_err(|e| ProxyError::Upstream(crate::error::describe(&e)))
+    }
+
+    /// A ready connection to `worker`: its most recently idled one, else a new one.
+    async fn checkout(&self, worker: &Worker) -> Result<Conn, ProxyError> {
+        while let Some(mut conn) = worker.keep_alive().take(self.idle_timeout) {
+            // Returned when its answer's last byte was read: hyper marks it ready for
+            // the next request at once, or within that instant. A closed one errs.
+            if conn.ready().await.is_ok() {
+                return Ok(conn);
+            }
+        }
+        self.connect(worker).await
+    }
+
+    /// Opens a connection to `worker` (TCP, and TLS for `https://`) and starts the task
+    /// that reads and writes it.
+    async fn connect(&self, worker: &Worker) -> Result<Conn, ProxyError> {
+        let unreachable = |e: &(dyn std::error::Error + 'static)| {
+            ProxyError::Unreachable(format!(
+                "connect to {}: {}",
+                worker.url(),
+                crate::error::describe(e)
+            ))
+        };
+        let origin = worker.url().origin().map_err(|e| unreachable(&e))?;
+        let mut connector = self.connector.clone();
+        std::future::poll_fn(|cx| tower_service::Service::poll_ready(&mut connector, cx))
+            .await
+            .map_err(|e| unreachable(&*e))?;
+        let io = tower_service::Service::call(&mut connector, origin)
+            .await
+            .map_err(|e| unreachable(&*e))?;
+        let (conn, io_task) = hyper::client::conn::http1::handshake(io)
+            .await
+            .map_err(|e| unreachable(&e))?;
+        let label = Arc::clone(worker.label());
+        tokio::spawn(async move {
+            if let Err(e) = io_task.await {
+                tracing::debug!(worker = %label, error = %crate::error::describe(&e), "upstream connection ended");
+            }
+        });
+        Ok(conn)
+    }
+}
+
+/// Closes, every `idle_timeout` / 2 (at least every second), the connections idle for
+/// `proxy.pool_idle_timeout_secs` in every worker of `pool`, until shutdown: a burst's
+/// connections do not stay open on the workers once the burst is over.
+pub async fn close_idle(
+    pool: Arc<crate::pool::Pool>,
+    idle_timeout: Duration,
+    mut shutdown: crate::shutdown::Shutdown,
+) {
+    let every = (idle_timeout / 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = shutdown.wait() => return,
+        }
+        for w in pool.set().workers() {
+            w.keep_alive().close_idle(idle_timeout);
         }
     }
 }
 
+/// A worker's answer body. Returns its connection to the worker's keep-alive list once
+/// read to the end; dropped before (a client that left, an answer not relayed), it
+/// closes the connection, which cannot carry another request mid-answer.
+#[derive(Debug)]
+pub struct UpstreamBody {
+    inner: Incoming,
+    /// The connection, and whose it is, until the body ends.
+    conn: Option<(Conn, Arc<Worker>)>,
+}
+
+impl UpstreamBody {
+    fn wrap(resp: Response<Incoming>, conn: Conn, worker: &Arc<Worker>) -> Response<Self> {
+        let (parts, inner) = resp.into_parts();
+        let mut body = UpstreamBody {
+            inner,
+            conn: Some((conn, Arc::clone(worker))),
+        };
+        // An answer with no body (204, `Content-Length: 0`) may never be polled.
+        if body.inner.is_end_stream() {
+            body.release();
+        }
+        Response::from_parts(parts, body)
+    }
+
+    fn release(&mut self) {
+        if let Some((conn, worker)) = self.conn.take() {
+            worker.keep_alive().put(conn);
+        }
+    }
+}
+
+impl Body for UpstreamBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        let frame = ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        match &frame {
+            // The last frame of a sized body: the server may not poll again.
+            None => self.release(),
+            Some(Ok(_)) if self.inner.is_end_stream() => self.release(),
+            Some(Ok(_)) => {}
+            Some(Err(_)) => self.conn = None,
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
 /// Whether a request failed because its connection was closed or reset under it before
-/// any response byte arrived (hyper: "connection closed before message completed", or
-/// a reset / broken pipe). A worker that crashed mid-request looks the same; the one
-/// resend then meets a refused connection and the request moves to another worker.
-fn is_stale_connection(e: &hyper_util::client::legacy::Error) -> bool {
-    if e.is_connect() {
-        return false;
+/// any response byte arrived (hyper: "connection closed before message completed", a
+/// request canceled before it was written, or a reset / broken pipe). A worker that
+/// crashed mid-request looks the same; the one resend then meets a refused connection
+/// and the request moves to another worker.
+fn is_stale_connection(e: &hyper::Error) -> bool {
+    if e.is_incomplete_message() || e.is_canceled() {
+        return true;
     }
     let mut src = std::error::Error::source(e);
     while let Some(cause) = src {
@@ -151,9 +298,9 @@ fn is_stale_connection(e: &hyper_util::client::legacy::Error) -> bool {
 impl crate::pool::Fetch for Upstream {
     fn get(
         &self,
-        worker: &Worker,
+        worker: &Arc<Worker>,
         target: crate::pool::Target<'_>,
-        timeout: std::time::Duration,
+        timeout: Duration,
         max_bytes: usize,
     ) -> impl std::future::Future<Output = Result<(http::StatusCode, Bytes), String>> + Send {
         Upstream::get(self, worker, target, timeout, max_bytes)
@@ -161,39 +308,54 @@ impl crate::pool::Fetch for Upstream {
 }
 
 impl Upstream {
-    /// `GET` of `target` (a path below the worker's prefix, with its backend key; or an
-    /// absolute URL, without any key), bounded by `timeout` and `max_bytes` of body.
+    /// `GET` of `target` (a path below the worker's prefix, with its backend key, on the
+    /// worker's keep-alive connections; or an absolute URL, without any key), bounded
+    /// by `timeout` and `max_bytes` of body.
     pub async fn get(
         &self,
-        worker: &Worker,
+        worker: &Arc<Worker>,
         target: crate::pool::Target<'_>,
-        timeout: std::time::Duration,
+        timeout: Duration,
         max_bytes: usize,
     ) -> Result<(http::StatusCode, Bytes), String> {
-        let mut req = Request::new(Full::new(Bytes::new()));
-        match target {
+        let url = match target {
             crate::pool::Target::Path(path) => {
-                *req.uri_mut() = worker.url().uri_for(path).map_err(|e| e.to_string())?;
-                req.headers_mut()
-                    .insert(header::HOST, worker.url().host_header());
-                if let Some(key) = self.key_for(worker) {
+                let uri = worker.url().origin_form(path).map_err(|e| e.to_string())?;
+                let build = || {
+                    let mut req = Request::new(Full::new(Bytes::new()));
+                    *req.uri_mut() = uri.clone();
                     req.headers_mut()
-                        .insert(header::AUTHORIZATION, key.bearer().clone());
-                }
+                        .insert(header::HOST, worker.url().host_header());
+                    if let Some(key) = self.key_for(worker) {
+                        req.headers_mut()
+                            .insert(header::AUTHORIZATION, key.bearer().clone());
+                    }
+                    req
+                };
+                let call = async {
+                    let resp = self
+                        .exchange(worker, build)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    read_bounded(resp, max_bytes).await
+                };
+                return tokio::time::timeout(timeout, call)
+                    .await
+                    .map_err(|_| format!("no answer within {timeout:?}"))?;
             }
-            crate::pool::Target::Url(url) => {
-                let uri: http::Uri = url
-                    .parse()
-                    .map_err(|e: http::uri::InvalidUri| e.to_string())?;
-                if let Some(host) = uri
-                    .authority()
-                    .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-                {
-                    req.headers_mut().insert(header::HOST, host);
-                }
-                *req.uri_mut() = uri;
-            }
+            crate::pool::Target::Url(url) => url,
+        };
+        let mut req = Request::new(Full::new(Bytes::new()));
+        let uri: http::Uri = url
+            .parse()
+            .map_err(|e: http::uri::InvalidUri| e.to_string())?;
+        if let Some(host) = uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        {
+            req.headers_mut().insert(header::HOST, host);
         }
+        *req.uri_mut() = uri;
         self.bounded(req, timeout, max_bytes).await
     }
 
@@ -239,14 +401,7 @@ impl Upstream {
     ) -> Result<(http::StatusCode, Bytes), String> {
         let call = async {
             let resp = self.client.request(req).await.map_err(|e| describe(&e))?;
-            let status = resp.status();
-            // Read (bounded) so the connection goes back to the pool.
-            let body = http_body_util::Limited::new(resp.into_body(), max_bytes)
-                .collect()
-                .await
-                .map_err(|e| e.to_string())?
-                .to_bytes();
-            Ok((status, body))
+            read_bounded(resp, max_bytes).await
         };
         tokio::time::timeout(timeout, call)
             .await
@@ -294,6 +449,25 @@ impl RequestTemplate {
             headers,
         }
     }
+}
+
+/// The status and at most `max_bytes` of `resp`'s body (read to its end, so that its
+/// connection can carry the next request).
+async fn read_bounded<B>(
+    resp: Response<B>,
+    max_bytes: usize,
+) -> Result<(http::StatusCode, Bytes), String>
+where
+    B: Body<Data = Bytes>,
+    B::Error: std::error::Error + Send + Sync + 'static,
+{
+    let status = resp.status();
+    let body = http_body_util::Limited::new(resp.into_body(), max_bytes)
+        .collect()
+        .await
+        .map_err(|e| e.to_string())?
+        .to_bytes();
+    Ok((status, body))
 }
 
 /// The error and its causes on one line ([`crate::error::describe`]).

@@ -1181,7 +1181,10 @@ mod tests {
             assert_eq!(common_prefix_len(&a[..len], &a), len);
             assert_eq!(common_prefix_len(&a, &a[..len]), len);
         }
-        for at in (0..3000).step_by(13).chain([1023, 1024, 1025, 2047, 2048, 2999]) {
+        for at in (0..3000)
+            .step_by(13)
+            .chain([1023, 1024, 1025, 2047, 2048, 2999])
+        {
             let mut b = a.clone();
             b[at] ^= 0x40;
             assert_eq!(common_prefix_len(&a, &b), at);
