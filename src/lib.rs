@@ -12,7 +12,8 @@
 //! proxy        body -> prompt -> policy -> upstream -> GuardedBody, retries
 //!   request_body  bounded in bytes, memory and time
 //!   headers    hop-by-hop stripping, request ids
-//!   upstream   pooled hyper-util client, one attempt; health probes
+//!   upstream   hyper HTTP/1.1 connections kept per worker, one attempt; health
+//!              probes and scrapes on the same connections
 //!   body       GuardedBody: streams the answer, owns the in-flight guard
 //!   usage      engine token usage (and /v1/responses ids) read as bytes pass
 //!   models     GET /v1/models with a per-set cache
@@ -21,7 +22,7 @@
 //!              and sessions around any policy); precise (KV-event policy, supervisor)
 //! pool         workers, stable ids, membership, health, breaker, in-flight guards,
 //!              fetch (how tasks reach a worker), pending prefill and the learned
-//!              prefill rate, each worker's signal slots
+//!              prefill rate, each worker's signal slots and idle connections
 //! signals      background sources for those slots: engine /metrics scrapes, LMCache
 //! cache        the response cache: exact and semantic keys, stored answers, in-process
 //!              (moka) or Redis store, embeddings
