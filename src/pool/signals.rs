@@ -76,9 +76,13 @@ impl PollCounts {
     }
 }
 
-/// One worker's signal slots.
+/// One worker's signal slots. `repr(C)`, its saturation deadline first: every decision
+/// reads that of every worker, from the worker's first cache line (`Worker`'s layout).
 #[derive(Debug, Default)]
+#[repr(C)]
 pub struct Signals {
+    /// Saturated until this many ns past `clock::epoch` (0 = not saturated).
+    saturated_until_ns: AtomicU64,
     engine: ArcSwapOption<EngineLoad>,
     lmcache: ArcSwapOption<LmcacheSignal>,
     /// Engine scrapes.
@@ -87,13 +91,15 @@ pub struct Signals {
     pub lmcache_polls: PollCounts,
     /// Signals read while missing or stale (counted by the policy that read them).
     pub neutral_reads: AtomicU64,
-    /// Saturated until this many ns past `clock::epoch` (0 = not saturated).
-    saturated_until_ns: AtomicU64,
     /// 429/503 answers that marked it saturated.
     pub back_pressure: AtomicU64,
 }
 
 impl Signals {
+    /// Bytes at its start that a decision reads (the saturation deadline).
+    #[cfg(test)]
+    pub(super) const HOT_BYTES: usize = 8;
+
     /// The last good engine scrape, whatever its age.
     pub fn engine(&self) -> Option<Arc<EngineLoad>> {
         self.engine.load_full()
@@ -159,6 +165,12 @@ impl Signals {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_saturation_deadline_is_the_first_field() {
+        assert_eq!(std::mem::offset_of!(Signals, saturated_until_ns), 0);
+        assert_eq!(Signals::HOT_BYTES, std::mem::size_of::<AtomicU64>());
+    }
 
     #[tokio::test(start_paused = true)]
     async fn saturation_expires_and_the_later_deadline_wins() {

@@ -14,40 +14,58 @@ use crate::config::{BreakerConfig, WorkerConfig};
 use crate::precise::feed::Feed;
 
 /// One upstream inference server.
+///
+/// Laid out (`repr(C)`, aligned to a 64-byte cache line) so that what every decision
+/// reads of every worker (`routing_state`, its id, whether it is a fallback, cache-aware
+/// or saturated) is in its first cache line: at 1,000 workers a decision reads 1,000 of
+/// those lines instead of four lines of each worker (its counters, flags and config
+/// were spread over ~1 KiB).
 #[derive(Debug)]
+#[repr(C, align(64))]
 pub struct Worker {
+    // The first cache line: read by every decision.
+    /// Requests forwarded and not yet finished (body ended or dropped).
+    pub(super) in_flight: AtomicUsize,
+    /// Requests the other router replicas have in flight here (`crate::fleet`; 0 when
+    /// not shared or when their shares expired).
+    remote_in_flight: AtomicUsize,
+    /// `config.max_load`, 0 for none (copied: the config is fixed for a worker's life).
+    max_load: usize,
     /// Its stable handle in the pool (see [`WorkerId`]).
     id: WorkerId,
+    /// `config.load_penalty`.
+    load_penalty: u32,
+    healthy: AtomicBool,
+    /// Whether the breaker is closed, stored under its lock after each change: every
+    /// request asks each worker whether it is routable, and the usual answer ("closed")
+    /// then costs no lock (1,000 lock round trips per request at 1,000 workers).
+    breaker_closed: AtomicBool,
+    /// `config.role` is `fallback`.
+    fallback: bool,
+    /// `config.cache_aware`.
+    cache_aware: bool,
+    /// What its engine reports (scrapes, LMCache) and back-pressure it asked for (its
+    /// saturation deadline first, in this line).
+    signals: Signals,
+    // The rest.
     config: WorkerConfig,
     /// The normalised URL as a shared string: metric label and log field.
     label: Arc<str>,
     /// xxh3-64 of its key (tells this worker from a later one given the same id).
     key_hash: u64,
-    /// Requests forwarded and not yet finished (body ended or dropped).
-    pub(super) in_flight: AtomicUsize,
     /// Told when one of its in-flight slots frees; shared by the pool's workers, so a
     /// request queued for any slot (`proxy.queue`) wakes (see [`super::Pool::slot_freed`]).
     pub(super) freed: Arc<tokio::sync::Notify>,
-    /// Requests the other router replicas have in flight here (`crate::fleet`; 0 when
-    /// not shared or when their shares expired).
-    remote_in_flight: AtomicUsize,
-    healthy: AtomicBool,
     /// A health probe has answered since it joined: until then it is routable (so a
     /// fresh router serves at once) but not counted healthy by `/health`.
     probed: AtomicBool,
     /// One lock for the whole state machine: a transition is one step.
     breaker: Mutex<CircuitBreaker>,
-    /// Whether the breaker is closed, stored under its lock after each change: every
-    /// request asks each worker whether it is routable, and the usual answer ("closed")
-    /// then costs no lock (1,000 lock round trips per request at 1,000 workers).
-    breaker_closed: AtomicBool,
     /// Consecutive probe results, owned by the health-check task.
     probes: Mutex<ProbeRun>,
     /// Its KV-event feeds (precise mode), one per DP rank in rank order; empty
     /// without `kv_events`.
     feeds: Vec<Arc<Feed>>,
-    /// What its engine reports (scrapes, LMCache) and back-pressure it asked for.
-    signals: Signals,
     /// Prefill queued by the router there, and the learned prefill speed.
     prefill: Prefill,
     /// Available / predicted / delivered prefix tokens of its answers, and the drift.
@@ -76,6 +94,10 @@ impl Worker {
             .unwrap_or_default();
         Worker {
             id,
+            max_load: config.max_load.map_or(0, |m| m.get()),
+            load_penalty: config.load_penalty,
+            fallback: config.role == crate::config::Role::Fallback,
+            cache_aware: config.cache_aware,
             label: Arc::from(config.url.to_string()),
             key_hash: xxhash_rust::xxh3::xxh3_64(config.key().as_bytes()),
             feeds,
@@ -251,9 +273,21 @@ impl Worker {
     pub fn routing_state(&self, now: Instant) -> (bool, usize) {
         let in_flight = self.in_flight() + self.remote_in_flight();
         let routable = self.is_healthy()
-            && self.config.max_load.is_none_or(|max| in_flight < max.get())
+            && (self.max_load == 0 || in_flight < self.max_load)
             && self.breaker_available(now);
-        (routable, in_flight + self.config.load_penalty as usize)
+        (routable, in_flight + self.load_penalty as usize)
+    }
+
+    /// `role: fallback`: used only when no primary worker is usable.
+    #[inline]
+    pub fn is_fallback(&self) -> bool {
+        self.fallback
+    }
+
+    /// `cache_aware` (its config's): whether prefix affinity applies to it.
+    #[inline]
+    pub fn is_cache_aware(&self) -> bool {
+        self.cache_aware
     }
 
     #[inline]
@@ -384,5 +418,29 @@ mod tests {
         let a = w.admit(t0).expect("closed admits");
         w.record(a, Outcome::Failure, t0);
         assert_eq!(w.routing_state(t0), (false, 1), "breaker open");
+    }
+}
+
+#[cfg(test)]
+mod layout {
+    use super::Worker;
+    use std::mem::offset_of;
+
+    #[test]
+    fn what_every_decision_reads_is_in_the_first_cache_line() {
+        assert_eq!(std::mem::align_of::<Worker>(), 64);
+        let ends = [
+            offset_of!(Worker, in_flight) + 8,
+            offset_of!(Worker, remote_in_flight) + 8,
+            offset_of!(Worker, max_load) + 8,
+            offset_of!(Worker, id) + 4,
+            offset_of!(Worker, load_penalty) + 4,
+            offset_of!(Worker, healthy) + 1,
+            offset_of!(Worker, breaker_closed) + 1,
+            offset_of!(Worker, fallback) + 1,
+            offset_of!(Worker, cache_aware) + 1,
+            offset_of!(Worker, signals) + super::Signals::HOT_BYTES,
+        ];
+        assert!(ends.iter().all(|&e| e <= 64), "{ends:?}");
     }
 }

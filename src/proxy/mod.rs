@@ -711,7 +711,7 @@ pub fn pick_slot(
     loop {
         let now = crate::pool::now();
         let now_ns = crate::clock::nanos(now);
-        let is_fallback = |w: &Worker| w.config().role == Role::Fallback;
+        let is_fallback = |w: &Worker| w.is_fallback();
         let is_saturated = |w: &Worker| w.signals().is_saturated_at(now_ns);
         // Whether a usable worker is a fallback or saturated, noted while the list is
         // built: the passes that take them out run only then (one pass over the pool,
@@ -729,7 +729,7 @@ pub fn pick_slot(
                     id: w.id(),
                     load,
                     usable,
-                    cache_aware: w.config().cache_aware,
+                    cache_aware: w.is_cache_aware(),
                 }
             })
             .collect();
