@@ -613,21 +613,7 @@ async fn resend_after_a_stale_connection_does_not_pick_another_stale_one() {
     // A pool idle timeout longer than the worker's keep-alive: only the resend helps.
     let router = start_router(&yaml_for(&[&w], "proxy:\n  pool_idle_timeout_secs: 10\n")).await;
     let addr = router.addr;
-    let parallel: Vec<_> = (0..3)
-        .map(|i| {
-            tokio::spawn(async move {
-                post(
-                    addr,
-                    "/v1/chat/completions",
-                    chat_body(&format!("parallel {i}"), false),
-                )
-                .await
-            })
-        })
-        .collect();
-    for p in parallel {
-        assert_eq!(within("parallel request", p).await.unwrap().status, 200);
-    }
+    concurrent_chats(addr, "parallel", 3).await;
     // Now several idle connections are pooled, and the worker has closed them all.
     tokio::time::sleep(Duration::from_millis(60)).await;
     let resp = post(addr, "/v1/chat/completions", chat_body("next turn", false)).await;
@@ -731,21 +717,7 @@ async fn idle_connections_are_closed_by_the_router_after_the_pool_idle_timeout()
         .await;
     let router = start_router(&yaml_for(&[&w], "proxy:\n  pool_idle_timeout_secs: 0.1\n")).await;
     let addr = router.addr;
-    let burst: Vec<_> = (0..4)
-        .map(|i| {
-            tokio::spawn(async move {
-                post(
-                    addr,
-                    "/v1/chat/completions",
-                    chat_body(&format!("burst {i}"), false),
-                )
-                .await
-            })
-        })
-        .collect();
-    for b in burst {
-        assert_eq!(within("burst request", b).await.unwrap().status, 200);
-    }
+    concurrent_chats(addr, "burst", 4).await;
     assert!(w.connections() >= 4, "the burst needed a connection each");
     wait_until(
         "every idle upstream connection closed",

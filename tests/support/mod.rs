@@ -1419,6 +1419,20 @@ pub async fn post(addr: SocketAddr, path: &str, body: impl Into<Vec<u8>>) -> Res
     send(addr, &Req::post(path, body)).await
 }
 
+/// `n` non-streamed chat requests at once, each on its own connection (`"{text} {i}"`);
+/// asserts each is answered 200 within [`STEP_TIMEOUT`].
+pub async fn concurrent_chats(addr: SocketAddr, text: &str, n: usize) {
+    let all: Vec<_> = (0..n)
+        .map(|i| {
+            let body = chat_body(&format!("{text} {i}"), false);
+            tokio::spawn(async move { post(addr, "/v1/chat/completions", body).await })
+        })
+        .collect();
+    for one in all {
+        assert_eq!(within(text, one).await.unwrap().status, 200);
+    }
+}
+
 /// `GET path` on a fresh connection.
 pub async fn get(addr: SocketAddr, path: &str) -> Response {
     send(addr, &Req::get(path)).await
