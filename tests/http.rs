@@ -703,6 +703,39 @@ async fn probes_and_requests_share_one_kept_connection_and_an_empty_answer_retur
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_closes_after_every_answer_never_fails_a_request() {
+    // Each answer ends its connection (an HTTP/1.0-style server, or one shedding
+    // connections): a kept connection is never good for a second request, however soon.
+    let w = FakeWorker::builder()
+        .reply(|_| Reply::ok().close())
+        .health(|_| Reply::json(200, r#"{"status":"ok"}"#).close())
+        .start()
+        .await;
+    let router = start_router(&yaml_for(&[&w], "")).await;
+    for i in 0..6 {
+        let resp = post(
+            router.addr,
+            "/v1/chat/completions",
+            chat_body(&format!("turn {i}"), false),
+        )
+        .await;
+        assert_eq!(resp.status, 200, "turn {i}: {}", resp.text());
+    }
+    concurrent_chats(router.addr, "together", 3).await;
+    let reqs = w.requests();
+    assert_eq!(reqs.len(), 9, "each request processed exactly once");
+    for i in 0..6 {
+        assert_eq!(
+            reqs.iter()
+                .filter(|r| r.body_str().contains(&format!("turn {i}\"")))
+                .count(),
+            1
+        );
+    }
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connections_are_closed_by_the_router_after_the_pool_idle_timeout() {
     // A burst opens several connections; once it is over they are closed within
     // about the pool's idle timeout, not left open on the worker.
