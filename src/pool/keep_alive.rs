@@ -87,14 +87,4 @@ impl KeepAlive {
         drop(closed);
         left
     }
-
-    /// Idle connections held now.
-    pub fn len(&self) -> usize {
-        self.idle.lock().len()
-    }
-
-    /// Whether none is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
 }

@@ -6,11 +6,11 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use super::upstream::UpstreamBody;
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Sleep};
 
+use super::upstream::UpstreamBody;
 use super::usage::UsageScanner;
 use super::{AccessLog, BoxError};
 use crate::metrics::Metrics;

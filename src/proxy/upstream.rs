@@ -29,13 +29,14 @@ type Connector = HttpsConnector<HttpConnector>;
 
 /// The upstream client, configured from `proxy:`. Cheap to clone.
 ///
-/// Proxied requests go over HTTP/1.1 connections of hyper's own, kept per worker
-/// ([`Worker::keep_alive`]): a request takes the worker's most recently idled one (or
-/// opens one), and its answer's body returns it when read to the end. Health probes,
-/// scrapes and other side calls use hyper-util's pooled client.
+/// Requests to a worker (proxied ones, and its health probes and scrapes) go over
+/// HTTP/1.1 connections of hyper's own, kept per worker ([`Worker::keep_alive`]): a
+/// request takes the worker's most recently idled one (or opens one), and its answer's
+/// body returns it when read to the end. Calls to other hosts (absolute URLs) use
+/// hyper-util's pooled client.
 #[derive(Clone)]
 pub struct Upstream {
-    /// Side calls ([`Upstream::get`], [`Upstream::post_json`]).
+    /// Calls to absolute URLs ([`crate::pool::Target::Url`], [`Upstream::post_json`]).
     client: Client<Connector, Full<Bytes>>,
     connector: Connector,
     /// `proxy.pool_idle_timeout_secs`: an idle connection older than this is not used.
@@ -158,11 +159,7 @@ impl Upstream {
     /// that reads and writes it.
     async fn connect(&self, worker: &Worker) -> Result<Conn, ProxyError> {
         let unreachable = |e: &(dyn std::error::Error + 'static)| {
-            ProxyError::Unreachable(format!(
-                "connect to {}: {}",
-                worker.url(),
-                crate::error::describe(e)
-            ))
+            ProxyError::Unreachable(crate::error::describe(e))
         };
         let origin = worker.url().origin().map_err(|e| unreachable(&e))?;
         let mut connector = self.connector.clone();
