@@ -88,3 +88,67 @@ impl KeepAlive {
         left
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A connection over an in-memory pipe (no server: nothing is sent), open while its
+    /// read/write half is kept, closed once that is dropped.
+    async fn conn() -> (Conn, impl Drop) {
+        let (ours, theirs) = tokio::io::duplex(1024);
+        let (send, io) = hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(ours))
+            .await
+            .expect("handshake over a pipe");
+        (send, Box::new((io, theirs)))
+    }
+
+    #[tokio::test]
+    async fn the_latest_open_connection_is_taken_and_closed_or_expired_ones_are_dropped() {
+        let keep = KeepAlive::default();
+        let long = Duration::from_secs(3600);
+        assert!(keep.take(long).is_none());
+        let (a, a_io) = conn().await;
+        let (b, b_io) = conn().await;
+        let (c, c_io) = conn().await;
+        keep.put(a);
+        keep.put(b);
+        keep.put(c);
+        // The latest (c) goes first; once its other half is gone it is passed over.
+        drop(c_io);
+        tokio::task::yield_now().await;
+        let taken = keep.take(long).expect("b is open");
+        assert!(!taken.is_closed());
+        keep.put(taken);
+        // b was put back last: closing it leaves a as the one taken.
+        drop(b_io);
+        tokio::task::yield_now().await;
+        assert!(keep.take(long).is_some(), "a is open");
+        assert!(keep.take(long).is_none(), "b and c were dropped on the way");
+        drop(a_io);
+
+        // Reaping: expired ones go, and so do closed ones; open, fresh ones stay.
+        let (d, _d_io) = conn().await;
+        let (e, e_io) = conn().await;
+        keep.put(d);
+        keep.put(e);
+        drop(e_io);
+        tokio::task::yield_now().await;
+        assert_eq!(keep.close_idle(long), 1, "the closed one is reaped");
+        assert_eq!(keep.close_idle(Duration::ZERO), 0, "every idle one expired");
+        let (f, _f_io) = conn().await;
+        keep.put(f);
+        assert!(keep.take(Duration::ZERO).is_none(), "too old to reuse");
+        assert!(keep.take(long).is_none(), "and gone");
+    }
+
+    #[tokio::test]
+    async fn a_closed_connection_is_not_kept() {
+        let keep = KeepAlive::default();
+        let (a, a_io) = conn().await;
+        drop(a_io);
+        tokio::task::yield_now().await;
+        keep.put(a);
+        assert_eq!(keep.close_idle(Duration::from_secs(3600)), 0);
+    }
+}
