@@ -765,6 +765,38 @@ async fn idle_connections_are_closed_by_the_router_after_the_pool_idle_timeout()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_zero_pool_idle_timeout_keeps_no_connection() {
+    let w = FakeWorker::start().await;
+    let router = start_router(&yaml_for(&[&w], "proxy:\n  pool_idle_timeout_secs: 0\n")).await;
+    wait_until("the first health probe", STEP_TIMEOUT, || async {
+        !w.probes().is_empty()
+    })
+    .await;
+    for i in 0..3 {
+        let resp = post(
+            router.addr,
+            "/v1/chat/completions",
+            chat_body(&format!("turn {i}"), false),
+        )
+        .await;
+        assert_eq!(resp.status, 200);
+        wait_until(
+            "the request's upstream connection closed after its answer",
+            STEP_TIMEOUT,
+            || async { w.open_connections() == 0 },
+        )
+        .await;
+    }
+    assert_eq!(w.requests().len(), 3);
+    assert!(
+        w.connections() >= 4,
+        "a connection each for the probe and the three requests: {}",
+        w.connections()
+    );
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routed_peer_header_names_the_worker_when_enabled() {
     let w = FakeWorker::start().await;
     let router = start_router(&yaml_for(&[&w], "proxy:\n  add_routed_peer_header: true\n")).await;

@@ -139,7 +139,9 @@ impl Upstream {
             }
             other => other,
         };
-        resp.map(|r| UpstreamBody::wrap(r, conn, worker))
+        // `pool_idle_timeout_secs: 0`: no connection is kept (it closes after its answer).
+        let keep = (!self.idle_timeout.is_zero()).then(|| Arc::clone(worker));
+        resp.map(|r| UpstreamBody::wrap(r, conn, keep))
             .map_err(|e| ProxyError::Upstream(crate::error::describe(&e)))
     }
 
@@ -184,12 +186,16 @@ impl Upstream {
 
 /// Closes, every `idle_timeout` / 2 (at least every second), the connections idle for
 /// `proxy.pool_idle_timeout_secs` in every worker of `pool`, until shutdown: a burst's
-/// connections do not stay open on the workers once the burst is over.
+/// connections do not stay open on the workers once the burst is over. Returns at once
+/// for a zero `idle_timeout` (no connection is kept).
 pub async fn close_idle(
     pool: Arc<crate::pool::Pool>,
     idle_timeout: Duration,
     mut shutdown: crate::shutdown::Shutdown,
 ) {
+    if idle_timeout.is_zero() {
+        return;
+    }
     let every = (idle_timeout / 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -210,16 +216,17 @@ pub async fn close_idle(
 #[derive(Debug)]
 pub struct UpstreamBody {
     inner: Incoming,
-    /// The connection, and whose it is, until the body ends.
-    conn: Option<(Conn, Arc<Worker>)>,
+    /// The connection, and the worker to give it back to (`None`: closed at the end),
+    /// until the body ends.
+    conn: Option<(Conn, Option<Arc<Worker>>)>,
 }
 
 impl UpstreamBody {
-    fn wrap(resp: Response<Incoming>, conn: Conn, worker: &Arc<Worker>) -> Response<Self> {
+    fn wrap(resp: Response<Incoming>, conn: Conn, keep: Option<Arc<Worker>>) -> Response<Self> {
         let (parts, inner) = resp.into_parts();
         let mut body = UpstreamBody {
             inner,
-            conn: Some((conn, Arc::clone(worker))),
+            conn: Some((conn, keep)),
         };
         // An answer with no body (204, `Content-Length: 0`) may never be polled.
         if body.inner.is_end_stream() {
@@ -229,7 +236,7 @@ impl UpstreamBody {
     }
 
     fn release(&mut self) {
-        if let Some((conn, worker)) = self.conn.take() {
+        if let Some((conn, Some(worker))) = self.conn.take() {
             worker.keep_alive().put(conn);
         }
     }
