@@ -314,7 +314,7 @@ async fn request_id_is_kept_or_generated_and_sent_both_ways() {
 
     let mut ids = Vec::new();
     for _ in 0..2 {
-        let resp = post(router.addr, "/v1/chat/completions", chat_body("b", false)).await;
+        let resp = chat(router.addr, "b").await;
         let upstream = w.requests().pop().unwrap();
         let sent = upstream.header_all("x-request-id");
         assert_eq!(
@@ -342,7 +342,7 @@ async fn retry_on_another_worker_carries_the_same_request_id() {
     let b = FakeWorker::start().await;
     let urls = [closed_port_url(), b.url()];
     let router = start_router(&yaml_for_urls(&urls, "policy: round_robin")).await;
-    let resp = post(router.addr, "/v1/chat/completions", chat_body("c", false)).await;
+    let resp = chat(router.addr, "c").await;
     assert_eq!(
         resp.status,
         200,
@@ -512,12 +512,7 @@ async fn worker_closing_idle_connections_never_fails_a_request() {
     let router = start_router(&yaml_for(&[&w], "")).await;
     let pauses = [36u64, 38, 40, 42, 44, 39, 41, 43, 37, 45, 40, 40];
     for (i, pause) in pauses.iter().enumerate() {
-        let resp = post(
-            router.addr,
-            "/v1/chat/completions",
-            chat_body(&format!("turn {i}"), false),
-        )
-        .await;
+        let resp = chat(router.addr, &format!("turn {i}")).await;
         assert_eq!(resp.status, 200, "turn {i}: {}", resp.text());
         tokio::time::sleep(Duration::from_millis(*pause)).await;
     }
@@ -559,12 +554,7 @@ async fn turns_after_idle_each_processed_once(w: &FakeWorker, turns: usize, min_
     .await;
     for i in 0..turns {
         tokio::time::sleep(Duration::from_millis(50)).await;
-        let resp = post(
-            router.addr,
-            "/v1/chat/completions",
-            chat_body(&format!("turn {i}"), false),
-        )
-        .await;
+        let resp = chat(router.addr, &format!("turn {i}")).await;
         assert_eq!(resp.status, 200, "turn {i}: {}", resp.text());
     }
     assert_eq!(
@@ -616,7 +606,7 @@ async fn resend_after_a_stale_connection_does_not_pick_another_stale_one() {
     concurrent_chats(addr, "parallel", 3).await;
     // Now several idle connections are pooled, and the worker has closed them all.
     tokio::time::sleep(Duration::from_millis(60)).await;
-    let resp = post(addr, "/v1/chat/completions", chat_body("next turn", false)).await;
+    let resp = chat(addr, "next turn").await;
     assert_eq!(
         resp.status,
         200,
@@ -645,12 +635,7 @@ async fn pool_idle_timeout_below_the_workers_keep_alive_avoids_stale_connections
     let router = start_router(&yaml_for(&[&w], "proxy:\n  pool_idle_timeout_secs: 0.03\n")).await;
     for i in 0..5 {
         tokio::time::sleep(Duration::from_millis(80)).await;
-        let resp = post(
-            router.addr,
-            "/v1/chat/completions",
-            chat_body(&format!("turn {i}"), false),
-        )
-        .await;
+        let resp = chat(router.addr, &format!("turn {i}")).await;
         assert_eq!(resp.status, 200, "turn {i}: {}", resp.text());
     }
     assert_eq!(w.requests().len(), 5);
@@ -685,12 +670,7 @@ async fn probes_and_requests_share_one_kept_connection_and_an_empty_answer_retur
         .iter()
         .enumerate()
     {
-        let resp = post(
-            router.addr,
-            "/v1/chat/completions",
-            chat_body(&format!("{text} {i}"), false),
-        )
-        .await;
+        let resp = chat(router.addr, &format!("{text} {i}")).await;
         assert_eq!(resp.status, if *text == "empty" { 204 } else { 200 });
     }
     assert_eq!(w.requests().len(), 5);
@@ -713,12 +693,7 @@ async fn a_worker_that_closes_after_every_answer_never_fails_a_request() {
         .await;
     let router = start_router(&yaml_for(&[&w], "")).await;
     for i in 0..6 {
-        let resp = post(
-            router.addr,
-            "/v1/chat/completions",
-            chat_body(&format!("turn {i}"), false),
-        )
-        .await;
+        let resp = chat(router.addr, &format!("turn {i}")).await;
         assert_eq!(resp.status, 200, "turn {i}: {}", resp.text());
     }
     concurrent_chats(router.addr, "together", 3).await;
@@ -759,7 +734,7 @@ async fn idle_connections_are_closed_by_the_router_after_the_pool_idle_timeout()
     )
     .await;
     // And the next request opens a new one, without an error.
-    let resp = post(addr, "/v1/chat/completions", chat_body("after", false)).await;
+    let resp = chat(addr, "after").await;
     assert_eq!(resp.status, 200);
     router.shutdown().await;
 }
@@ -773,12 +748,7 @@ async fn a_zero_pool_idle_timeout_keeps_no_connection() {
     })
     .await;
     for i in 0..3 {
-        let resp = post(
-            router.addr,
-            "/v1/chat/completions",
-            chat_body(&format!("turn {i}"), false),
-        )
-        .await;
+        let resp = chat(router.addr, &format!("turn {i}")).await;
         assert_eq!(resp.status, 200);
         wait_until(
             "the request's upstream connection closed after its answer",
@@ -800,12 +770,12 @@ async fn a_zero_pool_idle_timeout_keeps_no_connection() {
 async fn routed_peer_header_names_the_worker_when_enabled() {
     let w = FakeWorker::start().await;
     let router = start_router(&yaml_for(&[&w], "proxy:\n  add_routed_peer_header: true\n")).await;
-    let resp = post(router.addr, "/v1/chat/completions", chat_body("who", false)).await;
+    let resp = chat(router.addr, "who").await;
     assert_eq!(resp.header_all("x-routed-peer"), [w.url().as_str()]);
     router.shutdown().await;
 
     let router = start_router(&yaml_for(&[&w], "")).await;
-    let resp = post(router.addr, "/v1/chat/completions", chat_body("who", false)).await;
+    let resp = chat(router.addr, "who").await;
     assert!(!resp.has_header("x-routed-peer"), "off by default");
     router.shutdown().await;
 }

@@ -1419,13 +1419,19 @@ pub async fn post(addr: SocketAddr, path: &str, body: impl Into<Vec<u8>>) -> Res
     send(addr, &Req::post(path, body)).await
 }
 
+/// A non-streamed chat request with `text` as its one user message, on a fresh
+/// connection.
+pub async fn chat(addr: SocketAddr, text: &str) -> Response {
+    post(addr, "/v1/chat/completions", chat_body(text, false)).await
+}
+
 /// `n` non-streamed chat requests at once, each on its own connection (`"{text} {i}"`);
 /// asserts each is answered 200 within [`STEP_TIMEOUT`].
 pub async fn concurrent_chats(addr: SocketAddr, text: &str, n: usize) {
     let all: Vec<_> = (0..n)
         .map(|i| {
-            let body = chat_body(&format!("{text} {i}"), false);
-            tokio::spawn(async move { post(addr, "/v1/chat/completions", body).await })
+            let text = format!("{text} {i}");
+            tokio::spawn(async move { chat(addr, &text).await })
         })
         .collect();
     for one in all {
