@@ -17,8 +17,12 @@
 //!
 //! The trees are held at their size after the fill, as a router's upkeep task holds its
 //! tree at `cache.max_tree_size` (an untimed eviction pass before the run and every 256
-//! decisions), so a new 30 KiB leaf reuses memory that evicted leaves freed; with
-//! `--growing` they grow without bound instead, and each new leaf's pages fault in.
+//! decisions). Their least recently used leaves are earlier 32 KiB requests (inserted
+//! before the fill; `common::history`), so a pass evicts leaves as large as the run's
+//! new ones and each new 30 KiB leaf reuses memory an evicted one freed: the steady
+//! state of a tree at its cap under this traffic. With `--growing` there are no
+//! earlier requests and no passes: the trees grow in bytes, and each new leaf's pages
+//! fault in (a tree still filling).
 //!
 //! Run: `cargo bench --bench decision` (add `-- --nodes 200000` for a quicker run).
 
@@ -36,7 +40,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 mod common;
-use common::{Upkeep, chat_body, decide, minor_faults, report, words};
+use common::{Upkeep, chat_body, decide, history, minor_faults, report, words};
 
 /// One policy measured through the seam.
 struct Lane {
@@ -222,8 +226,24 @@ fn main() {
     let systems: Vec<String> = (0..200).map(|_| words(&mut rng, 2048)).collect();
     let fill = Instant::now();
     let mut i = 0u64;
+    // Held at its cap: first the earlier 32 KiB requests the run's passes evict (see
+    // `common::history`; in this tree only, not in the fleets' indexes).
+    let earlier = if growing {
+        0
+    } else {
+        decisions + Upkeep::SLACK
+    };
     {
         let mut tree = cache_aware.tree().expect("cache_aware keeps a tree").lock();
+        history(
+            &mut tree,
+            &systems,
+            earlier,
+            32 * 1024,
+            workers,
+            cfg.cache.max_prompt_bytes,
+            &mut rng,
+        );
         while tree.node_count() < nodes_target {
             let sys = &systems[rng.random_range(0..systems.len())];
             let text = format!(
@@ -237,9 +257,11 @@ fn main() {
             i += 1;
         }
         println!(
-            "tree: {} nodes, {:.1} MiB of edges, from {} prompts in {:.1} s",
+            "tree: {} nodes, {:.1} MiB of edges, from {} earlier 32 KiB requests and {} \
+             conversations in {:.1} s",
             tree.node_count(),
             tree.total_bytes() as f64 / (1 << 20) as f64,
+            earlier,
             i,
             (fill.elapsed() - every.took - fill_only.took).as_secs_f64()
         );

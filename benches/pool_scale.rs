@@ -4,7 +4,8 @@
 //!
 //! 1. decision latency (extract + pick + observe, µs) for 2 KiB and 32 KiB chat bodies,
 //!    the tree held at its cap by an untimed eviction pass every 256 decisions (as the
-//!    router's upkeep task holds it);
+//!    router's upkeep task holds it), its least recently used leaves earlier 32 KiB
+//!    requests (`common::history`);
 //! 2. membership changes while a second thread decides in a loop: a worker removed and
 //!    added back (`Pool::remove` / `Pool::add`, the admin API's and discovery's path,
 //!    which drops its tree records), the time each change took and the longest decision
@@ -27,7 +28,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 mod common;
-use common::{Upkeep, chat_body, decide, percentile, report, words};
+use common::{Upkeep, chat_body, decide, history, percentile, report, words};
 
 fn config(workers: usize, nodes: usize) -> Config {
     let yaml = format!(
@@ -47,7 +48,13 @@ struct Fixture {
     systems: Vec<String>,
 }
 
+/// Decisions per run (one run per prompt size).
+const DECISIONS: usize = 2000;
+/// Earlier requests in the tree (`common::history`): what the runs' passes evict.
+const EARLIER: usize = 2 * DECISIONS + Upkeep::SLACK;
+
 /// A pool of `workers` and a tree of `nodes` nodes: 200 shared 2 KiB system prompts,
+/// [`EARLIER`] earlier 32 KiB requests (the least recently used leaves), then
 /// conversations branching off them, each on some worker.
 fn fixture(workers: usize, nodes: usize, rng: &mut StdRng) -> Fixture {
     let cfg = config(workers, nodes);
@@ -56,6 +63,16 @@ fn fixture(workers: usize, nodes: usize, rng: &mut StdRng) -> Fixture {
     let systems: Vec<String> = (0..200).map(|_| words(rng, 2048)).collect();
     let t = Instant::now();
     let mut tree = policy.tree().expect("cache_aware keeps a tree").lock();
+    // Held at its cap: first the earlier 32 KiB requests the runs' passes evict.
+    history(
+        &mut tree,
+        &systems,
+        EARLIER,
+        32 * 1024,
+        workers as u32,
+        cfg.cache.max_prompt_bytes,
+        rng,
+    );
     let mut i = 0u64;
     while tree.node_count() < nodes {
         let sys = &systems[rng.random_range(0..systems.len())];
@@ -64,7 +81,8 @@ fn fixture(workers: usize, nodes: usize, rng: &mut StdRng) -> Fixture {
         i += 1;
     }
     println!(
-        "\n== {workers} workers: tree of {} nodes from {i} prompts in {:.1} s",
+        "\n== {workers} workers: tree of {} nodes from {EARLIER} earlier 32 KiB requests and \
+         {i} conversations in {:.1} s",
         tree.node_count(),
         t.elapsed().as_secs_f64()
     );
@@ -254,7 +272,7 @@ fn main() {
     for workers in pools {
         let f = fixture(workers, nodes, &mut rng);
         for kib in [2, 32] {
-            let b = bodies(&f, 2000, kib << 10, &mut rng);
+            let b = bodies(&f, DECISIONS, kib << 10, &mut rng);
             decisions(&f, &upkeep, &b, &format!("decision, {kib} KiB chat"));
         }
         let b = bodies(&f, 500, 2 << 10, &mut rng);

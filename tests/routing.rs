@@ -344,6 +344,47 @@ async fn tree_is_evicted_down_to_its_node_ceiling() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_prompts_are_evicted_to_the_byte_ceiling_without_waiting_for_the_pass() {
+    let pool = workers(2).await;
+    let ws: Vec<&FakeWorker> = pool.iter().collect();
+    // The periodic pass is an hour away: the tree an eighth past its byte ceiling is
+    // evicted within a second instead.
+    let router = start_router(&yaml_for(
+        &ws,
+        "cache:\n  max_prompt_bytes: 1024\n  max_tree_bytes: 4096\n  eviction_interval_secs: 3600\n",
+    ))
+    .await;
+    let prompt = |i: usize| format!("{i:03} {}", "a long question of its own ".repeat(40));
+    for i in 0..12 {
+        let r = chat(router.addr, &prompt(i)).await;
+        assert_eq!(r.status, 200);
+    }
+    let bytes = || async {
+        get_workers(router.addr).await["tree_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    assert!(bytes().await > 4096 + 4096 / 8, "12 prompts of ~1 KiB held");
+    wait_until(
+        "tree under its byte ceiling",
+        Duration::from_secs(3),
+        || async { bytes().await <= 4096 },
+    )
+    .await;
+    // The most recent prompt is still held: it routes where it went.
+    let last = chat_body(&prompt(11), false);
+    let (_, first) = send_tagged(
+        router.addr,
+        &ws,
+        Req::post("/v1/chat/completions", last.clone()),
+    )
+    .await;
+    let (_, again) = send_tagged(router.addr, &ws, Req::post("/v1/chat/completions", last)).await;
+    assert_eq!(again, first);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eviction_holds_the_tree_at_its_cap_and_keeps_a_prefix_in_use() {
     const CAP: u64 = 24;
     const HITS: &str = "cache_aware_router_routing_decisions_total";

@@ -6,10 +6,10 @@
 use std::time::{Duration, Instant};
 
 use cache_aware_router::policy::{Outcome, Policy, Reason, RouteRequest};
-use cache_aware_router::pool::WorkerSet;
+use cache_aware_router::pool::{WorkerId, WorkerSet};
 use cache_aware_router::prompt::{Endpoint, extract};
 use cache_aware_router::proxy::pick_slot;
-use cache_aware_router::tree::WorkerMask;
+use cache_aware_router::tree::{RadixTree, WorkerMask, evict};
 use rand::Rng;
 use rand::rngs::StdRng;
 
@@ -90,8 +90,9 @@ pub fn report(name: &str, samples: &mut [Duration]) -> (f64, f64) {
 /// Holds trees near their size after the fill, as a router's upkeep task holds its tree
 /// at `cache.max_tree_size`: a pass (`tree::evict::evict_to`, run between timed
 /// decisions, as it runs beside the request path) takes a tree [`Upkeep::SLACK`] nodes
-/// under that size, so new leaves reuse what evicted ones freed instead of faulting in
-/// fresh pages.
+/// under that size, evicting its least recently used leaves. New leaves reuse what
+/// evicted ones freed, instead of faulting in fresh pages, when those are as large as
+/// they are (see [`history`]).
 pub struct Upkeep {
     rt: tokio::runtime::Runtime,
     /// Nodes a pass leaves.
@@ -101,8 +102,9 @@ pub struct Upkeep {
 impl Upkeep {
     /// Decisions between two passes.
     pub const EVERY: usize = 256;
-    /// Nodes a pass leaves under the size after the fill.
-    pub const SLACK: usize = 16 * 1024;
+    /// Nodes a pass leaves under the size after the fill: room for the ≤ 2 nodes (a
+    /// leaf and a split) each of [`Upkeep::EVERY`] decisions adds.
+    pub const SLACK: usize = 4 * Self::EVERY;
 
     /// Upkeep for trees filled to `nodes` nodes.
     pub fn new(nodes: usize) -> Self {
@@ -121,8 +123,13 @@ impl Upkeep {
 
     /// One eviction pass over `tree`.
     pub fn pass(&self, tree: &cache_aware_router::tree::SharedTree) {
-        self.rt
-            .block_on(cache_aware_router::tree::evict::evict_to(tree, self.to));
+        self.rt.block_on(evict::evict_to(
+            tree,
+            evict::Ceiling {
+                nodes: self.to,
+                bytes: u64::MAX,
+            },
+        ));
     }
 }
 
@@ -138,6 +145,31 @@ pub fn minor_faults() -> u64 {
         .unwrap_or(0)
 }
 
+/// Inserts `n` earlier requests into `tree` before its fill: chat bodies of about
+/// `bytes` over `systems` (as the runs send them), extracted as the proxy extracts them
+/// (`max_prompt_bytes`), each on one of `workers`. They become the tree's least
+/// recently used leaves, so a run's eviction passes offset each new leaf by evicting
+/// one of the same size, and the tree's bytes stay level: the steady state of a tree
+/// at its cap under this traffic. Without them the passes evict the fill's ~90-byte
+/// leaves while each new 32 KiB prompt adds a ~30 KiB leaf, so the tree grows in bytes
+/// and its new pages fault in (a tree still filling; `decision --growing`).
+pub fn history(
+    tree: &mut RadixTree,
+    systems: &[String],
+    n: usize,
+    bytes: usize,
+    workers: u32,
+    max_prompt_bytes: usize,
+    rng: &mut StdRng,
+) {
+    for i in 0..n {
+        let sys = &systems[rng.random_range(0..systems.len())];
+        let body = chat_body(sys, &words(rng, bytes.saturating_sub(2048)));
+        let ctx = extract(Endpoint::ChatCompletions, &body, max_prompt_bytes);
+        tree.insert(&ctx.text, WorkerId(i as u32 % workers));
+    }
+}
+
 /// What one decision took.
 pub struct Decided {
     /// JSON body to routing text.
@@ -148,9 +180,33 @@ pub struct Decided {
     pub hit: bool,
 }
 
+thread_local! {
+    /// The body as the server read it (see [`decide`]).
+    static READ: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// One decision, as the proxy makes it: extract, `proxy::pick_slot` (the candidates
 /// from the set, pick, the in-flight slot), observe(Served).
+///
+/// The body is first copied (untimed) into one reused buffer, as the proxy copies the
+/// frames it read into one buffer just before extraction
+/// (`proxy::request_body::collect`): extraction reads bytes just written, not a body
+/// among the run's megabytes that left the cache long ago.
 pub fn decide(
+    policy: &dyn Policy,
+    set: &WorkerSet,
+    body: &[u8],
+    max_prompt_bytes: usize,
+    rng: &mut StdRng,
+) -> Decided {
+    READ.with_borrow_mut(|read| {
+        read.clear();
+        read.extend_from_slice(body);
+        decide_read(policy, set, read, max_prompt_bytes, rng)
+    })
+}
+
+fn decide_read(
     policy: &dyn Policy,
     set: &WorkerSet,
     body: &[u8],

@@ -672,6 +672,10 @@ pub struct CacheConfig {
     pub max_prompt_bytes: usize,
     /// Node ceiling for the whole tree (default 1,000,000).
     pub max_tree_size: usize,
+    /// Byte ceiling for the whole tree: routing text held in its edges, in bytes
+    /// (`cache.max_tree_bytes`, default 1 GiB). Long prompts make few nodes of many
+    /// bytes, so the node ceiling alone does not bound the tree's memory.
+    pub max_tree_bytes: u64,
     /// Eviction pass period (default 60 s); `None` = eviction off (`0` in YAML).
     pub eviction_interval: Option<Duration>,
     /// UTC hour (0–23) at which the whole tree is dropped; `None` = off (`-1`, default).
@@ -1132,6 +1136,7 @@ struct RawCache {
     balance_rel_threshold: Option<f64>,
     max_prompt_bytes: Option<u64>,
     max_tree_size: Option<u64>,
+    max_tree_bytes: Option<u64>,
     eviction_interval_secs: Option<Secs>,
     daily_cleanup_hour_utc: Option<i64>,
     engine_block_tokens: Option<u64>,
@@ -1931,6 +1936,14 @@ impl Config {
         if max_tree_size == 0 {
             return Err(ck.bad("cache.max_tree_size", 0, "is out of range (nodes, ≥ 1)"));
         }
+        let max_tree_bytes = c.max_tree_bytes.unwrap_or(1 << 30);
+        if max_tree_bytes < max_prompt_bytes {
+            return Err(ck.bad(
+                "cache.max_tree_bytes",
+                max_tree_bytes,
+                "is out of range (bytes of routing text, at least cache.max_prompt_bytes)",
+            ));
+        }
         let eviction = ck.secs(
             "cache.eviction_interval_secs",
             c.eviction_interval_secs,
@@ -1972,6 +1985,7 @@ impl Config {
             balance_rel_threshold,
             max_prompt_bytes: max_prompt_bytes as usize,
             max_tree_size: max_tree_size as usize,
+            max_tree_bytes,
             eviction_interval: (!eviction.is_zero()).then_some(eviction),
             daily_cleanup_hour_utc,
             engine_block_tokens,
@@ -2646,6 +2660,8 @@ mod tests {
         assert_eq!(c.cache.balance_abs_threshold, 2);
         assert_eq!(c.cache.balance_rel_threshold, 1.5);
         assert_eq!(c.cache.max_prompt_bytes, 32768);
+        assert_eq!(c.cache.max_tree_size, 1_000_000);
+        assert_eq!(c.cache.max_tree_bytes, 1 << 30);
         assert_eq!(c.cache.eviction_interval, Some(Duration::from_secs(60)));
         assert_eq!(c.cache.daily_cleanup_hour_utc, None);
         assert_eq!(c.health.failure_threshold, 3);
@@ -2724,6 +2740,11 @@ mod tests {
                 "24",
             ),
             ("cache:\n  max_tree_size: 0\n", "cache.max_tree_size", "0"),
+            (
+                "cache:\n  max_tree_bytes: 1000\n",
+                "cache.max_tree_bytes",
+                "1000",
+            ),
             ("proxy:\n  jitter_factor: 2\n", "proxy.jitter_factor", "2"),
             (
                 "proxy:\n  retryable_statuses: [700]\n",

@@ -1,4 +1,6 @@
-//! Tree upkeep task: LRU eviction above `cache.max_tree_size`, the optional daily reset
+//! Tree upkeep task: LRU eviction above `cache.max_tree_size` nodes or
+//! `cache.max_tree_bytes` bytes (every `cache.eviction_interval_secs`, and within a
+//! second once the tree is [`OVER_BY`] past either ceiling), the optional daily reset
 //! at `cache.daily_cleanup_hour_utc`, and age-out sweeps: a worker whose engine turned
 //! out to have evicted a prefix loses its records last used before that prefix
 //! ([`SharedTree::engine_evicted`], at most one sweep per [`AGE_OUT_EVERY`]).
@@ -15,7 +17,7 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::time::MissedTickBehavior;
 
-use super::{Freed, SharedTree};
+use super::{Freed, RadixTree, SharedTree};
 use crate::config::CacheConfig;
 use crate::shutdown::Shutdown;
 
@@ -27,6 +29,10 @@ pub const SCAN_STEP: usize = 8 * 1024;
 /// its parent and its siblings), so ~50 µs a hold (2,048 held it for 0.9 ms). What they
 /// held is freed after the lock is released.
 pub const EVICT_BATCH: usize = 64;
+/// Past a ceiling by more than this fraction of it (nodes or bytes), the tree is
+/// evicted at the next [`AGE_OUT_EVERY`] look instead of waiting for the periodic pass:
+/// a burst of long prompts must not hold gigabytes until then.
+pub const OVER_BY: u64 = 8;
 /// How often the upkeep task looks for age-out work (horizons reported meanwhile, and
 /// workers grown past their learned capacity, wait for the next look).
 pub const AGE_OUT_EVERY: Duration = Duration::from_secs(1);
@@ -104,11 +110,42 @@ fn horizon_within(nodes: &mut [(u64, u64)], cap: u64) -> u64 {
     0
 }
 
-/// Evicts least-recently-used leaves until the tree holds at most `max_nodes` nodes.
-/// Returns the number of nodes removed.
-pub async fn evict_to(set: &SharedTree, max_nodes: usize) -> usize {
+/// The ceilings an eviction pass brings the tree under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Ceiling {
+    /// Nodes (`cache.max_tree_size`).
+    pub nodes: usize,
+    /// Bytes of routing text in edges (`cache.max_tree_bytes`).
+    pub bytes: u64,
+}
+
+impl Ceiling {
+    /// The ceilings a config sets.
+    pub fn of(cache: &CacheConfig) -> Self {
+        Ceiling {
+            nodes: cache.max_tree_size,
+            bytes: cache.max_tree_bytes,
+        }
+    }
+
+    /// Whether `tree` is past either ceiling.
+    pub fn exceeded_by(&self, tree: &RadixTree) -> bool {
+        tree.node_count() > self.nodes || tree.total_bytes() > self.bytes
+    }
+
+    /// Whether `tree` is past either ceiling by more than 1/[`OVER_BY`] of it.
+    fn far_exceeded_by(&self, tree: &RadixTree) -> bool {
+        let nodes = self.nodes as u64;
+        tree.node_count() as u64 > nodes + nodes / OVER_BY
+            || tree.total_bytes() > self.bytes + self.bytes / OVER_BY
+    }
+}
+
+/// Evicts least-recently-used leaves until the tree is within both ceilings (its nodes
+/// and its bytes). Returns the number of nodes removed.
+pub async fn evict_to(set: &SharedTree, ceiling: Ceiling) -> usize {
     // Nothing to do: inserts must not be skipped for a pass that removes nothing.
-    if set.lock().node_count() <= max_nodes {
+    if !ceiling.exceeded_by(&set.lock()) {
         return 0;
     }
     let mut removed = 0;
@@ -116,13 +153,13 @@ pub async fn evict_to(set: &SharedTree, max_nodes: usize) -> usize {
     set.set_evicting(true);
     // Each round removes leaves; parents that become leaves are taken in a later round.
     for _ in 0..64 {
-        let (count, arena) = {
+        let arena = {
             let t = set.lock();
-            (t.node_count(), t.arena_len())
+            if !ceiling.exceeded_by(&t) {
+                break;
+            }
+            t.arena_len()
         };
-        if count <= max_nodes {
-            break;
-        }
         let mut leaves = Vec::new();
         let mut start = 0;
         while start < arena {
@@ -132,24 +169,24 @@ pub async fn evict_to(set: &SharedTree, max_nodes: usize) -> usize {
             tokio::task::yield_now().await;
         }
         leaves.sort_unstable();
-        let mut excess = count - max_nodes;
+        let mut within = false;
         for batch in leaves.chunks(EVICT_BATCH) {
-            if excess == 0 {
-                break;
-            }
             {
                 let mut t = set.lock();
                 for &(stamp, node) in batch {
-                    if excess == 0 {
+                    within = !ceiling.exceeded_by(&t);
+                    if within {
                         break;
                     }
                     if t.evict_leaf(node, stamp, &mut freed) {
-                        excess -= 1;
                         removed += 1;
                     }
                 }
             }
             freed.clear();
+            if within {
+                break;
+            }
             tokio::task::yield_now().await;
         }
     }
@@ -178,6 +215,7 @@ pub async fn run(set: Arc<SharedTree>, cache: CacheConfig, mut shutdown: Shutdow
     age_tick.set_missed_tick_behavior(MissedTickBehavior::Delay);
     let mut since_eviction = Duration::ZERO;
     let mut last_reset_day = None;
+    let ceiling = Ceiling::of(&cache);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
@@ -185,6 +223,11 @@ pub async fn run(set: Arc<SharedTree>, cache: CacheConfig, mut shutdown: Shutdow
                 let removed = age_out(&set).await;
                 if removed > 0 {
                     tracing::debug!(removed_bytes = removed, "tree age-out sweep");
+                }
+                if cache.eviction_interval.is_some()
+                    && ceiling.far_exceeded_by(&set.lock())
+                {
+                    evict_pass(&set, ceiling).await;
                 }
                 continue;
             }
@@ -206,15 +249,19 @@ pub async fn run(set: Arc<SharedTree>, cache: CacheConfig, mut shutdown: Shutdow
             && since_eviction >= every
         {
             since_eviction = Duration::ZERO;
-            let removed = evict_to(&set, cache.max_tree_size).await;
-            if removed > 0 {
-                tracing::info!(
-                    removed,
-                    nodes = set.lock().node_count(),
-                    "tree eviction pass"
-                );
-            }
+            evict_pass(&set, ceiling).await;
         }
+    }
+}
+
+/// One eviction pass of the upkeep task, logged when it removed anything.
+async fn evict_pass(set: &SharedTree, ceiling: Ceiling) {
+    let removed = evict_to(set, ceiling).await;
+    if removed > 0 {
+        let t = set.lock();
+        let (nodes, bytes) = (t.node_count(), t.total_bytes());
+        drop(t);
+        tracing::info!(removed, nodes, bytes, "tree eviction pass");
     }
 }
 
@@ -229,6 +276,70 @@ mod tests {
         // 9 and 7 fit in 250 bytes; 5 does not: what was used before 6 goes.
         assert_eq!(horizon_within(&mut nodes, 250), 6);
         assert_eq!(horizon_within(&mut nodes, 0), 10);
+    }
+
+    fn tree_of(prompts: &[&[u8]]) -> SharedTree {
+        let set = SharedTree::default();
+        for (i, p) in prompts.iter().enumerate() {
+            set.lock().insert(p, super::super::WorkerId(i as u32 % 2));
+        }
+        set
+    }
+
+    fn matched(set: &SharedTree, text: &[u8]) -> usize {
+        let all = [super::super::WorkerId(0), super::super::WorkerId(1)]
+            .into_iter()
+            .collect();
+        set.lock().longest_prefix(text, &all).matched
+    }
+
+    #[tokio::test]
+    async fn a_pass_brings_the_tree_under_its_byte_ceiling_oldest_first() {
+        let long = |c: u8| vec![c; 1000];
+        let (a, b, c) = (long(b'a'), long(b'b'), long(b'c'));
+        let set = tree_of(&[&a, &b, &c, b"short"]);
+        assert_eq!(set.lock().total_bytes(), 3005);
+        // Three nodes fit the node ceiling; their bytes do not fit 2,100.
+        let ceiling = Ceiling {
+            nodes: 10,
+            bytes: 2100,
+        };
+        assert!(ceiling.exceeded_by(&set.lock()));
+        assert_eq!(evict_to(&set, ceiling).await, 1);
+        assert_eq!(set.lock().total_bytes(), 2005);
+        assert_eq!(matched(&set, &a), 0, "the least recently used goes first");
+        assert_eq!(matched(&set, &c), 1000);
+        assert_eq!(matched(&set, b"short"), 5);
+        // Within both ceilings: nothing to do.
+        assert_eq!(evict_to(&set, ceiling).await, 0);
+        // The node ceiling still holds on its own.
+        let ceiling = Ceiling {
+            nodes: 1,
+            bytes: u64::MAX,
+        };
+        assert_eq!(evict_to(&set, ceiling).await, 2);
+        assert_eq!(matched(&set, b"short"), 5, "the most recent stays");
+    }
+
+    #[test]
+    fn a_tree_an_eighth_past_a_ceiling_is_far_past_it() {
+        let set = tree_of(&[&[b'x'; 900], &[b'y'; 226]]);
+        let by_bytes = |bytes| Ceiling { nodes: 10, bytes };
+        assert!(!by_bytes(1126).exceeded_by(&set.lock()));
+        assert!(by_bytes(1125).exceeded_by(&set.lock()));
+        // 1,126 ≤ 1,001 + 1,001/8 = 1,126: past, not far past.
+        assert!(!by_bytes(1001).far_exceeded_by(&set.lock()));
+        assert!(by_bytes(1000).far_exceeded_by(&set.lock()));
+        let by_nodes = |nodes| Ceiling {
+            nodes,
+            bytes: u64::MAX,
+        };
+        assert!(by_nodes(1).exceeded_by(&set.lock()));
+        assert!(
+            by_nodes(1).far_exceeded_by(&set.lock()),
+            "an eighth of one node is none"
+        );
+        assert!(!by_nodes(2).exceeded_by(&set.lock()));
     }
 
     #[test]

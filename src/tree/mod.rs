@@ -14,7 +14,9 @@
 //!
 //! Memory: a node is 80 bytes in the arena plus its edge and children allocations;
 //! measured through the router (`bench` `overhead --only tree`, ~300-byte prompts),
-//! ~260 bytes of RSS per node, so the default `max_tree_size` of 1 M nodes ≈ 260 MiB.
+//! ~260 bytes of RSS per node, so the default `max_tree_size` of 1 M nodes ≈ 260 MiB
+//! with short prompts. Long ones make few nodes of many bytes; `max_tree_bytes` (1 GiB of
+//! edges by default) bounds those.
 //!
 //! Locking (see `workers::WorkerSet`): the tree is plain data with no interior locking;
 //! its owner wraps it in one `parking_lot::Mutex`, held only for one match + insert (a
