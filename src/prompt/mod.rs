@@ -337,6 +337,12 @@ impl std::ops::Deref for Text<'_> {
     }
 }
 
+/// `v` as UTF-8: simdutf8's check (the common, valid case), std's error (which says
+/// where the invalid byte is) otherwise.
+fn utf8<E: serde::de::Error>(v: &[u8]) -> Result<&str, E> {
+    simdutf8::basic::from_utf8(v).or_else(|_| std::str::from_utf8(v).map_err(E::custom))
+}
+
 struct ContentVisitor<'a>(std::marker::PhantomData<&'a ()>);
 
 impl<'de: 'a, 'a> serde::de::Visitor<'de> for ContentVisitor<'a> {
@@ -347,15 +353,11 @@ impl<'de: 'a, 'a> serde::de::Visitor<'de> for ContentVisitor<'a> {
     }
 
     fn visit_borrowed_bytes<E: serde::de::Error>(self, v: &'de [u8]) -> Result<Self::Value, E> {
-        std::str::from_utf8(v)
-            .map(|s| Content::Text(Cow::Borrowed(s)))
-            .map_err(E::custom)
+        utf8(v).map(|s| Content::Text(Cow::Borrowed(s)))
     }
 
     fn visit_bytes<E: serde::de::Error>(self, v: &[u8]) -> Result<Self::Value, E> {
-        std::str::from_utf8(v)
-            .map(|s| Content::Text(Cow::Owned(s.to_owned())))
-            .map_err(E::custom)
+        utf8(v).map(|s| Content::Text(Cow::Owned(s.to_owned())))
     }
 
     fn visit_borrowed_str<E: serde::de::Error>(self, v: &'de str) -> Result<Self::Value, E> {
