@@ -83,7 +83,7 @@ pub async fn age_out(set: &SharedTree) -> u64 {
     }
     let mut removed = 0;
     let mut start = 0;
-    let mut freed = Freed::default();
+    let mut freed = Freed::with_room(SCAN_STEP);
     while start < set.lock().arena_len() {
         removed += set
             .lock()
@@ -149,7 +149,7 @@ pub async fn evict_to(set: &SharedTree, ceiling: Ceiling) -> usize {
         return 0;
     }
     let mut removed = 0;
-    let mut freed = Freed::default();
+    let mut freed = Freed::with_room(EVICT_BATCH);
     set.set_evicting(true);
     // Each round removes leaves; parents that become leaves are taken in a later round.
     for _ in 0..64 {

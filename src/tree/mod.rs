@@ -220,11 +220,15 @@ impl SharedTree {
     /// runtime's threads. Returns the nodes removed (other inserts and evictions between
     /// the steps count too).
     pub fn remove_worker(&self, worker: WorkerId) -> usize {
-        let (before, mut r) = {
+        let (before, roots) = {
             let tree = self.lock();
-            (tree.node_count(), Removal::below(tree.children_of(ROOT)))
+            (tree.node_count(), tree.children_of(ROOT))
         };
-        let mut freed = Freed::default();
+        let mut r = Removal::below(roots);
+        r.reserve_for_worker();
+        // A step takes at most its budget, plus the children (≤ 256, one per first
+        // byte) of the node that ends it.
+        let mut freed = Freed::with_room(REMOVE_STEP + 257);
         loop {
             let mut tree = self.lock();
             tree.remove_step(&mut r, worker, REMOVE_STEP, &mut freed);
@@ -285,6 +289,14 @@ impl Removal {
         }
     }
 
+    /// Sizes its lists for a worker of a full tree (call it with the lock released), so
+    /// steps under the lock rarely grow them (see [`RadixTree::free_head`] for what a
+    /// regrowth can cost).
+    fn reserve_for_worker(&mut self) {
+        self.stack.reserve(16 * 1024);
+        self.doomed.reserve(4 * 1024);
+    }
+
     fn is_done(&self) -> bool {
         self.stack.is_empty() && self.doomed.is_empty()
     }
@@ -297,6 +309,13 @@ impl Removal {
 pub struct Freed(Vec<Node>);
 
 impl Freed {
+    /// Room for `nodes` nodes, allocated now (before the lock is taken): a step that
+    /// outgrew its buffer under the lock could wait on glibc's consolidation of every
+    /// small chunk freed before it (see [`RadixTree::free_head`]).
+    pub fn with_room(nodes: usize) -> Self {
+        Freed(Vec::with_capacity(nodes))
+    }
+
     /// Frees what it holds (call it with the tree's lock released), keeping its buffer
     /// for the next step.
     pub fn clear(&mut self) {
@@ -345,7 +364,14 @@ pub struct PrefixMatch {
 #[derive(Debug, Clone)]
 pub struct RadixTree {
     nodes: Vec<Node>,
-    free: Vec<NodeIdx>,
+    /// Free slots, linked through their `parent` field (`ROOT` ends the list): freeing a
+    /// slot never allocates, so an eviction or removal step under the lock never grows a
+    /// buffer. (A free list `Vec` grew to a quarter million entries during a worker's
+    /// removal, and each regrowth's `realloc` made glibc consolidate every small chunk
+    /// the steps before had freed: 3–10 ms with the lock held, `pool_scale`, 2026-12-03.)
+    free_head: NodeIdx,
+    /// Slots in the free list.
+    free_len: usize,
     /// Edge bytes held per worker (index = `WorkerId.0`), for the tree share.
     worker_bytes: Vec<u64>,
     /// Sum of all edge lengths.
@@ -365,7 +391,8 @@ impl RadixTree {
     pub fn new() -> Self {
         RadixTree {
             nodes: vec![Node::empty()],
-            free: Vec::new(),
+            free_head: ROOT,
+            free_len: 0,
             worker_bytes: Vec::new(),
             total_bytes: 0,
             clock: 0,
@@ -374,7 +401,7 @@ impl RadixTree {
 
     /// Nodes in the tree, the root excluded.
     pub fn node_count(&self) -> usize {
-        self.nodes.len() - self.free.len() - 1
+        self.nodes.len() - self.free_len - 1
     }
 
     /// Bytes of routing text stored in the tree (sum of edge lengths).
@@ -628,7 +655,7 @@ impl RadixTree {
                     r.doomed.push(c);
                 }
                 freed.0.push(slot);
-                self.free.push(n);
+                self.free_slot(n);
                 continue;
             }
             let Some(n) = r.stack.pop() else { break };
@@ -747,16 +774,15 @@ impl RadixTree {
     }
 
     fn alloc(&mut self, node: Node) -> NodeIdx {
-        match self.free.pop() {
-            Some(i) => {
-                self.nodes[i as usize] = node;
-                i
-            }
-            None => {
-                self.nodes.push(node);
-                (self.nodes.len() - 1) as NodeIdx
-            }
+        if self.free_head == ROOT {
+            self.nodes.push(node);
+            return (self.nodes.len() - 1) as NodeIdx;
         }
+        let i = self.free_head;
+        self.free_head = self.nodes[i as usize].parent;
+        self.free_len -= 1;
+        self.nodes[i as usize] = node;
+        i
     }
 
     fn link(&mut self, parent: NodeIdx, first: u8, child: NodeIdx) {
@@ -801,8 +827,15 @@ impl RadixTree {
             let slot = std::mem::replace(&mut self.nodes[n as usize], Node::empty());
             stack.extend(slot.children.iter().map(|(_, c)| *c));
             freed.0.push(slot);
-            self.free.push(n);
+            self.free_slot(n);
         }
+    }
+
+    /// Puts slot `n` (already emptied) on the free list.
+    fn free_slot(&mut self, n: NodeIdx) {
+        self.nodes[n as usize].parent = self.free_head;
+        self.free_head = n;
+        self.free_len += 1;
     }
 }
 
@@ -1124,6 +1157,41 @@ mod tests {
         );
         assert_eq!(m.matched, "conversation 12345 says hello".len());
         assert_eq!(m.workers, only(WorkerId(12345 % 4)));
+    }
+
+    #[test]
+    fn freed_slots_are_reused_before_the_arena_grows() {
+        let mut t = RadixTree::new();
+        for i in 0..50 {
+            t.insert(format!("prompt {i:02} of worker A").as_bytes(), A);
+        }
+        t.insert(b"prompt of worker B", B);
+        let (nodes, arena) = (t.node_count(), t.arena_len());
+        t.remove_worker(A);
+        assert_eq!(
+            t.node_count(),
+            2,
+            "B's prompt and the shared \"prompt \" node"
+        );
+        assert_eq!(
+            t.arena_len(),
+            arena,
+            "removal frees slots, it does not shrink"
+        );
+        // Refilled: every node lands in a freed slot, none in a new one.
+        for i in 0..50 {
+            t.insert(format!("prompt {i:02} of worker A").as_bytes(), A);
+        }
+        assert_eq!(t.node_count(), nodes);
+        assert_eq!(t.arena_len(), arena);
+        assert_eq!(
+            t.longest_prefix(b"prompt 07 of worker A", &all()).matched,
+            21
+        );
+        // And once the free list is used up, the arena grows again.
+        t.insert(b"something else", B);
+        assert_eq!(t.arena_len(), arena + 1);
+        assert_eq!(t.node_count(), nodes + 1);
     }
 
     #[test]
