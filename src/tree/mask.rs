@@ -178,6 +178,21 @@ impl MaskBuilder {
         }
     }
 
+    /// Adds the ids of mask word `word` (ids `64 * word ..`) whose bits are set in
+    /// `bits`: a pass that gathers a word's bits in a register stores each word once,
+    /// where [`MaskBuilder::insert_if`] reads and writes it in memory for every id.
+    #[inline]
+    pub fn or_word(&mut self, word: usize, bits: u64) {
+        if word == 0 {
+            self.low |= bits;
+        } else if let Some(slot) = self.high.get_mut(word - 1) {
+            *slot |= bits;
+        } else if bits != 0 {
+            self.high.resize(word, 0);
+            self.high[word - 1] = bits;
+        }
+    }
+
     /// The mask (trailing zero words dropped, as [`WorkerMask::insert`] leaves none).
     pub fn build(mut self) -> WorkerMask {
         while self.high.last() == Some(&0) {
@@ -239,6 +254,24 @@ mod tests {
                 inserted.insert(WorkerId(i));
             }
             assert_eq!(collected, inserted, "{ids:?}");
+        }
+    }
+
+    #[test]
+    fn words_or_ids_build_the_same_masks() {
+        for (room, ids) in [
+            (0, vec![]),
+            (1000, vec![3, 64, 999]),
+            (10, (0..300).step_by(7).collect::<Vec<u32>>()),
+            (64, vec![640, 5, 63]),
+        ] {
+            let expected: WorkerMask = ids.iter().map(|&i| WorkerId(i)).collect();
+            let mut b = MaskBuilder::for_ids(room);
+            for &i in &ids {
+                b.or_word(i as usize / 64, 1 << (i % 64));
+            }
+            b.or_word(20, 0);
+            assert_eq!(b.build(), expected, "room {room}, {ids:?}");
         }
     }
 
