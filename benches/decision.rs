@@ -57,6 +57,10 @@ struct Lane {
     /// Decisions that took no page fault (what the code costs apart from the kernel
     /// handing it fresh pages).
     clean_t: Vec<Duration>,
+    /// Decisions by kind: a cache hit (the held prompt's whole leaf compared), or not (a
+    /// new ~30 KiB leaf allocated and copied in).
+    hit_t: Vec<Duration>,
+    miss_t: Vec<Duration>,
 }
 
 impl Lane {
@@ -72,6 +76,8 @@ impl Lane {
             hits: 0,
             faults: 0,
             clean_t: Vec::new(),
+            hit_t: Vec::new(),
+            miss_t: Vec::new(),
         }
     }
 
@@ -92,6 +98,9 @@ impl Lane {
         }
         if d.hit {
             self.hits += 1;
+            self.hit_t.push(d.extract + d.pick);
+        } else {
+            self.miss_t.push(d.extract + d.pick);
         }
         self.extract_t.push(d.extract);
         self.pick_t.push(d.pick);
@@ -429,6 +438,10 @@ fn main() {
             let total = report("decision (extract + pick + observe)", &mut lane.total_t);
             if lane.faults > 0 && !lane.clean_t.is_empty() {
                 report("  decisions that took no fault", &mut lane.clean_t);
+            }
+            if !lane.hit_t.is_empty() && !lane.miss_t.is_empty() {
+                report("  cache hits", &mut lane.hit_t);
+                report("  the others (a new leaf)", &mut lane.miss_t);
             }
             totals.push((lane.name, pick, total));
         }
