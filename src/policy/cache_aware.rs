@@ -211,8 +211,9 @@ pub fn pick_cache_aware(
         MaskBuilder::for_ids(candidates.len()),
     );
     // Each mask word's bits are gathered in a register while consecutive candidates
-    // share it (the proxy lists a pool in id order: one store per 64 workers; ~3x
-    // faster at 1,000 workers than a read-modify-write in memory per worker).
+    // share it (the proxy lists a pool in id order: one store per 64 workers), not
+    // read and written in memory per worker (`stages pick_slot/1000_workers`: 9.5 →
+    // 7.9 µs).
     let mut least_load = usize::MAX;
     let (mut word, mut all_bits, mut eligible_bits) = (0usize, 0u64, 0u64);
     for c in candidates {
@@ -229,7 +230,8 @@ pub fn pick_cache_aware(
     }
     all.or_word(word, all_bits);
     eligible.or_word(word, eligible_bits);
-    let (Some(first), true) = (usable(candidates).next(), least_load < usize::MAX) else {
+    // A usable candidate's load is below `usize::MAX`: `least_load` is its least.
+    let Some(first) = usable(candidates).next() else {
         return Pick::load_only(None, text.len());
     };
     let least = |rng: &mut dyn RngCore| least_loaded(usable(candidates), tie, rng).unwrap_or(first);

@@ -29,7 +29,7 @@ pub const SCAN_STEP: usize = 8 * 1024;
 /// its parent and its siblings), so ~50 µs a hold (2,048 held it for 0.9 ms). What they
 /// held is freed after the lock is released.
 pub const EVICT_BATCH: usize = 64;
-/// Past a ceiling by more than this fraction of it (nodes or bytes), the tree is
+/// Past a ceiling by more than 1/`OVER_BY` of it (nodes or bytes), the tree is
 /// evicted at the next [`AGE_OUT_EVERY`] look instead of waiting for the periodic pass:
 /// a burst of long prompts must not hold gigabytes until then.
 pub const OVER_BY: u64 = 8;
@@ -299,7 +299,7 @@ mod tests {
         let (a, b, c) = (long(b'a'), long(b'b'), long(b'c'));
         let set = tree_of(&[&a, &b, &c, b"short"]);
         assert_eq!(set.lock().total_bytes(), 3005);
-        // Three nodes fit the node ceiling; their bytes do not fit 2,100.
+        // Its four nodes fit the node ceiling; their 3,005 bytes do not fit 2,100.
         let ceiling = Ceiling {
             nodes: 10,
             bytes: 2100,
