@@ -1941,7 +1941,10 @@ impl Config {
             return Err(ck.bad(
                 "cache.max_tree_bytes",
                 max_tree_bytes,
-                "is out of range (bytes of routing text, at least cache.max_prompt_bytes)",
+                format!(
+                    "is out of range (bytes of routing text, at least one prompt: \
+                     cache.max_prompt_bytes, {max_prompt_bytes})"
+                ),
             ));
         }
         let eviction = ck.secs(
