@@ -343,6 +343,9 @@ async fn tree_is_evicted_down_to_its_node_ceiling() {
     router.shutdown().await;
 }
 
+/// Routing decisions by reason (Prometheus counter).
+const DECISIONS: &str = "cache_aware_router_routing_decisions_total";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_prompts_are_evicted_to_the_byte_ceiling_without_waiting_for_the_pass() {
     let pool = workers(2).await;
@@ -371,23 +374,24 @@ async fn long_prompts_are_evicted_to_the_byte_ceiling_without_waiting_for_the_pa
         || async { bytes().await <= 4096 },
     )
     .await;
-    // The most recent prompt is still held: it routes where it went.
-    let last = chat_body(&prompt(11), false);
-    let (_, first) = send_tagged(
-        router.addr,
-        &ws,
-        Req::post("/v1/chat/completions", last.clone()),
-    )
-    .await;
-    let (_, again) = send_tagged(router.addr, &ws, Req::post("/v1/chat/completions", last)).await;
-    assert_eq!(again, first);
+    // Least recently used first: the last prompt is still held (a cache hit), the
+    // first is gone (a miss).
+    let hits = || async {
+        scrape(router.addr)
+            .await
+            .value(DECISIONS, &[("reason", "cache_hit")])
+    };
+    let before = hits().await;
+    assert_eq!(chat(router.addr, &prompt(11)).await.status, 200);
+    assert_eq!(hits().await, before + 1.0, "the most recent prompt is held");
+    assert_eq!(chat(router.addr, &prompt(0)).await.status, 200);
+    assert_eq!(hits().await, before + 1.0, "the oldest prompt was evicted");
     router.shutdown().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn eviction_holds_the_tree_at_its_cap_and_keeps_a_prefix_in_use() {
     const CAP: u64 = 24;
-    const HITS: &str = "cache_aware_router_routing_decisions_total";
     let pool = workers(2).await;
     let ws: Vec<&FakeWorker> = pool.iter().collect();
     let router = start_router(&yaml_for(
@@ -454,7 +458,9 @@ async fn eviction_holds_the_tree_at_its_cap_and_keeps_a_prefix_in_use() {
         );
 
         // The shared prefix survived: a new task with it is a cache hit on its holder.
-        let hits = scrape(addr).await.value(HITS, &[("reason", "cache_hit")]);
+        let hits = scrape(addr)
+            .await
+            .value(DECISIONS, &[("reason", "cache_hit")]);
         let (r, w) = send_tagged(
             addr,
             &ws,
@@ -467,18 +473,20 @@ async fn eviction_holds_the_tree_at_its_cap_and_keeps_a_prefix_in_use() {
         assert_eq!(r.status, 200);
         assert_eq!(w, holder, "round {round}: the shared prefix still routes");
         assert_eq!(
-            scrape(addr).await.value(HITS, &[("reason", "cache_hit")]),
+            scrape(addr)
+                .await
+                .value(DECISIONS, &[("reason", "cache_hit")]),
             hits + 1.0,
             "round {round}: routed as a cache hit"
         );
     }
     // What went is what was used longest ago: the first prompt of all is a miss now.
-    let misses = scrape(addr).await.value(HITS, &[("reason", "miss")]);
+    let misses = scrape(addr).await.value(DECISIONS, &[("reason", "miss")]);
     let r = post(addr, "/v1/chat/completions", unrelated("old", 0)).await;
     assert_eq!(r.status, 200);
     let m = scrape(addr).await;
     assert_eq!(
-        m.value(HITS, &[("reason", "miss")]),
+        m.value(DECISIONS, &[("reason", "miss")]),
         misses + 1.0,
         "the least recently used prompt was evicted"
     );
