@@ -63,7 +63,7 @@ pub async fn age_out(set: &SharedTree) -> u64 {
         let mut nodes = Vec::new();
         let mut start = 0;
         while start < set.lock().arena_len() {
-            set.lock()
+            set.lock_for_pass()
                 .worker_nodes(start..start + SCAN_STEP, w, &mut nodes);
             start += SCAN_STEP;
             tokio::task::yield_now().await;
@@ -86,7 +86,7 @@ pub async fn age_out(set: &SharedTree) -> u64 {
     let mut freed = Freed::with_room(SCAN_STEP);
     while start < set.lock().arena_len() {
         removed += set
-            .lock()
+            .lock_for_pass()
             .age_out(start..start + SCAN_STEP, &cut, &mut freed);
         freed.clear();
         start += SCAN_STEP;
@@ -163,7 +163,7 @@ pub async fn evict_to(set: &SharedTree, ceiling: Ceiling) -> usize {
         let mut leaves = Vec::new();
         let mut start = 0;
         while start < arena {
-            set.lock()
+            set.lock_for_pass()
                 .collect_leaves(start..start + SCAN_STEP, &mut leaves);
             start += SCAN_STEP;
             tokio::task::yield_now().await;
@@ -172,7 +172,7 @@ pub async fn evict_to(set: &SharedTree, ceiling: Ceiling) -> usize {
         let mut within = false;
         for batch in leaves.chunks(EVICT_BATCH) {
             {
-                let mut t = set.lock();
+                let mut t = set.lock_for_pass();
                 for &(stamp, node) in batch {
                     within = !ceiling.exceeded_by(&t);
                     if within {

@@ -51,12 +51,20 @@ pub const REMOVE_STEP: usize = 128;
 /// milliseconds on a VM (`pool_scale`), far longer than the wait itself.
 const SPIN_FOR: std::time::Duration = std::time::Duration::from_micros(200);
 
+/// How long a whole-tree pass waits, before each lock hold, for the requests that wait
+/// for the lock to take it first ([`SharedTree::lock_for_pass`]): a request's wait is
+/// normally well under [`SPIN_FOR`]; the bound keeps a pass moving if a waiter's thread
+/// is not run for a while.
+const YIELD_FOR: std::time::Duration = std::time::Duration::from_millis(2);
+
 /// A tree shared by the request path and its upkeep task: one `parking_lot::Mutex`, held
 /// for one match or one insert (a few microseconds), never across an `.await`, plus the
 /// eviction pass's flag and counters (see [`evict`]).
 #[derive(Debug, Default)]
 pub struct SharedTree {
     tree: parking_lot::Mutex<RadixTree>,
+    /// Threads in [`SharedTree::lock`] that found the lock held and wait for it.
+    waiting: std::sync::atomic::AtomicUsize,
     /// Set while an eviction pass runs: inserts are then skipped (and counted).
     evicting: std::sync::atomic::AtomicBool,
     /// Inserts skipped because an eviction pass was running.
@@ -136,19 +144,59 @@ impl SharedTree {
         if let Some(g) = self.tree.try_lock() {
             return g;
         }
+        use std::sync::atomic::Ordering::{Acquire, Release};
+        self.waiting.fetch_add(1, Release);
         let start = std::time::Instant::now();
-        loop {
+        let g = loop {
             for _ in 0..64 {
                 std::hint::spin_loop();
             }
             if let Some(g) = self.tree.try_lock() {
-                return g;
+                break g;
             }
             if start.elapsed() >= SPIN_FOR {
-                return self.tree.lock();
+                break self.tree.lock();
             }
             std::thread::yield_now();
+        };
+        self.waiting.fetch_sub(1, Acquire);
+        g
+    }
+
+    /// Locks the tree for one step of a whole-tree pass (a worker's removal, eviction,
+    /// an age-out sweep), once the requests that wait for it have had it. A pass that
+    /// locked again as soon as it unlocked took the lock back before a request spinning
+    /// for it saw it free, step after step, until the request went to sleep and waited
+    /// for parking_lot's fairness hand-off (`pool_scale`: decisions overlapping a removal
+    /// waited up to 1.9 ms). Waits at most [`YIELD_FOR`] (spinning, then yielding its
+    /// thread), so a pass still advances under a steady stream of requests; an async
+    /// pass blocks its runtime thread for that wait (microseconds when a request waits,
+    /// none otherwise).
+    pub fn lock_for_pass(&self) -> parking_lot::MutexGuard<'_, RadixTree> {
+        self.lock_after_waiters(YIELD_FOR)
+    }
+
+    /// [`SharedTree::lock_for_pass`], waiting at most `limit` for the waiters.
+    fn lock_after_waiters(
+        &self,
+        limit: std::time::Duration,
+    ) -> parking_lot::MutexGuard<'_, RadixTree> {
+        use std::sync::atomic::Ordering::Acquire;
+        if self.waiting.load(Acquire) > 0 {
+            let start = std::time::Instant::now();
+            let mut spins = 0u32;
+            while self.waiting.load(Acquire) > 0 && start.elapsed() < limit {
+                if spins < 64 {
+                    spins += 1;
+                    for _ in 0..64 {
+                        std::hint::spin_loop();
+                    }
+                } else {
+                    std::thread::yield_now();
+                }
+            }
         }
+        self.lock()
     }
 
     /// Whether an eviction pass is running (Relaxed: a hint, the lock orders the data).
@@ -230,7 +278,7 @@ impl SharedTree {
         // byte) of the node that ends it.
         let mut freed = Freed::with_room(REMOVE_STEP + 257);
         loop {
-            let mut tree = self.lock();
+            let mut tree = self.lock_for_pass();
             tree.remove_step(&mut r, worker, REMOVE_STEP, &mut freed);
             let after = tree.node_count();
             drop(tree);
@@ -871,6 +919,43 @@ fn common_prefix_len(a: &[u8], b: &[u8]) -> usize {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn a_pass_step_waits_for_the_request_that_waits_for_the_lock() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::mpsc;
+        let set = std::sync::Arc::new(SharedTree::default());
+        let order = std::sync::Arc::new(AtomicUsize::new(0));
+        let (held_tx, held_rx) = mpsc::channel();
+        // A pass holds the lock for a step, then takes it again for the next one.
+        let pass = {
+            let (set, order) = (set.clone(), order.clone());
+            std::thread::spawn(move || {
+                let step = set.lock();
+                held_tx.send(()).unwrap();
+                while set.waiting.load(Ordering::SeqCst) == 0 {
+                    std::thread::yield_now();
+                }
+                // The request spins for the lock: unlocked and locked again at once,
+                // the pass would take it before the request sees it free.
+                drop(step);
+                let _next = set.lock_after_waiters(std::time::Duration::from_secs(30));
+                order.fetch_add(1, Ordering::SeqCst)
+            })
+        };
+        held_rx.recv().unwrap();
+        let request = {
+            let (set, order) = (set.clone(), order.clone());
+            std::thread::spawn(move || {
+                let _t = set.lock();
+                order.fetch_add(1, Ordering::SeqCst)
+            })
+        };
+        assert_eq!(request.join().unwrap(), 0, "the waiting request goes first");
+        assert_eq!(pass.join().unwrap(), 1);
+        assert_eq!(set.waiting.load(Ordering::SeqCst), 0);
+    }
+
     use super::*;
 
     const A: WorkerId = WorkerId(0);
