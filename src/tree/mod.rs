@@ -144,8 +144,9 @@ impl SharedTree {
         if let Some(g) = self.tree.try_lock() {
             return g;
         }
-        use std::sync::atomic::Ordering::{Acquire, Release};
-        self.waiting.fetch_add(1, Release);
+        // A count for passes to defer to (a hint: the mutex orders the tree's data).
+        use std::sync::atomic::Ordering::Relaxed;
+        self.waiting.fetch_add(1, Relaxed);
         let start = std::time::Instant::now();
         let g = loop {
             for _ in 0..64 {
@@ -159,7 +160,7 @@ impl SharedTree {
             }
             std::thread::yield_now();
         };
-        self.waiting.fetch_sub(1, Acquire);
+        self.waiting.fetch_sub(1, Relaxed);
         g
     }
 
@@ -181,11 +182,11 @@ impl SharedTree {
         &self,
         limit: std::time::Duration,
     ) -> parking_lot::MutexGuard<'_, RadixTree> {
-        use std::sync::atomic::Ordering::Acquire;
-        if self.waiting.load(Acquire) > 0 {
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.waiting.load(Relaxed) > 0 {
             let start = std::time::Instant::now();
             let mut spins = 0u32;
-            while self.waiting.load(Acquire) > 0 && start.elapsed() < limit {
+            while self.waiting.load(Relaxed) > 0 && start.elapsed() < limit {
                 if spins < 64 {
                     spins += 1;
                     for _ in 0..64 {
@@ -919,6 +920,19 @@ fn common_prefix_len(a: &[u8], b: &[u8]) -> usize {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
+    const A: WorkerId = WorkerId(0);
+    const B: WorkerId = WorkerId(1);
+    const C: WorkerId = WorkerId(70); // beyond the inline mask
+
+    fn all() -> WorkerMask {
+        [A, B, C].into_iter().collect()
+    }
+
+    fn only(w: WorkerId) -> WorkerMask {
+        [w].into_iter().collect()
+    }
 
     #[test]
     fn a_pass_step_waits_for_the_request_that_waits_for_the_lock() {
@@ -954,20 +968,6 @@ mod tests {
         assert_eq!(request.join().unwrap(), 0, "the waiting request goes first");
         assert_eq!(pass.join().unwrap(), 1);
         assert_eq!(set.waiting.load(Ordering::SeqCst), 0);
-    }
-
-    use super::*;
-
-    const A: WorkerId = WorkerId(0);
-    const B: WorkerId = WorkerId(1);
-    const C: WorkerId = WorkerId(70); // beyond the inline mask
-
-    fn all() -> WorkerMask {
-        [A, B, C].into_iter().collect()
-    }
-
-    fn only(w: WorkerId) -> WorkerMask {
-        [w].into_iter().collect()
     }
 
     #[test]
