@@ -289,13 +289,26 @@ async fn never_stored(redis: Option<&RedisServer>) {
     .await;
     let router = start_router(&config(&w, redis, "")).await;
     let a = router.addr;
-    // The cut stream's client sees the cut; read what comes and move on.
+    // The cut stream's client gets the event sent before the cut, then the cut.
     let cut = async {
         let mut c = Conn::connect(a).await;
         c.send(&chat("cut-stream", true)).await.expect("send");
         let head = c.read_head().await;
         assert_eq!(head.header("x-cache"), Some("miss"));
-        while let Ok(Some(_)) = c.try_next_piece().await {}
+        let mut got = Vec::new();
+        let end = loop {
+            match c.try_next_piece().await {
+                Ok(Some(piece)) => got.extend_from_slice(&piece),
+                Ok(None) => break "clean end",
+                Err(_) => break "cut",
+            }
+        };
+        assert_eq!(end, "cut", "a cut stream must not look complete");
+        assert!(
+            String::from_utf8_lossy(&got).contains(r#"data: {"a":1}"#),
+            "the event sent before the cut reaches the client: {:?}",
+            String::from_utf8_lossy(&got)
+        );
     };
     cut.await;
     cut_again(a, &w).await;

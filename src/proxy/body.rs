@@ -64,8 +64,9 @@ pub struct GuardedBody {
     held_bytes: usize,
     /// How the worker's body ended (an error, or `Ok` for its end), once `held` is out.
     end: Option<Result<(), BoxError>>,
-    /// Yields since the last frame came.
-    yielded: u8,
+    /// The worker's error was held back for one poll, so that hyper flushes the frames
+    /// handed on before it (it drops unflushed output when a body fails).
+    error_deferred: bool,
     /// Handing `held` on (then `end`) before reading the worker again.
     releasing: bool,
 }
@@ -92,7 +93,7 @@ impl GuardedBody {
             held: VecDeque::new(),
             held_bytes: 0,
             end: None,
-            yielded: 0,
+            error_deferred: false,
             releasing: false,
         }
     }
@@ -262,29 +263,22 @@ impl GuardedBody {
     }
 }
 
-/// Frames held back at most while the worker's connection decodes what it has already
-/// read (see [`GuardedBody`]'s `poll_frame`): a bound on what one write to the client
-/// gathers, never a wait for the worker.
+/// Frames gathered at most into one write to the client (the worker's connection holds
+/// more already read): a bound on the write, never a wait for the worker.
 const HOLD_MAX_FRAMES: usize = 64;
 const HOLD_MAX_BYTES: usize = 64 * 1024;
-/// Yields in a row without a new frame before the held frames go out. Measured with
-/// tokio 1.54 and hyper 1.12 (strace, 23-event streams from `sim-engine --time-factor 0`):
-/// after one yield the next frame is not yet there (one write per event, as with none);
-/// after two it is (2.5 `sendto` per stream; three or four yields changed little).
-const MAX_YIELDS: u8 = 2;
 
 impl Body for GuardedBody {
     type Data = Bytes;
     type Error = BoxError;
 
     /// Hands on every frame as soon as the worker's connection has decoded it, and gathers
-    /// the frames it has already read into one write to the client: hyper's client body
-    /// channel carries one frame at a time, so after taking a frame the task yields (at
-    /// most [`MAX_YIELDS`] times in a row) and its connection task runs first, decoding
-    /// the next frame from bytes already read; when nothing more came, the held frames go
-    /// out together and hyper flushes once. An engine's burst of SSE events thus costs one
-    /// write, not one per event (as nginx sends what one read returned), and no event ever
-    /// waits for one not yet received.
+    /// the frames it has already read into one write to the client: the worker's body
+    /// reads its connection in this task ([`UpstreamBody`]), so it answers `Pending` only
+    /// when the socket has nothing more; until then every frame decoded from bytes
+    /// already read is held, then they go out together and hyper flushes once. An
+    /// engine's burst of SSE events thus costs one write, not one per event (as nginx
+    /// sends what one read returned), and no event ever waits for one not yet received.
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -298,6 +292,15 @@ impl Body for GuardedBody {
                 }
                 this.releasing = false;
                 match this.end.take() {
+                    Some(Err(e)) if !this.error_deferred => {
+                        // Let hyper flush what came before: the client sees it, then the
+                        // cut.
+                        this.error_deferred = true;
+                        this.end = Some(Err(e));
+                        this.releasing = true;
+                        cx.waker().wake_by_ref();
+                        return Poll::Pending;
+                    }
                     Some(Err(e)) => return Poll::Ready(Some(Err(e))),
                     Some(Ok(())) => return Poll::Ready(None),
                     None => {}
@@ -314,7 +317,6 @@ impl Body for GuardedBody {
                     }
                     this.held_bytes += frame.data_ref().map_or(0, Bytes::len);
                     this.held.push_back(frame);
-                    this.yielded = 0;
                     if !more
                         || this.held.len() >= HOLD_MAX_FRAMES
                         || this.held_bytes >= HOLD_MAX_BYTES
@@ -335,15 +337,8 @@ impl Body for GuardedBody {
                     this.releasing = true;
                 }
                 Poll::Pending if !this.held.is_empty() => {
-                    if this.yielded >= MAX_YIELDS {
-                        this.releasing = true;
-                        continue;
-                    }
-                    // Yield: woken while running, tokio queues this task behind the
-                    // connection task that taking the frame just woke.
-                    this.yielded += 1;
-                    cx.waker().wake_by_ref();
-                    return Poll::Pending;
+                    // Nothing more read yet: what is held goes out now.
+                    this.releasing = true;
                 }
                 Poll::Pending => {
                     if this.guard.is_none() {

@@ -157,8 +157,8 @@ impl Upstream {
         self.connect(worker).await
     }
 
-    /// Opens a connection to `worker` (TCP, and TLS for `https://`) and starts the task
-    /// that reads and writes it.
+    /// Opens a connection to `worker` (TCP, and TLS for `https://`); it is read and
+    /// written as it is used ([`Conn`]).
     async fn connect(&self, worker: &Worker) -> Result<Conn, ProxyError> {
         let unreachable = |e: &(dyn std::error::Error + 'static)| {
             ProxyError::Unreachable(crate::error::describe(e))
@@ -174,13 +174,7 @@ impl Upstream {
         let (conn, io_task) = hyper::client::conn::http1::handshake(io)
             .await
             .map_err(|e| unreachable(&e))?;
-        let label = Arc::clone(worker.label());
-        tokio::spawn(async move {
-            if let Err(e) = io_task.await {
-                tracing::debug!(worker = %label, error = %crate::error::describe(&e), "upstream connection ended");
-            }
-        });
-        Ok(conn)
+        Ok(Conn::new(conn, io_task, Arc::clone(worker.label())))
     }
 }
 
@@ -210,7 +204,8 @@ pub async fn close_idle(
     }
 }
 
-/// A worker's answer body. Returns its connection to the worker's keep-alive list once
+/// A worker's answer body. Reading it drives its connection ([`Conn`]: the socket is
+/// read as the body is). Returns the connection to the worker's keep-alive list once
 /// read to the end; dropped before (a client that left, an answer not relayed), it
 /// closes the connection, which cannot carry another request mid-answer.
 #[derive(Debug)]
@@ -250,7 +245,18 @@ impl Body for UpstreamBody {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
-        let frame = ready!(Pin::new(&mut self.inner).poll_frame(cx));
+        let this = &mut *self;
+        let mut frame = Pin::new(&mut this.inner).poll_frame(cx);
+        // Nothing buffered: let hyper read the socket (the body's poll above told it the
+        // next chunk is wanted), then look again. The socket and the body both wake this
+        // task, so nothing is missed when both are still pending.
+        if frame.is_pending()
+            && let Some((conn, _)) = &mut this.conn
+        {
+            conn.poll_drive(cx);
+            frame = Pin::new(&mut this.inner).poll_frame(cx);
+        }
+        let frame = ready!(frame);
         match &frame {
             // The last frame of a sized body: the server may not poll again.
             None => self.release(),
