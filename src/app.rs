@@ -11,11 +11,12 @@ use std::time::Duration;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::GracefulShutdown;
-use tokio::net::TcpListener;
+use hyper_util::server::graceful::{GracefulShutdown, Watcher};
+use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
 use crate::config::Config;
+use crate::cores::Cores;
 use crate::pool::health;
 use crate::proxy::Router;
 use crate::reload;
@@ -48,8 +49,19 @@ impl RunningRouter {
 }
 
 /// Serves `config` on an already bound `listener` (tests bind `127.0.0.1:0` first),
-/// and on `server.admin` when set (bound here; `Err` when it cannot be).
+/// and on `server.admin` when set (bound here; `Err` when it cannot be). Client
+/// connections run as tasks of the current runtime.
 pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRouter> {
+    spawn_on(config, listener, None)
+}
+
+/// As [`spawn`], with the main listener's connections placed on `cores` (thread per
+/// core) when given; the admin listener's stay on the current runtime.
+pub fn spawn_on(
+    config: Config,
+    listener: TcpListener,
+    cores: Option<Arc<Cores>>,
+) -> std::io::Result<RunningRouter> {
     let addr = listener.local_addr()?;
     let admin = match &config.server.admin {
         None => None,
@@ -131,6 +143,7 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
             service::Listener::Admin,
             shutdown.clone(),
             grace,
+            None,
         ))
     });
     let main = tokio::spawn(serve(
@@ -139,6 +152,7 @@ pub fn spawn(config: Config, listener: TcpListener) -> std::io::Result<RunningRo
         service::Listener::Main,
         shutdown,
         grace,
+        cores,
     ));
     let export = router.exporter().cloned();
     let task = tokio::spawn(async move {
@@ -177,7 +191,13 @@ pub async fn run(config: Config, files: Vec<PathBuf>) -> std::io::Result<()> {
         policy = config.policy.as_str(),
         "cache-aware-router listening"
     );
-    let running = spawn(config, listener)?;
+    let threads = Cores::wanted().map_err(std::io::Error::other)?;
+    let cores = if threads == 0 {
+        None
+    } else {
+        Some(Arc::new(Cores::start(threads)?))
+    };
+    let running = spawn_on(config, listener, cores.clone())?;
     if let Some(admin) = running.admin_addr {
         tracing::info!(addr = %admin, "admin listener (/workers, /metrics, admin API) listening");
     }
@@ -196,6 +216,10 @@ pub async fn run(config: Config, files: Vec<PathBuf>) -> std::io::Result<()> {
         _ = terminate.recv() => tracing::warn!("second signal: exiting now"),
     }
     reload_task.abort();
+    if let Some(cores) = cores {
+        // Drained (or a second signal): their threads end; joined off this runtime.
+        let _ = tokio::task::spawn_blocking(move || cores.stop()).await;
+    }
     Ok(())
 }
 
@@ -225,6 +249,7 @@ async fn serve(
     on: service::Listener,
     mut shutdown: Shutdown,
     grace: Duration,
+    cores: Option<Arc<Cores>>,
 ) {
     let graceful = GracefulShutdown::new();
     loop {
@@ -234,24 +259,21 @@ async fn serve(
                     // Small SSE writes must leave at once, not wait for a delayed ACK.
                     let _ = stream.set_nodelay(true);
                     let router = Arc::clone(&router);
-                    let service = service_fn(move |req| {
-                        let router = Arc::clone(&router);
-                        async move { Ok::<_, Infallible>(service::handle(router, req, on).await) }
-                    });
-                    let conn = http1::Builder::new()
-                        .timer(TokioTimer::new())
-                        // Copy each frame into the write buffer (one `write`) instead of
-                        // queueing it for `writev`: SSE events are small and the queue's
-                        // bookkeeping cost more than the copy (callgrind, a 23-event
-                        // stream: 274.7k -> 270.3k instructions).
-                        .writev(false)
-                        .serve_connection(TokioIo::new(stream), service);
-                    let conn = graceful.watch(conn);
-                    tokio::spawn(async move {
-                        if let Err(e) = conn.await {
-                            tracing::debug!(error = %e, "client connection ended with an error");
-                        }
-                    });
+                    let watcher = graceful.watcher();
+                    match &cores {
+                        None => drop(tokio::spawn(serve_connection(router, stream, on, watcher))),
+                        // Moved to the runtime it will live on: its socket is registered
+                        // with that runtime's I/O driver, not this one's.
+                        Some(cores) => match stream.into_std() {
+                            Ok(stream) => cores.spawn(async move {
+                                match TcpStream::from_std(stream) {
+                                    Ok(stream) => serve_connection(router, stream, on, watcher).await,
+                                    Err(e) => tracing::warn!(error = %e, "cannot take over a client connection"),
+                                }
+                            }),
+                            Err(e) => tracing::warn!(error = %e, "cannot hand a client connection over"),
+                        },
+                    }
                 }
                 Err(e) => {
                     // e.g. EMFILE: back off instead of spinning.
@@ -268,5 +290,28 @@ async fn serve(
         _ = tokio::time::sleep(grace) => {
             tracing::warn!(grace_secs = grace.as_secs_f64(), "grace period over; closing remaining connections");
         }
+    }
+}
+
+/// Serves one client connection to its end (or to the drain, through `watcher`).
+async fn serve_connection(
+    router: Arc<Router>,
+    stream: TcpStream,
+    on: service::Listener,
+    watcher: Watcher,
+) {
+    let service = service_fn(move |req| {
+        let router = Arc::clone(&router);
+        async move { Ok::<_, Infallible>(service::handle(router, req, on).await) }
+    });
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        // Copy each frame into the write buffer (one `write`) instead of queueing it for
+        // `writev`: SSE events are small and the queue's bookkeeping cost more than the
+        // copy (callgrind, a 23-event stream: 274.7k -> 270.3k instructions).
+        .writev(false)
+        .serve_connection(TokioIo::new(stream), service);
+    if let Err(e) = watcher.watch(conn).await {
+        tracing::debug!(error = %e, "client connection ended with an error");
     }
 }

@@ -23,6 +23,8 @@ Environment:
   RUST_LOG                       Overrides log.level when set (same syntax: info,
                                  cache_aware_router=debug, ...).
   CACHE_AWARE_ROUTER_MIN_NOFILE  Refuse to start when the open-file limit stays below it.
+  CACHE_AWARE_ROUTER_THREADS     Threads serving client connections, a runtime each
+                                 (default: one per core; 0: tasks of the main runtime).
   SSL_CERT_FILE, SSL_CERT_DIR    Trust store for https:// workers (else the system's;
                                  proxy.tls.ca_file adds to it).
   KUBECONFIG                     Cluster access for `discovery: kubernetes` (else

@@ -6,6 +6,7 @@
 //! main.rs      cli -> Config::load -> app::run (or a tool: simulate)
 //! cli          the command line: serve, --config-check, simulate
 //! app          builds the Router, spawns every long-lived task, SIGHUP, SIGTERM drain
+//! cores        thread per core: client connections on single-threaded runtimes
 //! config       YAML layers -> validated Config (source: positions and words;
 //!              secret: credentials; passthrough: which other paths reach a worker)
 //! service      the hyper service: admin endpoints, or the proxy
@@ -72,6 +73,7 @@ pub mod cache;
 pub mod cli;
 pub mod clock;
 pub mod config;
+pub mod cores;
 pub mod discovery;
 pub mod error;
 pub mod fleet;

@@ -34,6 +34,7 @@ fn help_names_the_signals_the_environment_the_config_reference_and_exit_codes() 
         "RUST_LOG",
         "Overrides log.level",
         "CACHE_AWARE_ROUTER_MIN_NOFILE",
+        "CACHE_AWARE_ROUTER_THREADS",
         "SSL_CERT_FILE",
         "KUBECONFIG",
         "README.md, section \"Configuration\"",

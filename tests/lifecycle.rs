@@ -543,6 +543,21 @@ async fn refused_reloads_keep_the_running_workers_and_config() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_refuses_new_connections_while_a_stream_drains_to_its_end() {
+    drains_to_the_end(None).await;
+}
+
+/// The same with the client connections on runtimes of their own, as the binary runs
+/// them (`CACHE_AWARE_ROUTER_THREADS`): the drain waits for them too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_on_a_connection_thread_drains_to_its_end() {
+    let cores = std::sync::Arc::new(cache_aware_router::cores::Cores::start(2).unwrap());
+    drains_to_the_end(Some(std::sync::Arc::clone(&cores))).await;
+    tokio::task::spawn_blocking(move || cores.stop())
+        .await
+        .unwrap();
+}
+
+async fn drains_to_the_end(cores: Option<std::sync::Arc<cache_aware_router::cores::Cores>>) {
     let gate = Gate::new();
     let g = gate.clone();
     let a = FakeWorker::start_with(move |_| {
@@ -558,7 +573,11 @@ async fn shutdown_refuses_new_connections_while_a_stream_drains_to_its_end() {
             ])
     })
     .await;
-    let router = start_router(&yaml_for(&[&a], "server:\n  shutdown_grace_secs: 3\n")).await;
+    let router = start_router_on(
+        &yaml_for(&[&a], "server:\n  shutdown_grace_secs: 3\n"),
+        cores,
+    )
+    .await;
     let addr = router.addr;
     let mut stream = open_stream(addr).await;
     let shutdown = tokio::spawn(router.shutdown());

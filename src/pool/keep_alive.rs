@@ -39,6 +39,9 @@ pub struct Conn {
     driver: Option<Driver>,
     /// The worker's label, for the debug line when the connection ends in an error.
     label: std::sync::Arc<str>,
+    /// The runtime whose I/O driver its socket is registered with ([`crate::cores::home`]):
+    /// used from another one, every read would wake a task across threads.
+    home: usize,
 }
 
 impl std::fmt::Debug for Conn {
@@ -51,7 +54,8 @@ impl std::fmt::Debug for Conn {
 }
 
 impl Conn {
-    /// A connection from hyper's handshake (`send`, `driver`) to the worker `label`.
+    /// A connection from hyper's handshake (`send`, `driver`) to the worker `label`,
+    /// opened on this thread's runtime.
     pub fn new<D>(
         send: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
         driver: D,
@@ -64,6 +68,7 @@ impl Conn {
             send,
             driver: Some(Box::pin(driver)),
             label,
+            home: crate::cores::home(),
         }
     }
 
@@ -131,23 +136,34 @@ impl std::fmt::Debug for KeepAlive {
 }
 
 impl KeepAlive {
-    /// The most recently idled connection, if it has been idle for less than `max_idle`
-    /// and the worker has not closed it (the latest is the likeliest to be open still,
-    /// and the least likely to meet the worker's own keep-alive limit). Connections
-    /// passed over are closed, outside the lock (as is the check for a close).
+    /// The most recently idled connection opened on this thread's runtime
+    /// ([`crate::cores::home`]), if it has been idle for less than `max_idle` and the
+    /// worker has not closed it (the latest is the likeliest to be open still, and the
+    /// least likely to meet the worker's own keep-alive limit). `None`: open a new one.
+    /// Connections passed over are closed, outside the lock (as is the check for a
+    /// close); those idle for `max_idle` go on the way.
     pub fn take(&self, max_idle: Duration) -> Option<Conn> {
         let now = Instant::now();
+        let home = crate::cores::home();
+        let expired = |since: &Instant| now.saturating_duration_since(*since) >= max_idle;
         loop {
             let mut idle = self.idle.lock();
-            let (mut conn, since) = idle.pop()?;
-            if now.saturating_duration_since(since) >= max_idle {
-                // Every older one is older still.
-                let expired: Vec<_> = idle.drain(..).collect();
-                drop(idle);
-                drop((conn, expired));
-                return None;
-            }
+            // In the order they went idle: the expired ones are at the front.
+            let fresh_from = match idle.first() {
+                Some((_, since)) if expired(since) => idle
+                    .iter()
+                    .position(|(_, s)| !expired(s))
+                    .unwrap_or(idle.len()),
+                _ => 0,
+            };
+            let gone: Vec<_> = idle.drain(..fresh_from).collect();
+            let conn = idle
+                .iter()
+                .rposition(|(c, _)| c.home == home)
+                .map(|i| idle.remove(i).0);
             drop(idle);
+            drop(gone);
+            let mut conn = conn?;
             if conn.is_open_now() {
                 return Some(conn);
             }
@@ -236,6 +252,23 @@ mod tests {
         keep.put(f);
         assert!(keep.take(Duration::ZERO).is_none(), "too old to reuse");
         assert!(keep.take(long).is_none(), "and gone");
+    }
+
+    #[tokio::test]
+    async fn only_a_connection_of_this_threads_runtime_is_taken() {
+        let keep = KeepAlive::default();
+        let long = Duration::from_secs(3600);
+        let (mut theirs, _t) = conn().await;
+        theirs.home = 1; // opened on connection runtime 1; this test runs on none (0)
+        let (ours, _o) = conn().await;
+        keep.put(ours);
+        keep.put(theirs);
+        let taken = keep
+            .take(long)
+            .expect("ours, behind the later one of runtime 1");
+        assert_eq!(taken.home, 0);
+        assert!(keep.take(long).is_none(), "runtime 1's is left for it");
+        assert_eq!(keep.close_idle(long), 1);
     }
 
     #[tokio::test]

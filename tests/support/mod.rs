@@ -1449,10 +1449,19 @@ pub async fn get(addr: SocketAddr, path: &str) -> Response {
 
 /// Starts a router in-process from YAML text (file name `test.yaml`) on 127.0.0.1:0.
 pub async fn start_router(yaml: &str) -> RunningRouter {
+    start_router_on(yaml, None).await
+}
+
+/// As [`start_router`], its client connections on `cores` (thread per core, as the
+/// binary serves them) when given.
+pub async fn start_router_on(
+    yaml: &str,
+    cores: Option<std::sync::Arc<cache_aware_router::cores::Cores>>,
+) -> RunningRouter {
     let config = Config::from_sources([(Path::new("test.yaml"), yaml)])
         .unwrap_or_else(|e| panic!("test config refused: {e}\n{yaml}"));
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind router");
-    app::spawn(config, listener).expect("spawn router")
+    app::spawn_on(config, listener, cores).expect("spawn router")
 }
 
 /// YAML: `extra` (top-level keys) followed by a `workers:` list of `urls`.
