@@ -46,6 +46,12 @@ pub const CAPACITY_TTL: std::time::Duration = std::time::Duration::from_secs(300
 /// wait 2–6 ms more often).
 pub const REMOVE_STEP: usize = 128;
 
+/// The most a step of [`SharedTree::remove_worker`] holds the lock, whatever is left of
+/// [`REMOVE_STEP`]: a node's cost depends on the machine (cold memory), and 128 nodes
+/// took 120–290 µs on a slower VM (`pool_scale`, 2026-12-06), past [`SPIN_FOR`], so a
+/// decision went to sleep and was woken 1–2 ms late. Checked every few nodes.
+const REMOVE_STEP_TIME: std::time::Duration = std::time::Duration::from_micros(50);
+
 /// How long a thread that finds the tree locked spins for it before it sleeps. An upkeep
 /// step holds the lock for tens of microseconds; waking a sleeping thread took up to
 /// milliseconds on a VM (`pool_scale`), far longer than the wait itself.
@@ -280,6 +286,7 @@ impl SharedTree {
         let mut freed = Freed::with_room(REMOVE_STEP + 257);
         loop {
             let mut tree = self.lock_for_pass();
+            r.until = Some(std::time::Instant::now() + REMOVE_STEP_TIME);
             tree.remove_step(&mut r, worker, REMOVE_STEP, &mut freed);
             let after = tree.node_count();
             drop(tree);
@@ -328,6 +335,9 @@ struct Removal {
     stack: Vec<NodeIdx>,
     /// Detached nodes still to free.
     doomed: Vec<NodeIdx>,
+    /// When the current step should end, whatever its budget left ([`REMOVE_STEP_TIME`]);
+    /// `None`: by the budget alone.
+    until: Option<std::time::Instant>,
 }
 
 impl Removal {
@@ -335,6 +345,7 @@ impl Removal {
         Removal {
             stack,
             doomed: Vec::new(),
+            until: None,
         }
     }
 
@@ -694,7 +705,12 @@ impl RadixTree {
         freed: &mut Freed,
     ) -> usize {
         let mut work = 0;
+        let mut turns = 0u32;
         while work < budget {
+            turns += 1;
+            if turns.is_multiple_of(16) && r.until.is_some_and(|t| std::time::Instant::now() >= t) {
+                break;
+            }
             if let Some(n) = r.doomed.pop() {
                 let slot = std::mem::replace(&mut self.nodes[n as usize], Node::empty());
                 // Each child detached counts (a shared prompt's node has thousands).
@@ -1143,6 +1159,27 @@ mod tests {
             stack.extend(t.children_of(n));
         }
         (nodes, bytes)
+    }
+
+    #[test]
+    fn a_removal_step_past_its_time_stops_whatever_its_budget() {
+        let mut t = RadixTree::new();
+        for i in 0..500 {
+            t.insert(format!("prompt {i} of A alone").as_bytes(), A);
+        }
+        let mut r = Removal::below(t.children_of(ROOT));
+        r.until = Some(std::time::Instant::now()); // already over
+        let work = t.remove_step(&mut r, A, usize::MAX, &mut Freed::default());
+        assert!(
+            work < 16 + 256,
+            "a step over its time ends within 16 nodes: {work}"
+        );
+        assert!(!r.is_done());
+        // Untimed steps finish the job.
+        r.until = None;
+        t.remove_step(&mut r, A, usize::MAX, &mut Freed::default());
+        assert!(r.is_done());
+        assert_eq!(t.worker_bytes(A), 0);
     }
 
     #[test]
