@@ -4,8 +4,8 @@
 //!
 //! Why: on tokio's work-stealing runtime a request's task, woken by the I/O driver on
 //! one thread, wakes an idle second worker thread to look for work, and the task moves
-//! between threads; at one connection that cost about two extra context switches a
-//! request and a quarter of the router's CPU (session 19, README "Performance"). On a
+//! between threads; at one connection that cost 1.4 extra context switches a request
+//! and about a quarter of the router's CPU (README "Performance", sessions 17 and 19). On a
 //! runtime of its own, a connection's reads, its upstream calls (whose connections are
 //! kept per runtime, see `crate::pool::keep_alive`) and its writes all run on one
 //! thread, as nginx's workers do. Background work (health probes, scrapes, the tree's
@@ -49,8 +49,9 @@ impl Cores {
         threads(std::env::var(THREADS_ENV).ok().as_deref())
     }
 
-    /// Starts `n` (≥ 1) runtimes, each on a thread named `conn-I`.
+    /// Starts `n` runtimes (at least one), each on a thread named `conn-I`.
     pub fn start(n: usize) -> std::io::Result<Self> {
+        let n = n.max(1);
         let mut handles = Vec::with_capacity(n);
         let mut threads = Vec::with_capacity(n);
         for i in 1..=n {
