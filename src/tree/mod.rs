@@ -39,8 +39,9 @@ pub use crate::pool::WorkerId;
 /// (other work on the engine, a restart) must not shrink its share for good.
 pub const CAPACITY_TTL: std::time::Duration = std::time::Duration::from_secs(300);
 
-/// Nodes visited, freed or detached per lock hold by [`SharedTree::remove_worker`]:
-/// ~30 µs on the bench machine, well within the time a decision that finds the lock
+/// Nodes visited, freed or detached per lock hold by [`SharedTree::remove_worker`], at
+/// most: ~30 µs on the 2026-12-03 bench machine (120–290 µs on a slower one, hence
+/// [`REMOVE_STEP_TIME`]), meant to stay within the time a decision that finds the lock
 /// held spins for it before sleeping ([`SPIN_FOR`]), so it is not put to sleep (and
 /// woken late) behind a step (`pool_scale`, 2026-12-03: 512-node steps let a decision
 /// wait 2–6 ms more often).
