@@ -55,8 +55,10 @@ impl Cores {
         let mut handles = Vec::with_capacity(n);
         let mut threads = Vec::with_capacity(n);
         for i in 1..=n {
+            // Log lines gathered on the thread are written out when it runs out of work.
             let runtime = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
+                .on_thread_park(crate::log_sink::flush)
                 .build()?;
             handles.push(runtime.handle().clone());
             let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
@@ -64,6 +66,7 @@ impl Cores {
                 .name(format!("conn-{i}"))
                 .spawn(move || {
                     HOME.with(|h| h.set(i));
+                    crate::log_sink::gather_on_this_thread();
                     // A current-thread runtime runs its tasks only inside `block_on`.
                     let _ = runtime.block_on(stopped);
                 })?;

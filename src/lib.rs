@@ -42,6 +42,8 @@
 //! error        ProxyError -> JSON response
 //! log_format   the text log line's fields and timestamp, written for less (one access
 //!              line per request)
+//! log_sink     where log lines go: stderr, gathered per connection thread and written
+//!              out when it goes idle (one write for many lines)
 //! redact       credentials out of every message, log line and answer
 //! trace        W3C traceparent: continued or started, sent upstream; export: one
 //!              span per request to an OTLP collector (batch, off the request path)
@@ -78,6 +80,7 @@ pub mod discovery;
 pub mod error;
 pub mod fleet;
 pub mod log_format;
+pub mod log_sink;
 pub mod metrics;
 pub mod policy;
 pub mod pool;

@@ -6,7 +6,7 @@ use cache_aware_router::{
     app,
     cli::{Cli, Command},
     config::{Config, LogColor, LogFormat},
-    log_format, simulate,
+    log_format, log_sink, simulate,
 };
 use clap::Parser;
 
@@ -108,7 +108,8 @@ fn raise_fd_limit() -> Result<(), String> {
 /// Logs go to stderr (stdout stays free for `--config-check`'s answer), in colour as
 /// `log.color` says (`auto`: only when stderr is a terminal, so a file or a pipe gets
 /// no escape codes). `RUST_LOG` wins over `log.level`; `log.format` picks text or JSON
-/// lines (never coloured).
+/// lines (never coloured). Connection threads gather their lines and write them out
+/// when they go idle (`log_sink`).
 fn init_tracing(config: &Config) {
     use std::io::IsTerminal;
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
@@ -120,7 +121,7 @@ fn init_tracing(config: &Config) {
     };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr)
+        .with_writer(log_sink::Stderr)
         .with_timer(log_format::CachedTime)
         .with_ansi(ansi);
     match config.log.format {

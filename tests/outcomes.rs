@@ -373,3 +373,56 @@ async fn a_port_in_use_is_reported_once() {
     );
     drop(taken);
 }
+
+/// Connection threads gather their log lines and write them out when they go idle
+/// (`log_sink`): every request's line still arrives while the router runs, whole (many
+/// connections on two threads never cut into each other's lines), once each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_connections_lines_arrive_whole_and_once_each_while_the_router_runs() {
+    const CONNS: usize = 8;
+    const EACH: usize = 25;
+    let w = FakeWorker::start().await;
+    let (_config, router) = serve(&[&w], "");
+    let addr = router.addr;
+    let clients: Vec<_> = (0..CONNS)
+        .map(|c| {
+            tokio::spawn(async move {
+                let mut conn = Conn::connect(addr).await;
+                for i in 0..EACH {
+                    let body =
+                        chat_body(&format!("conn {c} request {i} {}", "x".repeat(300)), false);
+                    let r = conn
+                        .request(
+                            &Req::post("/v1/chat/completions", body)
+                                .header("x-request-id", &format!("c{c}-r{i}")),
+                        )
+                        .await;
+                    assert_eq!(r.status, 200);
+                }
+            })
+        })
+        .collect();
+    for c in clients {
+        c.await.unwrap();
+    }
+    let lines = wait_for_lines(&router, CONNS * EACH).await;
+    let mut ids: Vec<String> = lines
+        .iter()
+        .map(|l| l["request_id"].as_str().unwrap_or_default().to_string())
+        .collect();
+    ids.sort();
+    ids.dedup();
+    assert_eq!(ids.len(), CONNS * EACH, "one line per request: {ids:?}");
+    let stderr: Vec<String> = router
+        .lines()
+        .into_iter()
+        .filter(|(s, _)| *s == Stream::Stderr)
+        .map(|(_, l)| l)
+        .collect();
+    for l in &stderr {
+        assert!(
+            serde_json::from_str::<Value>(l).is_ok(),
+            "every line whole JSON: {l:?}"
+        );
+    }
+}
