@@ -5,12 +5,13 @@
 //! is written as it comes.
 //!
 //! Why: one access line per request made one `write(2)` to stderr per request, 3.5% of
-//! the router's CPU at 64 connections with stderr on `/dev/null` (perf, session 20), more
-//! on a pipe to journald or a container runtime, whose reader each write wakes. A line
-//! waits at most until its thread next goes idle, which on a thread that serves requests
-//! is microseconds to a few milliseconds; a thread that never idles is bounded by the
-//! buffer's size. Lines are written whole and in the order each thread wrote them (the
-//! stderr lock is held for each write-out, so threads never cut into each other's lines).
+//! the router's CPU at 64 connections with stderr on `/dev/null` (perf, README
+//! "Performance", session 20; on a pipe, whose reader each write wakes, likely more: not
+//! measured). A line waits at most until its thread next goes idle, or until
+//! [`FLUSH_BYTES`] have gathered on a thread that does not. Lines are written whole and
+//! in the order each thread wrote them (the stderr lock is held for each write-out, so
+//! threads never cut into each other's lines; lines of different threads keep their own
+//! timestamps, not a global order).
 //!
 //! Lost on a crash that skips thread-exit (SIGKILL, abort): the lines of the stretch the
 //! thread was busy with. The router's graceful stop ends the connection threads, which
