@@ -250,7 +250,7 @@ impl GuardedBody {
         }
         if let (Some(data), Some(tap)) = (frame.data_ref(), self.tap.as_mut()) {
             if let Some(scanner) = tap.scanner.as_mut() {
-                scanner.feed(data);
+                scanner.feed_bytes(data);
             }
             if let Some(r) = tap.record.as_mut() {
                 r.feed(data);

@@ -10,6 +10,7 @@
 
 pub mod body;
 pub mod headers;
+mod json_members;
 pub mod models;
 pub mod request_body;
 pub mod upstream;
@@ -322,7 +323,7 @@ impl Router {
             cache: pending,
             trace,
         };
-        self.forward(&set, &parts, body.clone(), &route, request_id, waiting_on)
+        self.forward(&set, parts, body.clone(), &route, request_id, waiting_on)
             .await
     }
 
@@ -331,7 +332,7 @@ impl Router {
     async fn forward(
         &self,
         set: &WorkerSet,
-        parts: &http::request::Parts,
+        parts: http::request::Parts,
         body: Bytes,
         route: &Route<'_>,
         request_id: &HeaderValue,
@@ -388,16 +389,17 @@ impl Router {
             };
             *waiting_on = Some(Arc::clone(guard.worker().label()));
             let worker = Arc::clone(guard.worker());
+            let decided_in = started.elapsed();
             let decision = Decision {
                 reason: pick.reason,
                 matched_ratio: pick.matched_ratio(),
                 available_tokens: pick.available_tokens(),
                 predicted_tokens: pick.saved_tokens(),
                 stamp: pick.stamp,
-                decision_us: started.elapsed().as_micros() as u64,
+                decision_us: decided_in.as_micros() as u64,
                 attempt,
             };
-            self.metrics.decision(pick.reason, started.elapsed());
+            self.metrics.decision(pick.reason, decided_in);
             if pick.reason == Reason::CacheHit {
                 self.metrics
                     .estimated_saved(worker.label(), pick.saved_tokens());

@@ -45,7 +45,7 @@ pub(super) async fn get(
         trace,
     };
     let resp = router
-        .forward(&set, &parts, Bytes::new(), &route, request_id, waiting_on)
+        .forward(&set, parts, Bytes::new(), &route, request_id, waiting_on)
         .await?;
     if resp.status() != StatusCode::OK || ttl.is_zero() {
         return Ok(resp);

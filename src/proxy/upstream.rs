@@ -88,7 +88,12 @@ impl Upstream {
     ) -> Result<Response<UpstreamBody>, ProxyError> {
         let uri = worker
             .url()
-            .origin_form(&template.path_and_query)
+            .origin_form(
+                template
+                    .path_and_query
+                    .as_ref()
+                    .map_or("/", |pq| pq.as_str()),
+            )
             .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream URI: {e}")))?;
         // The headers are built again for a resend (rare) rather than cloned for it on
         // every request.
@@ -429,17 +434,18 @@ impl Upstream {
 /// id and the router's `traceparent` set).
 pub struct RequestTemplate {
     method: Method,
-    path_and_query: String,
+    path_and_query: Option<http::uri::PathAndQuery>,
     headers: HeaderMap,
 }
 
 impl RequestTemplate {
+    /// Takes the client's request head (moved, not copied: the request is routed by now).
     pub fn new(
-        parts: &http::request::Parts,
+        parts: http::request::Parts,
         request_id: &HeaderValue,
         trace: &crate::trace::TraceContext,
     ) -> Self {
-        let mut headers = parts.headers.clone();
+        let mut headers = parts.headers;
         headers::strip_hop_by_hop(&mut headers);
         headers.remove(header::HOST);
         headers.remove(header::CONTENT_LENGTH);
@@ -450,12 +456,8 @@ impl RequestTemplate {
         headers.insert(headers::REQUEST_ID.clone(), request_id.clone());
         trace.propagate(&mut headers);
         RequestTemplate {
-            method: parts.method.clone(),
-            path_and_query: parts
-                .uri
-                .path_and_query()
-                .map_or("/", |pq| pq.as_str())
-                .to_string(),
+            method: parts.method,
+            path_and_query: parts.uri.into_parts().path_and_query,
             headers,
         }
     }

@@ -11,6 +11,7 @@
 //! [`MAX_JSON_BYTES`]; SSE keeps only the current partial line. Compressed bodies are
 //! not scanned.
 
+use bytes::Bytes;
 use http::HeaderMap;
 use http::header;
 use serde::Deserialize;
@@ -37,8 +38,13 @@ pub struct Usage {
 #[derive(Debug)]
 pub enum UsageScanner {
     Json {
+        /// A body that came in one chunk, held by reference (no copy); moved into
+        /// `buf` when a second chunk comes.
+        first: Option<Bytes>,
         buf: Vec<u8>,
         overflow: bool,
+        /// Whether the answer's `id` and `object` are read (as for `Sse`).
+        wants_id: bool,
         /// The body's first [`HEAD_BYTES`], kept past an overflow: a large answer's
         /// leading `id` is still read from it.
         head: Vec<u8>,
@@ -67,7 +73,7 @@ impl UsageScanner {
     /// A scanner for a response with these headers, when it is uncompressed JSON or SSE.
     /// `wants_id`: the request's endpoint may answer with a `/v1/responses` id (false
     /// for chat completions, completions and messages: their streams' lines are then
-    /// not searched for one).
+    /// not searched for one, nor their JSON answers' `id` and `object` read).
     pub fn for_response(headers: &HeaderMap, wants_id: bool) -> Option<Self> {
         let encoded = headers
             .get(header::CONTENT_ENCODING)
@@ -87,7 +93,9 @@ impl UsageScanner {
             })
         } else if ct.starts_with("application/json") {
             Some(UsageScanner::Json {
+                first: None,
                 buf: Vec::new(),
+                wants_id,
                 overflow: false,
                 head: Vec::new(),
             })
@@ -96,16 +104,41 @@ impl UsageScanner {
         }
     }
 
-    /// Looks at one chunk of the body (already on its way to the client).
+    /// Looks at one chunk of the body (already on its way to the client). A JSON
+    /// answer's first chunk is kept by reference: most answers are one chunk, read
+    /// without a copy.
+    pub fn feed_bytes(&mut self, chunk: &Bytes) {
+        if let UsageScanner::Json {
+            first: first @ None,
+            buf,
+            overflow: false,
+            ..
+        } = self
+            && buf.is_empty()
+            && chunk.len() <= MAX_JSON_BYTES
+        {
+            *first = Some(chunk.clone());
+            return;
+        }
+        self.feed(chunk);
+    }
+
+    /// Looks at one chunk of the body (already on its way to the client), copying what
+    /// it keeps.
     pub fn feed(&mut self, chunk: &[u8]) {
         match self {
             UsageScanner::Json {
+                first,
                 buf,
                 overflow,
                 head,
+                ..
             } => {
                 if *overflow {
                     return;
+                }
+                if let Some(f) = first.take() {
+                    buf.extend_from_slice(&f);
                 }
                 if buf.len() + chunk.len() > MAX_JSON_BYTES {
                     *overflow = true;
@@ -176,17 +209,20 @@ impl UsageScanner {
     pub fn found(self) -> Found {
         match self {
             UsageScanner::Json {
+                first,
                 buf,
                 overflow,
                 head,
+                wants_id,
             } => {
                 if overflow {
                     return Found {
                         usage: None,
-                        response_id: head_response_id(&head),
+                        response_id: wants_id.then(|| head_response_id(&head)).flatten(),
                     };
                 }
-                let Ok(env) = serde_json::from_slice::<Envelope>(&buf) else {
+                let body = first.as_deref().unwrap_or(&buf);
+                let Some(env) = Envelope::read(body, wants_id) else {
                     return Found::default();
                 };
                 let response_id = env
@@ -316,7 +352,7 @@ fn sse_line_usage(line: &[u8]) -> Option<Usage> {
             break;
         }
     }
-    serde_json::from_slice::<Envelope>(data).ok()?.usage()
+    Envelope::read(data, false)?.usage()
 }
 
 /// Whether `needle` occurs in `hay` (SIMD substring search; the needles every line is
@@ -333,7 +369,7 @@ static RESPONSE_EVENT: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
 
 /// The fields of an answer (or an SSE data line) the scanner reads; `id` and `object`
 /// borrowed, so a line's parse allocates nothing for them.
-#[derive(Deserialize)]
+#[derive(Deserialize, Default)]
 struct Envelope<'a> {
     #[serde(default, borrow)]
     id: Option<crate::prompt::Text<'a>>,
@@ -366,7 +402,36 @@ struct Details {
     cached_tokens: Option<u64>,
 }
 
-impl Envelope<'_> {
+impl<'a> Envelope<'a> {
+    /// The fields of the JSON object `body`: its top-level members found without
+    /// decoding the others ([`super::json_members`]; `choices` is most of an answer),
+    /// then each wanted one parsed by serde (`id` and `object` only when `wants_id`).
+    /// `None` when `body` is not a JSON object or a wanted member does not parse; a body
+    /// the member scan refuses gets serde's full parse, which decides.
+    fn read(body: &'a [u8], wants_id: bool) -> Option<Self> {
+        let mut env = Envelope::default();
+        let mut parsed = true;
+        let scanned = super::json_members::for_each(body, |key, value| {
+            fn set<'a, T: Deserialize<'a>>(slot: &mut Option<T>, value: &'a [u8], ok: &mut bool) {
+                match serde_json::from_slice::<Option<T>>(value) {
+                    Ok(v) => *slot = v,
+                    Err(_) => *ok = false,
+                }
+            }
+            match key {
+                b"id" if wants_id => set(&mut env.id, value, &mut parsed),
+                b"object" if wants_id => set(&mut env.object, value, &mut parsed),
+                b"usage" => set(&mut env.usage, value, &mut parsed),
+                b"message" => set(&mut env.message, value, &mut parsed),
+                _ => {}
+            }
+        });
+        match scanned {
+            Some(()) => parsed.then_some(env),
+            None => serde_json::from_slice(body).ok(),
+        }
+    }
+
     fn usage(self) -> Option<Usage> {
         let u = self.usage.or_else(|| self.message.and_then(|m| m.usage))?;
         if let Some(prompt) = u.prompt_tokens {
@@ -410,6 +475,73 @@ mod tests {
                 cached_tokens: Some(96)
             })
         );
+    }
+
+    #[test]
+    fn json_usage_from_a_kept_first_chunk_alone_or_with_more() {
+        let body = Bytes::from_static(
+            br#"{"id":"x","choices":[],"usage":{"prompt_tokens":120,"prompt_tokens_details":{"cached_tokens":96}}}"#,
+        );
+        let want = Some(Usage {
+            prompt_tokens: 120,
+            cached_tokens: Some(96),
+        });
+        let mut s = scanner("application/json");
+        s.feed_bytes(&body);
+        assert_eq!(s.finish(), want, "one chunk");
+        for split in 1..body.len() {
+            let mut s = scanner("application/json");
+            s.feed_bytes(&body.slice(..split));
+            s.feed_bytes(&body.slice(split..));
+            assert_eq!(s.finish(), want, "split at {split}");
+        }
+        // A kept first chunk still counts toward the copy limit.
+        let mut s = scanner("application/json");
+        s.feed_bytes(&Bytes::from(vec![b' '; MAX_JSON_BYTES]));
+        s.feed_bytes(&Bytes::from_static(br#"{"usage":{"prompt_tokens":1}}"#));
+        assert_eq!(s.finish(), None);
+    }
+
+    #[test]
+    fn the_member_scan_reads_what_a_full_parse_reads() {
+        let long = "word \\\"quoted\\\" {[".repeat(2000);
+        let bodies = [
+            r#"{"id":"chatcmpl-1","object":"chat.completion","choices":[{"message":{"role":"assistant","content":"hi"}}],"usage":{"prompt_tokens":120,"completion_tokens":5,"prompt_tokens_details":{"cached_tokens":96}}}"#.to_string(),
+            format!(r#"{{"choices":[{{"message":{{"content":"{long}"}}}}],"usage":{{"prompt_tokens":7}}}}"#),
+            r#"{"id":"resp_1","object":"response","output":[],"usage":{"input_tokens":5,"cache_read_input_tokens":3}}"#.to_string(),
+            r#"{"type":"message_start","message":{"id":"m","content":[],"usage":{"input_tokens":4,"cache_read_input_tokens":60}}}"#.to_string(),
+            r#"{"usage":null,"choices":[]}"#.to_string(),
+            r#"{"usage":{"prompt_tokens":12,"prompt_tokens_details":null}}"#.to_string(),
+            // Not parsed by either: a wanted member of the wrong shape, not an object.
+            r#"{"object":"error","message":"no such model","usage":{"prompt_tokens":1}}"#.to_string(),
+            r#"{"usage":{"prompt_tokens":"12"}}"#.to_string(),
+            r#"[{"usage":{"prompt_tokens":1}}]"#.to_string(),
+            // Refused by the scan (an escaped key), read by the full parse.
+            r#"{"usage":{"prompt_tokens":9}}"#.to_string(),
+        ];
+        for body in &bodies {
+            let full = serde_json::from_slice::<Envelope>(body.as_bytes()).ok();
+            let read = Envelope::read(body.as_bytes(), true);
+            assert_eq!(
+                read.as_ref().map(|e| (
+                    e.id.as_ref().map(|t| t.to_string()),
+                    e.object.as_ref().map(|t| t.to_string())
+                )),
+                full.as_ref().map(|e| (
+                    e.id.as_ref().map(|t| t.to_string()),
+                    e.object.as_ref().map(|t| t.to_string())
+                )),
+                "{body}"
+            );
+            assert_eq!(
+                read.and_then(Envelope::usage),
+                full.and_then(Envelope::usage),
+                "{body}"
+            );
+        }
+        let with_usage = |b: &str| Envelope::read(b.as_bytes(), false).and_then(Envelope::usage);
+        assert_eq!(with_usage(&bodies[1]).map(|u| u.prompt_tokens), Some(7));
+        assert_eq!(with_usage(&bodies[9]).map(|u| u.prompt_tokens), Some(9));
     }
 
     #[test]
@@ -518,6 +650,16 @@ mod tests {
         let mut s = UsageScanner::for_response(&h, false).unwrap();
         s.feed(stream);
         assert_eq!(s.found().response_id, None);
+        // Nor a chat answer's JSON, whose usage is still read.
+        h.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        let mut s = UsageScanner::for_response(&h, false).unwrap();
+        s.feed(br#"{"id":"resp_1","object":"response","usage":{"input_tokens":5}}"#);
+        let found = s.found();
+        assert_eq!(found.response_id, None);
+        assert_eq!(found.usage.map(|u| u.prompt_tokens), Some(5));
     }
 
     #[test]
