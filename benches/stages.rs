@@ -12,6 +12,10 @@
 //!   and its observe, extraction excluded: what a request pays per worker in the pool;
 //!   `…_miss`: the pick alone for a prompt no worker holds (it goes to the least loaded).
 //!
+//! - `usage/chat_answer_{100,8000}B`: reading `usage` from a non-streamed chat answer
+//!   whose generated text is ~100 bytes or ~8 KB (about 2,000 tokens), as the proxy
+//!   does once the answer has passed (`proxy::usage::UsageScanner`, one chunk).
+//!
 //! Run: `cargo bench --bench stages` (a filter narrows it: `-- pick_slot`).
 
 use std::time::Duration;
@@ -151,9 +155,40 @@ fn config() -> Criterion {
         .sample_size(30)
 }
 
+/// A vLLM-shaped chat answer with `content_bytes` of generated text.
+fn chat_answer(rng: &mut StdRng, content_bytes: usize) -> bytes::Bytes {
+    let content = serde_json::to_string(&words(rng, content_bytes)).expect("a string");
+    format!(
+        r#"{{"id":"chatcmpl-8f3a","object":"chat.completion","created":1733500000,"model":"m","choices":[{{"index":0,"message":{{"role":"assistant","content":{content},"tool_calls":[]}},"logprobs":null,"finish_reason":"stop","stop_reason":null}}],"usage":{{"prompt_tokens":512,"total_tokens":530,"completion_tokens":18,"prompt_tokens_details":{{"cached_tokens":496}}}},"prompt_logprobs":null,"kv_transfer_params":null}}"#
+    )
+    .into()
+}
+
+fn usage(c: &mut Criterion) {
+    use cache_aware_router::proxy::usage::UsageScanner;
+    let mut headers = http::HeaderMap::new();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    let mut rng = StdRng::seed_from_u64(4);
+    let mut g = c.benchmark_group("usage");
+    for content in [100usize, 8000] {
+        let answer = chat_answer(&mut rng, content);
+        g.bench_function(format!("chat_answer_{content}B"), |b| {
+            b.iter(|| {
+                let mut s = UsageScanner::for_response(&headers, false).expect("JSON");
+                s.feed_bytes(&answer);
+                s.finish().expect("usage")
+            })
+        });
+    }
+    g.finish();
+}
+
 criterion_group! {
     name = stages;
     config = config();
-    targets = extraction, tree, picks
+    targets = extraction, tree, picks, usage
 }
 criterion_main!(stages);
