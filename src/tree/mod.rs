@@ -53,6 +53,19 @@ pub const REMOVE_STEP: usize = 128;
 /// decision went to sleep and was woken 1–2 ms late. Checked every few nodes.
 const REMOVE_STEP_TIME: std::time::Duration = std::time::Duration::from_micros(50);
 
+/// How long [`SharedTree::remove_worker`] sleeps between its steps. A removal that ran
+/// its steps back to back kept a core busy for its whole length (0.2–0.4 s for a worker
+/// of a 4-worker pool), one runnable thread more than a 2-core machine has cores: the
+/// scheduler then took a core from a deciding thread for a whole time slice, or
+/// descheduled the removal while it held the lock, and a decision waited 1–3 ms
+/// (`pool_scale`, 2026-12-06: 1–4 decisions over 1 ms a run of ten removals, each with
+/// one context switch of the deciding thread). Sleeping between steps leaves the core
+/// to the requests: over three runs, 0, 0 and 3 of ~2.8 M decisions overlapping a
+/// removal took over 1 ms (before: 3–4 of ~190 k a run), for a removal about five
+/// times longer (about 1 s for such a worker; until it ends its records name a worker
+/// no longer in the pool, which picks skip).
+const REMOVE_PAUSE: std::time::Duration = std::time::Duration::from_micros(50);
+
 /// How long a thread that finds the tree locked spins for it before it sleeps. An upkeep
 /// step holds the lock for tens of microseconds; waking a sleeping thread took up to
 /// milliseconds on a VM (`pool_scale`), far longer than the wait itself.
@@ -272,9 +285,10 @@ impl SharedTree {
     /// lock for at most [`REMOVE_STEP`] nodes at a time and freeing what each step took
     /// out after releasing it: a worker of a 4-worker pool holds ~250 k nodes of a full
     /// tree, which in one hold stalled every decision for ~235 ms (`cargo bench --bench
-    /// pool_scale`). Blocking (≈ 0.2–0.4 s for such a worker): call it off the async
-    /// runtime's threads. Returns the nodes removed (other inserts and evictions between
-    /// the steps count too).
+    /// pool_scale`), and sleeping [`REMOVE_PAUSE`] between steps. Blocking (about 1 s
+    /// for such a worker, most of it asleep): call it off the async runtime's threads.
+    /// Returns the nodes removed (other inserts and evictions between the steps count
+    /// too).
     pub fn remove_worker(&self, worker: WorkerId) -> usize {
         let (before, roots) = {
             let tree = self.lock();
@@ -295,6 +309,7 @@ impl SharedTree {
             if r.is_done() {
                 return before.saturating_sub(after);
             }
+            std::thread::sleep(REMOVE_PAUSE);
         }
     }
 
