@@ -160,6 +160,76 @@ mod tests {
         assert_eq!(members(" { } \n"), pairs(&[]));
     }
 
+    /// A random JSON value: nested objects and arrays, strings with escapes, quotes,
+    /// brackets and non-ASCII text, numbers, literals.
+    fn random_value(rng: &mut rand::rngs::StdRng, depth: u32) -> serde_json::Value {
+        use rand::Rng;
+        use serde_json::Value;
+        const PIECES: [&str; 8] = ["a", "\"", "\\", "{", "]", "usage", "é漢", "\n\t"];
+        let text = |rng: &mut rand::rngs::StdRng| {
+            (0..rng.random_range(0..6))
+                .map(|_| PIECES[rng.random_range(0..PIECES.len())])
+                .collect::<String>()
+        };
+        match rng.random_range(0..if depth == 0 { 4 } else { 6 }) {
+            0 => Value::String(text(rng)),
+            // Quarters: exact in binary, so serde's float parse gives them back equal.
+            1 => Value::from(rng.random_range(-4_000_000i64..4_000_000) as f64 / 4.0),
+            2 => Value::from(rng.random_range(-1000i64..1000)),
+            3 => {
+                [Value::Null, Value::Bool(true), Value::Bool(false)][rng.random_range(0..3)].clone()
+            }
+            4 => Value::Array(
+                (0..rng.random_range(0..4))
+                    .map(|_| random_value(rng, depth - 1))
+                    .collect(),
+            ),
+            _ => Value::Object(
+                (0..rng.random_range(0..4))
+                    .map(|_| (text(rng), random_value(rng, depth - 1)))
+                    .collect(),
+            ),
+        }
+    }
+
+    #[test]
+    fn random_objects_split_into_the_members_serde_reads() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(17);
+        for _ in 0..2000 {
+            let want: serde_json::Map<String, serde_json::Value> = (0..rng.random_range(0..6))
+                .map(|_| match random_value(&mut rng, 0) {
+                    serde_json::Value::String(key) => (key, random_value(&mut rng, 4)),
+                    other => (other.to_string(), random_value(&mut rng, 4)),
+                })
+                .collect();
+            let body = if want.len().is_multiple_of(2) {
+                serde_json::to_string(&want).unwrap()
+            } else {
+                serde_json::to_string_pretty(&want).unwrap()
+            };
+            let mut got = serde_json::Map::new();
+            let scanned = for_each(body.as_bytes(), |k, v| {
+                let key = String::from_utf8(k.to_vec()).unwrap();
+                got.insert(key, serde_json::from_slice(v).expect("a whole value"));
+            });
+            // Keys with escapes are refused (the full parse reads those bodies).
+            if want
+                .keys()
+                .any(|k| serde_json::to_string(k).unwrap().contains('\\'))
+            {
+                assert_eq!(scanned, None, "{body}");
+            } else {
+                assert_eq!(scanned, Some(()), "{body}");
+                assert_eq!(got, want, "{body}");
+            }
+            // Cut anywhere, a body is refused or read without a panic.
+            for cut in [1, body.len() / 3, body.len() / 2, body.len() - 1] {
+                let _ = for_each(&body.as_bytes()[..cut], |_, _| {});
+            }
+        }
+    }
+
     #[test]
     fn what_is_not_one_object_is_refused() {
         for bad in [
