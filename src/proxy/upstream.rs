@@ -88,12 +88,7 @@ impl Upstream {
     ) -> Result<Response<UpstreamBody>, ProxyError> {
         let uri = worker
             .url()
-            .origin_form(
-                template
-                    .path_and_query
-                    .as_ref()
-                    .map_or("/", |pq| pq.as_str()),
-            )
+            .origin_form(template.path_and_query.as_str())
             .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream URI: {e}")))?;
         // The headers are built again for a resend (rare) rather than cloned for it on
         // every request.
@@ -434,7 +429,7 @@ impl Upstream {
 /// id and the router's `traceparent` set).
 pub struct RequestTemplate {
     method: Method,
-    path_and_query: Option<http::uri::PathAndQuery>,
+    path_and_query: http::uri::PathAndQuery,
     headers: HeaderMap,
 }
 
@@ -457,7 +452,8 @@ impl RequestTemplate {
         trace.propagate(&mut headers);
         RequestTemplate {
             method: parts.method,
-            path_and_query: parts.uri.into_parts().path_and_query,
+            path_and_query: (parts.uri.into_parts().path_and_query)
+                .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/")),
             headers,
         }
     }

@@ -517,7 +517,7 @@ mod tests {
             r#"{"usage":{"prompt_tokens":"12"}}"#.to_string(),
             r#"[{"usage":{"prompt_tokens":1}}]"#.to_string(),
             // Refused by the scan (an escaped key), read by the full parse.
-            r#"{"usage":{"prompt_tokens":9}}"#.to_string(),
+            r#"{"us\u0061ge":{"prompt_tokens":9}}"#.to_string(),
         ];
         for body in &bodies {
             let full = serde_json::from_slice::<Envelope>(body.as_bytes()).ok();
@@ -542,6 +542,11 @@ mod tests {
         let with_usage = |b: &str| Envelope::read(b.as_bytes(), false).and_then(Envelope::usage);
         assert_eq!(with_usage(&bodies[1]).map(|u| u.prompt_tokens), Some(7));
         assert_eq!(with_usage(&bodies[9]).map(|u| u.prompt_tokens), Some(9));
+        // That body does go the fallback's way: the member scan alone refuses it.
+        assert_eq!(
+            super::super::json_members::for_each(bodies[9].as_bytes(), |_, _| {}),
+            None
+        );
     }
 
     #[test]
