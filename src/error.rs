@@ -44,15 +44,22 @@ pub enum ProxyError {
         "`{path}` is not forwarded to the workers: proxy.passthrough is {rule}; list a prefix of this path there (or set it to `allow`) to open it"
     )]
     NotPassedThrough { path: String, rule: String },
+    /// An engine operator endpoint (`/v1/load_lora_adapter`, `/sleep`, …) that no entry
+    /// of `proxy.passthrough` names, whatever prefix it lies under (404).
+    #[error(
+        "`{path}` is an engine operator endpoint (adapters, weights, caches, sleep, profiling): it is not forwarded to the workers, even under an open proxy.passthrough prefix; list this path in proxy.passthrough to open it"
+    )]
+    OperatorEndpoint { path: String },
     /// The request body could not be read (client went away, bad framing) (400).
     #[error("could not read the request body: {0}")]
     BadBody(String),
     /// No worker is usable: all unhealthy, open, full, or already tried (503).
     #[error("no usable worker: {0}")]
     NoWorker(&'static str),
-    /// The request references remote media and `proxy.remote_media_url_policy` refuses it.
+    /// The body references media by URL or path (see `proxy::media`) and
+    /// `proxy.remote_media_url_policy` refuses it.
     #[error(
-        "requests that fetch media from remote URLs are not accepted here (proxy.remote_media_url_policy)"
+        "requests that make the engine fetch media by URL or path are not accepted here (proxy.remote_media_url_policy): send images, audio and video inline as data: URLs"
     )]
     RemoteMedia(StatusCode),
     /// Every usable worker stayed at `max_load` for the whole `proxy.queue.timeout_ms`
@@ -96,7 +103,9 @@ impl ProxyError {
         match self {
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            ProxyError::NotPassedThrough { .. } => StatusCode::NOT_FOUND,
+            ProxyError::NotPassedThrough { .. } | ProxyError::OperatorEndpoint { .. } => {
+                StatusCode::NOT_FOUND
+            }
             ProxyError::BadBody(_) | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::NoWorker(_)
             | ProxyError::Unreachable(_)
@@ -115,6 +124,7 @@ impl ProxyError {
             ProxyError::BodyTooLarge { .. } => "request_too_large",
             ProxyError::BodyTimeout { .. } => "request_timeout",
             ProxyError::NotPassedThrough { .. } => "not_found",
+            ProxyError::OperatorEndpoint { .. } => "operator_endpoint_closed",
             ProxyError::BadBody(_) | ProxyError::BadRequest(_) => "invalid_request_error",
             ProxyError::NoWorker(_) | ProxyError::Unreachable(_) => "no_worker_available",
             ProxyError::QueueTimeout { .. } => "queue_timeout",

@@ -12,6 +12,7 @@
 //! service      the hyper service: admin endpoints, or the proxy
 //! proxy        body -> prompt -> policy -> upstream -> GuardedBody, retries
 //!   request_body  bounded in bytes, memory and time
+//!   media      proxy.remote_media_url_policy: media members of any JSON body
 //!   headers    hop-by-hop stripping, request ids
 //!   upstream   hyper HTTP/1.1 connections kept per worker, one attempt; health
 //!              probes and scrapes on the same connections

@@ -262,3 +262,169 @@ async fn remote_media_urls_are_refused_when_the_policy_says_so() {
     assert_eq!(resp.status, 200, "{}", resp.text());
     router.shutdown().await;
 }
+
+/// C44: the address engines must never be made to fetch.
+const METADATA_URL: &str = "http://169.254.169.254/latest/meta-data/";
+
+/// C44: a chat body whose one user message holds `parts` (JSON, comma-separated).
+fn chat_with_parts(parts: &str) -> String {
+    format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":[{{"type":"text","text":"What is this?"}},{parts}]}}]}}"#
+    )
+}
+
+/// C44 (a): the part every check knows.
+fn image_part(url: &str) -> String {
+    format!(r#"{{"type":"image_url","image_url":{{"url":"{url}"}}}}"#)
+}
+
+/// C44: a router refusing remote media with 403 in front of one recording worker.
+async fn media_policy_router() -> (FakeWorker, RunningRouter) {
+    let w = FakeWorker::start().await;
+    let router = start_router(&yaml_for(&[&w], "proxy:\n  remote_media_url_policy: 403\n")).await;
+    (w, router)
+}
+
+/// C44: `body` on `path` is refused with the configured status and a JSON error, and
+/// reaches no worker.
+async fn assert_refused(
+    router: &RunningRouter,
+    w: &FakeWorker,
+    path: &str,
+    body: &str,
+    case: &str,
+) {
+    let before = w.count();
+    let resp = post(router.addr, path, body.to_string()).await;
+    assert_eq!(resp.status, 403, "{case}: {}", resp.text());
+    let err = &resp.json()["error"];
+    assert_eq!(err["type"], "remote_media_rejected", "{case}: {err}");
+    assert!(
+        err["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("remote_media_url_policy")),
+        "{case}: the message names the key: {err}"
+    );
+    assert_eq!(w.count(), before, "{case} reached the worker");
+}
+
+// C44 (a)–(e)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_media_part_shape_with_a_remote_url_is_refused() {
+    let (w, router) = media_policy_router().await;
+    let u = METADATA_URL;
+    for (case, part) in [
+        ("(a) image_url part", image_part(u)),
+        (
+            "(b) video_url part",
+            format!(r#"{{"type":"video_url","video_url":{{"url":"{u}"}}}}"#),
+        ),
+        (
+            "(c) audio_url part",
+            format!(r#"{{"type":"audio_url","audio_url":{{"url":"{u}"}}}}"#),
+        ),
+        (
+            "(d) image_url object without type",
+            format!(r#"{{"image_url":{{"url":"{u}"}}}}"#),
+        ),
+        (
+            "(d) image_url string without type",
+            format!(r#"{{"image_url":"{u}"}}"#),
+        ),
+        (
+            "(d) audio_url object without type",
+            format!(r#"{{"audio_url":{{"url":"{u}"}}}}"#),
+        ),
+        (
+            "(e) HTTP:// in capitals",
+            image_part("HTTP://169.254.169.254/latest/meta-data/"),
+        ),
+    ] {
+        assert_refused(
+            &router,
+            &w,
+            "/v1/chat/completions",
+            &chat_with_parts(&part),
+            case,
+        )
+        .await;
+    }
+    router.shutdown().await;
+}
+
+// C44 (f)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_messages_key_cannot_hide_a_media_url() {
+    let (w, router) = media_policy_router().await;
+    // Python's json keeps the last `messages`: the engine sees the URL.
+    let body = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":"hello"}}],"messages":[{{"role":"user","content":[{}]}}]}}"#,
+        image_part(METADATA_URL)
+    );
+    assert_refused(&router, &w, "/v1/chat/completions", &body, "(f)").await;
+    router.shutdown().await;
+}
+
+// C44 (g)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_input_image_with_a_url_string_is_refused() {
+    let (w, router) = media_policy_router().await;
+    let body = format!(
+        r#"{{"model":"m","input":[{{"role":"user","content":[{{"type":"input_text","text":"describe"}},{{"type":"input_image","image_url":"{METADATA_URL}"}}]}}]}}"#
+    );
+    assert_refused(&router, &w, "/v1/responses", &body, "(g)").await;
+    router.shutdown().await;
+}
+
+// C44 (h)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pass_through_bodies_with_media_urls_are_refused() {
+    let (w, router) = media_policy_router().await;
+    let messages = format!(
+        r#"{{"model":"m","messages":[{{"role":"user","content":[{}]}}]}}"#,
+        image_part(METADATA_URL)
+    );
+    assert_refused(
+        &router,
+        &w,
+        "/v1/embeddings",
+        &messages,
+        "(h) /v1/embeddings",
+    )
+    .await;
+    assert_refused(&router, &w, "/pooling", &messages, "(h) /pooling").await;
+    let score = format!(
+        r#"{{"model":"m","text_1":"a cat","text_2":{{"content":[{}]}}}}"#,
+        image_part(METADATA_URL)
+    );
+    assert_refused(&router, &w, "/v1/score", &score, "(h) /v1/score").await;
+    router.shutdown().await;
+}
+
+// C44 (i)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_media_url_past_the_prompt_cut_is_refused() {
+    let (w, router) = media_policy_router().await;
+    let text = format!(r#"{{"type":"text","text":"{}"}}"#, "x".repeat(40 * 1024));
+    let body = chat_with_parts(&format!("{text},{}", image_part(METADATA_URL)));
+    assert_refused(&router, &w, "/v1/chat/completions", &body, "(i)").await;
+    router.shutdown().await;
+}
+
+// C44 (j)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn inline_media_and_a_mentioned_url_still_pass_the_policy() {
+    let (w, router) = media_policy_router().await;
+    let inline = chat_with_parts(&image_part(
+        "data:image/png;base64,iVBORw0KGgoAAAANSUhEUg==",
+    ));
+    let mention = chat_with_parts(&format!(
+        r#"{{"type":"text","text":"Why does {METADATA_URL} matter?"}}"#
+    ));
+    for body in [inline, mention] {
+        let resp = post(router.addr, "/v1/chat/completions", body.clone()).await;
+        assert_eq!(resp.status, 200, "{}", resp.text());
+        assert_eq!(w.requests().pop().unwrap().body_str(), body);
+    }
+    router.shutdown().await;
+}

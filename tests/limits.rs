@@ -375,3 +375,61 @@ async fn engine_operator_endpoints_are_closed_by_default_and_opened_by_passthrou
     assert_eq!(send(router.addr, &Req::get("/v1/models")).await.status, 200);
     router.shutdown().await;
 }
+
+// Issue 38: vLLM serves adapter loading and its admin API below `/v1/`, which the
+// default rule opens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn operator_endpoints_under_an_open_prefix_stay_closed_until_listed() {
+    let w = FakeWorker::start_with(|_| Reply::json(200, r#"{"ok":true}"#)).await;
+    let keyed = "proxy:\n  api_key: backend-key-1\n";
+    let router = start_router(&yaml_for(&[&w], keyed)).await;
+    let lora = r#"{"lora_name":"evil","lora_path":"/tmp/evil"}"#;
+    for path in [
+        "/v1/load_lora_adapter",
+        "/v1/unload_lora_adapter",
+        "/v1/admin/drain",
+        "/v1/runtime_config",
+        "/v1/load%5flora_adapter",
+        "/v1//load_lora_adapter",
+        "/v1/load_lora_adapter/",
+    ] {
+        let resp = send(router.addr, &Req::post(path, lora)).await;
+        assert_eq!(resp.status, 404, "{path}: {}", resp.text());
+        let err = &resp.json()["error"];
+        assert_eq!(err["type"], "operator_endpoint_closed", "{path}: {err}");
+        let msg = err["message"].as_str().unwrap_or_default();
+        assert!(
+            msg.contains("operator endpoint") && msg.contains("proxy.passthrough"),
+            "{path}: says why and which key opens it: {msg}"
+        );
+    }
+    assert_eq!(w.count(), 0, "no operator endpoint reached the worker");
+    // The rest of `/v1/` is still open.
+    let resp = send(
+        router.addr,
+        &Req::post("/v1/embeddings", r#"{"input":"x"}"#),
+    )
+    .await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    router.shutdown().await;
+
+    // Listing the exact path opens that endpoint (with the backend key), and only it.
+    let router = start_router(&yaml_for(
+        &[&w],
+        &format!("{keyed}  passthrough: [/v1/, /v1/load_lora_adapter]\n"),
+    ))
+    .await;
+    let before = w.count();
+    let resp = send(router.addr, &Req::post("/v1/load_lora_adapter", lora)).await;
+    assert_eq!(resp.status, 200, "{}", resp.text());
+    let rec = w.requests().pop().unwrap();
+    assert_eq!(
+        (rec.target.as_str(), w.count()),
+        ("/v1/load_lora_adapter", before + 1)
+    );
+    assert_eq!(rec.header_all("authorization"), ["Bearer backend-key-1"]);
+    let resp = send(router.addr, &Req::post("/v1/unload_lora_adapter", lora)).await;
+    assert_eq!(resp.status, 404, "{}", resp.text());
+    assert_eq!(w.count(), before + 1);
+    router.shutdown().await;
+}

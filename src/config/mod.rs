@@ -30,7 +30,7 @@ mod tls;
 mod trace;
 
 pub use discovery::{DiscoveryConfig, DnsDiscovery, KubernetesDiscovery};
-pub use passthrough::Passthrough;
+pub use passthrough::{Passthrough, Verdict as PassthroughVerdict};
 pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticConfig};
 pub use secret::Secret;
 pub use state::StateConfig;

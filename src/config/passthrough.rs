@@ -2,9 +2,11 @@
 //!
 //! Every request the router forwards carries the backend `api_key`, so an unmatched
 //! path passed on blindly lets any client use that key on the engine's operator
-//! endpoints (vLLM's `/collective_rpc`, `/sleep`, `/wake_up`, `/reset_prefix_cache`,
-//! `/start_profile`; SGLang's `/flush_cache`, `/update_weights_from_disk`). The default
-//! opens the OpenAI API (`/v1/…`) and vLLM's other client endpoints only.
+//! endpoints (vLLM's `/collective_rpc`, `/sleep`, `/v1/load_lora_adapter`,
+//! `/v1/admin/…`; SGLang's `/flush_cache`, `/update_weights_from_disk`). The default
+//! opens the OpenAI API (`/v1/…`) and vLLM's other client endpoints only, and an
+//! operator endpoint stays closed under any prefix (vLLM serves some below `/v1/`)
+//! until the list names it ([`OPERATOR_ENDPOINTS`]).
 
 /// The default prefixes: the OpenAI-style API and vLLM's client-facing extras.
 pub const DEFAULT_PREFIXES: [&str; 7] = [
@@ -16,6 +18,77 @@ pub const DEFAULT_PREFIXES: [&str; 7] = [
     "/score",
     "/rerank",
 ];
+
+/// Engine operator endpoints (vLLM and SGLang): they load or drop adapters and
+/// weights, pause, sleep, reset caches, profile or reconfigure the engine for every
+/// client. Each is the first segment of a path, after an optional `/v1` (vLLM serves
+/// `/v1/load_lora_adapter`, SGLang `/load_lora_adapter`), and covers the paths below
+/// it (`/v1/admin/drain`); a trailing `*` matches names that start with it. Compared
+/// after percent-decoding (the engine's server decodes `%5f` to `_` before routing),
+/// ignoring empty segments and ASCII case.
+pub const OPERATOR_ENDPOINTS: [&str; 47] = [
+    // vLLM
+    "load_lora_adapter",
+    "unload_lora_adapter",
+    "admin",
+    "runtime_config",
+    "collective_rpc",
+    "sleep",
+    "wake_up",
+    "reset_prefix_cache",
+    "reset_mm_cache",
+    "reset_encoder_cache",
+    "start_profile",
+    "stop_profile",
+    "scale_elastic_ep",
+    "flash_epscale",
+    "pause",
+    "resume",
+    "suspend",
+    "abort_requests",
+    "init_weight_transfer_engine",
+    "start_weight_update",
+    "start_draft_weight_update",
+    "update_weights*",
+    "finish_weight_update",
+    "update_weight_version",
+    "weight_checker",
+    "drop_peer",
+    "fault_tolerance",
+    "trimtab",
+    "server_info",
+    // SGLang
+    "flush_cache",
+    "init_weights_update_group",
+    "destroy_weights_update_group",
+    "init_weights_send_group_for_remote_instance",
+    "send_weights_to_remote_instance",
+    "get_weights_by_name",
+    "release_memory_occupation",
+    "resume_memory_occupation",
+    "start_expert_distribution_record",
+    "stop_expert_distribution_record",
+    "dump_expert_distribution_record",
+    "abort_request",
+    "pause_generation",
+    "continue_generation",
+    "set_internal_state",
+    "configure_logging",
+    "slow_down",
+    "freeze_gc",
+];
+
+/// What the rule says of one path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Forwarded.
+    Open,
+    /// Closed: no entry of the rule opens it (or the rule is `deny`, or the path is
+    /// ambiguous).
+    NotListed,
+    /// Closed: an engine operator endpoint ([`OPERATOR_ENDPOINTS`]) that no entry names.
+    Operator,
+}
 
 /// The rule for paths that are not routed endpoints (`POST /v1/chat/completions`,
 /// `/v1/completions`, `/v1/messages`, `/v1/responses`) or `GET /v1/models`, which
@@ -39,21 +112,41 @@ impl Default for Passthrough {
 }
 
 impl Passthrough {
-    /// Whether a request for `path` (without the query) may be forwarded. Under a list,
-    /// a path with a dot segment (`/v1/../sleep`) or a percent-encoded `.` or `/`
-    /// (`/v1/%2e%2e/sleep`) is never forwarded: an engine or a proxy beside it that
-    /// normalises the path would otherwise reach what the list keeps closed.
+    /// Whether a request for `path` (without the query) may be forwarded: see
+    /// [`Passthrough::verdict`].
     pub fn allows(&self, path: &str) -> bool {
+        self.verdict(path) == Verdict::Open
+    }
+
+    /// What the rule says of a request for `path` (without the query). `allow` and
+    /// `deny` are absolute. Under a list, a path with a dot segment (`/v1/../sleep`) or
+    /// a percent-encoded `.` or `/` (`/v1/%2e%2e/sleep`) is never forwarded: an engine
+    /// or a proxy beside it that normalises the path would otherwise reach what the
+    /// list keeps closed. An operator endpoint is forwarded only when an entry that is
+    /// itself an operator path opens it (`/v1/load_lora_adapter`, `/v1/admin/`), never
+    /// by a broader prefix such as `/v1/`.
+    pub fn verdict(&self, path: &str) -> Verdict {
         match self {
-            Passthrough::Allow => true,
-            Passthrough::Deny => false,
+            Passthrough::Allow => Verdict::Open,
+            Passthrough::Deny => Verdict::NotListed,
+            Passthrough::Prefixes(_) if is_ambiguous(path) => Verdict::NotListed,
             Passthrough::Prefixes(list) => {
-                !is_ambiguous(path)
-                    && list.iter().any(|p| {
-                        path.strip_prefix(p.as_str()).is_some_and(|rest| {
-                            p.ends_with('/') || rest.is_empty() || rest.starts_with('/')
-                        })
+                let opens = |p: &&String| {
+                    path.strip_prefix(p.as_str()).is_some_and(|rest| {
+                        p.ends_with('/') || rest.is_empty() || rest.starts_with('/')
                     })
+                };
+                if is_operator(path) {
+                    if list.iter().filter(opens).any(|p| is_operator(p)) {
+                        Verdict::Open
+                    } else {
+                        Verdict::Operator
+                    }
+                } else if list.iter().any(|p| opens(&p)) {
+                    Verdict::Open
+                } else {
+                    Verdict::NotListed
+                }
             }
         }
     }
@@ -88,6 +181,59 @@ impl Passthrough {
             _ => Err("is not `allow`, `deny` or a list of path prefixes (e.g. [/v1/, /tokenize])".into()),
         }
     }
+}
+
+/// Whether `path` (not ambiguous, see [`is_ambiguous`]) names an engine operator
+/// endpoint: its first non-empty segment, after an optional `v1`, percent-decoded and
+/// without `;` parameters, is one of [`OPERATOR_ENDPOINTS`] (ASCII case ignored).
+fn is_operator(path: &str) -> bool {
+    let decoded = percent_decoded(path);
+    let mut segments = decoded
+        .split(|&b| b == b'/')
+        .map(|seg| seg.split(|&b| b == b';').next().unwrap_or(seg))
+        .filter(|seg| !seg.is_empty());
+    let mut first = segments.next();
+    if first.is_some_and(|s| s.eq_ignore_ascii_case(b"v1")) {
+        first = segments.next();
+    }
+    let Some(name) = first else {
+        return false;
+    };
+    OPERATOR_ENDPOINTS
+        .iter()
+        .any(|op| match op.strip_suffix('*') {
+            Some(stem) => name
+                .get(..stem.len())
+                .is_some_and(|head| head.eq_ignore_ascii_case(stem.as_bytes())),
+            None => name.eq_ignore_ascii_case(op.as_bytes()),
+        })
+}
+
+/// `path` with its `%XX` escapes decoded (a malformed one is kept as written).
+fn percent_decoded(path: &str) -> std::borrow::Cow<'_, [u8]> {
+    if !path.contains('%') {
+        return std::borrow::Cow::Borrowed(path.as_bytes());
+    }
+    let b = path.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let hex = (b[i] == b'%')
+            .then(|| path.get(i + 1..i + 3))
+            .flatten()
+            .and_then(|h| u8::from_str_radix(h, 16).ok());
+        match hex {
+            Some(c) => {
+                out.push(c);
+                i += 3;
+            }
+            None => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    std::borrow::Cow::Owned(out)
 }
 
 fn valid_prefix(p: &str) -> bool {
@@ -186,6 +332,59 @@ mod tests {
         ] {
             assert!(!p.allows(closed), "{closed}");
         }
+    }
+
+    // Issue 38: operator endpoints under an open prefix.
+    #[test]
+    fn operator_endpoints_stay_closed_under_any_prefix_until_listed() {
+        let p = Passthrough::default();
+        for closed in [
+            "/v1/load_lora_adapter",
+            "/v1/unload_lora_adapter",
+            "/v1/admin/drain",
+            "/v1/admin/resume",
+            "/v1/runtime_config",
+            "/v1//load_lora_adapter/",
+            "/v1/load%5flora_adapter",
+            "/v1/Load_LoRA_Adapter",
+            "/v1/load_lora_adapter;x",
+            "/v1/sleep",
+            "/v1/update_weights_from_disk",
+        ] {
+            assert_eq!(p.verdict(closed), Verdict::Operator, "{closed}");
+        }
+        // Operator endpoints outside every prefix say why too.
+        assert_eq!(p.verdict("/sleep"), Verdict::Operator);
+        assert_eq!(p.verdict("/scores"), Verdict::NotListed);
+        // Client endpoints that merely end in an operator word stay open.
+        for open in [
+            "/v1/fine_tuning/jobs/ft-1/pause",
+            "/v1/models/sleep",
+            "/v1/files/resume",
+        ] {
+            assert_eq!(p.verdict(open), Verdict::Open, "{open}");
+        }
+        // A root prefix opens everything but operator endpoints.
+        let root = Passthrough::Prefixes(vec!["/".into()]);
+        assert!(root.allows("/health_generate"));
+        for closed in [
+            "/load_lora_adapter",
+            "/flush_cache",
+            "/update_weights_from_tensor",
+        ] {
+            assert_eq!(root.verdict(closed), Verdict::Operator, "{closed}");
+        }
+        // Listing the path (or an operator subtree) opens it, and only it.
+        let listed = Passthrough::Prefixes(vec![
+            "/v1/".into(),
+            "/v1/load_lora_adapter".into(),
+            "/v1/admin/".into(),
+        ]);
+        assert!(listed.allows("/v1/load_lora_adapter"));
+        assert!(listed.allows("/v1/admin/drain"));
+        assert_eq!(listed.verdict("/v1/unload_lora_adapter"), Verdict::Operator);
+        assert_eq!(listed.verdict("/v1/load%5flora_adapter"), Verdict::Operator);
+        assert!(Passthrough::Allow.allows("/v1/load_lora_adapter"));
     }
 
     #[test]

@@ -85,8 +85,6 @@ mod tests {
             "{t}"
         );
         assert!(!t.contains("AAAABBBB"));
-        let remote = r#"{"messages":[{"role":"user","content":[{"type":"image","source":{"type":"url","url":"https://example.com/x.png"}}]}]}"#;
-        assert!(extract(Endpoint::Messages, remote.as_bytes(), 100).has_remote_media);
     }
 
     #[test]

@@ -86,8 +86,6 @@ pub struct RouteContext<'a> {
     /// request's `ChainMemo`.
     pub chain: Vec<u64>,
     pub source: Source,
-    /// Whether the prompt references media by a remote `http(s)://` URL.
-    pub has_remote_media: bool,
     /// `/v1/responses` state the request continues, hashed (xxh3-64): its
     /// `previous_response_id`, else its `conversation` id. The worker that holds that
     /// state must answer it (see `policy::session`).
@@ -129,7 +127,6 @@ pub fn raw_body(body: &[u8], max_prompt_bytes: usize) -> RouteContext<'_> {
         digest: h.digest(),
         chain: h.into_chain(text.len()),
         source: Source::RawBody,
-        has_remote_media: false,
         continues: None,
         cut_digest,
     }
@@ -142,7 +139,6 @@ pub struct PromptBuilder {
     cap: usize,
     total_len: usize,
     hasher: Chunker,
-    has_remote_media: bool,
     continues: Option<u64>,
     cut_digest: Option<u64>,
 }
@@ -163,7 +159,6 @@ impl PromptBuilder {
             cap,
             total_len: 0,
             hasher: Chunker::new(cap, expect),
-            has_remote_media: false,
             continues: None,
             cut_digest: None,
         }
@@ -245,11 +240,6 @@ impl PromptBuilder {
         self.text(&tag);
     }
 
-    /// Notes that the prompt fetches media from a remote URL.
-    pub fn remote_media(&mut self) {
-        self.has_remote_media = true;
-    }
-
     /// The finished context.
     pub fn finish(self) -> RouteContext<'static> {
         RouteContext {
@@ -258,7 +248,6 @@ impl PromptBuilder {
             text: Cow::Owned(self.text.into_bytes()),
             total_len: self.total_len,
             source: Source::Extracted,
-            has_remote_media: self.has_remote_media,
             continues: self.continues,
             cut_digest: self.cut_digest,
         }
@@ -285,28 +274,6 @@ struct Part<'a> {
     input: Option<&'a RawValue>,
     #[serde(borrow, default)]
     content: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    image_url: Option<&'a RawValue>,
-    #[serde(borrow, default)]
-    source: Option<&'a RawValue>,
-}
-
-/// A URL given either as a string or as `{"url": "..."}`.
-#[derive(serde::Deserialize)]
-#[serde(untagged)]
-enum UrlRef<'a> {
-    Plain(#[serde(borrow)] Cow<'a, str>),
-    Object {
-        #[serde(borrow)]
-        url: Cow<'a, str>,
-    },
-}
-
-/// An Anthropic media `source` (`{"type":"url","url":...}` or base64 data).
-#[derive(serde::Deserialize)]
-struct MediaSource<'a> {
-    #[serde(borrow, default)]
-    url: Option<Cow<'a, str>>,
 }
 
 /// A message's `content` (also an Anthropic `system` and a Responses `input`): a
@@ -466,20 +433,6 @@ fn part(raw: &RawValue, b: &mut PromptBuilder) -> bool {
             }
         }
         "image_url" | "input_image" | "image" | "document" | "video_url" => {
-            let url = p
-                .image_url
-                .and_then(|u| serde_json::from_str::<UrlRef<'_>>(u.get()).ok())
-                .map(|u| match u {
-                    UrlRef::Plain(s) | UrlRef::Object { url: s } => s,
-                })
-                .or_else(|| {
-                    p.source
-                        .and_then(|s| serde_json::from_str::<MediaSource<'_>>(s.get()).ok())
-                        .and_then(|s| s.url)
-                });
-            if url.as_deref().is_some_and(is_remote_url) {
-                b.remote_media();
-            }
             let label = if kind == "document" {
                 "document"
             } else {
@@ -492,12 +445,6 @@ fn part(raw: &RawValue, b: &mut PromptBuilder) -> bool {
         _ => b.media("part", raw.get().as_bytes()),
     }
     true
-}
-
-/// Whether a media reference is a remote URL rather than inline data.
-pub(crate) fn is_remote_url(url: &str) -> bool {
-    let l = url.get(..8).unwrap_or(url).to_ascii_lowercase();
-    l.starts_with("http://") || l.starts_with("https://")
 }
 
 #[cfg(test)]
@@ -619,7 +566,6 @@ mod tests {
                 digest: self.digest,
                 chain: self.chain,
                 source: self.source,
-                has_remote_media: self.has_remote_media,
                 continues: self.continues,
                 cut_digest: self.cut_digest,
             }

@@ -63,8 +63,9 @@ fn only_ws_after(body: &[u8], i: usize) -> Option<()> {
     body[i..].iter().all(|&b| is_ws(b)).then_some(())
 }
 
-/// The index of the quote that closes the string opened at `open`.
-fn string_end(body: &[u8], open: usize) -> Option<usize> {
+/// The index of the quote that closes the string opened at `open`; `None` when the
+/// string never closes.
+pub(super) fn string_end(body: &[u8], open: usize) -> Option<usize> {
     let mut i = open + 1;
     loop {
         i += memchr::memchr2(b'"', b'\\', body.get(i..)?)?;

@@ -11,6 +11,7 @@
 pub mod body;
 pub mod headers;
 mod json_members;
+pub mod media;
 pub mod models;
 pub mod request_body;
 pub mod upstream;
@@ -29,7 +30,7 @@ pub use body::GuardedBody;
 use upstream::UpstreamBody;
 
 use crate::cache::{self, Lookup, Pending, ResponseCache};
-use crate::config::{Config, RemoteMediaPolicy, Role};
+use crate::config::{Config, PassthroughVerdict, RemoteMediaPolicy, Role};
 use crate::error::ProxyError;
 use crate::fleet::Fleet;
 use crate::log_format::Decimal;
@@ -181,10 +182,18 @@ impl Router {
         };
         let result = if label == "models" {
             models::get(self, req, &request_id, trace, &mut unanswered.waiting_on).await
-        } else if label == "other" && !self.config.proxy.passthrough.allows(path) {
-            Err(ProxyError::NotPassedThrough {
-                path: shown_path(path),
-                rule: self.config.proxy.passthrough.describe(),
+        } else if label == "other"
+            && let verdict @ (PassthroughVerdict::NotListed | PassthroughVerdict::Operator) =
+                self.config.proxy.passthrough.verdict(path)
+        {
+            Err(match verdict {
+                PassthroughVerdict::Operator => ProxyError::OperatorEndpoint {
+                    path: shown_path(path),
+                },
+                _ => ProxyError::NotPassedThrough {
+                    path: shown_path(path),
+                    rule: self.config.proxy.passthrough.describe(),
+                },
             })
         } else {
             self.proxy(
@@ -261,6 +270,15 @@ impl Router {
             self.config.server.body_timeout,
         )
         .await?;
+        // Before anything reads the body for routing or the response cache: every
+        // body the router forwards, routed endpoint or pass-through, is checked the same.
+        if let RemoteMediaPolicy::Reject(status) = self.config.proxy.remote_media_url_policy
+            && media::references_remote_media(&body)
+        {
+            return Err(ProxyError::RemoteMedia(
+                StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
+            ));
+        }
         let endpoint = (parts.method == Method::POST)
             .then(|| Endpoint::from_path(parts.uri.path()))
             .flatten();
@@ -281,14 +299,6 @@ impl Router {
         let started = Instant::now();
         let mut ctx =
             endpoint.map(|e| prompt::extract(e, &body, self.config.cache.max_prompt_bytes));
-        if let (Some(c), RemoteMediaPolicy::Reject(status)) =
-            (&ctx, self.config.proxy.remote_media_url_policy)
-            && c.has_remote_media
-        {
-            return Err(ProxyError::RemoteMedia(
-                StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
-            ));
-        }
         // The policy's own preparation (precise mode: token ids), once, before the
         // worker set is read: it may wait for the blocking pool.
         let prepared = match self.policy.prepare(RequestParts {
