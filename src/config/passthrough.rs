@@ -86,7 +86,8 @@ pub enum Verdict {
     /// Closed: no entry of the rule opens it (or the rule is `deny`, or the path is
     /// ambiguous).
     NotListed,
-    /// Closed: an engine operator endpoint ([`OPERATOR_ENDPOINTS`]) that no entry names.
+    /// Closed: an engine operator endpoint (`config::passthrough::OPERATOR_ENDPOINTS`)
+    /// that no entry names.
     Operator,
 }
 
