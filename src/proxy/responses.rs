@@ -54,8 +54,9 @@ fn rank(r: &Result<Response<UpstreamBody>, ProxyError>) -> u8 {
 }
 
 impl Router {
-    /// Sends a call on a stored response (its id in the path) to the worker holding it, or fans it
-    /// out (see the module docs). `body` has been read; nothing was routed yet.
+    /// Sends a call on a stored response (its id in the path) to the worker holding
+    /// it, or fans it out (see the module docs). `body` has been read; nothing was
+    /// routed yet.
     pub(super) async fn to_response_holder(
         &self,
         parts: http::request::Parts,
