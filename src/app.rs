@@ -11,7 +11,6 @@ use std::time::Duration;
 use hyper::server::conn::http1;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioIo, TokioTimer};
-use hyper_util::server::graceful::{GracefulShutdown, Watcher};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
@@ -251,7 +250,10 @@ async fn serve(
     grace: Duration,
     cores: Option<Arc<Cores>>,
 ) {
-    let graceful = GracefulShutdown::new();
+    // The drain: each connection holds a receiver, told to finish its exchange and
+    // close; the drain is over when every receiver is gone. (hyper-util's
+    // `GracefulShutdown` does the same but cannot watch a connection that may upgrade.)
+    let (drain, draining) = tokio::sync::watch::channel(false);
     loop {
         tokio::select! {
             accepted = listener.accept() => match accepted {
@@ -259,7 +261,7 @@ async fn serve(
                     // Small SSE writes must leave at once, not wait for a delayed ACK.
                     let _ = stream.set_nodelay(true);
                     let router = Arc::clone(&router);
-                    let watcher = graceful.watcher();
+                    let watcher = draining.clone();
                     match &cores {
                         None => drop(tokio::spawn(serve_connection(router, stream, on, watcher))),
                         // Moved to the runtime it will live on: its socket is registered
@@ -285,20 +287,24 @@ async fn serve(
         }
     }
     drop(listener);
+    drop(draining);
+    drain.send_replace(true);
     tokio::select! {
-        _ = graceful.shutdown() => {}
+        _ = drain.closed() => {}
         _ = tokio::time::sleep(grace) => {
             tracing::warn!(grace_secs = grace.as_secs_f64(), "grace period over; closing remaining connections");
         }
     }
 }
 
-/// Serves one client connection to its end (or to the drain, through `watcher`).
+/// Serves one client connection to its end (or to the drain, through `watcher`). A
+/// WebSocket handshake upgrades it (`proxy::tunnel`): the connection's task ends there
+/// and the tunnel's task carries the socket on.
 async fn serve_connection(
     router: Arc<Router>,
     stream: TcpStream,
     on: service::Listener,
-    watcher: Watcher,
+    mut watcher: tokio::sync::watch::Receiver<bool>,
 ) {
     let service = service_fn(move |req| {
         let router = Arc::clone(&router);
@@ -310,8 +316,21 @@ async fn serve_connection(
         // `writev`: SSE events are small and the queue's bookkeeping cost more than the
         // copy (callgrind, a 23-event stream: 274.7k -> 270.3k instructions).
         .writev(false)
-        .serve_connection(TokioIo::new(stream), service);
-    if let Err(e) = watcher.watch(conn).await {
+        .serve_connection(TokioIo::new(stream), service)
+        .with_upgrades();
+    tokio::pin!(conn);
+    let drained = async {
+        let _ = watcher.wait_for(|draining| *draining).await;
+    };
+    let ended = tokio::select! {
+        ended = conn.as_mut() => ended,
+        () = drained => {
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    };
+    drop(watcher);
+    if let Err(e) = ended {
         tracing::debug!(error = %e, "client connection ended with an error");
     }
 }

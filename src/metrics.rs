@@ -319,7 +319,7 @@ impl Drop for QueuePlace {
 }
 
 /// Every decision reason, for series at 0 from start-up.
-const REASONS: [Reason; 8] = [
+const REASONS: [Reason; 9] = [
     Reason::CacheHit,
     Reason::HitOverloaded,
     Reason::Miss,
@@ -328,6 +328,7 @@ const REASONS: [Reason; 8] = [
     Reason::Session,
     Reason::Conversation,
     Reason::CacheSignal,
+    Reason::FanOut,
 ];
 
 /// `prefix_tokens_total`'s kinds.

@@ -289,3 +289,63 @@ async fn a_replica_that_starts_late_bootstraps_from_the_snapshot() {
     one.shutdown().await;
     two.shutdown().await;
 }
+
+// C46, across replicas
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_created_through_one_replica_is_polled_on_its_worker_through_the_other() {
+    let redis = RedisServer::start();
+    // w1 holds every response (replica 1 knows only it); w0 holds none.
+    let w0 =
+        FakeWorker::start_with(|_| Reply::json(404, r#"{"error":{"message":"not found"}}"#)).await;
+    let w1 = FakeWorker::start_with(|r| {
+        let id = "resp_w1_0";
+        if r.method == "POST" && r.target == "/v1/responses" {
+            Reply::json(
+                200,
+                &format!(r#"{{"id":"{id}","object":"response","status":"queued"}}"#),
+            )
+        } else {
+            Reply::json(
+                200,
+                &format!(r#"{{"id":"{id}","object":"response","status":"completed"}}"#),
+            )
+        }
+    })
+    .await;
+    let one = start_router(&yaml_for(&[&w1], &state(&redis))).await;
+    let two = start_router(&yaml_for(&[&w0, &w1], &state(&redis))).await;
+    wait_connected(one.addr).await;
+    wait_connected(two.addr).await;
+    let body = serde_json::json!({"model": "m", "input": "job", "background": true});
+    let r = post(one.addr, "/v1/responses", body.to_string()).await;
+    assert_eq!(r.status, 200);
+    wait_until(
+        "replica 2 holds the response id",
+        Duration::from_secs(5),
+        || async { get_workers(two.addr).await["sessions"]["conversations_held"] == 1 },
+    )
+    .await;
+    for path in ["/v1/responses/resp_w1_0", "/v1/responses/resp_w1_0/cancel"] {
+        let req = if path.ends_with("cancel") {
+            Req::post(path, "")
+        } else {
+            Req::get(path)
+        };
+        let (r, by) = send_tagged(two.addr, &[&w0, &w1], req).await;
+        assert_eq!(r.status, 200, "{path}: {}", r.text());
+        assert_eq!(by, 1, "{path}: the binding came from replica 1; no fan-out");
+    }
+    let m = scrape(two.addr).await;
+    let decisions = |reason| {
+        m.value(
+            "cache_aware_router_routing_decisions_total",
+            &[("reason", reason)],
+        )
+    };
+    assert_eq!(
+        (decisions("conversation"), decisions("fan_out")),
+        (2.0, 0.0)
+    );
+    one.shutdown().await;
+    two.shutdown().await;
+}

@@ -5,6 +5,8 @@ mod support;
 
 use std::time::Duration;
 
+use tokio::io::AsyncWriteExt;
+
 use support::*;
 
 const HOP_BY_HOP: [&str; 7] = [
@@ -778,4 +780,225 @@ async fn routed_peer_header_names_the_worker_when_enabled() {
     let resp = chat(router.addr, "who").await;
     assert!(!resp.has_header("x-routed-peer"), "off by default");
     router.shutdown().await;
+}
+
+/// A worker as vLLM serves `/v1/realtime` (FastAPI): a WebSocket echo for handshakes on
+/// it (and on `GET /v1/responses`, Responses over WebSocket), 404 to a plain `GET`
+/// there, as a FastAPI websocket route answers; a chat answer otherwise.
+fn websocket_engine(r: &Recorded) -> Reply {
+    let path = r.target.split('?').next().unwrap_or("");
+    let handshake = r
+        .header("upgrade")
+        .is_some_and(|u| u.eq_ignore_ascii_case("websocket"));
+    match (r.method.as_str(), path) {
+        ("GET", "/v1/realtime" | "/v1/responses") if handshake => {
+            let accept = ws::accept_key(r.header("sec-websocket-key").unwrap_or(""));
+            Reply::raw(vec![
+                Step::Write(
+                    format!(
+                        "HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: {accept}\r\n\r\n"
+                    )
+                    .into_bytes(),
+                ),
+                Step::EchoWebSocket,
+            ])
+        }
+        ("GET", "/v1/realtime" | "/v1/responses") => Reply::json(404, r#"{"detail":"Not Found"}"#),
+        _ => Reply::ok(),
+    }
+}
+
+// C53 (1), (2)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn websocket_handshakes_are_tunnelled_to_a_worker_and_counted_in_flight() {
+    assert_eq!(
+        ws::accept_key(ws::SAMPLE_KEY),
+        "s3pPLMBiTxaQ9kYGzzhZRbK+xOo="
+    );
+    let w = FakeWorker::start_with(websocket_engine).await;
+    let router = start_router(&yaml_for(&[&w], "")).await;
+    for (i, path) in ["/v1/realtime?model=m", "/v1/responses"]
+        .into_iter()
+        .enumerate()
+    {
+        let (status, head, mut s) = tokio::time::timeout(
+            Duration::from_secs(2),
+            ws::handshake(router.addr, path, ws::SAMPLE_KEY),
+        )
+        .await
+        .unwrap_or_else(|_| panic!("{path}: no handshake answer within 2 s"));
+        assert_eq!(status, 101, "{path}: {head:?}");
+        let header = |name: &str| {
+            head.iter()
+                .find(|(k, _)| k.eq_ignore_ascii_case(name))
+                .map(|(_, v)| v.as_str())
+        };
+        assert_eq!(
+            header("sec-websocket-accept"),
+            Some("s3pPLMBiTxaQ9kYGzzhZRbK+xOo="),
+            "{path}: {head:?}"
+        );
+        assert!(header("upgrade").is_some_and(|u| u.eq_ignore_ascii_case("websocket")));
+        // The worker got the handshake itself, not a plain GET.
+        let rec = &w.requests()[i];
+        assert_eq!((rec.method.as_str(), rec.target.as_str()), ("GET", path));
+        assert!(
+            rec.header("upgrade")
+                .is_some_and(|u| u.eq_ignore_ascii_case("websocket"))
+                && rec
+                    .header("connection")
+                    .is_some_and(|c| c.to_ascii_lowercase().contains("upgrade")),
+            "{:?}",
+            rec.headers
+        );
+        assert_eq!(rec.header("sec-websocket-key"), Some(ws::SAMPLE_KEY));
+        assert_eq!(rec.header("sec-websocket-version"), Some("13"));
+        assert_eq!(
+            in_flight(router.addr).await,
+            [1],
+            "{path}: the open session"
+        );
+
+        for n in 0..3 {
+            let text = format!("frame {n} on {path}");
+            s.write_all(&ws::frame(
+                ws::TEXT,
+                text.as_bytes(),
+                Some([1, 2, 3, 4 + n]),
+            ))
+            .await
+            .unwrap();
+            let (opcode, masked, payload) = within("echo", ws::read_frame(&mut s))
+                .await
+                .unwrap()
+                .expect("an echoed frame");
+            assert_eq!((opcode, masked), (ws::TEXT, false));
+            assert_eq!(payload, text.as_bytes());
+        }
+        s.write_all(&ws::frame(ws::CLOSE, &[0x03, 0xe8], Some([9, 9, 9, 9])))
+            .await
+            .unwrap();
+        let (opcode, _, _) = within("close echo", ws::read_frame(&mut s))
+            .await
+            .unwrap()
+            .expect("the close echoed");
+        assert_eq!(opcode, ws::CLOSE);
+        assert!(
+            within("end of the tunnel", ws::read_frame(&mut s))
+                .await
+                .unwrap_or(None)
+                .is_none(),
+            "the worker closed: so does the tunnel"
+        );
+        drop(s);
+        wait_all_idle(router.addr, STEP_TIMEOUT).await;
+    }
+    router.shutdown().await;
+}
+
+// C53 (3)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_h2c_upgrade_offer_on_a_post_is_served_over_http1_without_it() {
+    let w = FakeWorker::start_with(websocket_engine).await;
+    let router = start_router(&yaml_for(&[&w], "")).await;
+    let mut conn = Conn::connect(router.addr).await;
+    for _ in 0..2 {
+        let req = Req::post("/v1/chat/completions", chat_body("java", false))
+            .header("Connection", "Upgrade, HTTP2-Settings")
+            .header("Upgrade", "h2c")
+            .header("HTTP2-Settings", "AAMAAABkAAQAAP__");
+        let resp = within("answer", conn.request(&req)).await;
+        assert_eq!(resp.status, 200, "{}", resp.text());
+        assert!(!resp.has_header("upgrade"), "{:?}", resp.headers);
+    }
+    for rec in w.requests() {
+        for name in ["upgrade", "http2-settings", "connection"] {
+            assert!(
+                !rec.has_header(name),
+                "`{name}` reached the worker: {:?}",
+                rec.headers
+            );
+        }
+    }
+    router.shutdown().await;
+}
+
+/// A worker that redirects as Starlette does: a path with a trailing slash gets a 307
+/// to the path without it, built from the `Host` it received (with its root path, the
+/// worker's prefix), with `Content-Location` and `Link` on the same origin; `/v1/help`
+/// redirects to an external page.
+fn starlette_redirects(r: &Recorded) -> Reply {
+    let path = r.target.split('?').next().unwrap_or("");
+    let host = r.header("host").unwrap_or("");
+    if path.ends_with("/v1/help") {
+        return Reply::status(302).header("Location", "https://docs.example.org/help");
+    }
+    match path.strip_suffix('/') {
+        Some(bare) => Reply::status(307)
+            .header("Location", &format!("http://{host}{bare}"))
+            .header("Content-Location", &format!("http://{host}{path}"))
+            .header("Link", &format!("<http://{host}{bare}>; rel=\"canonical\"")),
+        None => Reply::ok(),
+    }
+}
+
+// C54
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_redirects_point_at_the_router_not_the_worker() {
+    let a = FakeWorker::start_with(starlette_redirects).await;
+    let e = FakeWorker::start_with(starlette_redirects).await;
+    let (pa, pe) = (a.port(), e.port());
+    for (url, port) in [
+        (format!("http://127.0.0.1:{pa}"), pa),
+        (format!("http://127.0.0.1:{pe}/gpu5"), pe),
+    ] {
+        let router = start_router(&yaml_for_urls(std::slice::from_ref(&url), "")).await;
+        let leaks = |resp: &Response| {
+            resp.headers
+                .iter()
+                .filter(|(k, _)| {
+                    k.eq_ignore_ascii_case("location")
+                        || k.eq_ignore_ascii_case("content-location")
+                        || k.eq_ignore_ascii_case("link")
+                })
+                .any(|(_, v)| {
+                    v.contains(&format!(":{port}"))
+                        || v.contains("/gpu5")
+                        || v.contains("127.0.0.1")
+                })
+        };
+        let req = Req::post("/v1/chat/completions/", chat_body("slash", false))
+            .header("Host", "router.test:6700");
+        let resp = send(router.addr, &req).await;
+        assert_eq!(resp.status, 307, "{url}: {}", resp.text());
+        assert_eq!(
+            resp.header("location"),
+            Some("/v1/chat/completions"),
+            "{url}"
+        );
+        assert_eq!(
+            resp.header("content-location"),
+            Some("/v1/chat/completions/"),
+            "{url}"
+        );
+        assert_eq!(
+            resp.header("link"),
+            Some("</v1/chat/completions>; rel=\"canonical\""),
+            "{url}"
+        );
+        assert!(!leaks(&resp), "{url}: {:?}", resp.headers);
+        // A passed-through path the same way.
+        let resp = get(router.addr, "/v1/models/").await;
+        assert_eq!(resp.status, 307, "{url}: {}", resp.text());
+        assert_eq!(resp.header("location"), Some("/v1/models"), "{url}");
+        assert!(!leaks(&resp), "{url}: {:?}", resp.headers);
+        // An external redirect passes unchanged.
+        let resp = get(router.addr, "/v1/help").await;
+        assert_eq!(resp.status, 302);
+        assert_eq!(
+            resp.header("location"),
+            Some("https://docs.example.org/help")
+        );
+        router.shutdown().await;
+    }
 }

@@ -128,6 +128,7 @@ async fn metrics_after_a_scripted_workload_match_it_exactly() {
         ("session", 0.0),
         ("conversation", 0.0),
         ("cache_signal", 0.0),
+        ("fan_out", 0.0),
     ]
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
@@ -216,6 +217,7 @@ async fn the_first_scrape_lists_every_known_series_at_zero_and_a_leaver_loses_it
         "session",
         "conversation",
         "cache_signal",
+        "fan_out",
     ] {
         assert_eq!(
             m.get(DECISIONS, &[("reason", reason)]),

@@ -3,6 +3,8 @@
 
 mod support;
 
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use support::*;
@@ -495,5 +497,169 @@ async fn eviction_holds_the_tree_at_its_cap_and_keeps_a_prefix_in_use() {
         "{}",
         m.text
     );
+    router.shutdown().await;
+}
+
+/// A worker that stores the `/v1/responses` it creates, as vLLM does (in its own
+/// memory): `background: true` creates answer `queued` at once; the calls on an id it
+/// holds answer 200 (a poll, a resumed stream, the input items, a cancel, a delete);
+/// any other id gets vLLM's 404.
+async fn response_store(name: &'static str) -> FakeWorker {
+    let held: Arc<Mutex<HashSet<String>>> = Arc::default();
+    FakeWorker::start_with(move |r| {
+        let path = r.target.split('?').next().unwrap_or("");
+        if r.method == "POST" && path == "/v1/responses" {
+            let id = format!("resp_{name}_{}", r.index);
+            held.lock().unwrap().insert(id.clone());
+            return Reply::json(
+                200,
+                &format!(r#"{{"id":"{id}","object":"response","status":"queued"}}"#),
+            );
+        }
+        let Some(rest) = path.strip_prefix("/v1/responses/") else {
+            return Reply::ok();
+        };
+        let (id, tail) = rest.split_once('/').unwrap_or((rest, ""));
+        let mut held = held.lock().unwrap();
+        if !held.contains(id) {
+            return Reply::json(
+                404,
+                &format!(
+                    r#"{{"error":{{"message":"Response with id '{id}' not found.","type":"invalid_request_error","code":404}}}}"#
+                ),
+            );
+        }
+        match (r.method.as_str(), tail) {
+            ("GET", "") if r.target.contains("stream=true") => Reply::sse(
+                &[format!(
+                    r#"{{"type":"response.completed","sequence_number":1,"response":{{"id":"{id}","object":"response","status":"completed"}}}}"#
+                )],
+                Duration::ZERO,
+            ),
+            ("GET", "") => Reply::json(
+                200,
+                &format!(r#"{{"id":"{id}","object":"response","status":"in_progress"}}"#),
+            ),
+            ("GET", "input_items") => Reply::json(200, r#"{"object":"list","data":[]}"#),
+            ("POST", "cancel") => Reply::json(
+                200,
+                &format!(r#"{{"id":"{id}","object":"response","status":"cancelled"}}"#),
+            ),
+            ("DELETE", "") => {
+                held.remove(id);
+                Reply::json(
+                    200,
+                    &format!(r#"{{"id":"{id}","object":"response","deleted":true}}"#),
+                )
+            }
+            _ => Reply::status(405),
+        }
+    })
+    .await
+}
+
+/// Creates a background response through the router: its id and the index of the
+/// worker holding it.
+async fn create_background(addr: std::net::SocketAddr, n: usize) -> (String, usize) {
+    let body = serde_json::json!({"model": "m", "input": format!("job {n}"), "background": true});
+    let r = post(addr, "/v1/responses", body.to_string()).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let id = r.json()["id"].as_str().unwrap().to_string();
+    let owner = if id.starts_with("resp_a_") { 0 } else { 1 };
+    (id, owner)
+}
+
+/// The calls on stored responses each worker received.
+fn per_id_calls(w: &FakeWorker) -> Vec<String> {
+    w.requests()
+        .into_iter()
+        .filter(|r| r.target.starts_with("/v1/responses/"))
+        .map(|r| format!("{} {}", r.method, r.target))
+        .collect()
+}
+
+// C46
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn calls_on_a_stored_response_reach_the_worker_that_created_it() {
+    let a = response_store("a").await;
+    let b = response_store("b").await;
+    let ws = [&a, &b];
+    // Round robin alternates: only the ids learned from the create answers keep the
+    // per-id calls on their worker.
+    let router = start_router(&yaml_for(&ws, "policy: round_robin\n")).await;
+    let addr = router.addr;
+    let mut owners = [0; 2];
+    for n in 0..8 {
+        let (id, owner) = create_background(addr, 2 * n).await;
+        let before = [per_id_calls(&a).len(), per_id_calls(&b).len()];
+        for _ in 0..3 {
+            let r = get(addr, &format!("/v1/responses/{id}")).await;
+            assert_eq!(r.status, 200, "poll of {id}: {}", r.text());
+            assert_eq!(r.json()["id"], id.as_str());
+        }
+        let r = get(
+            addr,
+            &format!("/v1/responses/{id}?stream=true&starting_after=0"),
+        )
+        .await;
+        assert_eq!(r.status, 200, "stream resume of {id}: {}", r.text());
+        assert!(r.text().contains(&id), "{}", r.text());
+        let r = get(addr, &format!("/v1/responses/{id}/input_items")).await;
+        assert_eq!(r.status, 200, "input items of {id}: {}", r.text());
+        // A cancel on a second background response stops it on its own worker.
+        let (second, second_owner) = create_background(addr, 2 * n + 1).await;
+        owners[owner] += 1;
+        owners[second_owner] += 1;
+        let r = post(addr, &format!("/v1/responses/{second}/cancel"), "").await;
+        assert_eq!(r.status, 200, "cancel of {second}: {}", r.text());
+        assert_eq!(r.json()["status"], "cancelled");
+        assert!(
+            per_id_calls(ws[second_owner]).contains(&format!("POST /v1/responses/{second}/cancel")),
+            "the owner of {second} never saw its cancel"
+        );
+        let r = send(addr, &Req::new("DELETE", &format!("/v1/responses/{id}"))).await;
+        assert_eq!(r.status, 200, "delete of {id}: {}", r.text());
+        // Every call reached the owner; the other worker saw none of them.
+        let after = [per_id_calls(&a).len(), per_id_calls(&b).len()];
+        let calls_on_id = 6 + usize::from(second_owner == owner);
+        assert_eq!(
+            after[owner] - before[owner],
+            calls_on_id,
+            "chain {n} ({id})"
+        );
+        let other = 1 - owner;
+        assert_eq!(
+            after[other] - before[other],
+            usize::from(second_owner == other),
+            "chain {n}: a call on {id} reached the worker that does not hold it: {:?}",
+            per_id_calls(ws[other])
+        );
+    }
+    assert_eq!(owners, [8, 8], "round robin spread the creates");
+
+    // An id no worker holds: every worker is asked, and the engines' 404 comes back.
+    let r = get(addr, "/v1/responses/resp_nobody_1").await;
+    assert_eq!(r.status, 404, "{}", r.text());
+    for w in ws {
+        assert!(per_id_calls(w).contains(&"GET /v1/responses/resp_nobody_1".to_string()));
+    }
+
+    // A router that never saw the create (another replica, or this one restarted)
+    // finds the owner by asking every worker, then goes to it alone.
+    let (id, owner) = create_background(addr, 100).await;
+    let fresh = start_router(&yaml_for(&ws, "policy: round_robin\n")).await;
+    let r = get(fresh.addr, &format!("/v1/responses/{id}")).await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let before = [per_id_calls(&a).len(), per_id_calls(&b).len()];
+    let r = post(fresh.addr, &format!("/v1/responses/{id}/cancel"), "").await;
+    assert_eq!(r.status, 200, "{}", r.text());
+    let after = [per_id_calls(&a).len(), per_id_calls(&b).len()];
+    assert_eq!(after[owner] - before[owner], 1);
+    assert_eq!(
+        after[1 - owner],
+        before[1 - owner],
+        "learned from the fan-out"
+    );
+    fresh.shutdown().await;
     router.shutdown().await;
 }

@@ -80,6 +80,9 @@ pub enum Reason {
     Conversation,
     /// Followed a worker's cache signal (`lmcache_aware`: the most LMCache room).
     CacheSignal,
+    /// A call on a stored `/v1/responses` id whose worker is unknown, sent to every
+    /// usable worker (`crate::proxy::responses`).
+    FanOut,
 }
 
 impl Reason {
@@ -94,6 +97,7 @@ impl Reason {
             Reason::Session => "session",
             Reason::Conversation => "conversation",
             Reason::CacheSignal => "cache_signal",
+            Reason::FanOut => "fan_out",
         }
     }
 }
@@ -334,6 +338,13 @@ pub trait Policy: PoolListener {
 
     /// Precise mode's index and feeds, when the policy follows KV events.
     fn precise(&self) -> Option<&Arc<crate::precise::Precise>> {
+        None
+    }
+
+    /// The worker that holds the `/v1/responses` state `key` (xxh3-64 of a response
+    /// id), as learned from the answers and the other router replicas, when it is still
+    /// in `set`; `None` when unknown. Default: unknown.
+    fn response_holder(&self, _key: u64, _set: &WorkerSet) -> Option<WorkerId> {
         None
     }
 

@@ -359,6 +359,13 @@ impl Policy for Affinity {
         Some(self.stats())
     }
 
+    fn response_holder(&self, key: u64, set: &WorkerSet) -> Option<WorkerId> {
+        let b = self.memory.bound(&mut self.memory.conversations(), key)?;
+        set.get(b.worker)
+            .filter(|w| w.key_hash() == b.key_hash)
+            .map(|w| w.id())
+    }
+
     fn background(
         &self,
         pool: std::sync::Arc<Pool>,

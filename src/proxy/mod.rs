@@ -14,6 +14,8 @@ mod json_members;
 pub mod media;
 pub mod models;
 pub mod request_body;
+pub mod responses;
+pub mod tunnel;
 pub mod upstream;
 pub mod usage;
 
@@ -195,6 +197,9 @@ impl Router {
                     rule: self.config.proxy.passthrough.describe(),
                 },
             })
+        } else if tunnel::is_websocket_upgrade(&method, req.headers()) {
+            self.tunnel(req, &request_id, trace, label, &mut unanswered.waiting_on)
+                .await
         } else {
             self.proxy(
                 req,
@@ -282,6 +287,20 @@ impl Router {
         let endpoint = (parts.method == Method::POST)
             .then(|| Endpoint::from_path(parts.uri.path()))
             .flatten();
+        // A call on a stored response goes where the response is.
+        if endpoint.is_none() && responses::response_id_in_path(parts.uri.path()).is_some() {
+            let route = Route {
+                label,
+                req: RouteRequest::default(),
+                arrived,
+                started: Instant::now(),
+                cache: None,
+                trace,
+            };
+            return self
+                .to_response_holder(parts, body, &route, request_id, waiting_on)
+                .await;
+        }
         // The response cache first: a hit skips extraction and the pick.
         let mut pending = None;
         if let (Some(c), Some(e)) = (&self.cache, endpoint) {
@@ -620,6 +639,7 @@ impl Router {
             // Framing is hyper's job now; a length beside chunked framing is stale.
             parts.headers.remove(header::CONTENT_LENGTH);
         }
+        headers::rewrite_worker_urls(&mut parts.headers, guard.worker().url());
         if self.config.proxy.add_routed_peer_header
             && let Ok(v) = HeaderValue::from_str(&guard.worker().url().to_string())
         {

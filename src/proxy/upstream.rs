@@ -160,6 +160,18 @@ impl Upstream {
     /// Opens a connection to `worker` (TCP, and TLS for `https://`); it is read and
     /// written as it is used ([`Conn`]).
     async fn connect(&self, worker: &Worker) -> Result<Conn, ProxyError> {
+        let io = self.dial(worker).await?;
+        let (conn, io_task) = hyper::client::conn::http1::handshake(io)
+            .await
+            .map_err(|e| ProxyError::Unreachable(crate::error::describe(&e)))?;
+        Ok(Conn::new(conn, io_task, Arc::clone(worker.label())))
+    }
+
+    /// The transport to `worker`: TCP, and TLS over it for `https://`.
+    async fn dial(
+        &self,
+        worker: &Worker,
+    ) -> Result<<Connector as tower_service::Service<http::Uri>>::Response, ProxyError> {
         let unreachable = |e: &(dyn std::error::Error + 'static)| {
             ProxyError::Unreachable(crate::error::describe(e))
         };
@@ -168,13 +180,61 @@ impl Upstream {
         std::future::poll_fn(|cx| tower_service::Service::poll_ready(&mut connector, cx))
             .await
             .map_err(|e| unreachable(&*e))?;
-        let io = tower_service::Service::call(&mut connector, origin)
+        tower_service::Service::call(&mut connector, origin)
             .await
-            .map_err(|e| unreachable(&*e))?;
-        let (conn, io_task) = hyper::client::conn::http1::handshake(io)
+            .map_err(|e| unreachable(&*e))
+    }
+
+    /// Sends an upgrade handshake (a WebSocket `GET`) to `worker` on a connection of its
+    /// own, which the upgrade takes over: the template's headers plus `Connection:
+    /// upgrade` and the client's `upgrade` protocols. Resolves with the worker's answer
+    /// head (a `101` carries the upgraded connection: `hyper::upgrade::on`), or fails
+    /// after `timeout`.
+    pub async fn send_upgrade(
+        &self,
+        worker: &Arc<Worker>,
+        template: &RequestTemplate,
+        upgrade: HeaderValue,
+        timeout: Duration,
+    ) -> Result<Response<Incoming>, ProxyError> {
+        let call = async {
+            let uri = worker
+                .url()
+                .origin_form(template.path_and_query.as_str())
+                .map_err(|e| {
+                    ProxyError::BadRequest(format!("cannot build the upstream URI: {e}"))
+                })?;
+            let mut req = Request::new(Full::new(Bytes::new()));
+            *req.method_mut() = template.method.clone();
+            *req.uri_mut() = uri;
+            *req.version_mut() = Version::HTTP_11;
+            let mut headers = template.headers.clone();
+            headers.insert(header::HOST, worker.url().host_header());
+            headers.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+            headers.insert(header::UPGRADE, upgrade);
+            if let Some(key) = self.key_for(worker) {
+                headers.insert(header::AUTHORIZATION, key.bearer().clone());
+            }
+            *req.headers_mut() = headers;
+            let io = self.dial(worker).await?;
+            let (mut send, conn) = hyper::client::conn::http1::handshake(io)
+                .await
+                .map_err(|e| ProxyError::Unreachable(crate::error::describe(&e)))?;
+            // Driven by a task of its own: after a 101 it hands the socket to the
+            // tunnel, and it must keep running while the request's task waits for that.
+            let label = Arc::clone(worker.label());
+            tokio::spawn(async move {
+                if let Err(e) = conn.with_upgrades().await {
+                    tracing::debug!(worker = &*label, error = %crate::error::describe(&e), "upgrade connection ended with an error");
+                }
+            });
+            send.send_request(req)
+                .await
+                .map_err(|e| ProxyError::Upstream(crate::error::describe(&e)))
+        };
+        tokio::time::timeout(timeout, call)
             .await
-            .map_err(|e| unreachable(&e))?;
-        Ok(Conn::new(conn, io_task, Arc::clone(worker.label())))
+            .unwrap_or(Err(ProxyError::Timeout(timeout.as_secs_f64())))
     }
 }
 

@@ -23,6 +23,7 @@ pub mod kube_api;
 pub mod otlp;
 pub mod redis;
 pub mod tls;
+pub mod ws;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -163,6 +164,9 @@ pub enum Step {
     Sleep(Duration),
     /// Wait until the gate is opened.
     Wait(Gate),
+    /// In a raw reply after a `101`: echo the client's WebSocket frames until its close
+    /// ([`ws::echo_frames`]).
+    EchoWebSocket,
 }
 
 #[derive(Clone, Debug)]
@@ -869,6 +873,7 @@ async fn write_reply(
                     }
                     Step::Sleep(d) => tokio::time::sleep(d).await,
                     Step::Wait(g) => g.wait().await,
+                    Step::EchoWebSocket => {}
                 }
             }
             stream.write_all(b"0\r\n\r\n").await?;
@@ -905,6 +910,7 @@ async fn write_steps(
             }
             Step::Sleep(d) => tokio::time::sleep(d).await,
             Step::Wait(g) => g.wait().await,
+            Step::EchoWebSocket => ws::echo_frames(stream).await?,
         }
     }
     Ok(())
