@@ -145,6 +145,9 @@ struct PrefillView {
     /// Learned prompt tokens per byte of routing text.
     tokens_per_byte: f64,
     samples: u64,
+    /// Learned share of the serial queue estimate a request really waits there (1 until
+    /// learned; `pool::prefill`).
+    queue_factor: f64,
     /// Whether the rates above are this worker's own (`samples` ≥ 8); below that they are
     /// the priors, and `cost_aware` costs the worker at the mean of the learned ones.
     learned: bool,
@@ -216,6 +219,7 @@ fn prefill_view(w: &crate::pool::Worker) -> PrefillView {
         base_ms: rate.base_s * 1e3,
         tokens_per_byte: rate.tokens_per_byte,
         samples: rate.samples,
+        queue_factor: rate.queue_factor,
         learned: rate.samples >= crate::pool::prefill::MIN_SAMPLES,
     }
 }

@@ -268,14 +268,15 @@ async fn the_drift_warning_fires_when_an_engine_keeps_delivering_nothing() {
     );
 }
 
-/// An answer that delivers far less than predicted tells the router how far back the
-/// worker's engine evicts: its records last used before that prefix go (an age-out
-/// sweep off the request path), and the prefix itself — recomputed by that very
-/// request — stays.
+/// With `cache.learn_evictions` on, an answer that delivers far less than predicted
+/// tells the router how far back the worker's engine evicts: its records last used
+/// before that prefix go (an age-out sweep off the request path), and the prefix
+/// itself — recomputed by that very request — stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_short_delivery_ages_out_the_workers_older_records() {
     const AGED: &str = "cache_aware_router_tree_aged_out_bytes_total";
-    let (_hold, [a, b], router) = usage_engines_and_router("").await;
+    let (_hold, [a, b], router) =
+        usage_engines_and_router_with("  learn_evictions: true\n", "").await;
     let ws = [&a, &b];
     let addr = router.addr;
     let labels = [worker_label(addr, 0).await, worker_label(addr, 1).await];
@@ -337,4 +338,34 @@ async fn a_short_delivery_ages_out_the_workers_older_records() {
         .unwrap()["tree_capacity_bytes"]
         .as_u64();
     assert!(cap.is_some_and(|c| c as usize >= system.len()), "{w}");
+}
+
+/// By default (`cache.learn_evictions` off) a short answer is counted and shown, and
+/// the tree keeps every record: the same sequence as above ages out nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_a_short_delivery_is_counted_and_ages_out_nothing() {
+    const AGED: &str = "cache_aware_router_tree_aged_out_bytes_total";
+    let (_hold, [a, b], router) = usage_engines_and_router("").await;
+    let ws = [&a, &b];
+    let addr = router.addr;
+    let labels = [worker_label(addr, 0).await, worker_label(addr, 1).await];
+    let system = prompt();
+    let ask = |q: usize, cached: u64| {
+        let q = format!(" question {q}: {}", "explain the next step. ".repeat(40));
+        chat_with_usage(chat_body(&format!("{system}{q}"), false), (1100, cached))
+    };
+    let (_, x) = send_tagged(addr, &ws, ask(1, 0)).await;
+    for (q, cached) in [(2, 1024), (3, 1024), (3, 0)] {
+        let (_, w) = send_tagged(addr, &ws, ask(q, cached)).await;
+        assert_eq!(w, x);
+    }
+    let h = hits(&get(addr, "/workers").await.json(), &labels[x]);
+    assert_eq!(h["shortfalls"].as_u64(), Some(1), "{h}");
+    // After the upkeep task's next look for age-out work (one a second), nothing has
+    // gone.
+    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    let m = scrape(addr).await;
+    assert_eq!(m.get(AGED, &[]), Some(0.0), "{}", m.text);
+    let (_, w) = send_tagged(addr, &ws, ask(1, 1024)).await;
+    assert_eq!(w, x);
 }

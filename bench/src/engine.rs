@@ -16,7 +16,9 @@
 //! - **cached tokens**: leading blocks of the prompt already present × `block_size`,
 //!   never counting the prompt's last token (vLLM always recomputes it).
 //! - **prefill**: one request at a time per engine, FIFO; costs
-//!   `ttft_base + uncached_tokens × prefill_per_token`. **decode**: concurrent,
+//!   `ttft_base + uncached_tokens × prefill_per_token`. Other physics
+//!   ([`Physics`], `prefill_physics`): up to `prefill_slots` at once, each at full
+//!   speed or sharing it (see [`crate::prefill`]). **decode**: concurrent,
 //!   first token at the end of prefill, then one token per `itl`. Every simulated
 //!   duration is multiplied by `time_factor`; at 0 the engine answers at once (no
 //!   timer is armed for a deadline already reached).
@@ -80,6 +82,8 @@ use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 use crate::embeddings;
+pub use crate::prefill::Physics;
+use crate::prefill::SharedPrefill;
 use crate::prompts::WORDS;
 pub use cache_aware_router::simulate::engine::{PrefixCache, block_hashes};
 
@@ -190,6 +194,11 @@ pub struct EngineConfig {
     pub max_waiting: usize,
     /// `Retry-After` of a 429, in whole seconds.
     pub retry_after_secs: u64,
+    /// How prefills share the engine ([`Physics`]; default one at a time).
+    pub prefill_physics: Physics,
+    /// Prefills running at once under [`Physics::Parallel`] and [`Physics::Shared`]
+    /// (at least 1; the serial physics runs one).
+    pub prefill_slots: usize,
 }
 
 /// Which serving engine's metric names `GET /metrics` uses.
@@ -250,6 +259,8 @@ impl Default for EngineConfig {
             metrics_flavor: MetricsFlavor::Vllm,
             max_waiting: 0,
             retry_after_secs: 1,
+            prefill_physics: Physics::Serial,
+            prefill_slots: 6,
         }
     }
 }
@@ -386,6 +397,11 @@ struct Inner {
     /// Nominal end of the last scheduled prefill; the lock is the FIFO prefill
     /// queue (tokio's mutex is fair) and is held for the whole prefill.
     prefill: tokio::sync::Mutex<Instant>,
+    /// The prefill slots of the parallel and shared physics (FIFO: tokio's semaphore is
+    /// fair).
+    slots: tokio::sync::Semaphore,
+    /// The shared physics' processor sharing.
+    shared: SharedPrefill,
     counters: Counters,
     created: u64,
 }
@@ -437,6 +453,7 @@ impl Engine {
         }
         let name_header =
             HeaderValue::from_str(&cfg.name).map_err(|_| ConfigError::Name(cfg.name.clone()))?;
+        let slots = cfg.prefill_slots.max(1);
         let created = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_secs());
@@ -446,6 +463,8 @@ impl Engine {
                 name_header,
                 cache: Mutex::new(PrefixCache::new(kv, bs)),
                 prefill: tokio::sync::Mutex::new(Instant::now()),
+                slots: tokio::sync::Semaphore::new(slots),
+                shared: SharedPrefill::default(),
                 counters: Counters::default(),
                 created,
             }),
@@ -881,9 +900,58 @@ impl Engine {
         waiting: Waiting,
     ) -> (Prefilled, GaugeGuard<'_>) {
         let c = &self.inner.counters;
+        let physics = self.inner.cfg.prefill_physics;
+        if physics != Physics::Serial {
+            return self.prefill_in_slot(work, waiting).await;
+        }
         let mut last_end = self.inner.prefill.lock().await;
         drop(waiting);
         let running = GaugeGuard::new(&c.running);
+        let cost = self.look_up(work);
+        // A single-server FIFO queue: start when both the request and the server
+        // are there. Using nominal times keeps timer overshoot from accumulating.
+        let start = arrival.max(*last_end);
+        let end = start + cost.0;
+        *last_end = end;
+        wait_until(end).await;
+        drop(last_end);
+        (
+            Prefilled {
+                end,
+                cached: cost.1,
+            },
+            running,
+        )
+    }
+
+    /// The parallel and shared physics: waits for one of the prefill slots (FIFO),
+    /// then prefills at full speed or at its share of it.
+    async fn prefill_in_slot(
+        &self,
+        work: &[PromptWork],
+        waiting: Waiting,
+    ) -> (Prefilled, GaugeGuard<'_>) {
+        let c = &self.inner.counters;
+        // Never closed: the engine owns it.
+        let slot = self.inner.slots.acquire().await.ok();
+        drop(waiting);
+        let running = GaugeGuard::new(&c.running);
+        let (cost, cached) = self.look_up(work);
+        let end = if self.inner.cfg.prefill_physics == Physics::Shared {
+            self.inner.shared.run(cost).await
+        } else {
+            let end = Instant::now() + cost;
+            wait_until(end).await;
+            end
+        };
+        drop(slot);
+        (Prefilled { end, cached }, running)
+    }
+
+    /// Looks the prompts up in the cache (inserting them), counts them, and returns the
+    /// prefill's duration at full speed and the cached tokens per prompt.
+    fn look_up(&self, work: &[PromptWork]) -> (Duration, Vec<u64>) {
+        let c = &self.inner.counters;
         let cached: Vec<u64> = {
             let mut cache = self.lock_cache();
             work.iter()
@@ -900,14 +968,7 @@ impl Engine {
         let cost = self.scaled_secs(
             cfg.ttft_base.as_secs_f64() + cfg.prefill_per_token.as_secs_f64() * uncached,
         );
-        // A single-server FIFO queue: start when both the request and the server
-        // are there. Using nominal times keeps timer overshoot from accumulating.
-        let start = arrival.max(*last_end);
-        let end = start + cost;
-        *last_end = end;
-        wait_until(end).await;
-        drop(last_end);
-        (Prefilled { end, cached }, running)
+        (cost, cached)
     }
 
     fn finish(&self, work: &[PromptWork], n: u64) {

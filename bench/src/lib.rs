@@ -5,6 +5,7 @@
 //! prompts  trace line (hash_ids) -> deterministic prompt text (port of expand_prompts.py)
 //! engine   simulated vLLM replica: OpenAI API, prefix cache of 16-token blocks, LRU,
 //!          FIFO prefill + concurrent decode on tokio timers, vLLM metrics
+//! prefill  how an engine's prefills share it: serial, parallel, shared (physics)
 //! embeddings deterministic 256-d feature-hashing vectors of /v1/embeddings
 //! replay   open-loop replay of a trace against one URL (or several, round robin)
 //! stats    per-request results -> summary (hit rate, TTFT percentiles, throughput)
@@ -26,6 +27,7 @@ pub mod embeddings;
 pub mod engine;
 pub mod load;
 pub mod matrix;
+pub mod prefill;
 pub mod procs;
 pub mod prompts;
 pub mod replay;

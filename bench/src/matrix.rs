@@ -431,6 +431,7 @@ pub async fn start_any_router(
                 "cache-aware-router",
                 "build it with `cargo build --release --workspace` or pass --router-bin",
             )?;
+            let (policy, variant) = policy_variant(policy).map_err(ProcError::NotReady)?;
             let mut yaml = router_config(policy, port, workers);
             // A `log:` entry of `extra_yaml` replaces the default one.
             if extra_yaml.lines().any(|l| l.starts_with("log:")) {
@@ -440,10 +441,20 @@ pub async fn start_any_router(
             let config_path = dir.path().join("config.yaml");
             std::fs::write(&config_path, &yaml)
                 .map_err(io_err(format!("write {}", config_path.display())))?;
+            let mut args = vec!["-c".into(), config_path.display().to_string()];
+            // The variant's keys as a second, layered config file (merged key by key).
+            if !variant.is_empty() {
+                let path = dir.path().join("variant.yaml");
+                std::fs::write(&path, &variant)
+                    .map_err(io_err(format!("write {}", path.display())))?;
+                args.extend(["-c".into(), path.display().to_string()]);
+                yaml.push_str("--- layered on it ---\n");
+                yaml.push_str(&variant);
+            }
             let spec = RouterCommand {
                 name: kind.name().into(),
                 program: router_bin.to_path_buf(),
-                args: vec!["-c".into(), config_path.display().to_string()],
+                args,
                 env: Vec::new(),
                 context: format!("--- its config ---\n{yaml}"),
                 term_tree: false,
@@ -722,8 +733,12 @@ impl Contender {
                         "unknown contender {s:?}: use sglang:POLICY or vllm:POLICY"
                     )),
                 },
-                None if s.contains('/') => Replicas::parse(s).map(Contender::Replicas),
-                None => Ok(Contender::Router(s.into())),
+                None if s.contains('/') => {
+                    let r = Replicas::parse(s)?;
+                    policy_variant(&r.policy)?;
+                    Ok(Contender::Replicas(r))
+                }
+                None => policy_variant(s).map(|_| Contender::Router(s.into())),
             },
         }
     }
@@ -937,6 +952,35 @@ pub enum MatrixError {
 /// Names of the engines of a contender: `e0`, `e1`, ...
 pub fn engine_names(n: usize) -> Vec<String> {
     (0..n).map(|i| format!("e{i}")).collect()
+}
+
+/// Splits one of our contenders' policy value, `POLICY[+SECTION.KEY=VALUE]...`
+/// (`cache_aware+cache.learn_evictions=true`), into the policy and the YAML of its
+/// variant keys (empty without any), which the router gets as a second `-c` file.
+pub fn policy_variant(spec: &str) -> Result<(&str, String), String> {
+    let mut parts = spec.split('+');
+    let policy = parts.next().unwrap_or_default();
+    let mut sections: Vec<(&str, Vec<(&str, &str)>)> = Vec::new();
+    for part in parts {
+        let bad = || format!("bad variant {part:?} in {spec:?}: use +SECTION.KEY=VALUE");
+        let (path, value) = part.split_once('=').ok_or_else(bad)?;
+        let (section, key) = path.split_once('.').ok_or_else(bad)?;
+        if section.is_empty() || key.is_empty() || key.contains('.') || value.is_empty() {
+            return Err(bad());
+        }
+        match sections.iter_mut().find(|(s, _)| *s == section) {
+            Some((_, keys)) => keys.push((key, value)),
+            None => sections.push((section, vec![(key, value)])),
+        }
+    }
+    let mut yaml = String::new();
+    for (section, keys) in sections {
+        let _ = writeln!(yaml, "{section}:");
+        for (key, value) in keys {
+            let _ = writeln!(yaml, "  {key}: {value}");
+        }
+    }
+    Ok((policy, yaml))
 }
 
 /// The router config the demo writes (keys per the design doc).
@@ -1648,6 +1692,28 @@ mod tests {
         assert_eq!(q.peak_waiting, [2, 0], "{q:?}");
         for t in sent {
             t.abort();
+        }
+    }
+
+    #[test]
+    fn a_policy_variant_becomes_a_layered_config() {
+        assert_eq!(
+            policy_variant("cache_aware").unwrap(),
+            ("cache_aware", String::new())
+        );
+        assert_eq!(
+            policy_variant(
+                "cost_aware+cache.learn_evictions=true+cache.threshold=0.5+proxy.max_retries=0"
+            )
+            .unwrap(),
+            (
+                "cost_aware",
+                "cache:\n  learn_evictions: true\n  threshold: 0.5\nproxy:\n  max_retries: 0\n"
+                    .into()
+            )
+        );
+        for bad in ["p+cache", "p+cache.x", "p+.x=1", "p+cache.=1", "p+a.b.c=1"] {
+            assert!(policy_variant(bad).is_err(), "{bad}");
         }
     }
 

@@ -229,6 +229,10 @@ pub struct EngineParams {
     pub max_waiting: usize,
     /// `Retry-After` of a 429, in whole seconds (`--retry-after-secs`).
     pub retry_after_secs: u64,
+    /// How prefills share an engine (`--prefill-physics`).
+    pub prefill_physics: crate::prefill::Physics,
+    /// Prefills at once under the parallel and shared physics (`--prefill-slots`).
+    pub prefill_slots: usize,
 }
 
 impl Default for EngineParams {
@@ -247,6 +251,8 @@ impl Default for EngineParams {
             metrics_flavor: e.metrics_flavor,
             max_waiting: e.max_waiting,
             retry_after_secs: e.retry_after_secs,
+            prefill_physics: e.prefill_physics,
+            prefill_slots: e.prefill_slots,
         }
     }
 }
@@ -277,6 +283,8 @@ impl EngineParams {
             ("--metrics-flavor", self.metrics_flavor.to_string()),
             ("--max-waiting", self.max_waiting.to_string()),
             ("--retry-after-secs", self.retry_after_secs.to_string()),
+            ("--prefill-physics", self.prefill_physics.to_string()),
+            ("--prefill-slots", self.prefill_slots.to_string()),
         ] {
             a.push(k.into());
             a.push(v);
@@ -872,6 +880,8 @@ mod tests {
             metrics_flavor: crate::engine::MetricsFlavor::Sglang,
             max_waiting: 3,
             retry_after_secs: 2,
+            prefill_physics: crate::prefill::Physics::Shared,
+            prefill_slots: 4,
         };
         let a = p.args("e0", 0);
         let flag = |f: &str| &a[a.iter().position(|x| x == f).unwrap() + 1];
@@ -879,9 +889,11 @@ mod tests {
             (
                 flag("--metrics-flavor").as_str(),
                 flag("--max-waiting").as_str(),
-                flag("--retry-after-secs").as_str()
+                flag("--retry-after-secs").as_str(),
+                flag("--prefill-physics").as_str(),
+                flag("--prefill-slots").as_str()
             ),
-            ("sglang", "3", "2")
+            ("sglang", "3", "2", "shared", "4")
         );
         assert_eq!(
             &a[..6],

@@ -195,6 +195,189 @@ pub fn hot_prefix(spec: &HotPrefixSpec) -> Vec<GeneratedRequest> {
     out
 }
 
+/// The "system prompts" workload: a few system prompts shared by most requests, each
+/// request adding a user turn of its own (nothing else is reused), arrivals Poisson
+/// (uniform timestamps over the span, sorted: a Poisson process given its count).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SystemPromptsSpec {
+    /// Requests in the trace.
+    pub requests: usize,
+    /// Timestamp of the last request, in ms (the first is at 0).
+    pub span_ms: u64,
+    /// Seed of the random stream.
+    pub seed: u64,
+    /// System prompts; the k-th (from 0) is chosen with weight 1 / (k + 1).
+    pub prompts: usize,
+    /// Blocks of 512 tokens per system prompt, drawn in this range.
+    pub prompt_blocks: (u64, u64),
+    /// Share of requests behind a system prompt, per mille (the rest are one-offs).
+    pub shared_permille: u64,
+}
+
+impl Default for SystemPromptsSpec {
+    /// 2,000 requests over the Mooncake slice's 669 s; 4 prompts of 2–6 blocks; 90 %.
+    fn default() -> Self {
+        Self {
+            requests: 2000,
+            span_ms: 669_000,
+            seed: 0x7379_735f_7072_6f6d, // "sys_prom"
+            prompts: 4,
+            prompt_blocks: (2, 6),
+            shared_permille: 900,
+        }
+    }
+}
+
+/// The "shared documents" workload: a few hundred long documents, each read by several
+/// independent sessions (a question about it, then follow-ups that repeat the
+/// conversation so far); sessions start at Poisson arrivals, turns follow after a think
+/// time.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SharedDocsSpec {
+    /// Requests in the trace (about: the last session is cut to fit).
+    pub requests: usize,
+    /// Timestamp of the last session start, in ms (the first is at 0).
+    pub span_ms: u64,
+    /// Seed of the random stream.
+    pub seed: u64,
+    /// Documents.
+    pub documents: usize,
+    /// Blocks of 512 tokens per document, drawn in this range.
+    pub doc_blocks: (u64, u64),
+    /// Turns per session, drawn in this range.
+    pub turns: (u64, u64),
+}
+
+impl Default for SharedDocsSpec {
+    /// 2,000 requests over 669 s; 300 documents of 4–16 blocks; 1–3 turns a session.
+    fn default() -> Self {
+        Self {
+            requests: 2000,
+            span_ms: 669_000,
+            seed: 0x646f_6373_5f73_6864, // "docs_shd"
+            documents: 300,
+            doc_blocks: (4, 16),
+            turns: (1, 3),
+        }
+    }
+}
+
+/// The trace of `spec` (see [`SystemPromptsSpec`]), sorted by timestamp, ids
+/// numbered by first appearance.
+pub fn system_prompts(spec: &SystemPromptsSpec) -> Vec<GeneratedRequest> {
+    let mut rng = Draw(SplitMix64::new(spec.seed));
+    let mut next_id = 0u64;
+    let mut fresh = |n: u64| -> Vec<u64> {
+        let ids = (next_id..next_id + n).collect();
+        next_id += n;
+        ids
+    };
+    let prompts: Vec<Vec<u64>> = (0..spec.prompts)
+        .map(|_| fresh(rng.range(spec.prompt_blocks.0, spec.prompt_blocks.1)))
+        .collect();
+    // Weights 1/(k+1) in integers: the least common multiple's share of each.
+    let scale: u64 = 720_720; // divisible by 1..=16
+    let weights: Vec<u64> = (0..prompts.len() as u64)
+        .map(|k| scale / (k + 1).min(16))
+        .collect();
+    let total: u64 = weights.iter().sum();
+    let mut out = Vec::with_capacity(spec.requests);
+    for k in 0..spec.requests {
+        let ts = match k {
+            0 => 0,
+            1 => spec.span_ms,
+            _ => rng.range(0, spec.span_ms),
+        };
+        let shared = !prompts.is_empty() && rng.chance(spec.shared_permille);
+        let ids = if shared {
+            let mut pick = rng.range(0, total - 1);
+            let mut which = 0;
+            while pick >= weights[which] {
+                pick -= weights[which];
+                which += 1;
+            }
+            let mut ids = prompts[which].clone();
+            ids.extend(fresh(rng.range(1, 3)));
+            ids
+        } else {
+            fresh(rng.range(2, 8))
+        };
+        out.push(GeneratedRequest {
+            record: synthetic_record(&mut rng, ts, ids),
+            session: None,
+            turn: 1,
+            hot: shared,
+        });
+    }
+    finish(out)
+}
+
+/// The trace of `spec` (see [`SharedDocsSpec`]), sorted by timestamp, ids numbered by
+/// first appearance.
+pub fn shared_documents(spec: &SharedDocsSpec) -> Vec<GeneratedRequest> {
+    let mut rng = Draw(SplitMix64::new(spec.seed));
+    let mut next_id = 0u64;
+    let mut fresh = |n: u64| -> Vec<u64> {
+        let ids = (next_id..next_id + n).collect();
+        next_id += n;
+        ids
+    };
+    let docs: Vec<Vec<u64>> = (0..spec.documents.max(1))
+        .map(|_| fresh(rng.range(spec.doc_blocks.0, spec.doc_blocks.1)))
+        .collect();
+    let mut out = Vec::with_capacity(spec.requests);
+    let mut session = 0u32;
+    while out.len() < spec.requests {
+        let turns = rng
+            .range(spec.turns.0.max(1), spec.turns.1.max(spec.turns.0).max(1))
+            .min((spec.requests - out.len()) as u64);
+        let mut ts = match session {
+            0 => 0,
+            _ => rng.range(0, spec.span_ms),
+        };
+        let mut ids = docs[rng.range(0, docs.len() as u64 - 1) as usize].clone();
+        for turn in 1..=turns as u32 {
+            if turn > 1 {
+                ts += rng.range(TURN_GAP_MS.0, TURN_GAP_MS.1 / 2);
+            }
+            ids.extend(fresh(rng.range(1, 2)));
+            out.push(GeneratedRequest {
+                record: synthetic_record(&mut rng, ts, ids.clone()),
+                session: Some(session),
+                turn,
+                hot: true,
+            });
+        }
+        session += 1;
+    }
+    finish(out)
+}
+
+/// A trace line of `ids` (512 tokens each, the last block cut by 0–[`MAX_CUT`]) at
+/// `ts` with a drawn output length.
+fn synthetic_record(rng: &mut Draw, ts: u64, ids: Vec<u64>) -> TraceRecord {
+    let full = ids.len() as u64 * MOONCAKE_BLOCK_WORDS as u64;
+    TraceRecord {
+        timestamp: ts,
+        input_length: Some(full - rng.range(0, MAX_CUT)),
+        output_length: rng.range(OUTPUT_TOKENS.0, OUTPUT_TOKENS.1),
+        hash_ids: ids,
+    }
+}
+
+/// Sorts by timestamp (ties in generation order) and numbers ids by first appearance.
+fn finish(mut out: Vec<GeneratedRequest>) -> Vec<GeneratedRequest> {
+    out.sort_by_key(|r| r.record.timestamp);
+    let mut renumber: HashMap<u64, u64> = HashMap::new();
+    for r in &mut out {
+        for id in &mut r.record.hash_ids {
+            let next = renumber.len() as u64;
+            *id = *renumber.entry(*id).or_insert(next);
+        }
+    }
+    out
+}
+
 /// One trace line as the Mooncake files write it (Python `json.dumps` spacing):
 /// `{"timestamp": 0, "input_length": 6758, "output_length": 500, "hash_ids": [0, 1]}`.
 pub fn trace_line(r: &TraceRecord) -> String {
@@ -295,6 +478,60 @@ pub fn shape(requests: &[GeneratedRequest], hot_blocks: usize) -> WorkloadShape 
 mod tests {
     use super::*;
     use std::collections::BTreeMap;
+
+    #[test]
+    fn system_prompts_share_a_few_heads_and_nothing_else() {
+        let spec = SystemPromptsSpec::default();
+        let reqs = system_prompts(&spec);
+        assert_eq!(reqs.len(), spec.requests);
+        assert!(
+            reqs.windows(2)
+                .all(|w| w[0].record.timestamp <= w[1].record.timestamp)
+        );
+        assert_eq!(reqs.last().unwrap().record.timestamp, spec.span_ms);
+        // Every block id appears in one request only, but for the system prompts'.
+        let mut seen: BTreeMap<u64, usize> = BTreeMap::new();
+        for r in &reqs {
+            for id in &r.record.hash_ids {
+                *seen.entry(*id).or_default() += 1;
+            }
+        }
+        let reused: usize = seen.values().filter(|n| **n > 1).count();
+        assert!(
+            reused <= spec.prompts * spec.prompt_blocks.1 as usize,
+            "{reused}"
+        );
+        let shared = reqs.iter().filter(|r| r.hot).count() as f64 / reqs.len() as f64;
+        assert!((0.87..0.93).contains(&shared), "{shared}");
+        assert_eq!(system_prompts(&spec), reqs, "deterministic");
+    }
+
+    #[test]
+    fn shared_documents_are_read_by_several_independent_sessions() {
+        let spec = SharedDocsSpec::default();
+        let reqs = shared_documents(&spec);
+        assert_eq!(reqs.len(), spec.requests);
+        // Sessions per document (its first block id), and turns that extend their
+        // previous turn.
+        let mut sessions_of: BTreeMap<u64, std::collections::BTreeSet<u32>> = BTreeMap::new();
+        let mut last: BTreeMap<u32, Vec<u64>> = BTreeMap::new();
+        for r in &reqs {
+            let s = r.session.unwrap();
+            sessions_of
+                .entry(r.record.hash_ids[0])
+                .or_default()
+                .insert(s);
+            if let Some(prev) = last.get(&s) {
+                assert!(r.record.hash_ids.starts_with(prev));
+            }
+            last.insert(s, r.record.hash_ids.clone());
+        }
+        let docs = sessions_of.len();
+        let mean = sessions_of.values().map(|s| s.len()).sum::<usize>() as f64 / docs as f64;
+        assert!(docs > 200 && docs <= spec.documents, "{docs}");
+        assert!(mean > 2.5, "{mean} sessions a document");
+        assert_eq!(shared_documents(&spec), reqs, "deterministic");
+    }
 
     #[test]
     fn hot_prefix_has_the_asked_shape() {

@@ -40,7 +40,7 @@ fn words(seed: usize, n: usize) -> String {
 async fn an_engine_that_evicted_delivers_less_than_predicted_and_is_learned_from() {
     let engines = [tiny_engine("e0").await, tiny_engine("e1").await];
     let yaml = format!(
-        "log: {{level: warn}}\ncache:\n  balance_abs_threshold: 0\n  balance_rel_threshold: 1.0\nworkers:\n  - url: {}\n  - url: {}\n",
+        "log: {{level: warn}}\ncache:\n  balance_abs_threshold: 0\n  balance_rel_threshold: 1.0\n  learn_evictions: true\nworkers:\n  - url: {}\n  - url: {}\n",
         engines[0].url(),
         engines[1].url()
     );

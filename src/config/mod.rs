@@ -690,6 +690,10 @@ pub struct CacheConfig {
     /// How long the drift must stay under the floor before the warning, and the least
     /// time between two warnings (`cache.drift_secs`, default 60 s).
     pub drift_for: Duration,
+    /// Whether answers that deliver far fewer cached tokens than predicted age out the
+    /// worker's older records (`cache.learn_evictions`, default false; see
+    /// `policy::cache_aware::CacheAware::learn`).
+    pub learn_evictions: bool,
 }
 
 /// `health:` — active health checks (see `health.rs`).
@@ -1142,6 +1146,7 @@ struct RawCache {
     engine_block_tokens: Option<u64>,
     drift_floor: Option<f64>,
     drift_secs: Option<Secs>,
+    learn_evictions: Option<bool>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -1994,6 +1999,7 @@ impl Config {
             engine_block_tokens,
             drift_floor,
             drift_for: ck.secs("cache.drift_secs", c.drift_secs, 60.0, None)?,
+            learn_evictions: c.learn_evictions.unwrap_or(false),
         };
 
         let h = raw.health;

@@ -27,7 +27,9 @@ use std::sync::Arc;
 
 use rand::RngCore;
 
-use super::select::{BlockScale, CacheParams, is_overloaded, least_loaded, usable};
+use super::select::{
+    BlockScale, CacheParams, eviction_evidence, is_overloaded, least_loaded, usable,
+};
 use super::{Answer, Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
 use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
@@ -35,6 +37,12 @@ use crate::shutdown::Shutdown;
 use crate::tree::{
     ChainMemo, MaskBuilder, PrefixMatch, RadixTree, RemotePrefixes, SharedTree, WorkerMask,
 };
+
+/// The drift (delivered ÷ predicted prefix tokens, `pool::hits`) under which a worker's
+/// short answers are taken as evictions ([`CacheAware::learn`]): at or above it the
+/// router's memory of the worker is borne out, and a short answer is noise (a
+/// tokens-per-byte estimate, a prefix still being computed).
+pub const LEARN_BELOW: f64 = 0.95;
 
 /// The `cache_aware` policy: its tree and thresholds.
 pub struct CacheAware {
@@ -80,11 +88,27 @@ impl CacheAware {
         pick_cache_aware(&self.params, req.text(), candidates, &memory, req.tie, rng)
     }
 
-    /// Learns from an answer that delivered far less than predicted: the worker's
-    /// engine evicts what was last used before the predicted prefix, so its records
-    /// older than that go ([`SharedTree::engine_evicted`]).
+    /// Learns from an answer that delivered far less than predicted, with
+    /// `cache.learn_evictions` on: the worker's engine evicts what was last used before
+    /// the predicted prefix's end, so its records older than that go
+    /// ([`SharedTree::engine_evicted`]). Only evidence counts: the pick carried a stamp
+    /// (its match ended in a node that worker alone held, and was not recorded by a
+    /// request that may still be running, [`eviction_evidence`]) and the worker's
+    /// engine delivers measurably less than predicted overall (its drift, delivered ÷
+    /// predicted over its last answers with a predicted hit, under [`LEARN_BELOW`]):
+    /// a worker that delivers what the router predicts loses no record to a stray
+    /// short answer.
     pub fn learn(&self, worker: &Worker, answer: &Answer<'_>) {
-        if let Some(s) = answer.shortfall {
+        if !self.cache.learn_evictions {
+            return;
+        }
+        if let Some(s) = answer.shortfall
+            && s.stamp > 0
+            && worker
+                .hits()
+                .drift_so_far()
+                .is_some_and(|d| d < LEARN_BELOW)
+        {
             self.tree.engine_evicted(worker.id(), s.stamp);
         }
     }
@@ -215,8 +239,10 @@ pub fn pick_cache_aware(
     // read and written in memory per worker (`stages pick_slot/1000_workers`: 9.5 →
     // 7.9 µs).
     let mut least_load = usize::MAX;
+    let mut in_flight = 0usize;
     let (mut word, mut all_bits, mut eligible_bits) = (0usize, 0u64, 0u64);
     for c in candidates {
+        in_flight = in_flight.saturating_add(c.load);
         let w = c.id.0 as usize / 64;
         if w != word {
             all.or_word(word, all_bits);
@@ -323,7 +349,10 @@ pub fn pick_cache_aware(
             let least = least(rng);
             pick(least, Reason::HitOverloaded, own(least), available, 0)
         }
-        Some(c) => pick(c, Reason::CacheHit, m.matched, available, m.stamp),
+        Some(c) => {
+            let stamp = eviction_evidence(m.stamp, tree.clock(), in_flight);
+            pick(c, Reason::CacheHit, m.matched, available, stamp)
+        }
         None if m.matched == 0 => pick(least(rng), Reason::Miss, 0, available, 0),
         None => {
             let least = least(rng);

@@ -5,10 +5,10 @@
 //!
 //! ```text
 //! own(w)   = prompt tokens − the prefix w holds, in whole engine blocks
-//! queue(w) = max(router:  drain(w) − now,
-//!                engine:  waiting(w) · (base + mean_request_tokens(w) · per_token))
+//! queue(w) = κ(w) · max(router:  drain(w) − now,
+//!                       engine:  waiting(w) · (base + mean_request_tokens(w) · per_token))
 //! cost(w)  = queue(w) + base + own(w) · per_token
-//!          + (own(w) − min own) · per_token · queued(w)   only when no worker is idle
+//!          + (own(w) − min own) · per_token · κ(w) · queued(w)   only when no worker is idle
 //! ```
 //!
 //! and the pick is the least cost, in seconds (ties stable by the session or prompt
@@ -19,6 +19,10 @@
 //!   `waiting` is the engine's own queue from its last fresh scrape (`engine_metrics:`;
 //!   missing or stale = 0, and the router's view stands). Both views count the same
 //!   queue, so the larger is taken, never their sum.
+//! - `κ(w)`, the queue factor, is learned from `w`'s answers that queued (`pool::prefill`):
+//!   how much of that serial wait a request really waits on this engine — about 1 on
+//!   one that prefills one request at a time, about 0 on one that runs several at full
+//!   speed, in between on one that shares its speed among them. 1 until learned.
 //! - The last term applies under saturation (every usable worker has requests queued):
 //!   a recompute then delays the requests that queue behind it as much as this one, so
 //!   the work `w` would add beyond the least any worker needs is charged once per
@@ -58,7 +62,7 @@ use rand::{Rng, RngCore};
 
 use super::cache_aware::CacheAware;
 use super::matches::Matches;
-use super::select::{BlockScale, tie_rank, usable};
+use super::select::{BlockScale, eviction_evidence, tie_rank, usable};
 use super::{BoxFuture, Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::Config;
 use crate::pool::prefill::{MIN_SAMPLES, PrefillRate};
@@ -170,11 +174,13 @@ impl CostAware {
         } else {
             0.0
         };
-        let queue = router_queue.max(engine_queue);
+        // Both views assume prefills one after another: what this engine really makes a
+        // request wait behind them is learned (the queue factor, `pool::prefill`).
+        let queue = router_queue.max(engine_queue) * rate.queue_factor;
         Cost {
             seconds: queue + rate.cost_s(1.0, own),
             queued: pending_requests > 0 || queue > 0.0,
-            behind: pending_requests as f64,
+            behind: pending_requests as f64 * rate.queue_factor,
             own_s: own * rate.secs_per_token,
             tokens_per_byte: rate.tokens_per_byte,
             matched_tokens: matched_tokens as u64,
@@ -186,7 +192,7 @@ impl CostAware {
 /// The mean learned rate of the usable workers that have learned one (`None` when none
 /// has): what a worker that has not answered enough yet is assumed to be.
 fn fleet_rate(set: &WorkerSet, candidates: &[Candidate]) -> Option<PrefillRate> {
-    let (mut n, mut base, mut per_token) = (0.0, 0.0, 0.0);
+    let (mut n, mut base, mut per_token, mut queue_factor) = (0.0, 0.0, 0.0, 0.0);
     for c in usable(candidates) {
         let Some(w) = set.get(c.id) else { continue };
         let r = w.prefill().rate();
@@ -194,6 +200,7 @@ fn fleet_rate(set: &WorkerSet, candidates: &[Candidate]) -> Option<PrefillRate> 
             n += 1.0;
             base += r.base_s;
             per_token += r.secs_per_token;
+            queue_factor += r.queue_factor;
         }
     }
     (n > 0.0).then(|| PrefillRate {
@@ -201,6 +208,7 @@ fn fleet_rate(set: &WorkerSet, candidates: &[Candidate]) -> Option<PrefillRate> 
         secs_per_token: per_token / n,
         tokens_per_byte: crate::pool::prefill::PRIOR_TOKENS_PER_BYTE,
         samples: 0,
+        queue_factor: queue_factor / n,
     })
 }
 
@@ -233,6 +241,7 @@ impl Policy for CostAware {
             .ctx
             .map_or(text.len(), |c| c.total_len.max(c.text.len()));
         let mut matches = Matches::new();
+        let mut clock = 0;
         if !text.is_empty() {
             // Every cache-aware worker, usable or not: the unusable ones' matches count
             // only in what was available (the costs are the usable ones').
@@ -243,9 +252,10 @@ impl Policy for CostAware {
                 .collect();
             // Matches under one block cost as misses (`cost` counts whole blocks).
             let shared = self.tree.shared_tree();
-            shared
-                .lock()
-                .prefix_per_worker(text, &eligible, |w, n, stamp| matches.set(w, n, stamp));
+            let tree = shared.lock();
+            tree.prefix_per_worker(text, &eligible, |w, n, stamp| matches.set(w, n, stamp));
+            clock = tree.clock();
+            drop(tree);
             // Other replicas' records (no stamp of this tree's): whichever holds more.
             if let Some(r) = shared.remote() {
                 r.prefix_per_worker(text, &eligible, &req.chain, &mut |w, n| {
@@ -342,7 +352,8 @@ impl Policy for CostAware {
             cache_aware: c.cache_aware,
             prefill_tokens: cost.own_tokens,
             stamp: if reason == Reason::CacheHit {
-                matches.stamp(c.id)
+                let in_flight = candidates.iter().map(|c| c.load).sum();
+                eviction_evidence(matches.stamp(c.id), clock, in_flight)
             } else {
                 0
             },
@@ -476,7 +487,7 @@ mod tests {
 
     #[test]
     fn a_hit_carries_its_stamp_and_a_short_delivery_sets_the_horizon() {
-        let (config, pool, policy) = setup("");
+        let (config, pool, policy) = setup("cache: {learn_evictions: true}\n");
         let set = pool.set();
         let c = cands(&set);
         let mut rng = StdRng::seed_from_u64(1);
@@ -508,11 +519,58 @@ mod tests {
             }),
             prepared: None,
         };
+        // A worker that has delivered what was predicted: one short answer is noise.
+        let (predicted, floor, never) = (again.matched as u64, 0.5, std::time::Duration::MAX);
+        for _ in 0..40 {
+            w.hits()
+                .record([predicted, predicted, predicted], floor, never);
+        }
+        w.hits().record([predicted, predicted, 0], floor, never);
+        policy.answered(w, &answer);
+        assert!(policy.tree.shared_tree().take_horizons().is_empty());
+        // One that delivers measurably less (drift under 0.95): evidence.
+        for _ in 0..3 {
+            w.hits().record([predicted, predicted, 0], floor, never);
+        }
         policy.answered(w, &answer);
         assert_eq!(
             policy.tree.shared_tree().take_horizons(),
             vec![(w.id(), again.stamp)]
         );
+    }
+
+    #[test]
+    fn a_hit_on_a_prefix_recorded_by_a_request_that_may_still_run_is_no_evidence() {
+        let (config, pool, policy) = setup("cache: {learn_evictions: true}\n");
+        let set = pool.set();
+        let mut rng = StdRng::seed_from_u64(1);
+        let body = body(800, "a question");
+        let ctx = extract(
+            Endpoint::ChatCompletions,
+            &body,
+            config.cache.max_prompt_bytes,
+        );
+        let req = RouteRequest {
+            ctx: Some(&ctx),
+            ..Default::default()
+        };
+        let idle = cands(&set);
+        let first = policy.pick(&req, &set, &idle, &mut rng);
+        let w = set.get(first.worker.unwrap()).unwrap();
+        policy.observe(&req, &first, w, Outcome::Served);
+        // Idle pool: the recording request has finished; the hit carries its stamp.
+        assert!(policy.pick(&req, &set, &idle, &mut rng).stamp > 0);
+        // Three requests running (on the other worker: the same pick): the record, made
+        // 0 inserts ago, may be one of theirs.
+        let busy: Vec<Candidate> = idle
+            .iter()
+            .map(|c| Candidate {
+                load: if c.id == w.id() { 0 } else { 3 },
+                ..*c
+            })
+            .collect();
+        let p = policy.pick(&req, &set, &busy, &mut rng);
+        assert_eq!((p.reason, p.stamp), (Reason::CacheHit, 0));
     }
 
     #[test]

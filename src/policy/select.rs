@@ -74,6 +74,23 @@ pub fn is_overloaded(p: &CacheParams, cached: usize, least: usize) -> bool {
         && cached as f64 > least as f64 * p.balance_rel_threshold
 }
 
+/// The [`super::Pick::stamp`] of a hit whose match ended at tree stamp `stamp`
+/// ([`crate::tree::PrefixMatch::stamp`]), with the tree's clock at `clock` and
+/// `in_flight` requests running in the pool: `stamp`, or 0 (a short delivery will say
+/// nothing) when fewer than 2 × `in_flight` records were made since. The request that
+/// made it may then still be running: an engine never evicts a running request's
+/// blocks, and may not have cached them yet (the router records a prefix at the
+/// response head, which vLLM sends before the prefill ends), so the shortfall would be
+/// the engine catching up, not an eviction. By Little's law the pool's last
+/// `in_flight` records are about the requests still running; twice that is the margin.
+pub fn eviction_evidence(stamp: u64, clock: u64, in_flight: usize) -> u64 {
+    if clock.saturating_sub(stamp) < 2 * in_flight as u64 {
+        0
+    } else {
+        stamp
+    }
+}
+
 /// Least-loaded of `candidates`. Ties go by `tie` when given (the session key or the
 /// prompt digest, hashed with each tied worker's id: the same key picks the same worker
 /// among the same ties, so one client's paced requests do not bounce), uniformly at
@@ -136,6 +153,18 @@ pub fn usable(candidates: &[Candidate]) -> impl Iterator<Item = &Candidate> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_record_younger_than_the_requests_in_flight_is_no_eviction_evidence() {
+        use super::eviction_evidence as e;
+        // Idle pool: whatever made the record has finished.
+        assert_eq!(e(10, 10, 0), 10);
+        // 4 in flight: the last 8 records may be theirs.
+        assert_eq!(e(10, 17, 4), 0);
+        assert_eq!(e(10, 18, 4), 10);
+        // No stamp stays none.
+        assert_eq!(e(0, 100, 0), 0);
+    }
+
     #[test]
     fn matches_round_down_to_whole_engine_blocks() {
         let s = super::BlockScale {

@@ -133,6 +133,14 @@ impl HitStats {
     pub fn drift(&self) -> Option<f64> {
         self.drift.lock().unwrap_or_else(|p| p.into_inner()).ratio()
     }
+
+    /// delivered ÷ predicted over the answers of the window so far, however few (`None`
+    /// before the first answer that predicted a hit): what the tree's learning weighs a
+    /// short answer against (`policy::cache_aware::CacheAware::learn`).
+    pub fn drift_so_far(&self) -> Option<f64> {
+        let d = self.drift.lock().unwrap_or_else(|p| p.into_inner());
+        (d.predicted > 0).then(|| d.delivered as f64 / d.predicted as f64)
+    }
 }
 
 impl Drift {

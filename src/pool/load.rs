@@ -41,6 +41,18 @@ pub struct PrefillTicket {
     pub cost_ns: u64,
 }
 
+impl PrefillTicket {
+    /// The wait behind the router's pending work the drain predicted for it when it was
+    /// sent, s (its predicted end less its own cost).
+    pub fn predicted_wait_s(&self) -> f64 {
+        let start = self
+            .predicted_end
+            .saturating_sub(self.cost_ns)
+            .saturating_sub(crate::clock::nanos(self.sent));
+        start as f64 / 1e9
+    }
+}
+
 impl InFlightGuard {
     /// Takes a slot on `worker` if it is under its `max_load` (atomically, so two
     /// racing requests cannot both take the last slot); `None` when full.
@@ -103,12 +115,19 @@ impl InFlightGuard {
         let Some(t) = &self.prefill else { return };
         let p = self.worker.prefill();
         p.learn_tokens_per_byte(prompt_tokens, t.prompt_bytes);
-        // Only an answer that waited for nothing of the router's: its TTFT is its own.
-        if let (true, 0, Some(ttft)) = (streamed, t.ahead_requests, t.first_byte) {
-            p.learn(super::prefill::Sample {
-                tokens: prompt_tokens.saturating_sub(cached_tokens) as f64,
-                ttft_s: ttft.as_secs_f64(),
-            });
+        let (true, Some(ttft)) = (streamed, t.first_byte) else {
+            return;
+        };
+        let sample = super::prefill::Sample {
+            tokens: prompt_tokens.saturating_sub(cached_tokens) as f64,
+            ttft_s: ttft.as_secs_f64(),
+        };
+        if t.ahead_requests == 0 {
+            // It waited for nothing of the router's: its TTFT is its own prefill.
+            p.learn(sample);
+        } else {
+            // It queued: how long, against the wait the drain predicted for it.
+            p.learn_queued(sample, t.predicted_wait_s());
         }
     }
 

@@ -175,7 +175,7 @@ pub async fn replay(
         let Some(f) = flying[e.index].take() else {
             return;
         };
-        let (_, shortfall) = settle_usage(
+        let (delivered, shortfall) = settle_usage(
             &f.guard,
             f.prompt_tokens,
             Some(f.cached_tokens),
@@ -183,6 +183,12 @@ pub async fn replay(
             (f.pick.saved_tokens(), f.pick.stamp),
             block_tokens,
         );
+        // The worker's drift, as the proxy counts it: the tree's learning weighs a
+        // short answer against it.
+        if let Some(d) = delivered {
+            let numbers = [f.pick.available_tokens(), f.pick.saved_tokens(), d];
+            f.guard.worker().hits().record(numbers, 0.0, Duration::MAX);
+        }
         if shortfall.is_some() {
             let answer = Answer {
                 response_id: None,

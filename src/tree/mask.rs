@@ -74,6 +74,16 @@ impl WorkerMask {
         self.low == 0 && self.high.is_none()
     }
 
+    /// Whether the set holds exactly one worker (no allocation).
+    pub fn is_single(&self) -> bool {
+        let high = self.high.iter().flat_map(|h| h.iter());
+        std::iter::once(&self.low)
+            .chain(high)
+            .map(|w| w.count_ones())
+            .sum::<u32>()
+            == 1
+    }
+
     /// Whether the two sets share a worker (no allocation).
     pub fn intersects(&self, other: &WorkerMask) -> bool {
         if self.low & other.low != 0 {
@@ -212,6 +222,19 @@ fn split(w: WorkerId) -> (usize, u64) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_single_member_is_told_on_either_side_of_the_inline_boundary() {
+        let one = |ids: &[u32]| ids.iter().map(|&i| WorkerId(i)).collect::<WorkerMask>();
+        assert!(!one(&[]).is_single());
+        assert!(one(&[5]).is_single());
+        assert!(one(&[130]).is_single());
+        assert!(!one(&[5, 130]).is_single());
+        assert!(!one(&[5, 6]).is_single());
+        let mut m = one(&[5, 130]);
+        m.remove(WorkerId(5));
+        assert!(m.is_single());
+    }
 
     #[test]
     fn set_operations_across_the_inline_boundary() {

@@ -231,13 +231,16 @@ impl SharedTree {
             .store(on, std::sync::atomic::Ordering::Relaxed);
     }
 
-    /// `worker`'s engine no longer held a prefix whose last use here was at tree stamp
-    /// `stamp` ([`PrefixMatch::stamp`]; it served less of it from cache than predicted):
-    /// its engine evicts least recently used blocks first, so every record of `worker`
-    /// last used before `stamp` is as good as gone. They are removed by the upkeep
-    /// task's next age-out sweep ([`evict::age_out`]) — which bounds the worker's share
-    /// of the tree to about what its KV cache holds — never on the request path. The
-    /// prefix itself was just recomputed there: its records carry a newer stamp and stay.
+    /// `worker`'s engine no longer held a prefix whose last use there was at tree stamp
+    /// `stamp` ([`PrefixMatch::stamp`]: the match's end, held by that worker alone; it
+    /// served less of it from cache than predicted): its engine evicts least recently
+    /// used blocks first, so every record of `worker` last used before `stamp` is as
+    /// good as gone. They are removed by the upkeep task's next age-out sweep
+    /// ([`evict::age_out`]) — which bounds the worker's share of the tree to about what
+    /// its KV cache holds — never on the request path. Records used since, a shared
+    /// head included, stay; so does the prefix itself, just recomputed there. The
+    /// policy decides whether an answer is evidence at all
+    /// (`policy::cache_aware::CacheAware::learn`).
     pub fn engine_evicted(&self, worker: WorkerId, stamp: u64) {
         if stamp == 0 {
             return;
@@ -412,6 +415,16 @@ struct Node {
 }
 
 impl Node {
+    /// Its last-use stamp when one worker alone holds it, else 0 (see
+    /// [`PrefixMatch::stamp`]).
+    fn sole_stamp(&self) -> u64 {
+        if self.workers.is_single() {
+            self.last_access
+        } else {
+            0
+        }
+    }
+
     /// The root, or a free slot.
     fn empty() -> Node {
         Node {
@@ -431,8 +444,11 @@ pub struct PrefixMatch {
     pub matched: usize,
     /// The eligible workers that hold the whole matched prefix (empty when `matched` is 0).
     pub workers: WorkerMask,
-    /// The tree's last-use stamp of the matched prefix's end (0 when nothing matched, or
-    /// for another replica's records): when it was last sent anywhere.
+    /// The tree's last-use stamp of the matched prefix's end when one worker alone holds
+    /// that node (so the stamp is its last use *there*); 0 when several hold it (the
+    /// stamp may be another worker's use, a moment ago for a shared prefix), when
+    /// nothing matched, and for another replica's records. What a short delivery is
+    /// weighed against ([`SharedTree::engine_evicted`]).
     pub stamp: u64,
 }
 
@@ -559,8 +575,13 @@ impl RadixTree {
         PrefixMatch {
             matched: pos,
             workers: c.workers.intersection(eligible),
-            stamp: c.last_access,
+            stamp: c.sole_stamp(),
         }
+    }
+
+    /// The logical clock: inserts made so far (the stamp of the latest one).
+    pub fn clock(&self) -> u64 {
+        self.clock
     }
 
     /// For each worker of `eligible` that holds a prefix of `text`: `f(worker, bytes,
@@ -596,7 +617,7 @@ impl RadixTree {
             let n = common_prefix_len(&c.edge, &text[pos..]);
             pos += n;
             holding = here;
-            stamp = c.last_access;
+            stamp = c.sole_stamp();
             if n < c.edge.len() {
                 break;
             }
@@ -1009,6 +1030,26 @@ mod tests {
         assert_eq!(m.matched, 0);
         assert!(m.workers.is_empty());
         assert_eq!(t.node_count(), 0);
+    }
+
+    #[test]
+    fn a_match_ending_in_a_node_others_hold_too_carries_no_stamp() {
+        let mut t = RadixTree::new();
+        let (w0, w1) = (WorkerId(0), WorkerId(1));
+        let head = b"system: a long shared system prompt.\nuser: ".to_vec();
+        let mut tail = head.clone();
+        tail.extend_from_slice(b"my own question");
+        t.insert(&tail, w0); // stamp 1: the whole path w0's alone
+        t.insert(&head, w1); // stamp 2: the head shared, and used a moment ago
+        let (only0, both) = (only(w0), [w0, w1].into_iter().collect::<WorkerMask>());
+        // A match ending in w0's own tail: its last use there.
+        assert_eq!(t.longest_prefix(&tail, &only0).stamp, 1);
+        // One ending in the shared head: the head's stamp is w1's use, not w0's.
+        assert_eq!(t.longest_prefix(&head, &only0).stamp, 0);
+        let mut per = Vec::new();
+        t.prefix_per_worker(&tail, &both, |w, n, s| per.push((w, n, s)));
+        assert_eq!(per, vec![(w1, head.len(), 0), (w0, tail.len(), 1)]);
+        assert_eq!(t.clock(), 2);
     }
 
     #[test]

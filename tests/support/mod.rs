@@ -359,13 +359,22 @@ pub async fn long_prompt_served_by_first(addr: SocketAddr, workers: &[&FakeWorke
 /// Two [`usage_engine`]s (sharing `hold`) behind a router that diverts a hit on any load
 /// difference (`hit_overloaded`) and never retries; `extra` is more of its YAML.
 pub async fn usage_engines_and_router(extra: &str) -> (Gate, [FakeWorker; 2], RunningRouter) {
+    usage_engines_and_router_with("", extra).await
+}
+
+/// [`usage_engines_and_router`] with `cache` keys added to its `cache:` section (each
+/// line indented by two spaces).
+pub async fn usage_engines_and_router_with(
+    cache: &str,
+    extra: &str,
+) -> (Gate, [FakeWorker; 2], RunningRouter) {
     let hold = Gate::new();
     let a = FakeWorker::start_with(usage_engine(hold.clone())).await;
     let b = FakeWorker::start_with(usage_engine(hold.clone())).await;
     let router = start_router(&yaml_for(
         &[&a, &b],
         &format!(
-            "cache:\n  balance_abs_threshold: 0\n  balance_rel_threshold: 1.0\nproxy:\n  max_retries: 0\n{extra}"
+            "cache:\n  balance_abs_threshold: 0\n  balance_rel_threshold: 1.0\n{cache}proxy:\n  max_retries: 0\n{extra}"
         ),
     ))
     .await;

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use bench::engine::{Engine, EngineConfig, MetricsFlavor};
+use bench::engine::{Engine, EngineConfig, MetricsFlavor, Physics};
 use clap::Parser;
 
 /// Simulated vLLM engine: OpenAI API, prefix cache with LRU, queueing model on timers.
@@ -63,6 +63,15 @@ struct Cli {
     /// Retry-After of a 429, in whole seconds.
     #[arg(long, default_value_t = 1)]
     retry_after_secs: u64,
+    /// How prefills share the engine: `serial` (one at a time, FIFO), `parallel` (up
+    /// to --prefill-slots at once, each at full speed) or `shared` (up to
+    /// --prefill-slots at once, sharing one full speed equally, as a per-step token
+    /// budget split among running prefills does).
+    #[arg(long, default_value_t = Physics::Serial)]
+    prefill_physics: Physics,
+    /// Prefills running at once under the parallel and shared physics.
+    #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u64).range(1..))]
+    prefill_slots: u64,
 }
 
 fn duration(value: f64, unit_s: f64, flag: &str) -> Result<Duration, String> {
@@ -112,6 +121,8 @@ async fn run(cli: Cli) -> Result<(), String> {
         metrics_flavor: cli.metrics_flavor,
         max_waiting: cli.max_waiting,
         retry_after_secs: cli.retry_after_secs,
+        prefill_physics: cli.prefill_physics,
+        prefill_slots: cli.prefill_slots as usize,
     };
     let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
     let listener = bench::engine::bind((cli.host.as_str(), cli.port))

@@ -15,7 +15,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use bench::engine::MetricsFlavor;
+use bench::engine::{MetricsFlavor, Physics};
 use bench::matrix::{self, Contender, EngineParams, MatrixConfig, MatrixError, PeerSetup};
 use bench::prompts::read_trace;
 use bench::replay;
@@ -56,6 +56,9 @@ struct Cli {
     /// router, request i to replica i mod N; independent, or sharing state through a
     /// Redis started for the run; `kill`: the last replica is killed when the middle
     /// request is due, and the client retries what finds it gone on the next one).
+    /// Any of our policies may carry config keys of its own as
+    /// `POLICY+SECTION.KEY=VALUE` (repeatable: `cache_aware+cache.learn_evictions=true`),
+    /// layered on the run's config.
     #[arg(
         long,
         value_delimiter = ',',
@@ -100,6 +103,15 @@ struct Cli {
     /// waiting for prefill, in requests (0 = unbounded, never 429).
     #[arg(long, default_value_t = 0)]
     max_waiting: usize,
+    /// How the engines' prefills share each engine: `serial` (one at a time, FIFO),
+    /// `parallel` (up to --prefill-slots at once, each at full speed) or `shared` (up
+    /// to --prefill-slots at once, sharing one full speed, as vLLM's chunked prefill
+    /// splits a per-step token budget).
+    #[arg(long, default_value_t = Physics::Serial)]
+    prefill_physics: Physics,
+    /// Prefills at once under the parallel and shared physics.
+    #[arg(long, default_value_t = 6)]
+    prefill_slots: usize,
     /// Retry-After of the engines' 429, in whole (wall-clock) seconds. Default 0: the
     /// header allows no fraction, and at a time factor of 0.07 one second is 14
     /// simulated seconds; 0 makes the router stay away for its 100 ms minimum (1.4
@@ -275,6 +287,8 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
             metrics_flavor: cli.metrics_flavor,
             max_waiting: cli.max_waiting,
             retry_after_secs: cli.retry_after_secs,
+            prefill_physics: cli.prefill_physics,
+            prefill_slots: cli.prefill_slots.max(1),
         },
         time_scale,
         concurrency: cli.concurrency,
@@ -312,7 +326,7 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         / 1000.0;
     let params = format!(
         "trace {} (first {} lines, {} prompt tokens, span {:.0} s) × time scale {} (load {}) = {:.0} s per contender\n\
-         {} engines × {} KV blocks of {} tokens ({:.2} M tokens each); prefill {} ms + {} µs/token (FIFO), \
+         {} engines × {} KV blocks of {} tokens ({:.2} M tokens each); prefill {} ms + {} µs/token ({}), \
          ITL {} ms, all × time factor {}; output tokens min(trace, {}); concurrency cap {}{}",
         trace.display(),
         records.len(),
@@ -327,6 +341,11 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         (cli.kv_blocks * cli.block_size) as f64 / 1e6,
         cli.ttft_base_ms,
         cli.prefill_us_per_token,
+        match cli.prefill_physics {
+            Physics::Serial => "one at a time, FIFO".to_string(),
+            Physics::Parallel => format!("up to {} at once at full speed", cli.prefill_slots),
+            Physics::Shared => format!("up to {} at once sharing full speed", cli.prefill_slots),
+        },
         cli.itl_ms,
         time_factor,
         cli.max_output_tokens,

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Routing quality across engine physics and workloads: trace-matrix once per scenario.
+#
+#   bench/scenarios.sh [extra trace-matrix flags]
+#
+# Scenarios: three engine physics (serial: one prefill at a time; parallel: up to 6 at
+# full speed; shared: up to 6 sharing one speed, as chunked prefill does) × four
+# workloads (the Mooncake conversation slice at 10× and 15× its rate; a few system
+# prompts shared by most requests, 10×; a few hundred long documents each read by
+# several sessions, 8×), 4 engines of 100,000 KV blocks of 16 tokens, 2,000 requests.
+# Contenders: $CONTENDERS (default below; sglang:cache_aware needs the peers'
+# virtualenv, see bench/peers/run.sh, and is left out when it is missing).
+# Each scenario's table goes to stdout and $OUT/<physics>-<workload>.md (default
+# /tmp/scenarios). Builds the workspace (release) first. About 2 minutes a scenario
+# on a 2-core machine.
+set -euo pipefail
+
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$repo"
+out="${OUT:-/tmp/scenarios}"
+venv="${PEERS_VENV:-/tmp/peers-venv}"
+contenders="${CONTENDERS:-round_robin,cache_aware,cache_aware+cache.learn_evictions=true,cost_aware,cost_aware+cache.learn_evictions=true}"
+if [ -x "$venv/bin/smg" ] && [ -z "${CONTENDERS:-}" ]; then
+    contenders="$contenders,sglang:cache_aware"
+fi
+physics="${PHYSICS:-serial parallel shared}"
+workloads="${WORKLOADS:-conversation-10 conversation-15 system-prompts-10 shared-docs-8}"
+
+echo "== building (release)" >&2
+cargo build --release --workspace >&2
+bin="${CARGO_TARGET_DIR:-$repo/target}/release"
+mkdir -p "$out"
+"$bin/hot-prefix-trace" --kind system-prompts --out "$out/system_prompts.jsonl"
+"$bin/hot-prefix-trace" --kind shared-docs --out "$out/shared_docs.jsonl"
+
+status=0
+for p in $physics; do
+    for w in $workloads; do
+        load="${w##*-}"
+        case "$w" in
+            conversation-*) trace=bench/data/mooncake_conversation_slice.jsonl ;;
+            system-prompts-*) trace="$out/system_prompts.jsonl" ;;
+            shared-docs-*) trace="$out/shared_docs.jsonl" ;;
+            *) echo "$0: unknown workload $w" >&2; exit 2 ;;
+        esac
+        echo "== $p physics, $w" >&2
+        "$bin/trace-matrix" --trace "$trace" --limit 2000 --load "$load" \
+            --engines 4 --kv-blocks 100000 --block-size 16 \
+            --prefill-physics "$p" --prefill-slots 6 \
+            --peer-venv "$venv" --policies "$contenders" --progress-s 0 "$@" \
+            | tee "$out/$p-$w.md" || status=1
+    done
+done
+echo "== tables in $out" >&2
+exit $status
