@@ -738,7 +738,7 @@ async fn a_frozen_redis_costs_about_one_request_a_second_and_hits_resume_with_th
             while frozen_at.elapsed() < FREEZE {
                 tick.tick().await;
                 i += 1;
-                let q = if i % 2 == 0 {
+                let q = if i.is_multiple_of(2) {
                     warm[(c * 7 + i) % warm.len()].clone()
                 } else {
                     format!("new question {c}.{i}")

@@ -17,7 +17,7 @@ struct MessagesBody<'a> {
     system: Option<Content<'a>>,
     #[serde(borrow)]
     messages: Vec<Message<'a>>,
-    /// Kept unparsed: its bytes are the routing text ([`super::tools`]).
+    /// Kept unparsed: its bytes are the routing text (`prompt::tools`).
     #[serde(borrow, default)]
     tools: Option<&'a serde_json::value::RawValue>,
 }
@@ -30,7 +30,7 @@ struct Message<'a> {
     content: Option<Content<'a>>,
 }
 
-/// Appends `tools: <tools as sent>` ([`super::tools`]), `system: <system>`, then
+/// Appends `tools: <tools as sent>` (`prompt::tools`), `system: <system>`, then
 /// `role: content` per message.
 pub fn messages(body: &[u8], b: &mut PromptBuilder) -> bool {
     let Ok(req) = serde_json::from_slice::<MessagesBody<'_>>(body) else {

@@ -16,7 +16,7 @@ use super::{Content, PromptBuilder, Text, append_content};
 struct ChatBody<'a> {
     #[serde(borrow)]
     messages: Vec<ChatMessage<'a>>,
-    /// Kept unparsed: its bytes are the routing text ([`super::tools`]).
+    /// Kept unparsed: its bytes are the routing text (`prompt::tools`).
     #[serde(borrow, default)]
     tools: Option<&'a RawValue>,
 }
@@ -47,7 +47,7 @@ struct FunctionCall<'a> {
 }
 
 /// `/v1/chat/completions`: the tool definitions first (`tools: …`, see
-/// [`super::tools`]), then for each message, `role: ` then its content (string, parts
+/// `prompt::tools`), then for each message, `role: ` then its content (string, parts
 /// or null), then each tool call's name and arguments, then a newline. Tool results are
 /// `role: tool` messages and count like any content.
 pub fn chat(body: &[u8], b: &mut PromptBuilder) -> bool {
@@ -154,7 +154,7 @@ struct ResponsesBody<'a> {
     /// A conversation id, or `{"id": …}`.
     #[serde(borrow, default)]
     conversation: Option<&'a RawValue>,
-    /// Kept unparsed: its bytes are the routing text ([`super::tools`]).
+    /// Kept unparsed: its bytes are the routing text (`prompt::tools`).
     #[serde(borrow, default)]
     tools: Option<&'a RawValue>,
 }
@@ -188,7 +188,7 @@ struct ResponsesItem<'a> {
     output: Option<&'a RawValue>,
 }
 
-/// `/v1/responses`: the tool definitions first (`tools: …`, see [`super::tools`]),
+/// `/v1/responses`: the tool definitions first (`tools: …`, see `prompt::tools`),
 /// `instructions` as a system message, then `input`: a string (one user message) or items (messages, `function_call` name + arguments,
 /// `function_call_output`; other items such as reasoning count towards the digest).
 pub fn responses(body: &[u8], b: &mut PromptBuilder) -> bool {
