@@ -30,6 +30,8 @@
 //!              (moka) or Redis store, embeddings
 //! fleet        routing state shared by router replicas over Redis (prefix records,
 //!              in-flight shares, bindings, snapshot)
+//! redis_link   one bounded Redis connection, replaced after a call on it timed out
+//!              (the cache's store, the fleet's publisher)
 //! discovery    workers found at run time (DNS, Kubernetes EndpointSlices)
 //! tree         RadixTree (owned by cache_aware) + eviction task
 //! precise      KV-event state: events, sequence, index, feed, consumer
@@ -89,6 +91,7 @@ pub mod precise;
 pub mod prompt;
 pub mod proxy;
 pub mod redact;
+pub mod redis_link;
 pub mod reload;
 pub mod service;
 pub mod shutdown;

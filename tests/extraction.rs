@@ -446,6 +446,185 @@ async fn inline_media_and_a_mentioned_url_still_pass_the_policy() {
         let resp = post(router.addr, "/v1/chat/completions", body.clone()).await;
         assert_eq!(resp.status, 200, "{}", resp.text());
         assert_eq!(w.requests().pop().unwrap().body_str(), body);
+
+/// An engine's prefix cache, per worker: the rendered prompt is the canonical JSON of
+/// `tools`, a newline, then the conversation (`system`/`instructions`, then
+/// `messages`/`input`), as a tools-first chat template (Llama 3.x JSON) renders it. It
+/// answers with the usage an engine reports: prompt tokens at 4 bytes a token, cached
+/// tokens the longest prefix it rendered before, in whole 16-token blocks.
+fn tools_first_engine() -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
+    let seen = std::sync::Mutex::new(Vec::<String>::new());
+    move |r| {
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap_or_default();
+        let mut rendered = v.get("tools").map(|t| t.to_string()).unwrap_or_default();
+        rendered.push('\n');
+        for k in ["system", "instructions", "messages", "input"] {
+            if let Some(x) = v.get(k) {
+                rendered.push_str(&x.to_string());
+            }
+        }
+        let mut seen = seen.lock().unwrap();
+        let common = seen
+            .iter()
+            .map(|s| {
+                s.bytes()
+                    .zip(rendered.bytes())
+                    .take_while(|(a, b)| a == b)
+                    .count()
+            })
+            .max()
+            .unwrap_or(0);
+        seen.push(rendered.clone());
+        let cached = (common / 4) / 16 * 16;
+        Reply::json(
+            200,
+            &format!(
+                r#"{{"id":"x","object":"chat.completion","choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"stop"}}],"usage":{}}}"#,
+                usage_json((rendered.len() / 4) as u64, cached as u64)
+            ),
+        )
+    }
+}
+
+/// Twelve tool definitions of about 8 KB in all, named `{set}_…`, in the endpoint's
+/// shape (chat: `function`; Anthropic: `input_schema`; Responses: flat `parameters`).
+fn tool_set(endpoint: &str, set: &str) -> serde_json::Value {
+    let tools = (0..12).map(|i| {
+        let name = format!("{set}_tool_{i}");
+        let description = format!("{set}: does step {i} of the job. ").repeat(14);
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {
+                "query": {"type": "string", "description": format!("what {name} looks for")},
+                "limit": {"type": "integer", "description": "at most this many results"},
+            },
+            "required": ["query"],
+        });
+        match endpoint {
+            "/v1/messages" => {
+                serde_json::json!({"name": name, "description": description, "input_schema": schema})
+            }
+            "/v1/responses" => serde_json::json!({"type": "function", "name": name,
+                "description": description, "parameters": schema}),
+            _ => serde_json::json!({"type": "function", "function": {"name": name,
+                "description": description, "parameters": schema}}),
+        }
+    });
+    serde_json::Value::Array(tools.collect())
+}
+
+/// A request of `endpoint`'s shape: `system` (or none), one user turn, `tools` (or none).
+fn shaped(
+    endpoint: &str,
+    system: Option<&str>,
+    user: &str,
+    tools: Option<&serde_json::Value>,
+) -> Req {
+    let mut body = match endpoint {
+        "/v1/responses" => serde_json::json!({"model": "m", "input": user}),
+        _ => serde_json::json!({"model": "m", "max_tokens": 16,
+            "messages": [{"role": "user", "content": user}]}),
+    };
+    if let Some(s) = system {
+        match endpoint {
+            "/v1/chat/completions" => body["messages"]
+                .as_array_mut()
+                .unwrap()
+                .insert(0, serde_json::json!({"role": "system", "content": s})),
+            "/v1/messages" => body["system"] = s.into(),
+            _ => body["instructions"] = s.into(),
+        }
+    }
+    if let Some(t) = tools {
+        body["tools"] = t.clone();
+    }
+    Req::post(endpoint, body.to_string())
+}
+
+// C48
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_that_differ_only_in_their_tools_are_not_predicted_as_whole_prompt_hits() {
+    const DECISIONS: &str = "cache_aware_router_routing_decisions_total";
+    const AGED: &str = "cache_aware_router_tree_aged_out_bytes_total";
+    let a = FakeWorker::start_with(tools_first_engine()).await;
+    let b = FakeWorker::start_with(tools_first_engine()).await;
+    let ws = [&a, &b];
+    let router = start_router(&yaml_for(&ws, "health:\n  interval_secs: 3600\n")).await;
+    let addr = router.addr;
+    let hits = |m: &Scrape| m.value(DECISIONS, &[("reason", "cache_hit")]);
+    let predicted = |m: &Scrape| -> f64 {
+        m.all("cache_aware_router_prefix_tokens_total")
+            .iter()
+            .filter(|s| {
+                s.labels
+                    .iter()
+                    .any(|(k, v)| k == "kind" && v == "predicted")
+            })
+            .map(|s| s.value)
+            .sum()
+    };
+    for endpoint in ["/v1/chat/completions", "/v1/messages", "/v1/responses"] {
+        // 1. Four warm-up prompts without tools, then M with tools T1, served by R.
+        let qs: Vec<String> = (1..=4)
+            .map(|k| {
+                format!(
+                    "{endpoint} warm-up {k}: {}",
+                    "summarise the log. ".repeat(60)
+                )
+            })
+            .collect();
+        let mut q_on = Vec::new();
+        for q in &qs {
+            let (r, w) = send_tagged(addr, &ws, shaped(endpoint, None, q, None)).await;
+            assert_eq!(r.status, 200, "{endpoint}: {}", r.text());
+            q_on.push(w);
+        }
+        let system = format!(
+            "{endpoint}: you are an agent. {}",
+            "Plan, then act. ".repeat(64)
+        );
+        let user = "Find the cheapest flight to Testville.";
+        let (t1, t2) = (tool_set(endpoint, "alpha"), tool_set(endpoint, "beta"));
+        assert!(t1.to_string().len() > 7000, "{}", t1.to_string().len());
+        let m = |t: &serde_json::Value| shaped(endpoint, Some(&system), user, Some(t));
+        let (r, on_r) = send_tagged(addr, &ws, m(&t1)).await;
+        assert_eq!(r.status, 200, "{endpoint}: {}", r.text());
+        let before = scrape(addr).await;
+
+        // 2. M with other tools: the engine shares next to nothing of it.
+        let (r, _) = send_tagged(addr, &ws, m(&t2)).await;
+        assert_eq!(r.status, 200);
+        let after = scrape(addr).await;
+        assert_eq!(
+            hits(&after) - hits(&before),
+            0.0,
+            "{endpoint}: M with other tools was predicted as a cache hit"
+        );
+        let full = (m(&t2).body.len() / 4) as f64;
+        let guess = predicted(&after) - predicted(&before);
+        assert!(
+            guess < full / 10.0,
+            "{endpoint}: predicted {guess} tokens of a ~{full}-token prompt"
+        );
+
+        // 3. M with T1 again: a hit on R.
+        let (r, w) = send_tagged(addr, &ws, m(&t1)).await;
+        assert_eq!((r.status, w), (200, on_r), "{endpoint}: M with T1 again");
+        let again = scrape(addr).await;
+        assert_eq!(hits(&again) - hits(&after), 1.0, "{endpoint}: a cache hit");
+
+        // 4. The warm-up prompts are still hits where they were served; nothing aged out.
+        for (q, &was) in qs.iter().zip(&q_on) {
+            let (r, w) = send_tagged(addr, &ws, shaped(endpoint, None, q, None)).await;
+            assert_eq!((r.status, w), (200, was), "{endpoint}: {q:.40}");
+        }
+        let end = scrape(addr).await;
+        assert_eq!(hits(&end) - hits(&again), 4.0, "{endpoint}: warm-ups hit");
+        assert_eq!(
+            end.value(AGED, &[]),
+            before.value(AGED, &[]),
+            "{endpoint}: records aged out"
+        );
     }
     router.shutdown().await;
 }

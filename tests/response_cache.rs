@@ -658,3 +658,263 @@ async fn two_router_processes_share_one_redis() {
     assert_eq!(second.body, first.body);
     assert_eq!(w.count(), 1);
 }
+
+/// The resident set of this test process (both routers run in it), in bytes.
+fn rss_bytes() -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// One request of the frozen-Redis load: its latency and what came back.
+struct Sent {
+    /// When it was sent, from the freeze.
+    at: Duration,
+    took: Duration,
+    status: u16,
+    cache: Option<String>,
+}
+
+// C51
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_redis_costs_about_one_request_a_second_and_hits_resume_with_their_own_bodies() {
+    const FREEZE: Duration = Duration::from_secs(3);
+    const SLOW: Duration = Duration::from_millis(200);
+    let redis = RedisServer::start();
+    // Every answer carries a fresh serial and echoes the request's prompt (its tag).
+    let answer = |r: &Recorded| {
+        let v: serde_json::Value = serde_json::from_slice(&r.body).unwrap_or_default();
+        let tag = v["messages"][0]["content"]
+            .as_str()
+            .unwrap_or("")
+            .to_string();
+        let body = serde_json::json!({"id": format!("serial-{}", r.index),
+            "object": "chat.completion", "choices": [{"index": 0, "finish_reason": "stop",
+            "message": {"role": "assistant", "content": tag}}]});
+        Reply::json(200, &body.to_string())
+    };
+    let w0 = FakeWorker::start_with(answer).await;
+    let w1 = FakeWorker::start_with(answer).await;
+    let shared = format!(
+        "health:\n  interval_secs: 3600\nresponse_cache:\n  enabled: true\n  redis_url: \"{0}\"\nstate:\n  redis_url: \"{0}\"\n",
+        redis.url()
+    );
+    // R2 knows only w1, so every prefix it learns is w1's; R1 knows both.
+    let r1 = start_router(&yaml_for(&[&w0, &w1], &shared)).await;
+    let r2 = start_router(&yaml_for(&[&w1], &shared)).await;
+    for r in [r1.addr, r2.addr] {
+        wait_until("subscribed", Duration::from_secs(5), || async {
+            get_workers(r).await["fleet"]["connected"] == true
+        })
+        .await;
+    }
+
+    // 1. Warm: ten answers stored through R1.
+    let warm: Vec<String> = (0..10).map(|k| format!("warm question {k}")).collect();
+    let mut stored = Vec::new();
+    for q in &warm {
+        let r = send(r1.addr, &chat(q, false)).await;
+        assert_eq!((r.status, r.header("x-cache")), (200, Some("miss")));
+        stored.push(r.body);
+    }
+    wait_stored(r1.addr, warm.len() as f64).await;
+    let before = scrape(r1.addr).await;
+    let rss_before = rss_bytes();
+
+    // 2. Freeze. Four clients send 20 requests a second to R1, half repeats, half new;
+    //    an observer reads /health, /workers and /metrics every 250 ms.
+    let frozen = redis.freeze();
+    let frozen_at = std::time::Instant::now();
+    let clients = (0..4).map(|c| {
+        let (addr, warm) = (r1.addr, warm.clone());
+        tokio::spawn(async move {
+            let mut sent = Vec::new();
+            tokio::time::sleep(Duration::from_millis(50 * c as u64)).await;
+            let mut tick = tokio::time::interval(Duration::from_millis(200));
+            let mut i = 0usize;
+            while frozen_at.elapsed() < FREEZE {
+                tick.tick().await;
+                i += 1;
+                let q = if i.is_multiple_of(2) {
+                    warm[(c * 7 + i) % warm.len()].clone()
+                } else {
+                    format!("new question {c}.{i}")
+                };
+                let t = std::time::Instant::now();
+                let r = send(addr, &chat(&q, false)).await;
+                sent.push(Sent {
+                    at: t - frozen_at,
+                    took: t.elapsed(),
+                    status: r.status,
+                    cache: r.header("x-cache").map(str::to_string),
+                });
+            }
+            sent
+        })
+    });
+    let clients: Vec<_> = clients.collect();
+    let mut admin_slowest = Duration::ZERO;
+    while frozen_at.elapsed() < FREEZE {
+        for path in ["/health", "/workers", "/metrics"] {
+            let t = std::time::Instant::now();
+            let r = get(r1.addr, path).await;
+            admin_slowest = admin_slowest.max(t.elapsed());
+            assert_eq!(r.status, 200, "{path}");
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    let mut sent = Vec::new();
+    for c in clients {
+        sent.extend(c.await.expect("client"));
+    }
+    let during = scrape(r1.addr).await;
+    let rss_growth = rss_bytes().saturating_sub(rss_before);
+    frozen.thaw();
+
+    eprintln!(
+        "{} requests, {} over {SLOW:?}; admin endpoints up to {admin_slowest:?}; RSS +{} KiB",
+        sent.len(),
+        sent.iter().filter(|s| s.took > SLOW).count(),
+        rss_growth >> 10
+    );
+    assert!(sent.len() >= 40, "{} requests", sent.len());
+    assert!(sent.iter().all(|s| s.status == 200), "no request fails");
+    // At the onset, the calls out when Redis froze and those that joined them before
+    // it was seen to hang (100 ms without an answer, two requests at this rate) wait.
+    // After that, one probe per second of the down window: not every request that
+    // arrives meanwhile (five in each probe's 250 ms at this rate).
+    let onset = Duration::from_millis(500);
+    let slow = |from: Duration, to: Duration| -> Vec<(Duration, Duration)> {
+        sent.iter()
+            .filter(|s| s.took > SLOW && s.at >= from && s.at < to)
+            .map(|s| (s.at, s.took))
+            .collect()
+    };
+    let first = slow(Duration::ZERO, onset);
+    assert!(first.len() <= 4, "at the onset: {first:?}");
+    let later = slow(onset, FREEZE);
+    assert!(
+        later.len() <= FREEZE.as_secs() as usize,
+        "{} requests after the onset waited on Redis: {later:?}",
+        later.len()
+    );
+    let bypassed = sent.iter().filter(|s| s.cache.as_deref() == Some("bypass"));
+    assert!(bypassed.count() >= sent.len() / 2, "the rest skip Redis");
+    let grew = |name: &str, labels: &[(&str, &str)]| {
+        during.value(name, labels) - before.value(name, labels)
+    };
+    assert!(
+        grew(
+            "cache_aware_router_response_cache_bypasses_total",
+            &[("cause", "store_down")]
+        ) >= 10.0,
+        "{}",
+        during.text
+    );
+    let fleet_errors: f64 = during
+        .all("cache_aware_router_fleet_errors_total")
+        .iter()
+        .map(|s| s.value)
+        .sum();
+    assert!(fleet_errors >= 1.0, "fleet errors counted: {fleet_errors}");
+    assert!(
+        admin_slowest < Duration::from_millis(100),
+        "/health, /workers, /metrics took up to {admin_slowest:?}"
+    );
+    assert!(rss_growth < 20 << 20, "RSS grew by {rss_growth} bytes");
+
+    // 3. Thawed: within about 2 s repeats are hits again, each with its own stored body.
+    let thawed = std::time::Instant::now();
+    let mut k = 0;
+    loop {
+        let r = send(r1.addr, &chat(&warm[k % warm.len()], false)).await;
+        assert_eq!(r.status, 200);
+        if r.header("x-cache") == Some("hit") {
+            assert_eq!(
+                r.body,
+                stored[k % warm.len()],
+                "a hit replays its own answer"
+            );
+            break;
+        }
+        assert!(
+            thawed.elapsed() < Duration::from_secs(3),
+            "no hit within 3 s of the thaw"
+        );
+        k += 1;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("first hit {:?} after the thaw", thawed.elapsed());
+    for (q, body) in warm.iter().zip(&stored) {
+        let r = send(r1.addr, &chat(q, false)).await;
+        assert_eq!(r.header("x-cache"), Some("hit"), "{q}");
+        assert_eq!(&r.body, body, "{q}: its own tag and stored serial");
+    }
+    // A prefix learned through R2 after the thaw is followed by R1 within about 1 s.
+    let system = "rule: be precise and cite the manual. ".repeat(60);
+    let ask = |q: &str| {
+        Req::post(
+            "/v1/chat/completions",
+            serde_json::json!({"model": "m", "messages": [
+                {"role": "system", "content": system}, {"role": "user", "content": q}]})
+            .to_string(),
+        )
+        .header("cache-control", "no-store")
+    };
+    let records = |m: serde_json::Value| m["fleet"]["remote_records"].as_u64().unwrap_or(0);
+    let held = records(get_workers(r1.addr).await);
+    assert_eq!(send(r2.addr, &ask("first")).await.status, 200);
+    let learned = std::time::Instant::now();
+    wait_until("R1 applied R2's record", Duration::from_secs(2), || async {
+        records(get_workers(r1.addr).await) > held
+    })
+    .await;
+    assert!(learned.elapsed() < Duration::from_millis(1500));
+    let (r, by) = send_tagged(r1.addr, &[&w0, &w1], ask("second")).await;
+    assert_eq!(
+        (r.status, by),
+        (200, 1),
+        "R1 follows the prefix R2 served on w1"
+    );
+    r1.shutdown().await;
+    r2.shutdown().await;
+}
+
+// C51: a connection whose call timed out is never used again, so a reply still queued
+// on it when Redis thaws cannot answer a later call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_call_that_timed_out_takes_its_connection_with_it() {
+    use cache_aware_router::redis_link::{LinkError, Query, RedisLink};
+    let redis = RedisServer::start();
+    redis.command(&["SET", "k1", "one"]).expect("SET");
+    redis.command(&["SET", "k2", "two"]).expect("SET");
+    let client = ::redis::Client::open(redis.url()).expect("client");
+    let link = RedisLink::new(client, Duration::from_millis(200));
+    let get = |k: &str| {
+        let mut c = ::redis::cmd("GET");
+        c.arg(k);
+        Query::Cmd(c)
+    };
+    let id = || Query::Cmd(::redis::cmd("CLIENT").arg("ID").clone());
+    let first: i64 = link.query(&id()).await.expect("CLIENT ID");
+    assert_eq!(link.query::<i64>(&id()).await.unwrap(), first, "kept");
+
+    let frozen = redis.freeze();
+    let t = std::time::Instant::now();
+    let r = link.query::<String>(&get("k1")).await;
+    assert!(matches!(r, Err(LinkError::Timeout(_))), "{r:?}");
+    assert!(
+        t.elapsed() < Duration::from_millis(400),
+        "{:?}",
+        t.elapsed()
+    );
+    frozen.thaw();
+
+    // GET k1 is still queued on the old connection: k2's call must get k2's value.
+    assert_eq!(link.query::<String>(&get("k2")).await.unwrap(), "two");
+    let now: i64 = link.query(&id()).await.expect("CLIENT ID");
+    assert_ne!(now, first, "a fresh connection after the timeout");
+}

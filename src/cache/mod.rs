@@ -9,8 +9,12 @@
 //!
 //! Fail open: a store that errs or times out turns the request into a bypass (counted,
 //! logged at most once per [`LOG_EVERY`]) and keeps later requests off the store for
-//! [`DOWN_FOR`]; an embeddings endpoint that fails turns a semantic lookup into an exact
-//! miss. The cache never causes an error response.
+//! [`DOWN_FOR`], then lets one request at a time try it until one is answered; requests
+//! that arrive while calls wait on a store that stopped answering skip it too
+//! ([`store::Gate`]). So a dead or frozen store costs one request the store's bound
+//! about once a second, not every request that arrives meanwhile. An embeddings
+//! endpoint that fails turns a semantic lookup into an exact miss. The cache never
+//! causes an error response.
 
 pub mod entry;
 pub mod key;
@@ -35,7 +39,7 @@ use crate::proxy::upstream::Upstream;
 use entry::{Entry, NotStored};
 use key::{Key, Unkeyable};
 use semantic::Embedder;
-use store::{Candidate, Store, StoreError, StoreStats};
+use store::{Candidate, Gate, Store, StoreError, StoreStats, Verdict};
 
 /// Largest answer stored, in bytes (further capped by `max_bytes`).
 pub const MAX_ENTRY_BYTES: usize = 8 << 20;
@@ -102,7 +106,9 @@ pub enum Bypass {
     Stateful,
     /// The store failed on this request.
     StoreError,
-    /// The store failed less than [`DOWN_FOR`] ago.
+    /// The store failed less than [`DOWN_FOR`] ago, another request is finding out
+    /// whether it is back, or calls are waiting on it without answers
+    /// ([`store::Gate`]).
     StoreDown,
 }
 
@@ -180,8 +186,8 @@ pub struct ResponseCache {
     metrics: Arc<Metrics>,
     entry_cap: usize,
     born: Instant,
-    /// Milliseconds since `born` until which the store is skipped.
-    down_until_ms: AtomicU64,
+    /// Who may call the store (milliseconds since `born`).
+    gate: Gate,
     /// Milliseconds since `born` until which semantic lookups are skipped.
     embed_down_until_ms: AtomicU64,
     /// Failure log lines, at most one per [`LOG_EVERY`].
@@ -235,7 +241,7 @@ impl ResponseCache {
             embedder,
             metrics,
             born: Instant::now(),
-            down_until_ms: AtomicU64::new(0),
+            gate: Gate::new(DOWN_FOR),
             embed_down_until_ms: AtomicU64::new(0),
             log: crate::clock::LogEvery::new(LOG_EVERY),
         }))
@@ -295,9 +301,6 @@ impl ResponseCache {
             Err(Unkeyable::Choices) => return bypass(Bypass::Choices, None),
             Err(Unkeyable::Stateful) => return bypass(Bypass::Stateful, None),
         };
-        if self.is_down() {
-            return bypass(Bypass::StoreDown, None);
-        }
         let mut pending = Pending {
             cache: Arc::clone(self),
             key: req.key,
@@ -305,9 +308,15 @@ impl ResponseCache {
             semantic: None,
         };
         if control.no_cache {
+            if self.gate.is_down(self.now_ms()) {
+                return bypass(Bypass::StoreDown, None);
+            }
             return bypass(Bypass::NoCache, Some(pending));
         }
-        match self.store.get(&req.key).await {
+        let Some(found) = self.call(true, self.store.get(&req.key)).await else {
+            return bypass(Bypass::StoreDown, None);
+        };
+        match found {
             Ok(Some(entry)) if entry.is_sse() == req.stream => {
                 return Lookup::Hit {
                     entry,
@@ -316,9 +325,9 @@ impl ResponseCache {
             }
             Ok(_) => {}
             // Something not ours under the key: a miss, and the answer overwrites it.
-            Err(e @ StoreError::Garbage(_)) => self.failed("get", &e, true),
+            Err(e @ StoreError::Garbage(_)) => self.failed("get", &e),
             Err(e) => {
-                self.failed("get", &e, true);
+                self.failed("get", &e);
                 return bypass(Bypass::StoreError, None);
             }
         }
@@ -338,7 +347,7 @@ impl ResponseCache {
                             };
                         }
                         Ok(None) => pending.semantic = Some((sem.partition, v)),
-                        Err(()) => return bypass(Bypass::StoreError, None),
+                        Err(cause) => return bypass(cause, None),
                     }
                 }
             }
@@ -350,34 +359,56 @@ impl ResponseCache {
     }
 
     /// The stored answer of the partition's closest candidate at or above the threshold;
-    /// `Err` when the store failed (already counted).
+    /// `Err` with the bypass cause when the store failed (already counted) or was
+    /// skipped.
     async fn semantic_hit(
         &self,
         embedder: &Embedder,
         partition: &Key,
         v: &[f32],
         stream: bool,
-    ) -> Result<Option<Entry>, ()> {
+    ) -> Result<Option<Entry>, Bypass> {
+        let n = candidates_within(embedder.max_candidates(), v.len());
+        // A slow list is not an outage: exact lookups keep going.
         let candidates = self
-            .store
-            .recent(
-                partition,
-                candidates_within(embedder.max_candidates(), v.len()),
-            )
+            .call(false, self.store.recent(partition, n))
             .await
-            // A slow list is not an outage: exact lookups keep going.
-            .map_err(|e| self.failed("recent", &e, false))?;
+            .ok_or(Bypass::StoreDown)?
+            .map_err(|e| {
+                self.failed("recent", &e);
+                Bypass::StoreError
+            })?;
         let Some((best, _)) = semantic::best(&candidates, v, embedder.threshold()) else {
             return Ok(None);
         };
-        match self.store.get(&best.key).await {
+        match self.call(true, self.store.get(&best.key)).await {
+            None => Err(Bypass::StoreDown),
             // A stored content type that disagrees with the caller's stream flag: a miss.
-            Ok(found) => Ok(found.filter(|e| e.is_sse() == stream)),
-            Err(e) => {
-                self.failed("get", &e, true);
-                Err(())
+            Some(Ok(found)) => Ok(found.filter(|e| e.is_sse() == stream)),
+            Some(Err(e)) => {
+                self.failed("get", &e);
+                Err(Bypass::StoreError)
             }
         }
+    }
+
+    /// Runs one store call if the gate lets it through (`None`: skipped, the store is
+    /// down or not answering) and tells the gate what it found: an answer, or a failure
+    /// that speaks for the store when `outage` (a slow semantic list does not).
+    async fn call<T>(
+        &self,
+        outage: bool,
+        call: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Option<Result<T, StoreError>> {
+        let pass = self.gate.enter(self.now_ms())?;
+        let r = call.await;
+        let verdict = match &r {
+            Ok(_) | Err(StoreError::Garbage(_)) => Verdict::Answered,
+            Err(StoreError::Unavailable(_)) if outage => Verdict::Failed,
+            Err(StoreError::Unavailable(_)) => Verdict::Unknown,
+        };
+        pass.settle(self.now_ms(), verdict);
+        Some(r)
     }
 
     /// Whether the caller's key is listed in `uncacheable_api_keys`.
@@ -407,20 +438,9 @@ impl ResponseCache {
         self.born.elapsed().as_millis() as u64
     }
 
-    fn is_down(&self) -> bool {
-        self.now_ms() < self.down_until_ms.load(Ordering::Relaxed)
-    }
-
-    /// Counts a store failure of `op`, keeps requests off an unavailable store for
-    /// [`DOWN_FOR`] when `outage` says this call speaks for the store, and logs at most
-    /// once per [`LOG_EVERY`].
-    fn failed(&self, op: &'static str, e: &StoreError, outage: bool) {
-        if outage && matches!(e, StoreError::Unavailable(_)) {
-            self.down_until_ms.store(
-                self.now_ms() + DOWN_FOR.as_millis() as u64,
-                Ordering::Relaxed,
-            );
-        }
+    /// Counts a store failure of `op` and logs at most once per [`LOG_EVERY`] (the
+    /// gate was told by [`ResponseCache::call`]).
+    fn failed(&self, op: &'static str, e: &StoreError) {
         self.count_failure(op, &e.to_string(), true);
     }
 
@@ -472,10 +492,18 @@ impl ResponseCache {
             return;
         }
         let entry = Entry { content_type, body };
-        if let Err(e) = self.store.put(pending.key, entry).await {
-            self.failed("put", &e, true);
-            self.metrics.response_cache_store("error");
-            return;
+        match self.call(true, self.store.put(pending.key, entry)).await {
+            Some(Ok(())) => {}
+            // Skipped: the store went down since the lookup.
+            None => {
+                self.metrics.response_cache_store("error");
+                return;
+            }
+            Some(Err(e)) => {
+                self.failed("put", &e);
+                self.metrics.response_cache_store("error");
+                return;
+            }
         }
         self.metrics.response_cache_store("stored");
         if let (Some((partition, vector)), Some(embedder)) = (pending.semantic, &self.embedder) {
@@ -483,12 +511,9 @@ impl ResponseCache {
                 key: pending.key,
                 vector,
             };
-            if let Err(e) = self
-                .store
-                .remember(partition, c, embedder.max_candidates())
-                .await
-            {
-                self.failed("remember", &e, false);
+            let remember = self.store.remember(partition, c, embedder.max_candidates());
+            if let Some(Err(e)) = self.call(false, remember).await {
+                self.failed("remember", &e);
             }
         }
     }

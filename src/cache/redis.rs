@@ -4,26 +4,27 @@
 //! Keys: `<namespace>:rc:v1:e:<hex key>` holds an encoded [`Entry`] (`SET … PX ttl`);
 //! `<namespace>:rc:v1:s:<hex partition>` is a list of candidates, newest first
 //! (`LPUSH`, `LTRIM`, `PEXPIRE`), each the 32-byte key then the vector as little-endian
-//! `f32`s. One `redis` `ConnectionManager`, connected lazily and reconnected by the crate;
-//! every call is bounded by [`OP_TIMEOUT`], so a slow or dead Redis costs a request at
-//! most that long (and the cache's down window keeps later ones from waiting at all).
+//! `f32`s. One multiplexed connection ([`crate::redis_link`]), opened on first use and
+//! replaced after a call on it timed out; every call is bounded by [`OP_TIMEOUT`], so a
+//! slow or dead Redis costs a request at most that long (and the cache's gate,
+//! [`super::store::Gate`], keeps later ones from waiting at all).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::future::{BoxFuture, FutureExt};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
 use super::entry::Entry;
 use super::key::{Key, LAYOUT};
 use super::store::{Candidate, Store, StoreError, StoreStats};
+use crate::redis_link::{Query, RedisLink};
 
 /// Longest one Redis call may take, connecting included.
 pub const OP_TIMEOUT: Duration = Duration::from_millis(250);
 
 pub struct RedisStore {
-    conn: ConnectionManager,
+    link: RedisLink,
     prefix: String,
     ttl_ms: u64,
 }
@@ -33,15 +34,8 @@ impl RedisStore {
     pub fn new(url: &str, namespace: &str, ttl: Duration) -> Result<Self, StoreError> {
         let client =
             redis::Client::open(url).map_err(|e| StoreError::Unavailable(e.to_string()))?;
-        let cfg = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(OP_TIMEOUT))
-            .set_response_timeout(Some(OP_TIMEOUT))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_secs(1));
-        let conn = ConnectionManager::new_lazy_with_config(client, cfg)
-            .map_err(|e| StoreError::Unavailable(e.to_string()))?;
         Ok(RedisStore {
-            conn,
+            link: RedisLink::new(client, OP_TIMEOUT),
             prefix: format!("{namespace}:rc:{LAYOUT}"),
             ttl_ms: ttl.as_millis().max(1) as u64,
         })
@@ -55,42 +49,29 @@ impl RedisStore {
         format!("{}:s:{}", self.prefix, hex(partition))
     }
 
-    async fn call<T: redis::FromRedisValue>(&self, cmd: CmdOrPipe) -> Result<T, StoreError> {
-        let mut conn = self.conn.clone();
-        let run = async {
-            match cmd {
-                CmdOrPipe::Cmd(c) => c.query_async(&mut conn).await,
-                CmdOrPipe::Pipe(p) => p.query_async(&mut conn).await,
-            }
-        };
-        match tokio::time::timeout(OP_TIMEOUT, run).await {
-            Ok(Ok(v)) => Ok(v),
+    async fn call<T: redis::FromRedisValue>(&self, q: Query) -> Result<T, StoreError> {
+        match self.link.query(&q).await {
+            Ok(v) => Ok(v),
             // Redis answered, with an error or something not ours (WRONGTYPE, an odd
             // reply): the store is up and a SET heals the key. Only a connection that
-            // failed is an outage.
-            Ok(Err(e))
-                if !(e.is_io_error() || e.is_timeout() || e.is_connection_dropped())
-                    && matches!(
-                        e.kind(),
-                        redis::ErrorKind::Parse
-                            | redis::ErrorKind::UnexpectedReturnType
-                            | redis::ErrorKind::Extension
-                            | redis::ErrorKind::Server(_)
-                    ) =>
+            // failed or a call that timed out is an outage.
+            Err(e)
+                if e.answered()
+                    && e.redis().is_some_and(|r| {
+                        matches!(
+                            r.kind(),
+                            redis::ErrorKind::Parse
+                                | redis::ErrorKind::UnexpectedReturnType
+                                | redis::ErrorKind::Extension
+                                | redis::ErrorKind::Server(_)
+                        )
+                    }) =>
             {
-                Err(StoreError::Garbage(format!("redis: {e}")))
+                Err(StoreError::Garbage(e.to_string()))
             }
-            Ok(Err(e)) => Err(StoreError::Unavailable(format!("redis: {e}"))),
-            Err(_) => Err(StoreError::Unavailable(format!(
-                "redis: no answer within {OP_TIMEOUT:?}"
-            ))),
+            Err(e) => Err(StoreError::Unavailable(e.to_string())),
         }
     }
-}
-
-enum CmdOrPipe {
-    Cmd(redis::Cmd),
-    Pipe(redis::Pipeline),
 }
 
 fn hex(k: &Key) -> String {
@@ -131,7 +112,7 @@ impl Store for RedisStore {
         async move {
             let mut c = redis::cmd("GET");
             c.arg(self.entry_key(key));
-            let raw: Option<Bytes> = self.call(CmdOrPipe::Cmd(c)).await?;
+            let raw: Option<Bytes> = self.call(Query::Cmd(c)).await?;
             raw.map(|b| Entry::decode(b).map_err(|e| StoreError::Garbage(format!("redis: {e}"))))
                 .transpose()
         }
@@ -145,7 +126,7 @@ impl Store for RedisStore {
                 .arg(entry.encode())
                 .arg("PX")
                 .arg(self.ttl_ms);
-            self.call::<()>(CmdOrPipe::Cmd(c)).await
+            self.call::<()>(Query::Cmd(c)).await
         }
         .boxed()
     }
@@ -160,7 +141,7 @@ impl Store for RedisStore {
             c.arg(self.list_key(partition))
                 .arg(0)
                 .arg(n.max(1) as i64 - 1);
-            let items: Vec<Bytes> = self.call(CmdOrPipe::Cmd(c)).await?;
+            let items: Vec<Bytes> = self.call(Query::Cmd(c)).await?;
             items.iter().map(|b| decode_candidate(b)).collect()
         }
         .boxed()
@@ -195,7 +176,7 @@ impl Store for RedisStore {
                 .arg(&list)
                 .arg(self.ttl_ms)
                 .ignore();
-            self.call::<()>(CmdOrPipe::Pipe(p)).await
+            self.call::<()>(Query::Pipe(p)).await
         }
         .boxed()
     }

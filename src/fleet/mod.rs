@@ -41,6 +41,7 @@ use crate::config::StateConfig;
 use crate::pool::{Pool, Worker, WorkerId};
 pub use crate::prompt::chunks::{CHUNK_BYTES, chain};
 use crate::prompt::chunks::{extend, link};
+use crate::redis_link::{Query, RedisLink};
 use crate::shutdown::Shutdown;
 use crate::tree::{ChainMemo, PrefixMatch, RemotePrefixes, WorkerMask};
 use index::ChunkIndex;
@@ -202,20 +203,9 @@ impl Fleet {
     }
 
     async fn publish(self: Arc<Self>, mut rx: mpsc::Receiver<Record>, mut shutdown: Shutdown) {
-        let cfg = redis::aio::ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(OP_TIMEOUT))
-            .set_response_timeout(Some(OP_TIMEOUT))
-            .set_number_of_retries(1);
-        let conn = match redis::aio::ConnectionManager::new_lazy_with_config(
-            self.client.clone(),
-            cfg,
-        ) {
-            Ok(c) => c,
-            Err(e) => {
-                tracing::error!(error = %crate::redact::line(&e.to_string()), "fleet publisher cannot start; routing stays per-process");
-                return;
-            }
-        };
+        // A connection whose pipeline timed out (a frozen Redis) is replaced, not
+        // queued behind: sharing resumes as soon as Redis answers again.
+        let link = RedisLink::new(self.client.clone(), OP_TIMEOUT);
         let mut flush = tokio::time::interval(FLUSH_EVERY);
         flush.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut last_load = Instant::now() - LOAD_EVERY;
@@ -238,7 +228,7 @@ impl Fleet {
                         batch.push(&Record::Load(self.local_loads()));
                     }
                     if !batch.is_empty() {
-                        self.send(&conn, &batch).await;
+                        self.send(&link, &batch).await;
                         batch.clear();
                     }
                 }
@@ -246,9 +236,8 @@ impl Fleet {
         }
     }
 
-    async fn send(&self, conn: &redis::aio::ConnectionManager, batch: &Batch) {
+    async fn send(&self, link: &RedisLink, batch: &Batch) {
         let (records, bytes) = (batch.records(), batch.len());
-        let mut conn = conn.clone();
         let payload = batch.as_bytes();
         let mut p = redis::pipe();
         p.cmd("PUBLISH")
@@ -268,16 +257,14 @@ impl Fleet {
             .arg(&self.log)
             .arg(LOG_TTL.as_secs())
             .ignore();
-        let sent = tokio::time::timeout(OP_TIMEOUT, p.query_async::<()>(&mut conn)).await;
-        match sent {
-            Ok(Ok(_)) => {
+        match link.query::<()>(&Query::Pipe(p)).await {
+            Ok(()) => {
                 let c = &self.counts;
                 c.messages_out.fetch_add(1, Ordering::Relaxed);
                 c.bytes_out.fetch_add(bytes as u64, Ordering::Relaxed);
                 c.records_out.fetch_add(records as u64, Ordering::Relaxed);
             }
-            Ok(Err(e)) => self.failed(&self.counts.publish_errors, &e.to_string()),
-            Err(_) => self.failed(&self.counts.publish_errors, "no answer within 500 ms"),
+            Err(e) => self.failed(&self.counts.publish_errors, &e.to_string()),
         }
     }
 

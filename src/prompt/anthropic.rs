@@ -1,4 +1,6 @@
-//! Anthropic Messages shape (`POST /v1/messages`): `system` then `messages`.
+//! Anthropic Messages shape (`POST /v1/messages`): `tools`, `system`, then `messages`
+//! (the order of Anthropic's own prompt cache, and of chat templates that render tool
+//! definitions ahead of the conversation).
 //!
 //! `system` may be a string or a list of text blocks; blocks are joined with newlines,
 //! so both spellings of the same system prompt give the same routing text. Message
@@ -15,6 +17,9 @@ struct MessagesBody<'a> {
     system: Option<Content<'a>>,
     #[serde(borrow)]
     messages: Vec<Message<'a>>,
+    /// Kept unparsed: its bytes are the routing text (`prompt::tools`).
+    #[serde(borrow, default)]
+    tools: Option<&'a serde_json::value::RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -25,11 +30,13 @@ struct Message<'a> {
     content: Option<Content<'a>>,
 }
 
-/// Appends `system: <system>` then `role: content` per message.
+/// Appends `tools: <tools as sent>` (`prompt::tools`), `system: <system>`, then
+/// `role: content` per message.
 pub fn messages(body: &[u8], b: &mut PromptBuilder) -> bool {
     let Ok(req) = serde_json::from_slice::<MessagesBody<'_>>(body) else {
         return false;
     };
+    super::tools(req.tools, b);
     if let Some(system) = &req.system {
         b.role("system");
         if !append_content(system, b) {

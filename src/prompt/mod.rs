@@ -391,6 +391,32 @@ pub(crate) fn append_content(c: &Content<'_>, b: &mut PromptBuilder) -> bool {
     }
 }
 
+/// Appends a request's tool definitions (`tools`, as sent) ahead of the conversation,
+/// where chat templates render them: `tools: <the JSON as written>` and a newline. The
+/// raw bytes of the value are the text (no parse, no re-serialisation); `null` and `[]`
+/// are no tools, so they route as a request without the field.
+///
+/// Tools are often most of an agent's prompt (5–20 KB of schemas): two requests with the
+/// same messages and different tools share next to nothing in the engine's cache, and
+/// must not look like a full match here. Like any text they count towards the length and
+/// the digest past the cut.
+pub(crate) fn tools(raw: Option<&RawValue>, b: &mut PromptBuilder) {
+    // `null` reads as `None`; RawValue holds the value without the whitespace around it.
+    let Some(raw) = raw.map(RawValue::get) else {
+        return;
+    };
+    let empty = raw
+        .strip_prefix('[')
+        .and_then(|r| r.strip_suffix(']'))
+        .is_some_and(|r| r.trim().is_empty());
+    if empty {
+        return;
+    }
+    b.role("tools");
+    b.text(raw);
+    b.end_message();
+}
+
 /// Appends an unparsed `content`: a string, an array of parts/blocks, or null (empty).
 /// Returns false when it is none of these (the caller falls back to the raw body).
 pub(crate) fn content(raw: &RawValue, b: &mut PromptBuilder) -> bool {
@@ -596,6 +622,93 @@ mod tests {
             Some(chunks::digest(b"0123"))
         );
         assert_eq!(raw_body(b"0123", 4).cut_digest, None);
+    }
+
+    // C48
+    #[test]
+    fn tool_definitions_lead_the_routing_text_on_every_chat_endpoint() {
+        let tools = |f: &str| {
+            format!(
+                r#"[{{"type":"function","function":{{"name":"{f}","parameters":{{"type":"object"}}}}}}]"#
+            )
+        };
+        let (t1, t2) = (tools("get_weather"), tools("book_flight"));
+        let bodies = |t: Option<&str>| {
+            let field = t.map(|t| format!(r#""tools":{t},"#)).unwrap_or_default();
+            [
+                (
+                    Endpoint::ChatCompletions,
+                    format!(
+                        r#"{{"model":"m",{field}"messages":[{{"role":"system","content":"S"}},{{"role":"user","content":"U"}}]}}"#
+                    ),
+                ),
+                (
+                    Endpoint::Messages,
+                    format!(
+                        r#"{{"system":"S",{field}"messages":[{{"role":"user","content":"U"}}]}}"#
+                    ),
+                ),
+                (
+                    Endpoint::Responses,
+                    format!(r#"{{"instructions":"S",{field}"input":"U"}}"#),
+                ),
+            ]
+        };
+        for ((e, none), ((_, one), (_, two))) in bodies(None)
+            .into_iter()
+            .zip(bodies(Some(&t1)).into_iter().zip(bodies(Some(&t2))))
+        {
+            let none = extract(e, none.as_bytes(), 1 << 20).into_owned_for_test();
+            let one = extract(e, one.as_bytes(), 1 << 20).into_owned_for_test();
+            let two = extract(e, two.as_bytes(), 1 << 20).into_owned_for_test();
+            assert_eq!(none.text.as_ref(), b"system: S\nuser: U\n", "{e:?}");
+            // The tools as sent, then the conversation unchanged.
+            assert_eq!(
+                one.text.as_ref(),
+                format!("tools: {t1}\nsystem: S\nuser: U\n").as_bytes(),
+                "{e:?}"
+            );
+            assert_ne!(one.digest, two.digest, "{e:?}");
+            assert_eq!(one.total_len, none.total_len + "tools: \n".len() + t1.len());
+            // Other tools part where their definitions part, not at the end.
+            let common = one
+                .text
+                .iter()
+                .zip(two.text.iter())
+                .take_while(|(a, b)| a == b);
+            assert!(common.count() < "tools: ".len() + t1.len(), "{e:?}");
+        }
+        // No tools, `null` and `[]` route alike.
+        let chat = |field: &str| {
+            let body = format!(r#"{{{field}"messages":[{{"role":"user","content":"U"}}]}}"#);
+            extract(Endpoint::ChatCompletions, body.as_bytes(), 1 << 20).into_owned_for_test()
+        };
+        assert_eq!(chat(""), chat(r#""tools":null,"#));
+        assert_eq!(chat(""), chat(r#""tools":[ ],"#));
+    }
+
+    // C48: tools count towards length and digest even when the cut falls inside them.
+    #[test]
+    fn tools_past_the_cut_still_count_in_length_and_digest() {
+        let body = |f: &str, q: &str| {
+            format!(
+                r#"{{"tools":[{{"type":"function","function":{{"name":"{f}","description":"{}"}}}}],"messages":[{{"role":"user","content":"{q}"}}]}}"#,
+                "x".repeat(200)
+            )
+        };
+        let a = extract(Endpoint::ChatCompletions, body("a", "hi").as_bytes(), 64)
+            .into_owned_for_test();
+        let b = extract(Endpoint::ChatCompletions, body("a", "ho").as_bytes(), 64)
+            .into_owned_for_test();
+        let c = extract(Endpoint::ChatCompletions, body("b", "hi").as_bytes(), 64)
+            .into_owned_for_test();
+        assert_eq!(a.text.len(), 64);
+        assert!(a.text.starts_with(b"tools: [{"));
+        assert_eq!(a.text, b.text);
+        assert_ne!(a.text, c.text, "the tools differ before the cut");
+        assert_ne!(a.digest, b.digest, "the messages past the cut count");
+        assert!(a.total_len > 200 + "user: hi".len());
+        assert_eq!(a.cut_digest, b.cut_digest);
     }
 
     #[test]

@@ -16,6 +16,9 @@ use super::{Content, PromptBuilder, Text, append_content};
 struct ChatBody<'a> {
     #[serde(borrow)]
     messages: Vec<ChatMessage<'a>>,
+    /// Kept unparsed: its bytes are the routing text (`prompt::tools`).
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
 }
 
 #[derive(Deserialize)]
@@ -43,13 +46,15 @@ struct FunctionCall<'a> {
     arguments: Option<&'a RawValue>,
 }
 
-/// `/v1/chat/completions`: for each message, `role: ` then its content (string, parts
+/// `/v1/chat/completions`: the tool definitions first (`tools: …`, see
+/// `prompt::tools`), then for each message, `role: ` then its content (string, parts
 /// or null), then each tool call's name and arguments, then a newline. Tool results are
 /// `role: tool` messages and count like any content.
 pub fn chat(body: &[u8], b: &mut PromptBuilder) -> bool {
     let Ok(req) = serde_json::from_slice::<ChatBody<'_>>(body) else {
         return false;
     };
+    super::tools(req.tools, b);
     for m in &req.messages {
         b.role(m.role.as_deref().unwrap_or("user"));
         if let Some(c) = &m.content
@@ -149,6 +154,9 @@ struct ResponsesBody<'a> {
     /// A conversation id, or `{"id": …}`.
     #[serde(borrow, default)]
     conversation: Option<&'a RawValue>,
+    /// Kept unparsed: its bytes are the routing text (`prompt::tools`).
+    #[serde(borrow, default)]
+    tools: Option<&'a RawValue>,
 }
 
 /// The id of a `conversation` field: a string, or an object with a string `id`.
@@ -180,8 +188,8 @@ struct ResponsesItem<'a> {
     output: Option<&'a RawValue>,
 }
 
-/// `/v1/responses`: `instructions` as a system message, then `input`: a string (one
-/// user message) or items (messages, `function_call` name + arguments,
+/// `/v1/responses`: the tool definitions first (`tools: …`, see `prompt::tools`),
+/// `instructions` as a system message, then `input`: a string (one user message) or items (messages, `function_call` name + arguments,
 /// `function_call_output`; other items such as reasoning count towards the digest).
 pub fn responses(body: &[u8], b: &mut PromptBuilder) -> bool {
     let Ok(req) = serde_json::from_slice::<ResponsesBody<'_>>(body) else {
@@ -196,6 +204,7 @@ pub fn responses(body: &[u8], b: &mut PromptBuilder) -> bool {
     } else if let Some(conv) = req.conversation.and_then(conversation_id) {
         b.continues(&conv);
     }
+    super::tools(req.tools, b);
     if let Some(i) = &req.instructions {
         b.role("system");
         b.text(&i.0);

@@ -82,6 +82,15 @@ impl RedisServer {
         );
     }
 
+    /// Stops the server with SIGSTOP (its port still accepts connections, nothing
+    /// answers: a frozen server) until the returned guard is dropped, which sends
+    /// SIGCONT, on a test's failure too.
+    pub fn freeze(&self) -> Frozen {
+        let pid = self.child.as_ref().expect("redis-server is running").id();
+        signal(pid, "-STOP");
+        Frozen { pid, thawed: false }
+    }
+
     /// Sends one command (RESP) and returns the raw reply; `None` when unreachable.
     pub fn command(&self, args: &[&str]) -> Option<String> {
         let mut s = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
@@ -115,4 +124,34 @@ impl Drop for RedisServer {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// A frozen server (see [`RedisServer::freeze`]); thawed on drop.
+pub struct Frozen {
+    pid: u32,
+    thawed: bool,
+}
+
+impl Frozen {
+    /// Sends SIGCONT now.
+    pub fn thaw(mut self) {
+        signal(self.pid, "-CONT");
+        self.thawed = true;
+    }
+}
+
+impl Drop for Frozen {
+    fn drop(&mut self) {
+        if !self.thawed {
+            signal(self.pid, "-CONT");
+        }
+    }
+}
+
+fn signal(pid: u32, sig: &str) {
+    let ok = Command::new("kill")
+        .args([sig, &pid.to_string()])
+        .status()
+        .is_ok_and(|s| s.success());
+    assert!(ok || std::thread::panicking(), "kill {sig} {pid} failed");
 }
