@@ -535,8 +535,9 @@ pub async fn start_any_router(
     Ok(StartedRouter { url, pid, how, dir })
 }
 
-/// Our router's `routing_decisions_total` by reason, from `GET /metrics`
-/// (`cache_hit 1200, hit_overloaded 40, miss 760`), then its `GET /workers` prefix
+/// Our router's `routing_decisions_total` by reason and the bytes its tree aged out,
+/// from `GET /metrics` (`cache_hit 1200, hit_overloaded 40, miss 760, tree aged out
+/// 0.0 MB`), then its `GET /workers` prefix
 /// token summary when it has one (`available 9.1M, predicted 7.9M (0.87), delivered
 /// 5.2M (0.66)`); `None` if unreadable.
 pub async fn routing_decisions(router_url: &str) -> Option<String> {
@@ -564,7 +565,12 @@ pub async fn routing_decisions(router_url: &str) -> Option<String> {
 async fn decision_counts(router_url: &str) -> Option<String> {
     let body = get_body(&format!("{router_url}/metrics")).await?;
     let text = String::from_utf8_lossy(&body);
-    let parts: Vec<String> = text
+    // What the tree's learning removed (`cache.learn_evictions`), beside the decisions.
+    let aged = text.lines().find_map(|l| {
+        l.strip_prefix("cache_aware_router_tree_aged_out_bytes_total ")
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    });
+    let mut parts: Vec<String> = text
         .lines()
         .filter_map(|l| {
             let rest = l.strip_prefix("cache_aware_router_routing_decisions_total{")?;
@@ -576,6 +582,9 @@ async fn decision_counts(router_url: &str) -> Option<String> {
             Some(format!("{reason} {}", value.trim()))
         })
         .collect();
+    if let (false, Some(bytes)) = (parts.is_empty(), aged) {
+        parts.push(format!("tree aged out {:.1} MB", bytes / 1e6));
+    }
     (!parts.is_empty()).then(|| parts.join(", "))
 }
 

@@ -111,15 +111,7 @@ pub fn hot_prefix(spec: &HotPrefixSpec) -> Vec<GeneratedRequest> {
         ids
     };
     let mut out: Vec<GeneratedRequest> = Vec::with_capacity(spec.requests);
-    fn record(rng: &mut Draw, ts: u64, ids: Vec<u64>) -> TraceRecord {
-        let full = ids.len() as u64 * MOONCAKE_BLOCK_WORDS as u64;
-        TraceRecord {
-            timestamp: ts,
-            input_length: Some(full - rng.range(0, MAX_CUT)),
-            output_length: rng.range(OUTPUT_TOKENS.0, OUTPUT_TOKENS.1),
-            hash_ids: ids,
-        }
-    }
+    let record = synthetic_record;
 
     // Sessions until their turns make up the session share (never a 1-turn one).
     let mut in_sessions =
