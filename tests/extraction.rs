@@ -449,6 +449,7 @@ async fn inline_media_and_a_mentioned_url_still_pass_the_policy() {
     }
     router.shutdown().await;
 }
+
 /// An engine's prefix cache, per worker: the rendered prompt is the canonical JSON of
 /// `tools`, a newline, then the conversation (`system`/`instructions`, then
 /// `messages`/`input`), as a tools-first chat template (Llama 3.x JSON) renders it. It
