@@ -48,10 +48,13 @@ pub struct HitStats {
 
 #[derive(Debug, Default)]
 struct Drift {
-    /// (predicted, delivered) of the last answers that predicted a hit.
-    window: VecDeque<(u64, u64)>,
+    /// (predicted, delivered capped at predicted, delivered) of the last answers that
+    /// predicted a hit.
+    window: VecDeque<(u64, u64, u64)>,
     predicted: u64,
     delivered: u64,
+    /// The window's delivered tokens, uncapped.
+    delivered_all: u64,
     /// Since when the drift has been under the floor.
     low_since: Option<Instant>,
     warned: Option<Instant>,
@@ -98,14 +101,16 @@ impl HitStats {
         let mut d = self.drift.lock().unwrap_or_else(|p| p.into_inner());
         if predicted > 0 {
             let kept = delivered.min(predicted);
-            d.window.push_back((predicted, kept));
+            d.window.push_back((predicted, kept, delivered));
             d.predicted += predicted;
             d.delivered += kept;
+            d.delivered_all += delivered;
             if d.window.len() > DRIFT_WINDOW
-                && let Some((p, k)) = d.window.pop_front()
+                && let Some((p, k, all)) = d.window.pop_front()
             {
                 d.predicted -= p;
                 d.delivered -= k;
+                d.delivered_all -= all;
             }
         }
         let ratio = d.ratio();
@@ -134,12 +139,15 @@ impl HitStats {
         self.drift.lock().unwrap_or_else(|p| p.into_inner()).ratio()
     }
 
-    /// delivered ÷ predicted over the answers of the window so far, however few (`None`
-    /// before the first answer that predicted a hit): what the tree's learning weighs a
-    /// short answer against (`policy::cache_aware::CacheAware::learn`).
+    /// delivered ÷ predicted over the answers of the window so far, however few, and
+    /// with what an answer delivered beyond its prediction counted (`None` before the
+    /// first answer that predicted a hit): what the tree's learning weighs a short
+    /// answer against (`policy::cache_aware::CacheAware::learn`). Uncapped, because an
+    /// engine that reuses more than the router predicts elsewhere (prompts past
+    /// `cache.max_prompt_bytes`) is not one whose cache the router overrates.
     pub fn drift_so_far(&self) -> Option<f64> {
         let d = self.drift.lock().unwrap_or_else(|p| p.into_inner());
-        (d.predicted > 0).then(|| d.delivered as f64 / d.predicted as f64)
+        (d.predicted > 0).then(|| d.delivered_all as f64 / d.predicted as f64)
     }
 }
 
@@ -160,6 +168,22 @@ mod tests {
         assert_eq!(h.delivered(None), None);
         assert_eq!(h.delivered(Some(48)), Some(48));
         assert_eq!(h.delivered(None), Some(0));
+    }
+
+    #[test]
+    fn the_learnings_ratio_counts_what_answers_delivered_beyond_their_prediction() {
+        let h = HitStats::default();
+        assert_eq!(h.drift_so_far(), None);
+        // One answer far short, one far over (an engine reusing past the router's cut).
+        h.record([400, 100, 0], 0.5, DRIFT_FOR);
+        h.record([400, 100, 300], 0.5, DRIFT_FOR);
+        assert_eq!(h.drift_so_far(), Some(1.5));
+        // The warning's drift caps each answer at its prediction (and needs 10).
+        assert_eq!(h.drift(), None);
+        for _ in 0..8 {
+            h.record([400, 100, 300], 0.5, DRIFT_FOR);
+        }
+        assert_eq!(h.drift(), Some(0.9));
     }
 
     #[tokio::test(start_paused = true)]
