@@ -486,7 +486,7 @@ mod tests {
     }
 
     #[test]
-    fn a_hit_carries_its_stamp_and_a_short_delivery_sets_the_horizon() {
+    fn a_hit_carries_its_stamp_and_a_short_delivery_sets_the_horizon_on_evidence_only() {
         let (config, pool, policy) = setup("cache: {learn_evictions: true}\n");
         let set = pool.set();
         let c = cands(&set);
@@ -537,40 +537,20 @@ mod tests {
             policy.tree.shared_tree().take_horizons(),
             vec![(w.id(), again.stamp)]
         );
-    }
-
-    #[test]
-    fn a_hit_on_a_prefix_recorded_by_a_request_that_may_still_run_is_no_evidence() {
-        let (config, pool, policy) = setup("cache: {learn_evictions: true}\n");
-        let set = pool.set();
-        let mut rng = StdRng::seed_from_u64(1);
-        let body = body(800, "a question");
-        let ctx = extract(
-            Endpoint::ChatCompletions,
-            &body,
-            config.cache.max_prompt_bytes,
-        );
-        let req = RouteRequest {
-            ctx: Some(&ctx),
-            ..Default::default()
-        };
-        let idle = cands(&set);
-        let first = policy.pick(&req, &set, &idle, &mut rng);
-        let w = set.get(first.worker.unwrap()).unwrap();
-        policy.observe(&req, &first, w, Outcome::Served);
-        // Idle pool: the recording request has finished; the hit carries its stamp.
-        assert!(policy.pick(&req, &set, &idle, &mut rng).stamp > 0);
         // Three requests running (on the other worker: the same pick): the record, made
-        // 0 inserts ago, may be one of theirs.
-        let busy: Vec<Candidate> = idle
+        // 0 inserts ago, may be one of theirs, and a hit on it is no evidence.
+        let busy: Vec<Candidate> = c
             .iter()
-            .map(|c| Candidate {
-                load: if c.id == w.id() { 0 } else { 3 },
-                ..*c
+            .map(|x| Candidate {
+                load: if x.id == w.id() { 0 } else { 3 },
+                ..*x
             })
             .collect();
         let p = policy.pick(&req, &set, &busy, &mut rng);
-        assert_eq!((p.reason, p.stamp), (Reason::CacheHit, 0));
+        assert_eq!(
+            (p.worker, p.reason, p.stamp),
+            (first.worker, Reason::CacheHit, 0)
+        );
     }
 
     #[test]
