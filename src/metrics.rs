@@ -285,9 +285,10 @@ pub struct Metrics {
     seen_evicted: AtomicU64,
     seen_skipped: AtomicU64,
     seen_aged_out: AtomicU64,
-    /// Worker labels given per-worker series at the last scrape (see
-    /// [`Metrics::worker_series`]).
-    workers_seen: std::sync::Mutex<Vec<Arc<str>>>,
+    /// Every worker label with series of its own that outlive a scrape, and the label
+    /// sets its label alone does not name (see [`Noted`]); a worker's entry and
+    /// series go when it leaves ([`Metrics::forget_worker`]).
+    noted: std::sync::Mutex<std::collections::HashMap<Arc<str>, Noted>>,
     /// The per-worker series a routed request updates, resolved once per worker.
     handles: handles::Handles,
     /// `proxy.queue`: requests waiting for a slot now, their waits, refusals by cause.
@@ -301,6 +302,13 @@ pub struct Metrics {
     decision_counts: [Counter; REASONS.len()],
     /// `request_outcomes_total` per [`OUTCOMES`] entry, resolved once.
     outcome_counts: [Counter; OUTCOMES.len()],
+}
+
+/// A worker that leaves the pool takes its series with it.
+impl crate::pool::PoolListener for Metrics {
+    fn worker_left(&self, worker: &crate::pool::Worker) {
+        self.forget_worker(worker.label());
+    }
 }
 
 /// A request's place in the admission queue; dropping it (served, refused, or the
@@ -319,6 +327,20 @@ impl Drop for QueuePlace {
 }
 
 /// Every decision reason, for series at 0 from start-up.
+/// Worker labels of answers the router gave itself ([`NO_WORKER`]) or replayed from the
+/// response cache ([`CACHE_WORKER`]): never a pool's worker, so never forgotten.
+pub const NO_WORKER: &str = "none";
+pub const CACHE_WORKER: &str = "cache";
+
+/// A worker's label sets that its label alone does not name, noted as they are first
+/// created so that they can be removed: `requests_total` has one per endpoint and
+/// status, `prefix_tokens_total` one per policy (a reload may change it).
+#[derive(Debug, Default)]
+struct Noted {
+    requests: Vec<(&'static str, u16)>,
+    policies: Vec<&'static str>,
+}
+
 const REASONS: [Reason; 9] = [
     Reason::CacheHit,
     Reason::HitOverloaded,
@@ -378,7 +400,7 @@ impl Metrics {
             seen_evicted: AtomicU64::new(0),
             seen_skipped: AtomicU64::new(0),
             seen_aged_out: AtomicU64::new(0),
-            workers_seen: Default::default(),
+            noted: Default::default(),
             handles: Default::default(),
             queue_waiting: Gauge::default(),
             waiting: Arc::default(),
@@ -814,39 +836,23 @@ impl Metrics {
 
     /// Gives every worker of `set` its per-worker series at 0 (those its events would
     /// create: saved and engine tokens, `prefix_tokens_total` under `policy`, drift,
-    /// latency histograms), so a worker's first increments are seen; drops the series of
-    /// workers that left since the last scrape. `requests_total` keeps a departed
-    /// worker's series (one per status it answered, not known here).
+    /// latency histograms), so a worker's first increments are seen; forgets every
+    /// worker not in `set` that still has series (an answer that finished after its
+    /// worker left made them again).
     fn worker_series(&self, set: &WorkerSet, policy: &'static str) {
         let now: Vec<Arc<str>> = set
             .workers()
             .iter()
             .map(|w| Arc::clone(w.label()))
             .collect();
-        let mut seen = self.workers_seen.lock().unwrap_or_else(|e| e.into_inner());
-        for gone in seen.iter().filter(|w| !now.contains(w)) {
-            let labels = WorkerLabels {
-                worker: Arc::clone(gone),
-            };
-            for f in [
-                &self.estimated_saved,
-                &self.engine_cached,
-                &self.engine_prompt,
-            ] {
-                f.remove(&labels);
-            }
-            self.drift.remove(&labels);
-            self.drift_low.remove(&labels);
-            self.ttfb.remove(&labels);
-            self.duration.remove(&labels);
-            self.signals.back_pressure.remove(&labels);
-            for kind in PREFIX_KINDS {
-                self.prefix_tokens.remove(&PrefixLabels {
-                    worker: Arc::clone(gone),
-                    policy,
-                    kind,
-                });
-            }
+        let gone: Vec<Arc<str>> = self
+            .noted()
+            .keys()
+            .filter(|l| !now.contains(l) && !matches!(&***l, NO_WORKER | CACHE_WORKER))
+            .cloned()
+            .collect();
+        for label in &gone {
+            self.forget_worker(label);
         }
         for w in &now {
             let labels = WorkerLabels {
@@ -870,9 +876,67 @@ impl Metrics {
                     kind,
                 });
             }
+            self.note_policy(w, policy);
         }
         self.handles.retain(self, &now);
-        *seen = now;
+    }
+
+    fn noted(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<Arc<str>, Noted>> {
+        self.noted.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Notes that `worker` has series of its own (created on its first update).
+    fn note_worker(&self, worker: &Arc<str>) {
+        self.noted().entry(Arc::clone(worker)).or_default();
+    }
+
+    /// Notes `worker`'s `prefix_tokens_total` series under `policy`.
+    fn note_policy(&self, worker: &Arc<str>, policy: &'static str) {
+        let mut noted = self.noted();
+        let n = noted.entry(Arc::clone(worker)).or_default();
+        if !n.policies.contains(&policy) {
+            n.policies.push(policy);
+        }
+    }
+
+    /// Removes every series of the worker labelled `worker`: it left the pool (the
+    /// admin API, a reload, discovery), so under churn the exposition stays as large as
+    /// the pool. Series read from the pool at scrape time (in-flight, health, breaker,
+    /// engine signals, KV-event feeds) are rebuilt by each scrape and need nothing here.
+    pub fn forget_worker(&self, worker: &Arc<str>) {
+        let noted = self.noted().remove(worker).unwrap_or_default();
+        let labels = WorkerLabels {
+            worker: Arc::clone(worker),
+        };
+        for f in [
+            &self.estimated_saved,
+            &self.engine_cached,
+            &self.engine_prompt,
+            &self.signals.back_pressure,
+        ] {
+            f.remove(&labels);
+        }
+        self.drift.remove(&labels);
+        self.drift_low.remove(&labels);
+        self.ttfb.remove(&labels);
+        self.duration.remove(&labels);
+        for (endpoint, status) in noted.requests {
+            self.requests.remove(&RequestLabels {
+                endpoint,
+                worker: Arc::clone(worker),
+                status,
+            });
+        }
+        for policy in noted.policies {
+            for kind in PREFIX_KINDS {
+                self.prefix_tokens.remove(&PrefixLabels {
+                    worker: Arc::clone(worker),
+                    policy,
+                    kind,
+                });
+            }
+        }
+        self.handles.forget(worker);
     }
 
     /// One routing decision and how long it took.
@@ -904,13 +968,21 @@ impl Metrics {
 
     /// A response (or an error the router answered itself, with worker `none`).
     pub fn request(&self, endpoint: &'static str, worker: &Arc<str>, status: u16) {
-        self.requests
-            .get_or_create(&RequestLabels {
-                endpoint,
-                worker: Arc::clone(worker),
-                status,
-            })
-            .inc();
+        let labels = RequestLabels {
+            endpoint,
+            worker: Arc::clone(worker),
+            status,
+        };
+        if let Some(c) = self.requests.get(&labels) {
+            c.inc();
+            return;
+        }
+        self.requests.get_or_create(&labels).inc();
+        let mut noted = self.noted();
+        let n = noted.entry(Arc::clone(worker)).or_default();
+        if !n.requests.contains(&(endpoint, status)) {
+            n.requests.push((endpoint, status));
+        }
     }
 
     /// Response headers arrived from `worker` after `elapsed`.
@@ -954,6 +1026,7 @@ impl Metrics {
             }
             // Another policy than the handles were made under (a reload).
             None => {
+                self.note_policy(worker, policy);
                 for (kind, n) in PREFIX_KINDS.into_iter().zip(numbers) {
                     self.prefix_tokens
                         .get_or_create(&PrefixLabels {
@@ -982,6 +1055,7 @@ impl Metrics {
 
     /// A 429 or 503 + Retry-After from `worker`.
     pub fn back_pressure(&self, worker: &Arc<str>) {
+        self.note_worker(worker);
         self.signals
             .back_pressure
             .get_or_create(&WorkerLabels {

@@ -533,3 +533,61 @@ async fn an_admin_listener_takes_the_admin_endpoints_off_the_public_port() {
     assert_eq!(w.count(), 1);
     router.shutdown().await;
 }
+
+/// The exposition's samples (series) now.
+async fn series(addr: SocketAddr) -> usize {
+    scrape(addr).await.samples.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn per_worker_series_go_with_their_worker_under_churn() {
+    let a = FakeWorker::start().await;
+    let b = FakeWorker::start().await;
+    let router = start_router(&yaml_for(
+        &[&a],
+        &format!("policy: round_robin\n{WITH_TOKEN}"),
+    ))
+    .await;
+    let addr = router.addr;
+    // One cycle: a worker with a label of its own joins, answers, leaves.
+    let cycle = |i: usize| {
+        let url = format!("{}/churn-{i}", b.url());
+        async move {
+            let r = send(addr, &add_worker(&format!(r#"{{"url":"{url}"}}"#))).await;
+            assert_eq!(r.status, 201, "add {url}: {}", r.text());
+            // Round robin over two workers: both answer one of the two.
+            for _ in 0..2 {
+                let r = post(addr, "/v1/chat/completions", chat_body("hello", false)).await;
+                assert_eq!(r.status, 200, "{}", r.text());
+            }
+            if i % 100 == 0 {
+                let with_it = scrape(addr).await;
+                assert!(
+                    with_it.text.contains(&format!("worker=\"{url}\"")),
+                    "the joined worker has series of its own"
+                );
+            }
+            let r = send(addr, &admin("DELETE", &format!("/workers?url={url}"))).await;
+            assert_eq!(r.status, 200, "remove {url}: {}", r.text());
+            url
+        }
+    };
+    cycle(0).await;
+    let start = series(addr).await;
+    for i in 1..=1000 {
+        let url = cycle(i).await;
+        if i % 100 == 0 {
+            let now = scrape(addr).await;
+            assert!(
+                !now.text.contains(&format!("worker=\"{url}\"")),
+                "a removed worker's series are gone"
+            );
+            assert_eq!(
+                now.samples.len(),
+                start,
+                "series after {i} joins and leaves"
+            );
+        }
+    }
+    assert_eq!(series(addr).await, start);
+}

@@ -56,6 +56,7 @@ impl WorkerHandles {
     /// The prefix counters under `policy`.
     pub fn prefix(&self, m: &Metrics, policy: &'static str) -> Option<&[Counter; 3]> {
         let (p, c) = self.prefix.get_or_init(|| {
+            m.note_policy(&self.label, policy);
             let c = PREFIX_KINDS.map(|kind| {
                 m.prefix_tokens
                     .get_or_create(&PrefixLabels {
@@ -130,6 +131,14 @@ impl Handles {
         self.table.store(Arc::new(t));
     }
 
+    /// Drops the handles of the worker named `name` (it left; its series went).
+    pub fn forget(&self, name: &str) {
+        let _w = self.write.lock().unwrap_or_else(|e| e.into_inner());
+        let mut t: Table = (**self.table.load()).clone();
+        t.retain(|(_, h)| *h.label != *name);
+        self.table.store(Arc::new(t));
+    }
+
     /// Entries held (tests).
     #[cfg(test)]
     pub fn len(&self) -> usize {
@@ -139,6 +148,7 @@ impl Handles {
 
 /// Clones of `label`'s series from the families (created at 0 when absent).
 fn resolve(m: &Metrics, label: &Arc<str>) -> WorkerHandles {
+    m.note_worker(label);
     let l = WorkerLabels {
         worker: Arc::clone(label),
     };

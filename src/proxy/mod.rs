@@ -85,6 +85,7 @@ impl Router {
         }
         let client = upstream::Upstream::new(&config.proxy);
         let metrics = Arc::new(Metrics::new());
+        pool.listen(Arc::clone(&metrics) as Arc<dyn crate::pool::PoolListener>);
         let rc = &config.response_cache;
         let cache = rc.enabled.then(|| {
             let bearer = rc
