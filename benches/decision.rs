@@ -128,12 +128,8 @@ impl Sharing {
 
     fn new(cfg: &Config, name: &'static str) -> Self {
         let pool = Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
-        let policy = policy::build(cfg, &pool);
-        let fleet = Fleet::new(&cfg.state, Arc::clone(&pool)).expect("fleet");
-        policy
-            .tree()
-            .expect("cache_aware keeps a tree")
-            .share(Arc::clone(&fleet) as Arc<dyn RemotePrefixes>);
+        let policy::Routing { policy, fleet } = policy::build(cfg, &pool);
+        let fleet = fleet.expect("fleet: state.redis_url is set");
         let keys = pool.set().workers().iter().map(|w| w.key_hash()).collect();
         Sharing {
             name,
@@ -223,8 +219,8 @@ fn main() {
     // 1. Fill cache_aware's tree: 200 shared system prompts (2 KiB), conversations
     //    branching off them, each insert adding a split and a leaf.
     let cfg = config("cache_aware");
-    let pool = Pool::new(&cfg.workers, &cfg.circuit_breaker);
-    let cache_aware = policy::build(&cfg, &pool);
+    let pool = Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
+    let cache_aware = policy::build(&cfg, &pool).policy;
     // Sharing on: the other replica served every prompt, or only the fill's.
     let fleet_cfg = config_with(
         "cache_aware",
@@ -327,8 +323,8 @@ fn main() {
 
     // cost_aware walks the same tree (a copy: its own).
     let cost_cfg = config("cost_aware");
-    let cost_pool = Pool::new(&cost_cfg.workers, &cost_cfg.circuit_breaker);
-    let cost_aware = policy::build(&cost_cfg, &cost_pool);
+    let cost_pool = Arc::new(Pool::new(&cost_cfg.workers, &cost_cfg.circuit_breaker));
+    let cost_aware = policy::build(&cost_cfg, &cost_pool).policy;
     *cost_aware.tree().expect("cost_aware keeps a tree").lock() =
         cache_aware.tree().expect("tree").lock().clone();
 
@@ -355,8 +351,8 @@ fn main() {
         "consistent_hash",
     ] {
         let cfg = config(name);
-        let p = Pool::new(&cfg.workers, &cfg.circuit_breaker);
-        let policy = policy::build(&cfg, &p);
+        let p = Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
+        let policy = policy::build(&cfg, &p).policy;
         cases.push(vec![Lane::new(name, p.set(), policy)]);
     }
     // At the cap (the default): each tree is held near its size after the fill (see

@@ -59,7 +59,7 @@ const EARLIER: usize = 2 * DECISIONS + Upkeep::SLACK;
 fn fixture(workers: usize, nodes: usize, rng: &mut StdRng) -> Fixture {
     let cfg = config(workers, nodes);
     let pool = Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
-    let policy = policy::build(&cfg, &pool);
+    let policy = policy::build(&cfg, &pool).policy;
     let systems: Vec<String> = (0..200).map(|_| words(rng, 2048)).collect();
     let t = Instant::now();
     let mut tree = policy.tree().expect("cache_aware keeps a tree").lock();

@@ -90,8 +90,8 @@ fn picks(c: &mut Criterion) {
         );
         let cfg = Config::from_sources([(std::path::Path::new("bench.yaml"), yaml.as_str())])
             .expect("config");
-        let pool = Pool::new(&cfg.workers, &cfg.circuit_breaker);
-        let policy = policy::build(&cfg, &pool);
+        let pool = std::sync::Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
+        let policy = policy::build(&cfg, &pool).policy;
         let set = pool.set();
         let mut rng = StdRng::seed_from_u64(3);
         let (held, fresh) = (prompts(&mut rng), prompts(&mut rng));

@@ -122,8 +122,8 @@ pub struct Fleet {
     index: Mutex<ChunkIndex>,
     /// Per other replica: when it last published, and its share.
     loads: Mutex<HashMap<u64, Share>>,
-    /// The session layer's bindings, when the policy shares them.
-    bindings: std::sync::OnceLock<Arc<dyn BindingSink>>,
+    /// Where the other replicas' bindings are applied (the session layer's memory).
+    bindings: Arc<dyn BindingSink>,
     pub counts: FleetCounts,
     /// Failure log lines, at most one per [`LOG_EVERY`].
     failures: crate::clock::LogEvery,
@@ -139,9 +139,14 @@ impl std::fmt::Debug for Fleet {
 }
 
 impl Fleet {
-    /// The fleet for `cfg` (its `redis_url` set), over `pool`'s workers; connects when
-    /// [`Fleet::run`] starts. `Err` when the URL cannot be used (config checked it).
-    pub fn new(cfg: &StateConfig, pool: Arc<Pool>) -> Result<Arc<Self>, String> {
+    /// The fleet for `cfg` (its `redis_url` set), over `pool`'s workers, applying the
+    /// other replicas' bindings into `bindings`; connects when [`Fleet::run`] starts.
+    /// `Err` when the URL cannot be used (config checked it).
+    pub fn new(
+        cfg: &StateConfig,
+        pool: Arc<Pool>,
+        bindings: Arc<dyn BindingSink>,
+    ) -> Result<Arc<Self>, String> {
         let url = cfg.redis_url.as_ref().ok_or("state.redis_url is not set")?;
         let client = redis::Client::open(url.expose()).map_err(|e| e.to_string())?;
         let (tx, rx) = mpsc::channel(QUEUE);
@@ -157,15 +162,10 @@ impl Fleet {
             rx: Mutex::new(Some(rx)),
             index: Mutex::new(ChunkIndex::new(MAX_RECORDS)),
             loads: Mutex::new(HashMap::new()),
-            bindings: std::sync::OnceLock::new(),
+            bindings,
             counts: FleetCounts::default(),
             failures: crate::clock::LogEvery::new(LOG_EVERY),
         }))
-    }
-
-    /// Where the other replicas' bindings are applied (set once by the policy).
-    pub fn set_bindings(&self, sink: Arc<dyn BindingSink>) {
-        let _ = self.bindings.set(sink);
     }
 
     /// This replica bound `key` to `worker`: tell the others (dropped and counted when
@@ -410,11 +410,9 @@ impl Fleet {
                 Record::Binding { kind, key, worker } => bindings.push((kind, key, worker)),
             }
         }
-        if let Some(sink) = self.bindings.get() {
-            for (kind, key, worker) in bindings {
-                if let Some(w) = by_key.get(&worker).and_then(|&id| set.get(id)) {
-                    sink.apply_binding(kind, key, w);
-                }
+        for (kind, key, worker) in bindings {
+            if let Some(w) = by_key.get(&worker).and_then(|&id| set.get(id)) {
+                self.bindings.apply_binding(kind, key, w);
             }
         }
         if let Some(l) = load {
@@ -688,7 +686,8 @@ mod tests {
         )])
         .unwrap();
         let pool = Arc::new(Pool::new(&c.workers, &c.circuit_breaker));
-        Fleet::new(&c.state, pool).unwrap()
+        let memory = crate::policy::session::Memory::new(&c.session);
+        Fleet::new(&c.state, pool, memory).unwrap()
     }
 
     fn message(from: u64, records: &[Record]) -> Vec<u8> {

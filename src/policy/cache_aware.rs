@@ -52,11 +52,14 @@ pub struct CacheAware {
 }
 
 impl CacheAware {
-    pub fn new(cache: &CacheConfig) -> Self {
+    /// The policy for `cache:`, its tree shared with the other router replicas through
+    /// `fleet` when given (`state:`).
+    pub fn new(cache: &CacheConfig, fleet: Option<&Arc<crate::fleet::Fleet>>) -> Self {
+        let remote = fleet.map(|f| Arc::clone(f) as Arc<dyn crate::tree::RemotePrefixes>);
         CacheAware {
             params: CacheParams::from(cache),
             cache: cache.clone(),
-            tree: Arc::new(SharedTree::default()),
+            tree: Arc::new(SharedTree::new(remote)),
         }
     }
 
@@ -176,11 +179,6 @@ impl Policy for CacheAware {
 
     fn tree(&self) -> Option<&Arc<SharedTree>> {
         Some(&self.tree)
-    }
-
-    fn share(&self, fleet: &Arc<crate::fleet::Fleet>) {
-        self.tree
-            .share(Arc::clone(fleet) as Arc<dyn crate::tree::RemotePrefixes>);
     }
 
     fn background(

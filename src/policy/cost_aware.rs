@@ -87,9 +87,10 @@ pub struct CostAware {
 }
 
 impl CostAware {
-    pub fn new(config: &Config) -> Self {
+    /// The policy for `config`, its tree shared through `fleet` when given.
+    pub fn new(config: &Config, fleet: Option<&Arc<crate::fleet::Fleet>>) -> Self {
         CostAware {
-            tree: CacheAware::new(&config.cache),
+            tree: CacheAware::new(&config.cache, fleet),
             block_tokens: config.cache.engine_block_tokens.max(1),
             engine_metrics: config.engine_metrics.enabled,
             stale: config.engine_metrics.stale,
@@ -385,10 +386,6 @@ impl Policy for CostAware {
         Some(self.tree.shared_tree())
     }
 
-    fn share(&self, fleet: &Arc<crate::fleet::Fleet>) {
-        self.tree.share(fleet);
-    }
-
     fn background(&self, pool: Arc<Pool>, shutdown: Shutdown) -> Option<BoxFuture<'static, ()>> {
         self.tree.background(pool, shutdown)
     }
@@ -408,7 +405,7 @@ mod tests {
         let config = Config::from_sources([(std::path::Path::new("t.yaml"), yaml.as_str())])
             .expect("config");
         let pool = Pool::new(&config.workers, &config.circuit_breaker);
-        let policy = CostAware::new(&config);
+        let policy = CostAware::new(&config, None);
         (config, pool, policy)
     }
 

@@ -53,6 +53,7 @@ pub use cache_aware::{CacheAware, Memory, pick_cache_aware};
 pub use select::{BlockScale, CacheParams};
 
 use crate::config::{Config, PolicyKind};
+use crate::fleet::Fleet;
 use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::prompt::{Endpoint, RouteContext};
 use crate::shutdown::Shutdown;
@@ -328,10 +329,6 @@ pub trait Policy: PoolListener {
 
     /// The approximate prefix tree, when the policy keeps one (`/workers`, `/metrics`,
     /// `POST /cache/clear`).
-    /// Shares this policy's routing memory with the other router replicas (`state:`):
-    /// the prefix tree, session and conversation bindings. Default: nothing to share.
-    fn share(&self, _fleet: &Arc<crate::fleet::Fleet>) {}
-
     fn tree(&self) -> Option<&Arc<SharedTree>> {
         None
     }
@@ -366,11 +363,30 @@ impl std::fmt::Debug for dyn Policy {
     }
 }
 
+/// The routing parts [`build`] makes from a config.
+pub struct Routing {
+    /// The policy `config.policy` names, inside the session layer.
+    pub policy: Arc<dyn Policy>,
+    /// Routing state shared with the other router replicas (`state.redis_url`), which
+    /// the policy's tree and bindings already use; `app` runs its connection.
+    pub fleet: Option<Arc<Fleet>>,
+}
+
 /// The policy `config.policy` names, with its state, registered with `pool` for
-/// membership events. The one place that matches on [`PolicyKind`].
-pub fn build(config: &Config, pool: &Pool) -> Arc<dyn Policy> {
+/// membership events, and the fleet its memory is shared through when `state.redis_url`
+/// is set (built first, handed to the parts that use it: nothing is wired in later).
+/// The one place that matches on [`PolicyKind`].
+pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
+    let memory = session::Memory::new(&config.session);
+    let fleet = config.state.redis_url.as_ref().and_then(|_| {
+        let sink = Arc::clone(&memory) as Arc<dyn crate::fleet::BindingSink>;
+        Fleet::new(&config.state, Arc::clone(pool), sink)
+            .inspect_err(|e| tracing::error!(error = %e, "state sharing off: it cannot start"))
+            .ok()
+    });
+    let shared = fleet.as_ref();
     let policy: Arc<dyn Policy> = match config.policy {
-        PolicyKind::CacheAware => Arc::new(CacheAware::new(&config.cache)),
+        PolicyKind::CacheAware => Arc::new(CacheAware::new(&config.cache, shared)),
         PolicyKind::PreciseCacheAware => Arc::new(precise::PreciseCacheAware::new(config)),
         PolicyKind::RoundRobin => Arc::new(round_robin::RoundRobin),
         PolicyKind::Random => Arc::new(random::Random),
@@ -379,7 +395,7 @@ pub fn build(config: &Config, pool: &Pool) -> Arc<dyn Policy> {
         PolicyKind::ConsistentHash => Arc::new(consistent_hash::ConsistentHash::new(
             &config.consistent_hash,
         )),
-        PolicyKind::CostAware => Arc::new(cost_aware::CostAware::new(config)),
+        PolicyKind::CostAware => Arc::new(cost_aware::CostAware::new(config, shared)),
         PolicyKind::LmcacheAware => Arc::new(lmcache::LmcacheAware::new(&config.cache)),
     };
     // Conversation state and sessions wrap whichever policy: decided before its pick.
@@ -387,9 +403,11 @@ pub fn build(config: &Config, pool: &Pool) -> Arc<dyn Policy> {
         policy,
         &config.session,
         CacheParams::from(&config.cache),
+        memory,
+        fleet.clone(),
     ));
     pool.listen(Arc::clone(&policy) as Arc<dyn PoolListener>);
-    policy
+    Routing { policy, fleet }
 }
 
 /// Shared test inputs for the pick functions.

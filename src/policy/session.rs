@@ -76,7 +76,7 @@ pub struct Affinity {
     params: CacheParams,
     memory: std::sync::Arc<Memory>,
     /// The other router replicas, told every binding (`state:`; see `crate::fleet`).
-    fleet: std::sync::OnceLock<std::sync::Arc<Fleet>>,
+    fleet: Option<std::sync::Arc<Fleet>>,
     hits: AtomicU64,
     rebinds: [AtomicU64; 3],
     conversation_hits: AtomicU64,
@@ -97,6 +97,16 @@ pub struct Memory {
 }
 
 impl Memory {
+    /// Empty bindings with `cfg`'s bounds (`ttl_secs`, `max_sessions`).
+    pub fn new(cfg: &SessionConfig) -> std::sync::Arc<Memory> {
+        std::sync::Arc::new(Memory {
+            cap: cfg.max_sessions.get(),
+            ttl: cfg.ttl,
+            bindings: Mutex::new(LruCache::unbounded()),
+            conversations: Mutex::new(LruCache::unbounded()),
+        })
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, LruCache<u64, Binding>> {
         self.bindings.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -165,23 +175,22 @@ pub struct SessionStats {
 impl Affinity {
     /// The layer around `inner`: sessions as `cfg` says, conversation state always
     /// (with the same bounds: `ttl_secs`, `max_sessions`).
+    /// `memory` is [`Memory::new`]'s for the same `cfg`; `fleet`, when given, hears
+    /// every binding made here (and applies the others' into `memory`).
     pub fn new(
         inner: std::sync::Arc<dyn Policy>,
         cfg: &SessionConfig,
         params: CacheParams,
+        memory: std::sync::Arc<Memory>,
+        fleet: Option<std::sync::Arc<Fleet>>,
     ) -> Self {
         Affinity {
             inner,
             sessions_on: cfg.enabled,
             mode: cfg.mode,
             params,
-            memory: std::sync::Arc::new(Memory {
-                cap: cfg.max_sessions.get(),
-                ttl: cfg.ttl,
-                bindings: Mutex::new(LruCache::unbounded()),
-                conversations: Mutex::new(LruCache::unbounded()),
-            }),
-            fleet: std::sync::OnceLock::new(),
+            memory,
+            fleet,
             hits: AtomicU64::new(0),
             rebinds: Default::default(),
             conversation_hits: AtomicU64::new(0),
@@ -192,7 +201,7 @@ impl Affinity {
     /// Binds `key` to `worker` here and tells the other replicas.
     fn bind(&self, kind: BindingKind, key: u64, worker: &Worker) {
         self.memory.bind(kind, key, worker);
-        if let Some(f) = self.fleet.get() {
+        if let Some(f) = &self.fleet {
             f.bound(kind, key, worker);
         }
     }
@@ -345,12 +354,6 @@ impl Policy for Affinity {
         self.inner.tree()
     }
 
-    fn share(&self, fleet: &std::sync::Arc<Fleet>) {
-        fleet.set_bindings(std::sync::Arc::clone(&self.memory) as std::sync::Arc<dyn BindingSink>);
-        let _ = self.fleet.set(std::sync::Arc::clone(fleet));
-        self.inner.share(fleet);
-    }
-
     fn precise(&self) -> Option<&std::sync::Arc<crate::precise::Precise>> {
         self.inner.precise()
     }
@@ -419,13 +422,13 @@ mod tests {
     use crate::policy::fixtures::cands;
     use std::sync::Arc;
 
-    fn setup(extra: &str) -> (Config, Pool, Arc<dyn Policy>) {
+    fn setup(extra: &str) -> (Config, Arc<Pool>, Arc<dyn Policy>) {
         let yaml = format!(
             "policy: round_robin\nworkers:\n  - url: http://a:1\n  - url: http://b:1\n  - url: http://c:1\n{extra}"
         );
         let cfg = Config::from_sources([(std::path::Path::new("s.yaml"), yaml.as_str())]).unwrap();
-        let pool = Pool::new(&cfg.workers, &cfg.circuit_breaker);
-        let policy = super::super::build(&cfg, &pool);
+        let pool = Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
+        let policy = super::super::build(&cfg, &pool).policy;
         (cfg, pool, policy)
     }
 

@@ -74,15 +74,7 @@ impl Router {
     /// flight, and the policy's state starts empty.
     pub fn new(config: Config) -> Self {
         let pool = Arc::new(Pool::new(&config.workers, &config.circuit_breaker));
-        let policy = policy::build(&config, &pool);
-        let fleet = config.state.redis_url.as_ref().and_then(|_| {
-            Fleet::new(&config.state, Arc::clone(&pool))
-                .inspect_err(|e| tracing::error!(error = %e, "state sharing off: it cannot start"))
-                .ok()
-        });
-        if let Some(f) = &fleet {
-            policy.share(f);
-        }
+        let policy::Routing { policy, fleet } = policy::build(&config, &pool);
         let client = upstream::Upstream::new(&config.proxy);
         let metrics = Arc::new(Metrics::new());
         pool.listen(Arc::clone(&metrics) as Arc<dyn crate::pool::PoolListener>);

@@ -141,8 +141,11 @@ pub async fn replay(
     seed: u64,
     mut progress: impl FnMut(),
 ) -> Measured {
-    let pool = Pool::new(&config.workers, &config.circuit_breaker);
-    let policy = policy::build(config, &pool);
+    let pool = std::sync::Arc::new(Pool::new(&config.workers, &config.circuit_breaker));
+    // The run is this process's alone: nothing shared with other router replicas.
+    let mut config = config.clone();
+    config.state.redis_url = None;
+    let policy = policy::build(&config, &pool).policy;
     let set = pool.set();
     let mut engines: Vec<EngineModel> = (0..model.workers)
         .map(|_| EngineModel::new(model.kv_blocks, model.block_tokens, model.timing))

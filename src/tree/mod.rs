@@ -92,7 +92,7 @@ pub struct SharedTree {
     /// Nodes removed by eviction passes.
     pub evicted_nodes: std::sync::atomic::AtomicU64,
     /// What other router replicas' workers hold (`state.redis_url`, see `crate::fleet`).
-    remote: std::sync::OnceLock<std::sync::Arc<dyn RemotePrefixes>>,
+    remote: Option<std::sync::Arc<dyn RemotePrefixes>>,
     /// Per worker, the last-use stamp below which its engine has evicted (see
     /// [`SharedTree::engine_evicted`]), waiting for the upkeep task's age-out sweep.
     horizons: std::sync::Mutex<Vec<(WorkerId, u64)>>,
@@ -316,14 +316,18 @@ impl SharedTree {
         }
     }
 
-    /// Shares this tree with the other router replicas through `remote` (once).
-    pub fn share(&self, remote: std::sync::Arc<dyn RemotePrefixes>) {
-        let _ = self.remote.set(remote);
+    /// A tree shared with the other router replicas through `remote` (`state:`), or
+    /// kept to this process (`None`, as [`SharedTree::default`]).
+    pub fn new(remote: Option<std::sync::Arc<dyn RemotePrefixes>>) -> Self {
+        SharedTree {
+            remote,
+            ..SharedTree::default()
+        }
     }
 
     /// The other replicas' records, when shared.
     pub fn remote(&self) -> Option<&dyn RemotePrefixes> {
-        self.remote.get().map(|r| &**r)
+        self.remote.as_deref()
     }
 
     /// Records `text` as held by `worker` (and tells the other replicas, when shared),

@@ -43,7 +43,7 @@ impl PreciseCacheAware {
     pub fn new(config: &Config) -> Self {
         PreciseCacheAware {
             precise: Arc::new(Precise::new(&config.precise)),
-            fallback: CacheAware::new(&config.cache),
+            fallback: CacheAware::new(&config.cache, None),
         }
     }
 
@@ -309,7 +309,7 @@ mod tests {
         .cache;
         PreciseCacheAware {
             precise: Arc::new(Precise::new(precise)),
-            fallback: CacheAware::new(&cache),
+            fallback: CacheAware::new(&cache, None),
         }
     }
 
