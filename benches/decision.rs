@@ -35,7 +35,7 @@ use cache_aware_router::fleet::{Fleet, chain};
 use cache_aware_router::policy::{self, Policy};
 use cache_aware_router::pool::{Pool, WorkerId, WorkerSet};
 use cache_aware_router::prompt::{Endpoint, extract};
-use cache_aware_router::tree::{ChainMemo, RemotePrefixes, WorkerMask};
+use cache_aware_router::tree::{ChainMemo, RemotePrefixes, SharedTree, WorkerMask};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -47,6 +47,8 @@ struct Lane {
     name: &'static str,
     set: Arc<WorkerSet>,
     policy: Arc<dyn Policy>,
+    /// Its tree, when the policy keeps one (held at its cap by `Upkeep`).
+    tree: Option<Arc<SharedTree>>,
     rng: StdRng,
     extract_t: Vec<Duration>,
     pick_t: Vec<Duration>,
@@ -64,11 +66,12 @@ struct Lane {
 }
 
 impl Lane {
-    fn new(name: &'static str, set: Arc<WorkerSet>, policy: Arc<dyn Policy>) -> Self {
+    fn new(name: &'static str, set: Arc<WorkerSet>, routing: policy::Routing) -> Self {
         Lane {
             name,
             set,
-            policy,
+            policy: routing.policy,
+            tree: routing.tree,
             rng: StdRng::seed_from_u64(7),
             extract_t: Vec::new(),
             pick_t: Vec::new(),
@@ -116,6 +119,7 @@ struct Sharing {
     name: &'static str,
     pool: Arc<Pool>,
     policy: Arc<dyn Policy>,
+    tree: Arc<SharedTree>,
     fleet: Arc<Fleet>,
     keys: Vec<u64>,
     batch: Batch,
@@ -123,18 +127,33 @@ struct Sharing {
 }
 
 impl Sharing {
+    /// Its policy and tree, for a lane.
+    fn routing(&self) -> policy::Routing {
+        policy::Routing {
+            policy: Arc::clone(&self.policy),
+            fleet: Some(Arc::clone(&self.fleet)),
+            tree: Some(Arc::clone(&self.tree)),
+        }
+    }
+
     /// Another replica's id: never this process's own (random) one in practice.
     const FROM: u64 = 0x5eed_f1ee_7000_0001;
 
     fn new(cfg: &Config, name: &'static str) -> Self {
         let pool = Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
-        let policy::Routing { policy, fleet } = policy::build(cfg, &pool);
+        let policy::Routing {
+            policy,
+            fleet,
+            tree,
+        } = policy::build(cfg, &pool);
         let fleet = fleet.expect("fleet: state.redis_url is set");
+        let tree = tree.expect("cache_aware keeps a tree");
         let keys = pool.set().workers().iter().map(|w| w.key_hash()).collect();
         Sharing {
             name,
             pool,
             policy,
+            tree,
             fleet,
             keys,
             batch: Batch::new(Self::FROM),
@@ -164,7 +183,7 @@ impl Sharing {
     /// Flushes, copies `tree` in and says what the index holds.
     fn ready(&mut self, tree: &cache_aware_router::tree::RadixTree) {
         self.flush();
-        *self.policy.tree().expect("tree").lock() = tree.clone();
+        *self.tree.lock() = tree.clone();
         println!(
             "fleet index ({}): {} chunk hashes from another replica (cap {}), applied in {:.1} s",
             self.name,
@@ -220,7 +239,8 @@ fn main() {
     //    branching off them, each insert adding a split and a leaf.
     let cfg = config("cache_aware");
     let pool = Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
-    let cache_aware = policy::build(&cfg, &pool).policy;
+    let cache_aware = policy::build(&cfg, &pool);
+    let ca_tree = Arc::clone(cache_aware.tree.as_ref().expect("cache_aware keeps a tree"));
     // Sharing on: the other replica served every prompt, or only the fill's.
     let fleet_cfg = config_with(
         "cache_aware",
@@ -239,7 +259,7 @@ fn main() {
         decisions + Upkeep::SLACK
     };
     {
-        let mut tree = cache_aware.tree().expect("cache_aware keeps a tree").lock();
+        let mut tree = ca_tree.lock();
         history(
             &mut tree,
             &systems,
@@ -294,7 +314,7 @@ fn main() {
         }
     }
     {
-        let tree = cache_aware.tree().expect("tree").lock();
+        let tree = ca_tree.lock();
         every.ready(&tree);
         fill_only.ready(&tree);
     }
@@ -324,22 +344,21 @@ fn main() {
     // cost_aware walks the same tree (a copy: its own).
     let cost_cfg = config("cost_aware");
     let cost_pool = Arc::new(Pool::new(&cost_cfg.workers, &cost_cfg.circuit_breaker));
-    let cost_aware = policy::build(&cost_cfg, &cost_pool).policy;
-    *cost_aware.tree().expect("cost_aware keeps a tree").lock() =
-        cache_aware.tree().expect("tree").lock().clone();
+    let cost_aware = policy::build(&cost_cfg, &cost_pool);
+    *cost_aware
+        .tree
+        .as_ref()
+        .expect("cost_aware keeps a tree")
+        .lock() = ca_tree.lock().clone();
 
     // 3. Every policy through the seam, as the proxy calls it; cache_aware with sharing
     //    off and on interleaved, request by request, the order alternating.
     let max_prompt_bytes = cfg.cache.max_prompt_bytes;
     let mut cases: Vec<Vec<Lane>> = vec![
         vec![
-            Lane::new("cache_aware", pool.set(), Arc::clone(&cache_aware)),
-            Lane::new(every.name, every.pool.set(), Arc::clone(&every.policy)),
-            Lane::new(
-                fill_only.name,
-                fill_only.pool.set(),
-                Arc::clone(&fill_only.policy),
-            ),
+            Lane::new("cache_aware", pool.set(), cache_aware),
+            Lane::new(every.name, every.pool.set(), every.routing()),
+            Lane::new(fill_only.name, fill_only.pool.set(), fill_only.routing()),
         ],
         vec![Lane::new("cost_aware", cost_pool.set(), cost_aware)],
     ];
@@ -352,8 +371,7 @@ fn main() {
     ] {
         let cfg = config(name);
         let p = Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
-        let policy = policy::build(&cfg, &p).policy;
-        cases.push(vec![Lane::new(name, p.set(), policy)]);
+        cases.push(vec![Lane::new(name, p.set(), policy::build(&cfg, &p))]);
     }
     // At the cap (the default): each tree is held near its size after the fill (see
     // `Upkeep`); `--growing` lets it grow.
@@ -363,7 +381,7 @@ fn main() {
             return;
         }
         for lane in lanes {
-            if let Some(tree) = lane.policy.tree() {
+            if let Some(tree) = &lane.tree {
                 upkeep.pass(tree);
             }
         }

@@ -24,6 +24,7 @@ use std::time::{Duration, Instant};
 use cache_aware_router::config::Config;
 use cache_aware_router::policy::{self, Policy};
 use cache_aware_router::pool::{Pool, WorkerId};
+use cache_aware_router::tree::SharedTree;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -45,6 +46,7 @@ struct Fixture {
     cfg: Config,
     pool: Arc<Pool>,
     policy: Arc<dyn Policy>,
+    tree: Arc<SharedTree>,
     systems: Vec<String>,
 }
 
@@ -59,10 +61,11 @@ const EARLIER: usize = 2 * DECISIONS + Upkeep::SLACK;
 fn fixture(workers: usize, nodes: usize, rng: &mut StdRng) -> Fixture {
     let cfg = config(workers, nodes);
     let pool = Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
-    let policy = policy::build(&cfg, &pool).policy;
+    let policy::Routing { policy, tree, .. } = policy::build(&cfg, &pool);
+    let shared = tree.expect("cache_aware keeps a tree");
     let systems: Vec<String> = (0..200).map(|_| words(rng, 2048)).collect();
     let t = Instant::now();
-    let mut tree = policy.tree().expect("cache_aware keeps a tree").lock();
+    let mut tree = shared.lock();
     // Held at its cap: first the earlier 32 KiB requests the runs' passes evict.
     history(
         &mut tree,
@@ -91,6 +94,7 @@ fn fixture(workers: usize, nodes: usize, rng: &mut StdRng) -> Fixture {
         cfg,
         pool,
         policy,
+        tree: shared,
         systems,
     }
 }
@@ -113,7 +117,7 @@ fn bodies(f: &Fixture, n: usize, bytes: usize, rng: &mut StdRng) -> Vec<Vec<u8>>
 fn decisions(f: &Fixture, upkeep: &Upkeep, bodies: &[Vec<u8>], label: &str) {
     let mut rng = StdRng::seed_from_u64(7);
     let set = f.pool.set();
-    let tree = f.policy.tree().expect("cache_aware keeps a tree");
+    let tree = &f.tree;
     let mut total = Vec::with_capacity(bodies.len());
     for (n, b) in bodies.iter().enumerate() {
         if n % Upkeep::EVERY == 0 {

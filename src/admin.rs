@@ -4,8 +4,8 @@ use http::StatusCode;
 use serde::Serialize;
 
 use crate::error::{ProxyError, json_response};
+use crate::policy::view::Fields;
 use crate::pool::WorkerSet;
-use crate::precise::feed::{Feed, FeedCounts, FeedState};
 use crate::proxy::{ProxyBody, Router};
 
 #[derive(Serialize)]
@@ -52,16 +52,11 @@ struct WorkerView {
     max_load: Option<usize>,
     load_penalty: u32,
     cache_aware: bool,
-    /// Fraction of the tree's bytes this worker holds (0–1).
-    tree_share: f64,
-    /// Bytes of routing text its engine's KV cache was found to hold at most (answers
-    /// that delivered far less than predicted, see `tree::evict::age_out`); the tree
-    /// keeps its records within it. `null` until such an answer, and 5 minutes after
-    /// the last one.
-    tree_capacity_bytes: Option<u64>,
-    /// Its KV-event feed (precise mode), when configured.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    kv_events: Option<FeedView>,
+    /// What the policy's views show of this worker (`tree_share`, the fraction of the
+    /// tree's bytes it holds; `tree_capacity_bytes`; `kv_events`, its KV-event feed in
+    /// precise mode; see `policy::view`).
+    #[serde(flatten)]
+    views: Fields,
     /// What its engine's Prometheus endpoint said (`engine_metrics:` on).
     #[serde(skip_serializing_if = "Option::is_none")]
     engine: Option<EngineView>,
@@ -224,81 +219,13 @@ fn prefill_view(w: &crate::pool::Worker) -> PrefillView {
     }
 }
 
-/// One worker's KV-event feed in `/workers`. A worker with one DP rank shows its one
-/// feed. A worker with `dp_size` n > 1 shows its worker-level summary here, and each
-/// rank's feed in `ranks` (the same fields plus `rank` and `rank_mismatch`): the
-/// summary's endpoints are the configured (rank 0) ones, its counters and `blocks` the
-/// sums over the ranks (so one unhealthy transition adds n to `clears_unhealthy`),
-/// `state` the worst rank's (`stale` > `replaying` > `live`; the worker is still scored
-/// while `live_ranks` > 0), `connected` true when every rank is, `seconds_since_event`
-/// the freshest rank's, and `last_seq` null (each rank numbers its own batches).
-#[derive(Serialize)]
-struct FeedView {
-    /// The DP rank (only in `ranks`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    rank: Option<u32>,
-    endpoint: String,
-    topic: String,
-    replay_endpoint: Option<String>,
-    /// `live` (scored), `parity_lost`, `replaying`, `stale` or `disconnected` (neutral).
-    state: &'static str,
-    connected: bool,
-    last_seq: Option<u64>,
-    /// Seconds since the last message; `null` before the first.
-    seconds_since_event: Option<f64>,
-    /// Engine blocks the worker holds according to its events.
-    blocks: usize,
-    /// messages, malformed, skipped_events, stored, removed, cleared, unknown_parent,
-    /// ignored, gaps, restarts, the worker's blocks dropped by the router by cause
-    /// (`clears_gap`: a gap no replay could fill, `clears_restart`,
-    /// `clears_reconnect`: a forward jump after a reconnect taken as a restart,
-    /// `clears_unhealthy`), replays, replays_complete, replays_failed, reconnects.
-    #[serde(flatten)]
-    counts: FeedCounts,
-    /// Batches whose `dp_rank` was not the rank of the port they came on (dp_size > 1
-    /// only; they are applied to the port's rank).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    rank_mismatch: Option<u64>,
-    /// `kv_events.dp_size` (dp_size > 1 only).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    dp_size: Option<u32>,
-    /// Ranks whose feed is live (scored) now (dp_size > 1 only).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    live_ranks: Option<usize>,
-    /// Each rank's feed (dp_size > 1 only).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    ranks: Vec<FeedView>,
-    /// The worker's token parity (not per rank): answers whose blocks its engine
-    /// confirmed or not, and whether the tree routes for it (`precise::parity`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    parity: Option<crate::precise::parity::ParityView>,
-}
-
-/// Precise mode's index and decisions in `/workers`.
-#[derive(Serialize)]
-struct PreciseView {
-    block_size: usize,
-    max_blocks: usize,
-    /// Distinct blocks indexed (speculative ones included).
-    blocks: usize,
-    evicted: u64,
-    /// Decisions so far by path (`precise`, `fallback`), then by token source
-    /// (`x_token_ids`, `prompt_token_ids`, `tokenizer`) or fallback cause.
-    decisions:
-        std::collections::BTreeMap<&'static str, std::collections::BTreeMap<&'static str, u64>>,
-}
-
 #[derive(Serialize)]
 struct Workers {
     policy: &'static str,
-    tree_nodes: usize,
-    /// Bytes of routing text stored in the tree.
-    tree_bytes: u64,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    precise: Option<PreciseView>,
-    /// The session layer (`session:`), when on.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    sessions: Option<crate::policy::session::SessionStats>,
+    /// What the policy's views show (`tree_nodes`, `tree_bytes`, `sessions`,
+    /// `precise`; see `policy::view`).
+    #[serde(flatten)]
+    views: Fields,
     /// The response cache (`response_cache:`), when on.
     #[serde(skip_serializing_if = "Option::is_none")]
     response_cache: Option<ResponseCacheView>,
@@ -374,9 +301,8 @@ struct ResponseCacheView {
 /// `GET /metrics`: Prometheus text exposition (see `metrics.rs`).
 pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
     use http_body_util::BodyExt;
-    let policy = router.policy();
     let text = router.metrics().encode(
-        &**policy,
+        router.policy().name(),
         &router.worker_set(),
         router
             .response_cache()
@@ -406,46 +332,19 @@ pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
 pub fn workers(router: &Router) -> http::Response<ProxyBody> {
     let set = router.worker_set();
     let policy = router.policy();
-    // Copy what is needed under the lock, format after releasing it.
-    let (nodes, bytes, shares): (usize, u64, Vec<f64>) = match policy.tree() {
-        Some(t) => {
-            let tree = t.lock();
-            (
-                tree.node_count(),
-                tree.total_bytes(),
-                set.ids().map(|id| tree.share(id)).collect(),
-            )
-        }
-        None => (0, 0, vec![0.0; set.workers().len()]),
-    };
     let now = crate::pool::now();
-    let (index_blocks, evicted, held): (usize, u64, Vec<Vec<usize>>) = match policy.precise() {
-        Some(precise) => {
-            let index = precise.index();
-            (
-                index.len(),
-                index.evicted(),
-                set.workers()
-                    .iter()
-                    .map(|w| {
-                        w.feeds()
-                            .iter()
-                            .map(|f| index.source_blocks(f.source()))
-                            .collect()
-                    })
-                    .collect(),
-            )
-        }
-        None => (0, 0, vec![Vec::new(); set.workers().len()]),
-    };
+    let mut top = Fields::new();
+    let mut per_worker = vec![Fields::new(); set.workers().len()];
+    for view in policy.views() {
+        view.workers(&set, &mut top, &mut per_worker);
+    }
     let em = &router.config().engine_metrics;
     let workers: Vec<WorkerView> = set
         .workers()
         .iter()
-        .zip(shares)
-        .zip(held)
-        .map(|((w, tree_share), blocks)| WorkerView {
-            tree_capacity_bytes: policy.tree().and_then(|t| t.capacity(w.id())),
+        .zip(per_worker)
+        .map(|(w, views)| WorkerView {
+            views,
             url: w.url().to_string(),
             key: w.key().to_string(),
             role: w.config().role.as_str(),
@@ -458,11 +357,6 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
             max_load: w.config().max_load.map(|m| m.get()),
             load_penalty: w.config().load_penalty,
             cache_aware: w.config().cache_aware,
-            tree_share,
-            kv_events: policy
-                .precise()
-                .filter(|_| !w.feeds().is_empty())
-                .map(|p| worker_feed_view(w, &blocks, now, p.config().stale)),
             engine: em.enabled.then(|| engine_view(w, now, em.stale)),
             lmcache: lmcache_view(w, now),
             saturated_secs: w.signals().saturated_for(now),
@@ -477,9 +371,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
     let body = Workers {
         hits: HitsSummary::of(workers.iter().map(|w| &w.hits)),
         policy: policy.name(),
-        tree_nodes: nodes,
-        tree_bytes: bytes,
-        sessions: policy.sessions(),
+        views: top,
         fleet: router.fleet().map(|f| {
             let c = &f.counts;
             let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
@@ -503,96 +395,12 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
                 bytes: st.map(|s| s.bytes),
             }
         }),
-        precise: policy.precise().map(|precise| PreciseView {
-            block_size: precise.config().block_size,
-            max_blocks: precise.config().max_blocks.get(),
-            blocks: index_blocks,
-            evicted,
-            decisions: precise.decisions().into_iter().fold(
-                Default::default(),
-                |mut by_path, (path, cause, n)| {
-                    by_path.entry(path).or_default().insert(cause, n);
-                    by_path
-                },
-            ),
-        }),
         workers,
     };
     json_response(
         StatusCode::OK,
         serde_json::to_string(&body).unwrap_or_default(),
     )
-}
-
-/// A worker's `kv_events` view (see [`FeedView`]); `blocks` holds each rank's count.
-fn worker_feed_view(
-    w: &crate::pool::Worker,
-    blocks: &[usize],
-    now: std::time::Instant,
-    stale: std::time::Duration,
-) -> FeedView {
-    let feeds = w.feeds();
-    let view = |f: &Feed, blocks: usize, state: FeedState| FeedView {
-        rank: None,
-        endpoint: f.endpoint().to_string(),
-        topic: f.topic().to_string(),
-        replay_endpoint: f.replay_endpoint().map(str::to_string),
-        state: state.as_str(),
-        connected: f.is_connected(),
-        last_seq: f.last_seq(),
-        seconds_since_event: f.seconds_since_message(now),
-        blocks,
-        counts: f.stats.counts(),
-        rank_mismatch: None,
-        dp_size: None,
-        live_ranks: None,
-        ranks: Vec::new(),
-        parity: None,
-    };
-    let states: Vec<FeedState> = feeds.iter().map(|f| f.state(now, stale)).collect();
-    let mut ranks: Vec<FeedView> = feeds
-        .iter()
-        .zip(blocks)
-        .zip(&states)
-        .map(|((f, b), st)| view(f, *b, *st))
-        .collect();
-    let parity = feeds.first().map(|f| f.parity().view());
-    if ranks.len() == 1 {
-        let mut one = ranks.remove(0);
-        one.parity = parity;
-        return one;
-    }
-    for (r, f) in ranks.iter_mut().zip(feeds) {
-        r.rank = Some(f.rank());
-        r.rank_mismatch = Some(r.counts.rank_mismatch);
-    }
-    let counts: FeedCounts = ranks.iter().map(|r| r.counts).sum();
-    let kv = w.config().kv_events.as_ref();
-    FeedView {
-        rank: None,
-        endpoint: kv.map_or_else(String::new, |k| k.endpoint.clone()),
-        topic: kv.map_or_else(String::new, |k| k.topic.clone()),
-        replay_endpoint: kv.and_then(|k| k.replay_endpoint.clone()),
-        state: states
-            .iter()
-            .max()
-            .copied()
-            .unwrap_or(FeedState::Live)
-            .as_str(),
-        connected: ranks.iter().all(|r| r.connected),
-        last_seq: None,
-        seconds_since_event: ranks
-            .iter()
-            .filter_map(|r| r.seconds_since_event)
-            .reduce(f64::min),
-        blocks: ranks.iter().map(|r| r.blocks).sum(),
-        counts,
-        rank_mismatch: Some(counts.rank_mismatch),
-        dp_size: Some(feeds.len() as u32),
-        live_ranks: Some(states.iter().filter(|s| **s == FeedState::Live).count()),
-        ranks,
-        parity,
-    }
 }
 
 /// A mutating admin request, answered now or once its body is read.
@@ -795,6 +603,15 @@ fn remove_worker(
     ))
 }
 
+/// The answer to `POST /cache/clear` under a policy that keeps no prefix records.
+fn keeps_no_tree() -> http::Response<ProxyBody> {
+    json_response(
+        StatusCode::OK,
+        serde_json::json!({"cleared": "nothing", "nodes_removed": 0, "note": "this policy keeps no prefix tree"})
+            .to_string(),
+    )
+}
+
 /// `POST /cache/clear` on a blocking thread (see [`Mutation::ClearCache`]).
 pub async fn clear_cache_blocking(
     router: std::sync::Arc<Router>,
@@ -816,19 +633,18 @@ fn clear_cache(
     router: &Router,
     worker: Option<&str>,
 ) -> Result<http::Response<ProxyBody>, ProxyError> {
-    let Some(tree) = router.policy().tree() else {
-        return Ok(json_response(
-            StatusCode::OK,
-            serde_json::json!({"cleared": "nothing", "nodes_removed": 0, "note": "this policy keeps no prefix tree"})
-                .to_string(),
-        ));
+    let views = router.policy().views();
+    let clear = |worker| {
+        views
+            .iter()
+            .filter_map(|v| v.clear(worker))
+            .reduce(|a, b| a + b)
     };
     let body = match worker {
         None => {
-            // Swap under the lock, free the old nodes after releasing it.
-            let old = std::mem::take(&mut *tree.lock());
-            let removed = old.node_count();
-            drop(old);
+            let Some(removed) = clear(None) else {
+                return Ok(keeps_no_tree());
+            };
             tracing::info!(nodes = removed, "route records cleared (admin API)");
             serde_json::json!({"cleared": "all", "nodes_removed": removed})
         }
@@ -840,7 +656,9 @@ fn clear_cache(
                     shown(&which)
                 )));
             };
-            let removed = tree.remove_worker(w.id());
+            let Some(removed) = clear(Some(w.id())) else {
+                return Ok(keeps_no_tree());
+            };
             tracing::info!(worker = %w.url(), nodes = removed, "route records of one worker cleared (admin API)");
             serde_json::json!({"cleared": w.url().to_string(), "nodes_removed": removed})
         }

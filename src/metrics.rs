@@ -26,11 +26,7 @@ use prometheus_client::registry::{Registry, Unit};
 mod handles;
 
 use crate::policy::Reason;
-use crate::policy::session::SessionStats;
 use crate::pool::WorkerSet;
-use crate::precise::Precise;
-use crate::precise::feed::{Feed, FeedCounts, FeedState};
-use crate::tree::SharedTree;
 
 /// Content type of [`Metrics::encode`]'s output (Prometheus text format 0.0.4).
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
@@ -94,68 +90,9 @@ pub const OUTCOMES: [&str; 4] = [
 ];
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WorkerKindLabels {
-    worker: Arc<str>,
-    kind: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WorkerResultLabels {
     worker: Arc<str>,
     result: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WorkerCauseLabels {
-    worker: Arc<str>,
-    cause: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WorkerStateLabels {
-    worker: Arc<str>,
-    state: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DecisionLabels {
-    path: &'static str,
-    cause: &'static str,
-}
-
-/// Precise mode: KV-event feeds and the block index. Every value is read from the
-/// feeds' and the index's own counters at scrape time (counters are monotonic per
-/// feed; a worker whose config changes starts a new feed at 0).
-///
-/// Series are per worker, never per DP rank: a worker with `kv_events.dp_size` > 1
-/// shows its ranks summed up as `/workers` does (counters and blocks summed,
-/// `kv_event_connected` 1 only when every rank is, `kv_event_since_last_seconds` the
-/// freshest rank's, `kv_event_feed_state` the worst rank's), plus
-/// `kv_event_live_ranks` and `kv_event_rank_mismatch_total`; the per-rank detail is in
-/// `/workers` (`kv_events.ranks`). A `rank` label would have been cheap to add but not
-/// consistent: every existing series of a one-rank worker would gain it (or only some
-/// workers' series would carry it), changing what queries and dashboards select.
-#[derive(Debug, Default)]
-struct PreciseFamilies {
-    messages: Family<WorkerLabels, Counter>,
-    malformed: Family<WorkerLabels, Counter>,
-    events: Family<WorkerKindLabels, Counter>,
-    gaps: Family<WorkerLabels, Counter>,
-    restarts: Family<WorkerLabels, Counter>,
-    clears: Family<WorkerCauseLabels, Counter>,
-    replays: Family<WorkerResultLabels, Counter>,
-    reconnects: Family<WorkerLabels, Counter>,
-    since_message: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
-    connected: Family<WorkerLabels, Gauge>,
-    state: Family<WorkerStateLabels, Gauge>,
-    worker_blocks: Family<WorkerLabels, Gauge>,
-    live_ranks: Family<WorkerLabels, Gauge>,
-    rank_mismatch: Family<WorkerLabels, Counter>,
-    parity_checks: Family<WorkerResultLabels, Counter>,
-    parity_lost: Family<WorkerLabels, Gauge>,
-    blocks: Gauge,
-    evicted: Counter,
-    decisions: Family<DecisionLabels, Counter>,
 }
 
 fn latency_histogram() -> Histogram {
@@ -263,28 +200,12 @@ pub struct Metrics {
     in_flight: Family<WorkerLabels, Gauge>,
     healthy: Family<WorkerLabels, Gauge>,
     breaker: Family<BreakerLabels, Gauge>,
-    tree_nodes: Gauge,
-    sessions_held: Gauge,
-    session_hits: Counter,
-    session_rebinds: Family<CauseLabels, Counter>,
-    /// Session totals already added (they live in the policy).
-    seen_sessions: [AtomicU64; 4],
-    tree_bytes: Gauge,
-    evicted: Counter,
-    skipped_inserts: Counter,
-    aged_out: Counter,
     retries: Counter,
     fallback_picks: Counter,
     reloads: Family<ResultLabels, Counter>,
-    precise: PreciseFamilies,
     signals: SignalFamilies,
     response_cache: ResponseCacheFamilies,
     fleet: FleetFamilies,
-    /// Set-level totals already added to `evicted`/`skipped_inserts` (they live in
-    /// each `WorkerSet` and restart at 0 with a new set).
-    seen_evicted: AtomicU64,
-    seen_skipped: AtomicU64,
-    seen_aged_out: AtomicU64,
     /// Every worker label with series of its own that outlive a scrape, and the label
     /// sets its label alone does not name (see [`Noted`]); a worker's entry and
     /// series go when it leaves ([`Metrics::forget_worker`]).
@@ -381,25 +302,12 @@ impl Metrics {
             in_flight: Family::default(),
             healthy: Family::default(),
             breaker: Family::default(),
-            tree_nodes: Gauge::default(),
-            sessions_held: Gauge::default(),
-            session_hits: Counter::default(),
-            session_rebinds: Family::default(),
-            seen_sessions: Default::default(),
-            tree_bytes: Gauge::default(),
-            evicted: Counter::default(),
-            skipped_inserts: Counter::default(),
-            aged_out: Counter::default(),
             retries: Counter::default(),
             fallback_picks: Counter::default(),
             reloads: Family::default(),
-            precise: PreciseFamilies::default(),
             signals: SignalFamilies::default(),
             response_cache: ResponseCacheFamilies::default(),
             fleet: FleetFamilies::default(),
-            seen_evicted: AtomicU64::new(0),
-            seen_skipped: AtomicU64::new(0),
-            seen_aged_out: AtomicU64::new(0),
             noted: Default::default(),
             handles: Default::default(),
             queue_waiting: Gauge::default(),
@@ -485,49 +393,9 @@ impl Metrics {
             m.breaker.clone(),
         );
         r.register(
-            "tree_nodes",
-            "Nodes in the prefix tree",
-            m.tree_nodes.clone(),
-        );
-        r.register(
-            "tree_bytes",
-            "Bytes of routing text in the prefix tree",
-            m.tree_bytes.clone(),
-        );
-        r.register(
-            "tree_evicted_nodes",
-            "Tree nodes removed by eviction passes",
-            m.evicted.clone(),
-        );
-        r.register(
-            "tree_aged_out_bytes",
-            "Bytes of workers' tree records removed because their engine was found to have evicted older prefixes (an answer delivered far fewer cached tokens than predicted)",
-            m.aged_out.clone(),
-        );
-        r.register(
-            "tree_skipped_inserts",
-            "Tree inserts skipped because an eviction pass was running",
-            m.skipped_inserts.clone(),
-        );
-        r.register(
             "retries",
             "Requests re-sent to another worker",
             m.retries.clone(),
-        );
-        r.register(
-            "sessions",
-            "Session bindings held (session -> worker)",
-            m.sessions_held.clone(),
-        );
-        r.register(
-            "session_hits",
-            "Requests sent to the worker their session is bound to",
-            m.session_hits.clone(),
-        );
-        r.register(
-            "session_rebinds",
-            "Sessions that left their worker, by cause (unusable, gone, overloaded)",
-            m.session_rebinds.clone(),
         );
         r.register(
             "fallback_picks",
@@ -627,103 +495,6 @@ impl Metrics {
             "The worker's learned fixed cost per request, seconds",
             Unit::Seconds,
             g.prefill_base.clone(),
-        );
-        let p = &m.precise;
-        r.register(
-            "kv_event_messages",
-            "KV-event messages (batches) received per worker, well-formed or not",
-            p.messages.clone(),
-        );
-        r.register(
-            "kv_event_malformed",
-            "KV-event messages that did not decode (frames or msgpack), skipped",
-            p.malformed.clone(),
-        );
-        r.register(
-            "kv_events",
-            "KV events per worker by kind: block_stored, block_removed, all_blocks_cleared, unknown_parent (not indexed), ignored (other tier, group or block size), skipped (unknown tag or bad field)",
-            p.events.clone(),
-        );
-        r.register(
-            "kv_event_gaps",
-            "Sequence gaps in a worker's KV-event stream",
-            p.gaps.clone(),
-        );
-        r.register(
-            "kv_event_restarts",
-            "Publisher restarts seen in a worker's KV-event stream",
-            p.restarts.clone(),
-        );
-        r.register(
-            "kv_event_clears",
-            "Times the router dropped a worker's blocks, by cause: gap (no replay could fill it), restart (sequence went back or new publisher id), reconnect (forward jump after a reconnect, taken as a restart), unhealthy (health checks failed)",
-            p.clears.clone(),
-        );
-        r.register(
-            "kv_event_replays",
-            "Replays per worker by result: requested, complete (gap closed), failed (blocks cleared)",
-            p.replays.clone(),
-        );
-        r.register(
-            "kv_event_reconnects",
-            "Connections to a worker's KV-event publisher re-established",
-            p.reconnects.clone(),
-        );
-        r.register_with_unit(
-            "kv_event_since_last",
-            "Seconds since the last KV-event message from the worker (absent before the first)",
-            Unit::Seconds,
-            p.since_message.clone(),
-        );
-        r.register(
-            "kv_event_connected",
-            "1 while connected to the worker's KV-event publisher",
-            p.connected.clone(),
-        );
-        r.register(
-            "kv_event_feed_state",
-            "1 for the feed's state: live (scored), parity_lost, replaying, stale or disconnected (neutral)",
-            p.state.clone(),
-        );
-        r.register(
-            "kv_event_live_ranks",
-            "Data-parallel ranks of the worker whose KV-event feed is live (scored); the worker scores neutral at 0",
-            p.live_ranks.clone(),
-        );
-        r.register(
-            "kv_event_rank_mismatch",
-            "KV-event batches whose dp_rank was not the rank of the port they came on (workers with dp_size > 1; applied to the port's rank)",
-            p.rank_mismatch.clone(),
-        );
-        r.register(
-            "precise_parity_checks",
-            "Answers whose KV blocks were looked up in the worker's own events after they ended: result match (the engine reported the router's last block key) or mismatch",
-            p.parity_checks.clone(),
-        );
-        r.register(
-            "precise_parity_lost",
-            "1 while the worker's engine blocks do not match the router's tokens (match share under precise.parity_floor): the approximate tree routes for it",
-            p.parity_lost.clone(),
-        );
-        r.register(
-            "precise_index_worker_blocks",
-            "Engine blocks a worker holds according to its events",
-            p.worker_blocks.clone(),
-        );
-        r.register(
-            "precise_index_blocks",
-            "Distinct blocks in the precise index (speculative ones included)",
-            p.blocks.clone(),
-        );
-        r.register(
-            "precise_index_evicted",
-            "Blocks dropped from the precise index to stay within precise.max_blocks",
-            p.evicted.clone(),
-        );
-        r.register(
-            "precise_decisions",
-            "Precise-mode decisions: path precise (cause: token source x_token_ids, prompt_token_ids, tokenizer) or fallback to the approximate tree (cause no_tokens, bad_tokens, short_prompt, no_fresh_worker, untokenizable, tokenizer_busy, unscored_miss)",
-            p.decisions.clone(),
         );
         let c = &m.response_cache;
         r.register(
@@ -1167,20 +938,23 @@ impl Metrics {
         self.reloads.get_or_create(&ResultLabels { result }).inc();
     }
 
-    /// Prometheus text exposition, with gauges read from `set` now and from `policy`
-    /// (its tree, precise mode's index and feeds, sessions), the response cache and the
-    /// fleet when given.
+    /// Adds the families read from a part at each scrape (a policy's views: its tree,
+    /// precise mode's index and feeds, sessions), before the registry is shared.
+    pub fn register(&mut self, collector: Box<dyn prometheus_client::collector::Collector>) {
+        self.registry.register_collector(collector);
+    }
+
+    /// Prometheus text exposition, with gauges read from `set` now, the registered
+    /// parts' families, and the response cache and the fleet when given; `policy` names
+    /// the `prefix_tokens_total` series each worker gets at 0.
     pub fn encode(
         &self,
-        policy: &dyn crate::policy::Policy,
+        policy: &'static str,
         set: &WorkerSet,
         response_cache: Option<CacheGauges>,
         fleet: Option<&crate::fleet::Fleet>,
     ) -> String {
-        let tree: Option<&SharedTree> = policy.tree().map(|t| &**t);
-        let precise: Option<&Precise> = policy.precise().map(|p| &**p);
-        let sessions: Option<SessionStats> = policy.sessions();
-        self.worker_series(set, policy.name());
+        self.worker_series(set, policy);
         if let Some(f) = fleet {
             self.encode_fleet(set, f);
         }
@@ -1190,31 +964,6 @@ impl Metrics {
             c.bytes.set(st.bytes as i64);
             let before = c.seen_evictions.swap(st.evictions, Ordering::Relaxed);
             c.evictions.inc_by(st.evictions.saturating_sub(before));
-        }
-        if let Some(st) = sessions {
-            self.sessions_held.set(st.held as i64);
-            let add = |i: usize, counter: &Counter, now: u64| {
-                let before = self.seen_sessions[i].swap(now, Ordering::Relaxed);
-                counter.inc_by(now.saturating_sub(before));
-            };
-            add(0, &self.session_hits, st.hits);
-            for (i, (cause, n)) in [
-                ("unusable", st.rebinds_unusable),
-                ("gone", st.rebinds_gone),
-                ("overloaded", st.rebinds_overloaded),
-            ]
-            .into_iter()
-            .enumerate()
-            {
-                add(
-                    i + 1,
-                    &self.session_rebinds.get_or_create(&CauseLabels { cause }),
-                    n,
-                );
-            }
-        }
-        if let Some(p) = precise {
-            self.encode_precise(set, p);
         }
         let now = crate::pool::now();
         self.in_flight.clear();
@@ -1245,20 +994,6 @@ impl Metrics {
             }
         }
         self.encode_signals(set, now);
-        if let Some(shared) = tree {
-            {
-                let tree = shared.lock();
-                self.tree_nodes.set(tree.node_count() as i64);
-                self.tree_bytes.set(tree.total_bytes() as i64);
-            }
-            catch_up(&self.evicted, &self.seen_evicted, &shared.evicted_nodes);
-            catch_up(&self.aged_out, &self.seen_aged_out, &shared.aged_out_bytes);
-            catch_up(
-                &self.skipped_inserts,
-                &self.seen_skipped,
-                &shared.skipped_inserts,
-            );
-        }
         let mut out = String::with_capacity(16 * 1024);
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
@@ -1369,155 +1104,6 @@ impl Metrics {
                 .get_or_create(&labels)
                 .set(1.0 / rate.secs_per_token);
             g.prefill_base.get_or_create(&labels).set(rate.base_s);
-        }
-    }
-
-    /// Copies the feeds' and the index's counters into the precise families.
-    fn encode_precise(&self, set: &WorkerSet, precise: &Precise) {
-        let f = &self.precise;
-        f.messages.clear();
-        f.malformed.clear();
-        f.events.clear();
-        f.gaps.clear();
-        f.restarts.clear();
-        f.clears.clear();
-        f.replays.clear();
-        f.reconnects.clear();
-        f.since_message.clear();
-        f.connected.clear();
-        f.state.clear();
-        f.worker_blocks.clear();
-        f.live_ranks.clear();
-        f.rank_mismatch.clear();
-        f.parity_checks.clear();
-        f.parity_lost.clear();
-        f.decisions.clear();
-        let now = crate::pool::now();
-        let stale = precise.config().stale;
-        let feeds: Vec<(&Arc<str>, &[Arc<Feed>])> = set
-            .workers()
-            .iter()
-            .filter(|w| !w.feeds().is_empty())
-            .map(|w| (w.label(), w.feeds()))
-            .collect();
-        let (blocks, evicted, per_worker): (usize, u64, Vec<usize>) = {
-            let index = precise.index();
-            (
-                index.len(),
-                index.evicted(),
-                feeds
-                    .iter()
-                    .map(|(_, ranks)| {
-                        ranks
-                            .iter()
-                            .map(|feed| index.source_blocks(feed.source()))
-                            .sum()
-                    })
-                    .collect(),
-            )
-        };
-        for ((label, ranks), held) in feeds.iter().zip(per_worker) {
-            let w = || WorkerLabels {
-                worker: Arc::clone(label),
-            };
-            let kind = |kind| WorkerKindLabels {
-                worker: Arc::clone(label),
-                kind,
-            };
-            let s: FeedCounts = ranks.iter().map(|feed| feed.stats.counts()).sum();
-            f.messages.get_or_create(&w()).inc_by(s.messages);
-            f.malformed.get_or_create(&w()).inc_by(s.malformed);
-            for (k, c) in [
-                ("block_stored", s.stored),
-                ("block_removed", s.removed),
-                ("all_blocks_cleared", s.cleared),
-                ("unknown_parent", s.unknown_parent),
-                ("ignored", s.ignored),
-                ("skipped", s.skipped_events),
-            ] {
-                f.events.get_or_create(&kind(k)).inc_by(c);
-            }
-            f.gaps.get_or_create(&w()).inc_by(s.gaps);
-            f.restarts.get_or_create(&w()).inc_by(s.restarts);
-            for (cause, c) in [
-                ("gap", s.clears_gap),
-                ("restart", s.clears_restart),
-                ("reconnect", s.clears_reconnect),
-                ("unhealthy", s.clears_unhealthy),
-            ] {
-                f.clears
-                    .get_or_create(&WorkerCauseLabels {
-                        worker: Arc::clone(label),
-                        cause,
-                    })
-                    .inc_by(c);
-            }
-            f.reconnects.get_or_create(&w()).inc_by(s.reconnects);
-            for (result, c) in [
-                ("requested", s.replays),
-                ("complete", s.replays_complete),
-                ("failed", s.replays_failed),
-            ] {
-                f.replays
-                    .get_or_create(&WorkerResultLabels {
-                        worker: Arc::clone(label),
-                        result,
-                    })
-                    .inc_by(c);
-            }
-            f.rank_mismatch.get_or_create(&w()).inc_by(s.rank_mismatch);
-            if let Some(feed) = ranks.first() {
-                let parity = feed.parity();
-                let (matches, mismatches) = parity.counts();
-                for (result, c) in [("match", matches), ("mismatch", mismatches)] {
-                    f.parity_checks
-                        .get_or_create(&WorkerResultLabels {
-                            worker: Arc::clone(label),
-                            result,
-                        })
-                        .inc_by(c);
-                }
-                f.parity_lost
-                    .get_or_create(&w())
-                    .set(i64::from(parity.is_lost()));
-            }
-            if let Some(secs) = ranks
-                .iter()
-                .filter_map(|feed| feed.seconds_since_message(now))
-                .reduce(f64::min)
-            {
-                f.since_message.get_or_create(&w()).set(secs);
-            }
-            f.connected
-                .get_or_create(&w())
-                .set(i64::from(ranks.iter().all(|feed| feed.is_connected())));
-            let states: Vec<FeedState> = ranks.iter().map(|feed| feed.state(now, stale)).collect();
-            let state = states.iter().max().copied().unwrap_or(FeedState::Live);
-            for st in [
-                FeedState::Live,
-                FeedState::ParityLost,
-                FeedState::Replaying,
-                FeedState::Stale,
-                FeedState::Disconnected,
-            ] {
-                f.state
-                    .get_or_create(&WorkerStateLabels {
-                        worker: Arc::clone(label),
-                        state: st.as_str(),
-                    })
-                    .set(i64::from(st == state));
-            }
-            let live = states.iter().filter(|st| **st == FeedState::Live).count();
-            f.live_ranks.get_or_create(&w()).set(live as i64);
-            f.worker_blocks.get_or_create(&w()).set(held as i64);
-        }
-        f.blocks.set(blocks as i64);
-        let before = f.evicted.get();
-        f.evicted.inc_by(evicted.saturating_sub(before));
-        for (path, cause, n) in precise.decisions() {
-            f.decisions
-                .get_or_create(&DecisionLabels { path, cause })
-                .inc_by(n);
         }
     }
 }

@@ -177,8 +177,8 @@ impl Policy for CacheAware {
         self.learn(worker, answer);
     }
 
-    fn tree(&self) -> Option<&Arc<SharedTree>> {
-        Some(&self.tree)
+    fn views(&self) -> Vec<Arc<dyn super::View>> {
+        vec![Arc::new(TreeView(Arc::clone(&self.tree)))]
     }
 
     fn background(
@@ -191,6 +191,93 @@ impl Policy for CacheAware {
             self.cache.clone(),
             shutdown,
         )))
+    }
+}
+
+/// The prefix tree as operators see it: its size and each worker's share in
+/// `/workers`, its size and upkeep counters in `/metrics`, and `POST /cache/clear`.
+pub struct TreeView(pub Arc<SharedTree>);
+
+impl super::View for TreeView {
+    fn workers(
+        &self,
+        set: &WorkerSet,
+        top: &mut super::view::Fields,
+        workers: &mut [super::view::Fields],
+    ) {
+        use super::view::put;
+        // Copied under the lock, formatted after releasing it.
+        let (nodes, bytes, shares) = {
+            let tree = self.0.lock();
+            let shares: Vec<f64> = set.ids().map(|id| tree.share(id)).collect();
+            (tree.node_count(), tree.total_bytes(), shares)
+        };
+        put(top, "tree_nodes", nodes);
+        put(top, "tree_bytes", bytes);
+        for ((w, fields), share) in set.workers().iter().zip(workers).zip(shares) {
+            put(fields, "tree_share", share);
+            put(fields, "tree_capacity_bytes", self.0.capacity(w.id()));
+        }
+    }
+
+    fn collector(&self, _: &Arc<Pool>) -> Option<Box<dyn prometheus_client::collector::Collector>> {
+        Some(Box::new(TreeMetrics(Arc::clone(&self.0))))
+    }
+
+    fn clear(&self, worker: Option<crate::pool::WorkerId>) -> Option<usize> {
+        Some(match worker {
+            // Swapped under the lock, the old nodes freed after releasing it.
+            None => {
+                let old = std::mem::take(&mut *self.0.lock());
+                old.node_count()
+            }
+            Some(id) => self.0.remove_worker(id),
+        })
+    }
+}
+
+/// The tree's families, read at each scrape.
+#[derive(Debug)]
+struct TreeMetrics(Arc<SharedTree>);
+
+impl prometheus_client::collector::Collector for TreeMetrics {
+    fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        use super::view::{counter, gauge};
+        use std::sync::atomic::Ordering::Relaxed;
+        let (nodes, bytes) = {
+            let tree = self.0.lock();
+            (tree.node_count(), tree.total_bytes())
+        };
+        gauge(
+            &mut enc,
+            "tree_nodes",
+            "Nodes in the prefix tree",
+            nodes as i64,
+        )?;
+        gauge(
+            &mut enc,
+            "tree_bytes",
+            "Bytes of routing text in the prefix tree",
+            bytes as i64,
+        )?;
+        counter(
+            &mut enc,
+            "tree_evicted_nodes",
+            "Tree nodes removed by eviction passes",
+            self.0.evicted_nodes.load(Relaxed),
+        )?;
+        counter(
+            &mut enc,
+            "tree_aged_out_bytes",
+            "Bytes of workers' tree records removed because their engine was found to have evicted older prefixes (an answer delivered far fewer cached tokens than predicted)",
+            self.0.aged_out_bytes.load(Relaxed),
+        )?;
+        counter(
+            &mut enc,
+            "tree_skipped_inserts",
+            "Tree inserts skipped because an eviction pass was running",
+            self.0.skipped_inserts.load(Relaxed),
+        )
     }
 }
 

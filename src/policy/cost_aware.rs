@@ -87,6 +87,11 @@ pub struct CostAware {
 }
 
 impl CostAware {
+    /// The tree it shares with `cache_aware`'s decision.
+    pub fn shared_tree(&self) -> &Arc<SharedTree> {
+        self.tree.shared_tree()
+    }
+
     /// The policy for `config`, its tree shared through `fleet` when given.
     pub fn new(config: &Config, fleet: Option<&Arc<crate::fleet::Fleet>>) -> Self {
         CostAware {
@@ -382,8 +387,8 @@ impl Policy for CostAware {
         self.tree.learn(worker, answer);
     }
 
-    fn tree(&self) -> Option<&Arc<SharedTree>> {
-        Some(self.tree.shared_tree())
+    fn views(&self) -> Vec<Arc<dyn super::View>> {
+        self.tree.views()
     }
 
     fn background(&self, pool: Arc<Pool>, shutdown: Shutdown) -> Option<BoxFuture<'static, ()>> {

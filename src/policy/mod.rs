@@ -42,6 +42,7 @@ mod random;
 mod round_robin;
 pub mod select;
 pub mod session;
+pub mod view;
 
 use std::future::Future;
 use std::pin::Pin;
@@ -51,6 +52,7 @@ use rand::RngCore;
 
 pub use cache_aware::{CacheAware, Memory, pick_cache_aware};
 pub use select::{BlockScale, CacheParams};
+pub use view::View;
 
 use crate::config::{Config, PolicyKind};
 use crate::fleet::Fleet;
@@ -327,26 +329,16 @@ pub trait Policy: PoolListener {
     /// What a complete answer from `worker` told (read from its bytes as they passed).
     fn answered(&self, _worker: &Worker, _answer: &Answer<'_>) {}
 
-    /// The approximate prefix tree, when the policy keeps one (`/workers`, `/metrics`,
-    /// `POST /cache/clear`).
-    fn tree(&self) -> Option<&Arc<SharedTree>> {
-        None
-    }
-
-    /// Precise mode's index and feeds, when the policy follows KV events.
-    fn precise(&self) -> Option<&Arc<crate::precise::Precise>> {
-        None
+    /// A view of each part of routing memory the policy owns (`/workers`, `/metrics`,
+    /// `POST /cache/clear`; see [`view`]). Default: none.
+    fn views(&self) -> Vec<Arc<dyn View>> {
+        Vec::new()
     }
 
     /// The worker that holds the `/v1/responses` state `key` (xxh3-64 of a response
     /// id), as learned from the answers and the other router replicas, when it is still
     /// in `set`; `None` when unknown. Default: unknown.
     fn response_holder(&self, _key: u64, _set: &WorkerSet) -> Option<WorkerId> {
-        None
-    }
-
-    /// The session layer's counters, when sessions are on.
-    fn sessions(&self) -> Option<session::SessionStats> {
         None
     }
 
@@ -370,6 +362,9 @@ pub struct Routing {
     /// Routing state shared with the other router replicas (`state.redis_url`), which
     /// the policy's tree and bindings already use; `app` runs its connection.
     pub fleet: Option<Arc<Fleet>>,
+    /// The approximate prefix tree the policy routes on, when it keeps one (precise
+    /// mode: its fallback's): for the benches and tools that fill or read it directly.
+    pub tree: Option<Arc<SharedTree>>,
 }
 
 /// The policy `config.policy` names, with its state, registered with `pool` for
@@ -385,9 +380,18 @@ pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
             .ok()
     });
     let shared = fleet.as_ref();
+    let mut tree = None;
     let policy: Arc<dyn Policy> = match config.policy {
-        PolicyKind::CacheAware => Arc::new(CacheAware::new(&config.cache, shared)),
-        PolicyKind::PreciseCacheAware => Arc::new(precise::PreciseCacheAware::new(config)),
+        PolicyKind::CacheAware => {
+            let p = CacheAware::new(&config.cache, shared);
+            tree = Some(Arc::clone(p.shared_tree()));
+            Arc::new(p)
+        }
+        PolicyKind::PreciseCacheAware => {
+            let p = precise::PreciseCacheAware::new(config);
+            tree = Some(Arc::clone(p.shared_tree()));
+            Arc::new(p)
+        }
         PolicyKind::RoundRobin => Arc::new(round_robin::RoundRobin),
         PolicyKind::Random => Arc::new(random::Random),
         PolicyKind::LeastLoad => Arc::new(least_load::LeastLoad),
@@ -395,7 +399,11 @@ pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
         PolicyKind::ConsistentHash => Arc::new(consistent_hash::ConsistentHash::new(
             &config.consistent_hash,
         )),
-        PolicyKind::CostAware => Arc::new(cost_aware::CostAware::new(config, shared)),
+        PolicyKind::CostAware => {
+            let p = cost_aware::CostAware::new(config, shared);
+            tree = Some(Arc::clone(p.shared_tree()));
+            Arc::new(p)
+        }
         PolicyKind::LmcacheAware => Arc::new(lmcache::LmcacheAware::new(&config.cache)),
     };
     // Conversation state and sessions wrap whichever policy: decided before its pick.
@@ -407,7 +415,11 @@ pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
         fleet.clone(),
     ));
     pool.listen(Arc::clone(&policy) as Arc<dyn PoolListener>);
-    Routing { policy, fleet }
+    Routing {
+        policy,
+        fleet,
+        tree,
+    }
 }
 
 /// Shared test inputs for the pick functions.

@@ -37,7 +37,6 @@ use crate::config::{SessionConfig, SessionMode};
 use crate::fleet::{BindingKind, BindingSink, Fleet};
 use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
-use crate::tree::SharedTree;
 
 /// Why a session left its worker.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +76,12 @@ pub struct Affinity {
     memory: std::sync::Arc<Memory>,
     /// The other router replicas, told every binding (`state:`; see `crate::fleet`).
     fleet: Option<std::sync::Arc<Fleet>>,
+    counters: std::sync::Arc<Counters>,
+}
+
+/// What the layer counts; read through [`SessionsView`].
+#[derive(Debug, Default)]
+struct Counters {
     hits: AtomicU64,
     rebinds: [AtomicU64; 3],
     conversation_hits: AtomicU64,
@@ -154,6 +159,83 @@ impl BindingSink for Memory {
     }
 }
 
+/// The layer as operators see it: [`SessionStats`] as `sessions` in `/workers`, and
+/// the session families in `/metrics`.
+#[derive(Debug)]
+pub struct SessionsView {
+    memory: std::sync::Arc<Memory>,
+    counters: std::sync::Arc<Counters>,
+}
+
+impl SessionsView {
+    /// The counters now.
+    pub fn stats(&self) -> SessionStats {
+        let c = &self.counters;
+        let r = |why: Rebind| c.rebinds[why as usize].load(Ordering::Relaxed);
+        SessionStats {
+            held: self.memory.lock().len(),
+            hits: c.hits.load(Ordering::Relaxed),
+            rebinds_unusable: r(Rebind::Unusable),
+            rebinds_gone: r(Rebind::Gone),
+            rebinds_overloaded: r(Rebind::Overloaded),
+            conversations_held: self.memory.conversations().len(),
+            conversation_hits: c.conversation_hits.load(Ordering::Relaxed),
+            conversation_misses: c.conversation_misses.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl super::View for SessionsView {
+    fn workers(&self, _: &WorkerSet, top: &mut super::view::Fields, _: &mut [super::view::Fields]) {
+        super::view::put(top, "sessions", self.stats());
+    }
+
+    fn collector(
+        &self,
+        _: &std::sync::Arc<crate::pool::Pool>,
+    ) -> Option<Box<dyn prometheus_client::collector::Collector>> {
+        Some(Box::new(SessionsView {
+            memory: std::sync::Arc::clone(&self.memory),
+            counters: std::sync::Arc::clone(&self.counters),
+        }))
+    }
+}
+
+impl prometheus_client::collector::Collector for SessionsView {
+    fn encode(&self, mut enc: prometheus_client::encoding::DescriptorEncoder) -> std::fmt::Result {
+        use super::view::{counter, gauge};
+        use prometheus_client::encoding::EncodeMetric;
+        let st = self.stats();
+        gauge(
+            &mut enc,
+            "sessions",
+            "Session bindings held (session -> worker)",
+            st.held as i64,
+        )?;
+        counter(
+            &mut enc,
+            "session_hits",
+            "Requests sent to the worker their session is bound to",
+            st.hits,
+        )?;
+        let mut rebinds = enc.encode_descriptor(
+            "session_rebinds",
+            "Sessions that left their worker, by cause (unusable, gone, overloaded).",
+            None,
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (cause, n) in [
+            ("unusable", st.rebinds_unusable),
+            ("gone", st.rebinds_gone),
+            ("overloaded", st.rebinds_overloaded),
+        ] {
+            prometheus_client::metrics::counter::ConstCounter::new(n)
+                .encode(rebinds.encode_family(&[("cause", cause)])?)?;
+        }
+        Ok(())
+    }
+}
+
 /// Counters of the affinity layer (`/workers`, `/metrics`).
 #[derive(Debug, Clone, Copy, Default, serde::Serialize)]
 pub struct SessionStats {
@@ -191,10 +273,7 @@ impl Affinity {
             params,
             memory,
             fleet,
-            hits: AtomicU64::new(0),
-            rebinds: Default::default(),
-            conversation_hits: AtomicU64::new(0),
-            conversation_misses: AtomicU64::new(0),
+            counters: Default::default(),
         }
     }
 
@@ -208,16 +287,13 @@ impl Affinity {
 
     /// The counters now.
     pub fn stats(&self) -> SessionStats {
-        let r = |c: Rebind| self.rebinds[c as usize].load(Ordering::Relaxed);
-        SessionStats {
-            held: self.memory.lock().len(),
-            hits: self.hits.load(Ordering::Relaxed),
-            rebinds_unusable: r(Rebind::Unusable),
-            rebinds_gone: r(Rebind::Gone),
-            rebinds_overloaded: r(Rebind::Overloaded),
-            conversations_held: self.memory.conversations().len(),
-            conversation_hits: self.conversation_hits.load(Ordering::Relaxed),
-            conversation_misses: self.conversation_misses.load(Ordering::Relaxed),
+        self.view().stats()
+    }
+
+    fn view(&self) -> SessionsView {
+        SessionsView {
+            memory: std::sync::Arc::clone(&self.memory),
+            counters: std::sync::Arc::clone(&self.counters),
         }
     }
 
@@ -259,10 +335,14 @@ impl Affinity {
             .is_some_and(|w| w.key_hash() == b.key_hash)
             && candidates.iter().any(|c| c.id == b.worker && c.usable);
         if !here {
-            self.conversation_misses.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .conversation_misses
+                .fetch_add(1, Ordering::Relaxed);
             return None;
         }
-        self.conversation_hits.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .conversation_hits
+            .fetch_add(1, Ordering::Relaxed);
         Some(b.worker)
     }
 }
@@ -317,11 +397,11 @@ impl Policy for Affinity {
         if let Some(session) = req.session.filter(|_| self.sessions_on) {
             match self.follow(session, set, candidates, rng) {
                 Some(Ok(id)) => {
-                    self.hits.fetch_add(1, Ordering::Relaxed);
+                    self.counters.hits.fetch_add(1, Ordering::Relaxed);
                     return bound_pick(id, Reason::Session, req, candidates);
                 }
                 Some(Err(why)) => {
-                    self.rebinds[why as usize].fetch_add(1, Ordering::Relaxed);
+                    self.counters.rebinds[why as usize].fetch_add(1, Ordering::Relaxed);
                 }
                 None => {}
             }
@@ -350,16 +430,11 @@ impl Policy for Affinity {
         self.inner.answered(worker, answer);
     }
 
-    fn tree(&self) -> Option<&std::sync::Arc<SharedTree>> {
-        self.inner.tree()
-    }
-
-    fn precise(&self) -> Option<&std::sync::Arc<crate::precise::Precise>> {
-        self.inner.precise()
-    }
-
-    fn sessions(&self) -> Option<SessionStats> {
-        Some(self.stats())
+    /// The inner policy's views and this layer's own.
+    fn views(&self) -> Vec<std::sync::Arc<dyn super::View>> {
+        let mut views = self.inner.views();
+        views.push(std::sync::Arc::new(self.view()));
+        views
     }
 
     fn response_holder(&self, key: u64, set: &WorkerSet) -> Option<WorkerId> {
@@ -422,6 +497,17 @@ mod tests {
     use crate::policy::fixtures::cands;
     use std::sync::Arc;
 
+    /// `sessions` as `/workers` shows it (through the policy's views).
+    fn sessions(p: &Arc<dyn Policy>, pool: &Pool) -> serde_json::Value {
+        let set = pool.set();
+        let mut top = crate::policy::view::Fields::new();
+        let mut workers = vec![crate::policy::view::Fields::new(); set.workers().len()];
+        for v in p.views() {
+            v.workers(&set, &mut top, &mut workers);
+        }
+        top.remove("sessions").expect("the session layer's view")
+    }
+
     fn setup(extra: &str) -> (Config, Arc<Pool>, Arc<dyn Policy>) {
         let yaml = format!(
             "policy: round_robin\nworkers:\n  - url: http://a:1\n  - url: http://b:1\n  - url: http://c:1\n{extra}"
@@ -471,12 +557,12 @@ mod tests {
         assert_eq!(serve(&*p, &set, 7, &[0, 0, 0], &[]), moved, "re-bound");
         let again = serve(&*p, &set, 7, &[0, 0, 0], &[moved.0 as usize]);
         assert_ne!(again, moved, "unusable worker left");
-        let s = p.sessions().unwrap();
+        let s = sessions(&p, &pool);
         assert_eq!(
-            (s.held, s.rebinds_overloaded, s.rebinds_unusable),
-            (1, 1, 1)
+            (&s["held"], &s["rebinds_overloaded"], &s["rebinds_unusable"]),
+            (&1.into(), &1.into(), &1.into())
         );
-        assert!(s.hits >= 11);
+        assert!(s["hits"].as_u64().unwrap() >= 11);
     }
 
     #[test]
@@ -543,7 +629,7 @@ mod tests {
             .collect();
         let pick = p.pick(&req, &set, &c, &mut rand::rng());
         assert_ne!(pick.reason, Reason::Session);
-        assert_eq!(p.sessions().unwrap().rebinds_gone, 1);
+        assert_eq!(sessions(&p, &pool)["rebinds_gone"], 1);
     }
 
     #[test]
@@ -553,7 +639,7 @@ mod tests {
         for s in 0..5u64 {
             serve(&*p, &set, s, &[0, 0, 0], &[]);
         }
-        assert_eq!(p.sessions().unwrap().held, 2);
+        assert_eq!(sessions(&p, &pool)["held"], 2);
     }
 
     #[tokio::test(start_paused = true)]
@@ -576,7 +662,7 @@ mod tests {
             p.pick(&req, &set, &c, &mut rand::rng()).reason,
             Reason::Session
         );
-        assert_eq!(p.sessions().unwrap().held, 0);
+        assert_eq!(sessions(&p, &pool)["held"], 0);
     }
 
     #[test]

@@ -74,9 +74,15 @@ impl Router {
     /// flight, and the policy's state starts empty.
     pub fn new(config: Config) -> Self {
         let pool = Arc::new(Pool::new(&config.workers, &config.circuit_breaker));
-        let policy::Routing { policy, fleet } = policy::build(&config, &pool);
+        let policy::Routing { policy, fleet, .. } = policy::build(&config, &pool);
+        let mut metrics = Metrics::new();
+        for view in policy.views() {
+            if let Some(c) = view.collector(&pool) {
+                metrics.register(c);
+            }
+        }
         let client = upstream::Upstream::new(&config.proxy);
-        let metrics = Arc::new(Metrics::new());
+        let metrics = Arc::new(metrics);
         pool.listen(Arc::clone(&metrics) as Arc<dyn crate::pool::PoolListener>);
         let rc = &config.response_cache;
         let cache = rc.enabled.then(|| {

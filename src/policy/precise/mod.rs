@@ -16,6 +16,7 @@
 
 pub mod score;
 mod supervise;
+mod view;
 
 use std::sync::Arc;
 
@@ -40,6 +41,11 @@ pub struct PreciseCacheAware {
 }
 
 impl PreciseCacheAware {
+    /// Its fallback's tree.
+    pub fn shared_tree(&self) -> &Arc<SharedTree> {
+        self.fallback.shared_tree()
+    }
+
     pub fn new(config: &Config) -> Self {
         PreciseCacheAware {
             precise: Arc::new(Precise::new(&config.precise)),
@@ -257,12 +263,10 @@ impl Policy for PreciseCacheAware {
         }
     }
 
-    fn tree(&self) -> Option<&Arc<SharedTree>> {
-        Some(self.fallback.shared_tree())
-    }
-
-    fn precise(&self) -> Option<&Arc<Precise>> {
-        Some(&self.precise)
+    fn views(&self) -> Vec<Arc<dyn super::View>> {
+        let mut views = self.fallback.views();
+        views.insert(0, Arc::new(view::PreciseView(Arc::clone(&self.precise))));
+        views
     }
 
     fn background(&self, pool: Arc<Pool>, shutdown: Shutdown) -> Option<BoxFuture<'static, ()>> {
