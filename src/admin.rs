@@ -312,7 +312,6 @@ pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
                 bytes: s.bytes,
                 evictions: s.evictions,
             }),
-        router.fleet().map(|f| &**f),
     );
     let mut resp = http::Response::new(
         http_body_util::Full::new(bytes::Bytes::from(text))

@@ -37,7 +37,8 @@
 //! precise      KV-event state: events, sequence, index, feed, consumer
 //! tokenize     request token ids as vLLM computes them (chat_template)
 //! prompt       request body -> RouteContext (routing text, length, digest)
-//! metrics      every metric name and label (prometheus-client)
+//! metrics      the registry and the request path's families (prometheus-client);
+//!              parts register their own scrape-time families (exposition: how)
 //! admin        GET /health, /workers, /metrics; the admin API
 //! reload       SIGHUP: re-read files, replace the pool's workers
 //! simulate     `simulate`: a request log through the same policy code over modelled
@@ -81,6 +82,7 @@ pub mod config;
 pub mod cores;
 pub mod discovery;
 pub mod error;
+pub mod exposition;
 pub mod fleet;
 pub mod log_format;
 pub mod log_sink;

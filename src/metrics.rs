@@ -119,27 +119,6 @@ struct OpLabels {
     op: &'static str,
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct DirectionLabels {
-    direction: &'static str,
-}
-
-/// The fleet channel (`crate::fleet`), read from its counters at scrape time.
-#[derive(Debug, Default)]
-struct FleetFamilies {
-    messages: Family<DirectionLabels, Counter>,
-    bytes: Family<DirectionLabels, Counter>,
-    records: Family<DirectionLabels, Counter>,
-    dropped: Counter,
-    malformed: Counter,
-    errors: Family<OpLabels, Counter>,
-    connected: Gauge,
-    remote_records: Gauge,
-    remote_in_flight: Family<WorkerLabels, Gauge>,
-    /// Totals already added, in the order of [`Metrics::encode_fleet`].
-    seen: [AtomicU64; 10],
-}
-
 /// What the in-process response cache holds, read at scrape time.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct CacheGauges {
@@ -205,7 +184,6 @@ pub struct Metrics {
     reloads: Family<ResultLabels, Counter>,
     signals: SignalFamilies,
     response_cache: ResponseCacheFamilies,
-    fleet: FleetFamilies,
     /// Every worker label with series of its own that outlive a scrape, and the label
     /// sets its label alone does not name (see [`Noted`]); a worker's entry and
     /// series go when it leaves ([`Metrics::forget_worker`]).
@@ -307,7 +285,6 @@ impl Metrics {
             reloads: Family::default(),
             signals: SignalFamilies::default(),
             response_cache: ResponseCacheFamilies::default(),
-            fleet: FleetFamilies::default(),
             noted: Default::default(),
             handles: Default::default(),
             queue_waiting: Gauge::default(),
@@ -537,53 +514,6 @@ impl Metrics {
             "response_cache_evictions",
             "Answers dropped from the in-process response cache to stay within max_bytes",
             c.evictions.clone(),
-        );
-        let f = &m.fleet;
-        r.register(
-            "fleet_messages",
-            "Fleet channel messages (state.redis_url) published (out) and applied (in, others' only)",
-            f.messages.clone(),
-        );
-        r.register_with_unit(
-            "fleet",
-            "Fleet channel payload bytes published (out) and applied (in)",
-            Unit::Bytes,
-            f.bytes.clone(),
-        );
-        r.register(
-            "fleet_records",
-            "Fleet records (prefix, load) published (out) and applied (in)",
-            f.records.clone(),
-        );
-        r.register(
-            "fleet_dropped_records",
-            "Prefix records dropped because the fleet publisher fell behind",
-            f.dropped.clone(),
-        );
-        r.register(
-            "fleet_malformed_messages",
-            "Messages on the fleet channel that were not fleet messages",
-            f.malformed.clone(),
-        );
-        r.register(
-            "fleet_errors",
-            "Fleet Redis failures, by operation (publish, subscribe)",
-            f.errors.clone(),
-        );
-        r.register(
-            "fleet_connected",
-            "1 while subscribed to the fleet channel",
-            f.connected.clone(),
-        );
-        r.register(
-            "fleet_remote_prefix_records",
-            "Prefix records (chunk hash, worker) held from the other router replicas",
-            f.remote_records.clone(),
-        );
-        r.register(
-            "worker_remote_in_flight",
-            "Requests the other router replicas have in flight on the worker, as last published",
-            f.remote_in_flight.clone(),
         );
         for (reason, count) in REASONS.iter().zip(&mut m.decision_counts) {
             *count = m
@@ -945,19 +875,15 @@ impl Metrics {
     }
 
     /// Prometheus text exposition, with gauges read from `set` now, the registered
-    /// parts' families, and the response cache and the fleet when given; `policy` names
+    /// parts' families, and the response cache when given; `policy` names
     /// the `prefix_tokens_total` series each worker gets at 0.
     pub fn encode(
         &self,
         policy: &'static str,
         set: &WorkerSet,
         response_cache: Option<CacheGauges>,
-        fleet: Option<&crate::fleet::Fleet>,
     ) -> String {
         self.worker_series(set, policy);
-        if let Some(f) = fleet {
-            self.encode_fleet(set, f);
-        }
         if let Some(st) = response_cache {
             let c = &self.response_cache;
             c.entries.set(st.entries as i64);
@@ -1000,46 +926,6 @@ impl Metrics {
         out
     }
 
-    /// Reads the fleet's counters and every worker's remote in-flight share.
-    fn encode_fleet(&self, set: &WorkerSet, fleet: &crate::fleet::Fleet) {
-        let g = &self.fleet;
-        let c = &fleet.counts;
-        let dir = |direction| DirectionLabels { direction };
-        let op = |op| OpLabels { op };
-        // One family guard at a time: holding one while another label is created would
-        // wait on the family's own lock.
-        let mut i = 0;
-        let mut add = |counter: &Counter, source: &AtomicU64| {
-            catch_up(counter, &g.seen[i], source);
-            i += 1;
-        };
-        add(&g.messages.get_or_create(&dir("out")), &c.messages_out);
-        add(&g.messages.get_or_create(&dir("in")), &c.messages_in);
-        add(&g.bytes.get_or_create(&dir("out")), &c.bytes_out);
-        add(&g.bytes.get_or_create(&dir("in")), &c.bytes_in);
-        add(&g.records.get_or_create(&dir("out")), &c.records_out);
-        add(&g.records.get_or_create(&dir("in")), &c.records_in);
-        add(&g.dropped, &c.dropped);
-        add(&g.malformed, &c.malformed);
-        add(&g.errors.get_or_create(&op("publish")), &c.publish_errors);
-        add(
-            &g.errors.get_or_create(&op("subscribe")),
-            &c.subscribe_errors,
-        );
-        g.connected
-            .set(i64::from(c.connected.load(Ordering::Relaxed)));
-        g.remote_records.set(fleet.remote_records() as i64);
-        g.remote_in_flight.clear();
-        for w in set.workers() {
-            g.remote_in_flight
-                .get_or_create(&WorkerLabels {
-                    worker: Arc::clone(w.label()),
-                })
-                .set(w.remote_in_flight() as i64);
-        }
-    }
-
-    /// Reads every worker's signals and prefill state into the signal families.
     fn encode_signals(&self, set: &WorkerSet, now: std::time::Instant) {
         let g = &self.signals;
         for f in [
@@ -1106,12 +992,4 @@ impl Metrics {
             g.prefill_base.get_or_create(&labels).set(rate.base_s);
         }
     }
-}
-
-/// Adds to `counter` what `source` (a per-set total, which restarts at 0 in a new set)
-/// gained since the last scrape.
-fn catch_up(counter: &Counter, seen: &AtomicU64, source: &AtomicU64) {
-    let now = source.load(Ordering::Relaxed);
-    let before = seen.swap(now, Ordering::Relaxed);
-    counter.inc_by(if now >= before { now - before } else { now });
 }

@@ -27,6 +27,7 @@
 //! (in-flight shares in it are stale and skipped).
 
 mod index;
+pub mod metrics;
 pub mod wire;
 
 use std::collections::HashMap;

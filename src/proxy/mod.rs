@@ -82,6 +82,9 @@ impl Router {
             }
         }
         let client = upstream::Upstream::new(&config.proxy);
+        if let Some(f) = &fleet {
+            metrics.register(Box::new(crate::fleet::metrics::FleetMetrics(Arc::clone(f))));
+        }
         let metrics = Arc::new(metrics);
         pool.listen(Arc::clone(&metrics) as Arc<dyn crate::pool::PoolListener>);
         let rc = &config.response_cache;
