@@ -58,12 +58,6 @@ struct ReasonLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct BreakerLabels {
-    worker: Arc<str>,
-    state: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ResultLabels {
     result: &'static str,
 }
@@ -88,12 +82,6 @@ pub const OUTCOMES: [&str; 4] = [
     "upstream_error",
     "upstream_idle_timeout",
 ];
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WorkerResultLabels {
-    worker: Arc<str>,
-    result: &'static str,
-}
 
 fn latency_histogram() -> Histogram {
     // 100 µs … ~100 s.
@@ -144,23 +132,6 @@ struct ResponseCacheFamilies {
     seen_evictions: AtomicU64,
 }
 
-#[derive(Debug, Default)]
-struct SignalFamilies {
-    waiting: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
-    running: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
-    kv_usage: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
-    signal_age: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
-    scrapes: Family<WorkerResultLabels, Counter>,
-    lmcache_occupancy: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
-    lmcache_polls: Family<WorkerResultLabels, Counter>,
-    neutral_reads: Family<WorkerLabels, Counter>,
-    saturated: Family<WorkerLabels, Gauge>,
-    back_pressure: Family<WorkerLabels, Counter>,
-    pending_tokens: Family<WorkerLabels, Gauge>,
-    prefill_rate: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
-    prefill_base: Family<WorkerLabels, Gauge<f64, AtomicU64>>,
-}
-
 /// The router's metrics. One instance per process, handed to the proxy and `/metrics`.
 #[derive(Debug)]
 pub struct Metrics {
@@ -176,13 +147,10 @@ pub struct Metrics {
     decision_time: Histogram,
     ttfb: Family<WorkerLabels, Histogram, fn() -> Histogram>,
     duration: Family<WorkerLabels, Histogram, fn() -> Histogram>,
-    in_flight: Family<WorkerLabels, Gauge>,
-    healthy: Family<WorkerLabels, Gauge>,
-    breaker: Family<BreakerLabels, Gauge>,
     retries: Counter,
     fallback_picks: Counter,
     reloads: Family<ResultLabels, Counter>,
-    signals: SignalFamilies,
+    back_pressure: Family<WorkerLabels, Counter>,
     response_cache: ResponseCacheFamilies,
     /// Every worker label with series of its own that outlive a scrape, and the label
     /// sets its label alone does not name (see [`Noted`]); a worker's entry and
@@ -277,13 +245,10 @@ impl Metrics {
             decision_time: decision_histogram(),
             ttfb: Family::new_with_constructor(latency_histogram),
             duration: Family::new_with_constructor(latency_histogram),
-            in_flight: Family::default(),
-            healthy: Family::default(),
-            breaker: Family::default(),
             retries: Counter::default(),
             fallback_picks: Counter::default(),
             reloads: Family::default(),
-            signals: SignalFamilies::default(),
+            back_pressure: Family::default(),
             response_cache: ResponseCacheFamilies::default(),
             noted: Default::default(),
             handles: Default::default(),
@@ -355,21 +320,6 @@ impl Metrics {
             m.duration.clone(),
         );
         r.register(
-            "worker_in_flight",
-            "Requests in flight per worker",
-            m.in_flight.clone(),
-        );
-        r.register(
-            "worker_healthy",
-            "1 when the worker passes health checks",
-            m.healthy.clone(),
-        );
-        r.register(
-            "worker_breaker_state",
-            "1 for the worker's current circuit-breaker state",
-            m.breaker.clone(),
-        );
-        r.register(
             "retries",
             "Requests re-sent to another worker",
             m.retries.clone(),
@@ -405,73 +355,10 @@ impl Metrics {
             "Requests the admission queue answered 503: full (max_waiting reached) or timeout (timeout_ms passed)",
             m.queue_rejected.clone(),
         );
-        let g = &m.signals;
-        r.register(
-            "worker_engine_waiting",
-            "Requests queued inside the worker's engine at its last engine_metrics scrape (vllm:num_requests_waiting, sglang:num_queue_reqs)",
-            g.waiting.clone(),
-        );
-        r.register(
-            "worker_engine_running",
-            "Requests running in the worker's engine at its last scrape (vllm:num_requests_running, sglang:num_running_reqs)",
-            g.running.clone(),
-        );
-        r.register(
-            "worker_engine_kv_cache_usage",
-            "KV-cache usage 0-1 at the last scrape (vllm:kv_cache_usage_perc, sglang:token_usage)",
-            g.kv_usage.clone(),
-        );
-        r.register_with_unit(
-            "worker_engine_signal_age",
-            "Seconds since the worker's last good engine_metrics scrape (older than stale_secs = neutral)",
-            Unit::Seconds,
-            g.signal_age.clone(),
-        );
-        r.register(
-            "engine_scrapes",
-            "engine_metrics scrapes per worker by result: ok, failed (no answer or non-2xx), unparsable (no known metrics)",
-            g.scrapes.clone(),
-        );
-        r.register(
-            "worker_lmcache_occupancy",
-            "LMCache occupancy 0-1 from the worker's last good lmcache signal",
-            g.lmcache_occupancy.clone(),
-        );
-        r.register(
-            "lmcache_polls",
-            "LMCache signal polls per worker by result: ok, failed, unparsable",
-            g.lmcache_polls.clone(),
-        );
-        r.register(
-            "signal_neutral_reads",
-            "Routing decisions that found the worker's engine or LMCache signal missing or stale, so neutral",
-            g.neutral_reads.clone(),
-        );
-        r.register(
-            "worker_saturated",
-            "1 while the worker is avoided after a 429 or a 503 with Retry-After",
-            g.saturated.clone(),
-        );
         r.register(
             "back_pressure",
             "429 (or 503 with Retry-After) answers per worker; not counted by the circuit breaker",
-            g.back_pressure.clone(),
-        );
-        r.register(
-            "worker_pending_prefill_tokens",
-            "Estimated uncached prompt tokens of requests sent to the worker and not yet answered with a first byte",
-            g.pending_tokens.clone(),
-        );
-        r.register(
-            "worker_prefill_tokens_per_second",
-            "The worker's prefill rate learned from its streamed answers (TTFT and cached tokens); the prior until it has answered enough",
-            g.prefill_rate.clone(),
-        );
-        r.register_with_unit(
-            "worker_prefill_base",
-            "The worker's learned fixed cost per request, seconds",
-            Unit::Seconds,
-            g.prefill_base.clone(),
+            m.back_pressure.clone(),
         );
         let c = &m.response_cache;
         r.register(
@@ -569,7 +456,7 @@ impl Metrics {
             let _ = self.drift_low.get_or_create(&labels);
             let _ = self.ttfb.get_or_create(&labels);
             let _ = self.duration.get_or_create(&labels);
-            let _ = self.signals.back_pressure.get_or_create(&labels);
+            let _ = self.back_pressure.get_or_create(&labels);
             for kind in PREFIX_KINDS {
                 let _ = self.prefix_tokens.get_or_create(&PrefixLabels {
                     worker: Arc::clone(w),
@@ -613,7 +500,7 @@ impl Metrics {
             &self.estimated_saved,
             &self.engine_cached,
             &self.engine_prompt,
-            &self.signals.back_pressure,
+            &self.back_pressure,
         ] {
             f.remove(&labels);
         }
@@ -757,8 +644,7 @@ impl Metrics {
     /// A 429 or 503 + Retry-After from `worker`.
     pub fn back_pressure(&self, worker: &Arc<str>) {
         self.note_worker(worker);
-        self.signals
-            .back_pressure
+        self.back_pressure
             .get_or_create(&WorkerLabels {
                 worker: Arc::clone(worker),
             })
@@ -891,105 +777,9 @@ impl Metrics {
             let before = c.seen_evictions.swap(st.evictions, Ordering::Relaxed);
             c.evictions.inc_by(st.evictions.saturating_sub(before));
         }
-        let now = crate::pool::now();
-        self.in_flight.clear();
-        self.healthy.clear();
-        self.breaker.clear();
-        for w in set.workers() {
-            let labels = WorkerLabels {
-                worker: Arc::clone(w.label()),
-            };
-            self.in_flight
-                .get_or_create(&labels)
-                .set(w.in_flight() as i64);
-            self.healthy
-                .get_or_create(&labels)
-                .set(i64::from(w.is_healthy()));
-            let state = w.breaker_state(now);
-            for s in [
-                crate::pool::breaker::State::Closed,
-                crate::pool::breaker::State::Open,
-                crate::pool::breaker::State::HalfOpen,
-            ] {
-                self.breaker
-                    .get_or_create(&BreakerLabels {
-                        worker: Arc::clone(w.label()),
-                        state: s.as_str(),
-                    })
-                    .set(i64::from(s == state));
-            }
-        }
-        self.encode_signals(set, now);
         let mut out = String::with_capacity(16 * 1024);
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
         out
-    }
-
-    fn encode_signals(&self, set: &WorkerSet, now: std::time::Instant) {
-        let g = &self.signals;
-        for f in [
-            &g.waiting,
-            &g.running,
-            &g.kv_usage,
-            &g.signal_age,
-            &g.lmcache_occupancy,
-            &g.prefill_rate,
-            &g.prefill_base,
-        ] {
-            f.clear();
-        }
-        g.scrapes.clear();
-        g.lmcache_polls.clear();
-        g.saturated.clear();
-        g.pending_tokens.clear();
-        g.neutral_reads.clear();
-        for w in set.workers() {
-            let labels = WorkerLabels {
-                worker: Arc::clone(w.label()),
-            };
-            let sig = w.signals();
-            if let Some(load) = sig.engine() {
-                g.waiting.get_or_create(&labels).set(load.waiting);
-                g.running.get_or_create(&labels).set(load.running);
-                if let Some(kv) = load.kv_usage {
-                    g.kv_usage.get_or_create(&labels).set(kv);
-                }
-                g.signal_age
-                    .get_or_create(&labels)
-                    .set(now.saturating_duration_since(load.at).as_secs_f64());
-            }
-            if let Some(l) = sig.lmcache() {
-                g.lmcache_occupancy.get_or_create(&labels).set(l.occupancy);
-            }
-            for (family, counts) in [
-                (&g.scrapes, &sig.scrapes),
-                (&g.lmcache_polls, &sig.lmcache_polls),
-            ] {
-                let (ok, failed, unparsable) = counts.get();
-                for (result, n) in [("ok", ok), ("failed", failed), ("unparsable", unparsable)] {
-                    family
-                        .get_or_create(&WorkerResultLabels {
-                            worker: Arc::clone(w.label()),
-                            result,
-                        })
-                        .inc_by(n);
-                }
-            }
-            g.saturated
-                .get_or_create(&labels)
-                .set(i64::from(sig.is_saturated(now)));
-            g.neutral_reads
-                .get_or_create(&labels)
-                .inc_by(sig.neutral_reads.load(std::sync::atomic::Ordering::Relaxed));
-            let _ = g.back_pressure.get_or_create(&labels);
-            let (_, tokens) = w.prefill().pending();
-            g.pending_tokens.get_or_create(&labels).set(tokens as i64);
-            let rate = w.prefill().rate();
-            g.prefill_rate
-                .get_or_create(&labels)
-                .set(1.0 / rate.secs_per_token);
-            g.prefill_base.get_or_create(&labels).set(rate.base_s);
-        }
     }
 }

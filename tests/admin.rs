@@ -560,7 +560,7 @@ async fn per_worker_series_go_with_their_worker_under_churn() {
                 let r = post(addr, "/v1/chat/completions", chat_body("hello", false)).await;
                 assert_eq!(r.status, 200, "{}", r.text());
             }
-            if i % 100 == 0 {
+            if i.is_multiple_of(100) {
                 let with_it = scrape(addr).await;
                 assert!(
                     with_it.text.contains(&format!("worker=\"{url}\"")),
@@ -576,7 +576,7 @@ async fn per_worker_series_go_with_their_worker_under_churn() {
     let start = series(addr).await;
     for i in 1..=1000 {
         let url = cycle(i).await;
-        if i % 100 == 0 {
+        if i.is_multiple_of(100) {
             let now = scrape(addr).await;
             assert!(
                 !now.text.contains(&format!("worker=\"{url}\"")),

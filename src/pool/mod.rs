@@ -18,6 +18,7 @@ pub mod health;
 pub mod hits;
 pub mod keep_alive;
 mod load;
+pub mod metrics;
 pub mod prefill;
 mod set;
 pub mod signals;

@@ -82,6 +82,9 @@ impl Router {
             }
         }
         let client = upstream::Upstream::new(&config.proxy);
+        metrics.register(Box::new(crate::pool::metrics::PoolMetrics::new(
+            Arc::clone(&pool),
+        )));
         if let Some(f) = &fleet {
             metrics.register(Box::new(crate::fleet::metrics::FleetMetrics(Arc::clone(f))));
         }
