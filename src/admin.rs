@@ -301,18 +301,9 @@ struct ResponseCacheView {
 /// `GET /metrics`: Prometheus text exposition (see `metrics.rs`).
 pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
     use http_body_util::BodyExt;
-    let text = router.metrics().encode(
-        router.policy().name(),
-        &router.worker_set(),
-        router
-            .response_cache()
-            .and_then(|c| c.stats())
-            .map(|s| crate::metrics::CacheGauges {
-                entries: s.entries,
-                bytes: s.bytes,
-                evictions: s.evictions,
-            }),
-    );
+    let text = router
+        .metrics()
+        .encode(router.policy().name(), &router.worker_set());
     let mut resp = http::Response::new(
         http_body_util::Full::new(bytes::Bytes::from(text))
             .map_err(|never| match never {})

@@ -13,7 +13,7 @@
 //! what the router expected.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -93,45 +93,6 @@ fn decision_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.000_001, 2.0, 15))
 }
 
-/// Engine signals and prefill accounting per worker (`engine_metrics:`, `lmcache:`,
-/// back-pressure, `pool::prefill`), read from the workers at scrape time; every worker
-/// has every series from the first scrape (a signal never read shows as absent only in
-/// the value gauges, whose meaning needs a reading).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct KindLabels {
-    kind: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct OpLabels {
-    op: &'static str,
-}
-
-/// What the in-process response cache holds, read at scrape time.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub struct CacheGauges {
-    pub entries: u64,
-    /// Weight held, in bytes.
-    pub bytes: u64,
-    /// Evictions since start.
-    pub evictions: u64,
-}
-
-/// The response cache (`crate::cache`): every label value the cache names
-/// ([`Metrics::response_cache_labels`]) exists at 0 from start-up.
-#[derive(Debug, Default)]
-struct ResponseCacheFamilies {
-    hits: Family<KindLabels, Counter>,
-    misses: Counter,
-    bypasses: Family<CauseLabels, Counter>,
-    stores: Family<ResultLabels, Counter>,
-    store_errors: Family<OpLabels, Counter>,
-    entries: Gauge,
-    bytes: Gauge,
-    evictions: Counter,
-    seen_evictions: AtomicU64,
-}
-
 /// The router's metrics. One instance per process, handed to the proxy and `/metrics`.
 #[derive(Debug)]
 pub struct Metrics {
@@ -151,7 +112,6 @@ pub struct Metrics {
     fallback_picks: Counter,
     reloads: Family<ResultLabels, Counter>,
     back_pressure: Family<WorkerLabels, Counter>,
-    response_cache: ResponseCacheFamilies,
     /// Every worker label with series of its own that outlive a scrape, and the label
     /// sets its label alone does not name (see [`Noted`]); a worker's entry and
     /// series go when it leaves ([`Metrics::forget_worker`]).
@@ -249,7 +209,6 @@ impl Metrics {
             fallback_picks: Counter::default(),
             reloads: Family::default(),
             back_pressure: Family::default(),
-            response_cache: ResponseCacheFamilies::default(),
             noted: Default::default(),
             handles: Default::default(),
             queue_waiting: Gauge::default(),
@@ -359,48 +318,6 @@ impl Metrics {
             "back_pressure",
             "429 (or 503 with Retry-After) answers per worker; not counted by the circuit breaker",
             m.back_pressure.clone(),
-        );
-        let c = &m.response_cache;
-        r.register(
-            "response_cache_hits",
-            "Requests answered from the response cache, by lookup kind (exact, semantic)",
-            c.hits.clone(),
-        );
-        r.register(
-            "response_cache_misses",
-            "Requests looked up in the response cache and not found (sent to a worker)",
-            c.misses.clone(),
-        );
-        r.register(
-            "response_cache_bypasses",
-            "Requests that skipped the response cache, by cause (endpoint, no_store, no_cache, api_key, choices, unreadable, stateful, store_error, store_down)",
-            c.bypasses.clone(),
-        );
-        r.register(
-            "response_cache_stores",
-            "Routed answers offered to the response cache, by result (stored; failed, incomplete, too_large, not_cacheable: not stored; error: the store failed)",
-            c.stores.clone(),
-        );
-        r.register(
-            "response_cache_store_errors",
-            "Response-cache store and embeddings failures, by operation (get, put, recent, remember, embed)",
-            c.store_errors.clone(),
-        );
-        r.register(
-            "response_cache_entries",
-            "Answers held by the in-process response cache (0 with Redis)",
-            c.entries.clone(),
-        );
-        r.register_with_unit(
-            "response_cache",
-            "Weight held by the in-process response cache: bodies, content types and per-entry overhead (0 with Redis)",
-            Unit::Bytes,
-            c.bytes.clone(),
-        );
-        r.register(
-            "response_cache_evictions",
-            "Answers dropped from the in-process response cache to stay within max_bytes",
-            c.evictions.clone(),
         );
         for (reason, count) in REASONS.iter().zip(&mut m.decision_counts) {
             *count = m
@@ -651,67 +568,6 @@ impl Metrics {
             .inc();
     }
 
-    /// Creates every response-cache series at 0 (the cache calls this when it starts,
-    /// with its own label values), so dashboards see them before the first event.
-    pub fn response_cache_labels(
-        &self,
-        kinds: &[&'static str],
-        causes: &[&'static str],
-        results: &[&'static str],
-        ops: &[&'static str],
-    ) {
-        let c = &self.response_cache;
-        for &kind in kinds {
-            let _ = c.hits.get_or_create(&KindLabels { kind });
-        }
-        for &cause in causes {
-            let _ = c.bypasses.get_or_create(&CauseLabels { cause });
-        }
-        for &result in results {
-            let _ = c.stores.get_or_create(&ResultLabels { result });
-        }
-        for &op in ops {
-            let _ = c.store_errors.get_or_create(&OpLabels { op });
-        }
-    }
-
-    /// A response-cache hit of `kind` (`exact`, `semantic`).
-    pub fn response_cache_hit(&self, kind: &'static str) {
-        self.response_cache
-            .hits
-            .get_or_create(&KindLabels { kind })
-            .inc();
-    }
-
-    /// A response-cache miss.
-    pub fn response_cache_miss(&self) {
-        self.response_cache.misses.inc();
-    }
-
-    /// A request that skipped the response cache, for `cause`.
-    pub fn response_cache_bypass(&self, cause: &'static str) {
-        self.response_cache
-            .bypasses
-            .get_or_create(&CauseLabels { cause })
-            .inc();
-    }
-
-    /// What became of a routed answer offered to the response cache.
-    pub fn response_cache_store(&self, result: &'static str) {
-        self.response_cache
-            .stores
-            .get_or_create(&ResultLabels { result })
-            .inc();
-    }
-
-    /// A failed response-cache store call or embeddings call.
-    pub fn response_cache_store_error(&self, op: &'static str) {
-        self.response_cache
-            .store_errors
-            .get_or_create(&OpLabels { op })
-            .inc();
-    }
-
     /// Takes a place in the admission queue, unless `max` requests already wait.
     pub fn queue_enter(&self, max: usize) -> Option<QueuePlace> {
         self.waiting
@@ -761,22 +617,10 @@ impl Metrics {
     }
 
     /// Prometheus text exposition, with gauges read from `set` now, the registered
-    /// parts' families, and the response cache when given; `policy` names
+    /// parts' families; `policy` names
     /// the `prefix_tokens_total` series each worker gets at 0.
-    pub fn encode(
-        &self,
-        policy: &'static str,
-        set: &WorkerSet,
-        response_cache: Option<CacheGauges>,
-    ) -> String {
+    pub fn encode(&self, policy: &'static str, set: &WorkerSet) -> String {
         self.worker_series(set, policy);
-        if let Some(st) = response_cache {
-            let c = &self.response_cache;
-            c.entries.set(st.entries as i64);
-            c.bytes.set(st.bytes as i64);
-            let before = c.seen_evictions.swap(st.evictions, Ordering::Relaxed);
-            c.evictions.inc_by(st.evictions.saturating_sub(before));
-        }
         let mut out = String::with_capacity(16 * 1024);
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);

@@ -19,6 +19,7 @@
 pub mod entry;
 pub mod key;
 pub mod memory;
+pub mod metrics;
 pub mod redis;
 pub mod semantic;
 pub mod store;
@@ -33,7 +34,6 @@ use http::StatusCode;
 use http::header::{self, HeaderMap, HeaderValue};
 
 use crate::config::{ResponseCacheConfig, Secret};
-use crate::metrics::Metrics;
 use crate::prompt::Endpoint;
 use crate::proxy::upstream::Upstream;
 use entry::{Entry, NotStored};
@@ -183,7 +183,7 @@ pub struct ResponseCache {
     cfg: ResponseCacheConfig,
     store: Box<dyn Store>,
     embedder: Option<Embedder>,
-    metrics: Arc<Metrics>,
+    metrics: metrics::CacheMetrics,
     entry_cap: usize,
     born: Instant,
     /// Who may call the store (milliseconds since `born`).
@@ -211,7 +211,6 @@ impl ResponseCache {
         cfg: &ResponseCacheConfig,
         upstream: &Upstream,
         bearer: Option<HeaderValue>,
-        metrics: Arc<Metrics>,
     ) -> Result<Arc<Self>, String> {
         let store: Box<dyn Store> = match &cfg.redis_url {
             Some(url) => Box::new(
@@ -228,18 +227,12 @@ impl ResponseCache {
             .semantic
             .clone()
             .map(|s| Embedder::new(s, upstream.clone(), bearer));
-        metrics.response_cache_labels(
-            &HIT_KINDS,
-            &Bypass::ALL.map(Bypass::as_str),
-            &STORE_RESULTS,
-            &STORE_OPS,
-        );
         Ok(Arc::new(ResponseCache {
             entry_cap: MAX_ENTRY_BYTES.min(cfg.max_bytes as usize),
             cfg: cfg.clone(),
             store,
             embedder,
-            metrics,
+            metrics: metrics::CacheMetrics::new(),
             born: Instant::now(),
             gate: Gate::new(DOWN_FOR),
             embed_down_until_ms: AtomicU64::new(0),
@@ -261,11 +254,11 @@ impl ResponseCache {
     ) -> Lookup {
         let found = self.find(endpoint, headers, body).await;
         match &found {
-            Lookup::Hit { kind, .. } => self.metrics.response_cache_hit(kind),
+            Lookup::Hit { kind, .. } => self.metrics.hit(kind),
             Lookup::Route {
                 status: Status::Miss,
                 ..
-            } => self.metrics.response_cache_miss(),
+            } => self.metrics.miss(),
             Lookup::Route { .. } => {}
         }
         found
@@ -278,7 +271,7 @@ impl ResponseCache {
         body: &[u8],
     ) -> Lookup {
         let bypass = |cause: Bypass, pending: Option<Pending>| {
-            self.metrics.response_cache_bypass(cause.as_str());
+            self.metrics.bypass(cause.as_str());
             Lookup::Route {
                 status: Status::Bypass,
                 pending,
@@ -457,7 +450,7 @@ impl ResponseCache {
     }
 
     fn count_failure(&self, op: &'static str, error: &str, store: bool) {
-        self.metrics.response_cache_store_error(op);
+        self.metrics.store_error(op);
         if let Some(failures) = self.log.due() {
             let error = crate::redact::line(error);
             if store {
@@ -485,7 +478,7 @@ impl ResponseCache {
         let sse = entry::is_sse(&content_type);
         let verdict = entry::verdict(&body, sse);
         if let Err(why) = verdict {
-            self.metrics.response_cache_store(match why {
+            self.metrics.store(match why {
                 NotStored::Failed => "failed",
                 NotStored::Incomplete => "incomplete",
             });
@@ -496,16 +489,16 @@ impl ResponseCache {
             Some(Ok(())) => {}
             // Skipped: the store went down since the lookup.
             None => {
-                self.metrics.response_cache_store("error");
+                self.metrics.store("error");
                 return;
             }
             Some(Err(e)) => {
                 self.failed("put", &e);
-                self.metrics.response_cache_store("error");
+                self.metrics.store("error");
                 return;
             }
         }
-        self.metrics.response_cache_store("stored");
+        self.metrics.store("stored");
         if let (Some((partition, vector)), Some(embedder)) = (pending.semantic, &self.embedder) {
             let c = Candidate {
                 key: pending.key,
@@ -590,7 +583,7 @@ impl Recorder {
             .and_then(|ct| HeaderValue::from_bytes(ct.as_bytes()).ok());
         let (true, false, Some(content_type)) = (status == StatusCode::OK, encoded, content_type)
         else {
-            pending.cache.metrics.response_cache_store("not_cacheable");
+            pending.cache.metrics.store("not_cacheable");
             return None;
         };
         Some(Recorder {
@@ -620,11 +613,11 @@ impl Recorder {
     pub fn finish(self, complete: bool) {
         let cache = Arc::clone(&self.pending.cache);
         if !complete {
-            cache.metrics.response_cache_store("incomplete");
+            cache.metrics.store("incomplete");
             return;
         }
         if self.too_large {
-            cache.metrics.response_cache_store("too_large");
+            cache.metrics.store("too_large");
             return;
         }
         // Always a copy of exactly the body: a chunk is a slice of hyper's read buffer

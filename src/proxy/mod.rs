@@ -88,18 +88,24 @@ impl Router {
         if let Some(f) = &fleet {
             metrics.register(Box::new(crate::fleet::metrics::FleetMetrics(Arc::clone(f))));
         }
-        let metrics = Arc::new(metrics);
-        pool.listen(Arc::clone(&metrics) as Arc<dyn crate::pool::PoolListener>);
         let rc = &config.response_cache;
         let cache = rc.enabled.then(|| {
             let bearer = rc
                 .semantic
                 .as_ref()
                 .and_then(|s| embeddings_key(&config, &s.embeddings_url));
-            ResponseCache::new(rc, &client, bearer, Arc::clone(&metrics))
+            ResponseCache::new(rc, &client, bearer)
                 .inspect_err(|e| tracing::error!(error = %e, "response cache off: it cannot start"))
                 .ok()
         });
+        let cache = cache.flatten();
+        if let Some(c) = &cache {
+            metrics.register(Box::new(crate::cache::metrics::CacheCollector(Arc::clone(
+                c,
+            ))));
+        }
+        let metrics = Arc::new(metrics);
+        pool.listen(Arc::clone(&metrics) as Arc<dyn crate::pool::PoolListener>);
         let export = config.tracing.otlp_endpoint.as_ref().and_then(|url| {
             Exporter::new(&config.tracing)
                 .inspect(|_| tracing::info!(collector = %crate::redact::url(&url.to_string()), "tracing: exporting one span per request"))
@@ -113,7 +119,7 @@ impl Router {
             pool,
             policy,
             metrics,
-            cache: cache.flatten(),
+            cache,
             fleet,
             no_worker: Arc::from("none"),
             cache_worker: Arc::from("cache"),
