@@ -8,28 +8,60 @@ use std::process::{Child, Command, Output, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// The binary cargo built for these tests.
-pub const BIN: &str = env!("CARGO_BIN_EXE_cache-aware-router");
+/// The router's binary: `Binary::at(env!("CARGO_BIN_EXE_cache-aware-router"))` in a
+/// test of the router's package (only there does cargo say where it built it).
+#[derive(Debug, Clone, Copy)]
+pub struct Binary(&'static str);
 
-/// Runs the binary with `args` to completion (`RUST_LOG` unset).
-pub fn run(args: &[&str]) -> Output {
-    Command::new(BIN)
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .expect("run the binary")
-}
-
-/// `--config-check` with each of `files` as a `-c`.
-pub fn config_check(files: &[&Path]) -> Output {
-    let mut args = Vec::new();
-    for f in files {
-        args.push("-c".to_string());
-        args.push(f.display().to_string());
+impl Binary {
+    pub const fn at(path: &'static str) -> Binary {
+        Binary(path)
     }
-    args.push("--config-check".into());
-    let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    run(&args)
+
+    /// A command running it, `RUST_LOG` unset.
+    pub fn command(&self) -> Command {
+        let mut cmd = Command::new(self.0);
+        cmd.env_remove("RUST_LOG");
+        cmd
+    }
+
+    /// Runs it with `args` to completion.
+    pub fn run(&self, args: &[&str]) -> Output {
+        self.command().args(args).output().expect("run the binary")
+    }
+
+    /// `--config-check` with each of `files` as a `-c`.
+    pub fn config_check(&self, files: &[&Path]) -> Output {
+        let mut args = Vec::new();
+        for f in files {
+            args.push("-c".to_string());
+            args.push(f.display().to_string());
+        }
+        args.push("--config-check".into());
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.run(&args)
+    }
+
+    /// Starts it with `files` (which must set `log.format: json`) and waits for the line
+    /// announcing the listening address.
+    pub fn serve(&self, files: &[&Path]) -> Running {
+        self.serve_with_env(files, &[])
+    }
+
+    /// As [`Binary::serve`], with these environment variables set for the binary.
+    pub fn serve_with_env(&self, files: &[&Path], env: &[(&str, &str)]) -> Running {
+        let mut cmd = self.command();
+        for f in files {
+            cmd.arg("-c").arg(f);
+        }
+        cmd.envs(env.iter().copied());
+        let child = cmd
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("spawn the binary");
+        Running::watch(child)
+    }
 }
 
 pub fn stderr(o: &Output) -> String {
@@ -94,57 +126,43 @@ impl Running {
     }
 }
 
-/// Starts the binary with `files` (which must set `log.format: json`) and waits for the
-/// line announcing the listening address.
-pub fn serve(files: &[&Path]) -> Running {
-    serve_with_env(files, &[])
-}
-
-/// As [`serve`], with these environment variables set for the binary.
-pub fn serve_with_env(files: &[&Path], env: &[(&str, &str)]) -> Running {
-    let mut cmd = Command::new(BIN);
-    for f in files {
-        cmd.arg("-c").arg(f);
-    }
-    cmd.envs(env.iter().copied());
-    let child = cmd
-        .env_remove("RUST_LOG")
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("spawn the binary");
-    // Killed and reaped on drop, also when this function panics.
-    let mut running = Running {
-        child,
-        addr: SocketAddr::from(([0, 0, 0, 0], 0)),
-        lines: Arc::default(),
-    };
-    let out: Box<dyn Read + Send> = Box::new(running.child.stdout.take().unwrap());
-    let err: Box<dyn Read + Send> = Box::new(running.child.stderr.take().unwrap());
-    for (stream, pipe) in [(Stream::Stdout, out), (Stream::Stderr, err)] {
-        let lines = Arc::clone(&running.lines);
-        std::thread::spawn(move || {
-            for line in BufReader::new(pipe).lines().map_while(Result::ok) {
-                lines.lock().unwrap().push((stream, line));
-            }
-        });
-    }
-    let started = Instant::now();
-    loop {
-        let addr = running.lines().iter().find_map(|(_, line)| {
-            let v = serde_json::from_str::<serde_json::Value>(line).ok()?;
-            v["fields"]["addr"].as_str()?.parse().ok()
-        });
-        if let Some(addr) = addr {
-            running.addr = addr;
-            return running;
+impl Running {
+    /// Captures `child`'s output line by line and waits for the line announcing its
+    /// listening address.
+    fn watch(child: Child) -> Running {
+        // Killed and reaped on drop, also when this function panics.
+        let mut running = Running {
+            child,
+            addr: SocketAddr::from(([0, 0, 0, 0], 0)),
+            lines: Arc::default(),
+        };
+        let out: Box<dyn Read + Send> = Box::new(running.child.stdout.take().unwrap());
+        let err: Box<dyn Read + Send> = Box::new(running.child.stderr.take().unwrap());
+        for (stream, pipe) in [(Stream::Stdout, out), (Stream::Stderr, err)] {
+            let lines = Arc::clone(&running.lines);
+            std::thread::spawn(move || {
+                for line in BufReader::new(pipe).lines().map_while(Result::ok) {
+                    lines.lock().unwrap().push((stream, line));
+                }
+            });
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "no `listening` line from the binary; output: {}",
-            running.output()
-        );
-        std::thread::park_timeout(Duration::from_millis(10));
+        let started = Instant::now();
+        loop {
+            let addr = running.lines().iter().find_map(|(_, line)| {
+                let v = serde_json::from_str::<serde_json::Value>(line).ok()?;
+                v["fields"]["addr"].as_str()?.parse().ok()
+            });
+            if let Some(addr) = addr {
+                running.addr = addr;
+                return running;
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(5),
+                "no `listening` line from the binary; output: {}",
+                running.output()
+            );
+            std::thread::park_timeout(Duration::from_millis(10));
+        }
     }
 }
 

@@ -17,8 +17,9 @@ use hyper::{Request, Response};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use serde_json::{Value, json};
 use tokio::net::TcpListener;
+use tokio::sync::watch;
 
-use super::TempFile;
+use crate::config::TempFile;
 
 struct State {
     version: u64,
@@ -27,6 +28,8 @@ struct State {
     log: Vec<(u64, Value)>,
     lists: usize,
     watches: usize,
+    /// The version of the latest change: open watches wait on it.
+    changed: watch::Sender<u64>,
 }
 
 pub struct FakeKubeApi {
@@ -76,6 +79,7 @@ impl FakeKubeApi {
             log: Vec::new(),
             lists: 0,
             watches: 0,
+            changed: watch::Sender::new(1),
         }));
         let st = Arc::clone(&state);
         let task = tokio::spawn(async move {
@@ -110,6 +114,7 @@ impl FakeKubeApi {
         s.slices.insert(name, obj.clone());
         let v = s.version;
         s.log.push((v, json!({"type": kind, "object": obj})));
+        s.changed.send_replace(v);
     }
 
     /// Deletes a slice (one `DELETED` event).
@@ -122,6 +127,7 @@ impl FakeKubeApi {
         obj["metadata"]["resourceVersion"] = json!(s.version.to_string());
         let v = s.version;
         s.log.push((v, json!({"type": "DELETED", "object": obj})));
+        s.changed.send_replace(v);
     }
 
     /// (lists, watches) served so far.
@@ -180,13 +186,13 @@ async fn serve(
     Ok(r)
 }
 
-/// The watch body: events after `from`, then each new one as it is logged (the log is
-/// looked at every 20 ms).
+/// The watch body: events after `from`, then each new one as it is logged.
 fn watch_stream(
     state: Arc<Mutex<State>>,
     from: u64,
 ) -> impl futures_util::Stream<Item = Result<Frame<Bytes>, Infallible>> {
-    futures_util::stream::unfold(from, move |mut seen| {
+    let changed = state.lock().unwrap().changed.subscribe();
+    futures_util::stream::unfold((from, changed), move |(mut seen, mut changed)| {
         let state = Arc::clone(&state);
         async move {
             loop {
@@ -196,9 +202,11 @@ fn watch_stream(
                 };
                 if let Some((v, ev)) = next {
                     seen = v;
-                    return Some((Ok(Frame::data(Bytes::from(format!("{ev}\n")))), seen));
+                    let frame = Frame::data(Bytes::from(format!("{ev}\n")));
+                    return Some((Ok(frame), (seen, changed)));
                 }
-                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                // A change logged since the look above has marked `changed` already.
+                changed.changed().await.ok()?;
             }
         }
     })

@@ -17,7 +17,7 @@ use prost::Message;
 use tokio::net::TcpListener;
 use tokio::sync::Notify;
 
-use super::within;
+use crate::wait::within;
 
 /// One exported span and the `service.name` of the resource it came under.
 #[derive(Debug, Clone)]

@@ -17,7 +17,7 @@ use tokio::net::TcpListener;
 use tokio_rustls::TlsAcceptor;
 use tokio_rustls::rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
-use super::TempFile;
+use crate::config::TempFile;
 
 pub struct TlsWorker {
     pub addr: SocketAddr,

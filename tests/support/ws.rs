@@ -1,13 +1,13 @@
 //! WebSocket on both ends of a tunnel test: the handshake's accept key (RFC 6455 §4.2.2,
 //! SHA-1 and base64 written out here, no crate for them), frames written and read, the
-//! mock worker's echo ([`super::Step::EchoWebSocket`]), and a raw client.
+//! mock worker's echo ([`crate::worker::Step::EchoWebSocket`]), and a raw client.
 
 use std::net::SocketAddr;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-use super::within;
+use crate::wait::within;
 
 /// The key RFC 6455 §1.3 uses as its example, whose accept value it gives.
 pub const SAMPLE_KEY: &str = "dGhlIHNhbXBsZSBub25jZQ==";

@@ -1,0 +1,21 @@
+//! The proxy path, request by request: HTTP mechanics (headers, connection reuse,
+//! framing, WebSocket tunnels), streamed answers, `https://` workers, worker failures
+//! (health checks, circuit breaker, retries), size and time limits, in-flight
+//! accounting, how each request ends (access line, outcome), the queue, `/v1/models`.
+
+#[path = "../common/mod.rs"]
+mod common;
+mod http;
+mod in_flight;
+mod limits;
+mod models;
+mod outcomes;
+mod queue;
+mod resilience;
+mod slow_body;
+mod streaming;
+mod tls;
+
+/// The router binary cargo built for these tests.
+const BINARY: support::binary::Binary =
+    support::binary::Binary::at(env!("CARGO_BIN_EXE_cache-aware-router"));

@@ -1,0 +1,17 @@
+//! Which worker gets a request, and what the router learns from the answer: prefix
+//! affinity, spreading and the load guard, the policy family and sessions, prompt
+//! extraction, engine-aware cost, predicted / delivered prefix tokens, and `simulate`
+//! against what `trace-matrix` measured.
+
+mod affinity;
+#[path = "../common/mod.rs"]
+mod common;
+mod cost;
+mod extraction;
+mod hits;
+mod policies;
+mod simulate;
+
+/// The router binary cargo built for these tests.
+const BINARY: support::binary::Binary =
+    support::binary::Binary::at(env!("CARGO_BIN_EXE_cache-aware-router"));
