@@ -1,6 +1,8 @@
 //! Reload (the SIGHUP logic, called directly) and shutdown of a running router.
 
 use std::path::Path;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use cache_aware_router::app;
@@ -218,7 +220,11 @@ async fn shutdown_lets_a_request_in_flight_finish() {
     let addr = router.addr;
     let mut stream = open_stream(addr).await;
     let shutdown = tokio::spawn(router.shutdown());
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    // Draining: new connections are refused while the stream goes on.
+    wait_until("new connections refused", STEP_TIMEOUT, || async {
+        tokio::net::TcpStream::connect(addr).await.is_err()
+    })
+    .await;
     assert!(!shutdown.is_finished(), "shutdown waits for the stream");
     gate.open();
     let body = read_to_end(&mut stream).await;
@@ -363,15 +369,17 @@ async fn reload_under_steady_load_fails_no_request() {
     let c = FakeWorker::start_with(quick_answer).await;
     let router = start_router(&yaml_for(&[&a, &b], "")).await;
     let addr = router.addr;
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let stop = Arc::new(AtomicBool::new(false));
+    // Requests each client has completed.
+    let done: Arc<Vec<AtomicUsize>> = Arc::new((0..4).map(|_| AtomicUsize::new(0)).collect());
     let clients: Vec<_> = (0..4)
         .map(|i| {
-            let stop = std::sync::Arc::clone(&stop);
+            let (stop, done) = (Arc::clone(&stop), Arc::clone(&done));
             tokio::spawn(async move {
                 let mut conn = Conn::connect(addr).await;
                 let mut results = Vec::new();
                 let mut n = 0;
-                while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                while !stop.load(Ordering::SeqCst) {
                     let stream = (i + n) % 2 == 0;
                     let prompt = format!("client {i} turn {n}: tell me more about topic {n}");
                     let resp = conn
@@ -382,14 +390,23 @@ async fn reload_under_steady_load_fails_no_request() {
                         .await;
                     let complete = !stream || resp.text().ends_with("data: [DONE]\n\n");
                     results.push((resp.status, complete));
+                    done[i].fetch_add(1, Ordering::SeqCst);
                     n += 1;
                 }
                 results
             })
         })
         .collect();
+    let completed = || {
+        done.iter()
+            .map(|d| d.load(Ordering::SeqCst))
+            .collect::<Vec<_>>()
+    };
 
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_until("steady load", STEP_TIMEOUT, || async {
+        completed().iter().sum::<usize>() >= 20
+    })
+    .await;
     let f = TempFile::new("w.yaml", &yaml_for(&[&b, &c], ""));
     assert_eq!(
         reload::apply(
@@ -400,7 +417,10 @@ async fn reload_under_steady_load_fails_no_request() {
         Outcome::Applied { workers: 2 }
     );
     assert_eq!(listed_urls(addr).await, [b.url(), c.url()]);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_until("the added worker takes traffic", STEP_TIMEOUT, || async {
+        c.count() >= 10
+    })
+    .await;
     let c_after_first = c.count();
     let f = TempFile::new("w.yaml", &yaml_for(&[&c, &a], ""));
     assert_eq!(
@@ -412,11 +432,28 @@ async fn reload_under_steady_load_fails_no_request() {
         Outcome::Applied { workers: 2 }
     );
     assert_eq!(listed_urls(addr).await, [c.url(), a.url()]);
-    // Requests that loaded the old list just before the swap may still reach B.
-    tokio::time::sleep(Duration::from_millis(150)).await;
+    // A request that loaded the old list just before the swap may still reach B; each
+    // client's second request from now on started after the swap.
+    let at_swap = completed();
+    wait_until(
+        "two requests per client after the swap",
+        STEP_TIMEOUT,
+        || async {
+            completed()
+                .iter()
+                .zip(&at_swap)
+                .all(|(now, then)| *now >= then + 2)
+        },
+    )
+    .await;
     let (a_settled, b_settled) = (a.count(), b.count());
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    wait_until(
+        "the re-added worker takes traffic",
+        STEP_TIMEOUT,
+        || async { a.count() >= a_settled + 10 },
+    )
+    .await;
+    stop.store(true, Ordering::SeqCst);
 
     let mut results = Vec::new();
     for c in clients {

@@ -667,16 +667,17 @@ async fn stale_feed_scores_neutral_until_events_resume() {
     let p = prompt(3, 7);
     a_holds_three_b_one(&es, &router, &p).await;
     assert_eq!(route(&router, &w, &p).await, 0);
-    // Requests flowed to A, and A's engine said nothing for longer than stale_secs.
-    tokio::time::sleep(Duration::from_millis(400)).await;
-    assert_eq!(feed(&router, 0).await["state"], "stale");
+    // Requests flowed to A, and A's engine says nothing for longer than stale_secs.
+    wait_feed(&router, 0, "A stale", |f| f["state"] == "stale").await;
     assert_eq!(route(&router, &w, &p).await, 1, "stale A is neutral");
     // A message from A makes it live again.
     es[0].publish(Vec::new()).await;
     wait_feed(&router, 0, "A live again", |f| f["state"] == "live").await;
     assert_eq!(route(&router, &w, &p).await, 0);
     // Every worker stale: the approximate tree decides.
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    for (i, what) in [(0, "A stale again"), (1, "B stale")] {
+        wait_feed(&router, i, what, |f| f["state"] == "stale").await;
+    }
     route(&router, &w, &p).await;
     let view = get_workers(router.addr).await;
     assert!(
@@ -776,17 +777,13 @@ async fn engine_restart_clears_its_blocks_after_a_reconnect() {
     assert_eq!(route(&router, &w, &p).await, 0);
     // The engine restarts; its new publisher counts from 0 again.
     es[0].restart().await;
-    let start = std::time::Instant::now();
-    loop {
+    wait_until("the restart seen", STEP_TIMEOUT, || async {
         es[0].publish(Vec::new()).await;
-        let a = feed(&router, 0).await;
-        if a["restarts"] == 1 {
-            assert!(a["reconnects"].as_u64() >= Some(1), "{a}");
-            break;
-        }
-        assert!(start.elapsed() < STEP_TIMEOUT, "restart never seen: {a}");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+        feed(&router, 0).await["restarts"] == 1
+    })
+    .await;
+    let a = feed(&router, 0).await;
+    assert!(a["reconnects"].as_u64() >= Some(1), "{a}");
     // The consumer counts the restart, then clears: a read between the two sees the
     // count and the old blocks, so wait for the clear itself.
     wait_feed(&router, 0, "A's blocks cleared by the restart", |f| {
@@ -885,28 +882,25 @@ async fn engine_restart_unseen_while_disconnected_is_rebuilt_from_its_replay() {
     for _ in 0..old_next + 3 {
         es[0].lose(Vec::new());
     }
-    let start = std::time::Instant::now();
-    loop {
-        es[0].publish(Vec::new()).await;
-        let a = feed(&router, 0).await;
-        if a["clears_reconnect"] == 1
-            && a["state"] == "live"
-            && a["replays_complete"].as_u64() > Some(replays_before)
-        {
-            assert_eq!(
-                (a["restarts"].as_u64(), a["gaps"].as_u64()),
-                (Some(1), Some(0)),
-                "taken as a restart, not a gap: {a}"
-            );
-            assert!(a["reconnects"].as_u64() >= Some(1), "{a}");
-            break;
-        }
-        assert!(
-            start.elapsed() < STEP_TIMEOUT,
-            "restart after the reconnect never handled: {a}"
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    wait_until(
+        "the restart after the reconnect handled",
+        STEP_TIMEOUT,
+        || async {
+            es[0].publish(Vec::new()).await;
+            let a = feed(&router, 0).await;
+            a["clears_reconnect"] == 1
+                && a["state"] == "live"
+                && a["replays_complete"].as_u64() > Some(replays_before)
+        },
+    )
+    .await;
+    let a = feed(&router, 0).await;
+    assert_eq!(
+        (a["restarts"].as_u64(), a["gaps"].as_u64()),
+        (Some(1), Some(0)),
+        "taken as a restart, not a gap: {a}"
+    );
+    assert!(a["reconnects"].as_u64() >= Some(1), "{a}");
     // `/workers` reads a rank's block count and its feed's counters one after the
     // other, not at one instant: the count can lag the counters that ended the loop.
     wait_feed(&router, 0, "only the new engine's Q", |a| a["blocks"] == 2).await;

@@ -399,9 +399,10 @@ async fn worker_killed_mid_run_fails_no_request_that_had_not_reached_it() {
     let victim = served_by(&ws, &tag);
 
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let completed = Arc::new(AtomicUsize::new(0));
     let clients: Vec<_> = (0..4)
         .map(|c| {
-            let stop = Arc::clone(&stop);
+            let (stop, completed) = (Arc::clone(&stop), Arc::clone(&completed));
             tokio::spawn(async move {
                 let mut done = Vec::new();
                 let mut n = 0;
@@ -415,18 +416,28 @@ async fn worker_killed_mid_run_fails_no_request_that_had_not_reached_it() {
                     )
                     .await;
                     done.push((tag, resp.status, Instant::now()));
+                    completed.fetch_add(1, Ordering::SeqCst);
                     n += 1;
                 }
                 done
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    wait_until("the victim serves traffic", STEP_TIMEOUT, || async {
+        ws[victim].count() >= 5
+    })
+    .await;
     let before_kill = ws[victim].count();
     assert!(in_flight(addr).await[victim] >= 1);
     ws[victim].kill().await;
     let killed_at = Instant::now();
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    // Twenty requests end after the kill (a request of each client may have ended
+    // just before it, and counts here).
+    let at_kill = completed.load(Ordering::SeqCst);
+    wait_until("traffic after the kill", STEP_TIMEOUT, || async {
+        completed.load(Ordering::SeqCst) >= at_kill + 24
+    })
+    .await;
     stop.store(true, Ordering::SeqCst);
     let mut results = Vec::new();
     for c in clients {

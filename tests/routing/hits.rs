@@ -3,7 +3,7 @@
 //! load (predicted 0 on the worker that took it, available > 0), and an engine that
 //! evicted (it reports no cached tokens where the router predicts a hit: drift → 0).
 
-use support::{client::*, config::*, engine::*, observe::*, worker::*};
+use support::{client::*, config::*, engine::*, observe::*, wait::*, worker::*};
 
 use crate::common::start_router;
 
@@ -228,32 +228,39 @@ async fn the_drift_warning_fires_when_an_engine_keeps_delivering_nothing() {
             assert_eq!(r.status, 200);
         }
     }
-    tokio::time::sleep(std::time::Duration::from_millis(400)).await;
-    for q in served(4) {
-        for _ in 0..2 {
-            send_tagged(
-                router.addr,
-                &ws,
-                chat_with_usage(chat_body(&q, false), (1100, 0)),
-            )
-            .await;
+    // The drift stays under the floor while new repeats deliver nothing: an answer
+    // after `cache.drift_secs` (0.3 s) of that logs the warning.
+    let warned = || -> Vec<serde_json::Value> {
+        router
+            .lines()
+            .iter()
+            .filter_map(|(_, l)| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|v| {
+                v["fields"]["message"].as_str().is_some_and(|m| {
+                    m.contains("fewer cached prefix tokens than the router predicts")
+                })
+            })
+            .collect()
+    };
+    let started = std::time::Instant::now();
+    while warned().is_empty() {
+        assert!(
+            started.elapsed() < STEP_TIMEOUT,
+            "no drift warning; output: {}",
+            router.output()
+        );
+        for q in served(1) {
+            for _ in 0..2 {
+                send_tagged(
+                    router.addr,
+                    &ws,
+                    chat_with_usage(chat_body(&q, false), (1100, 0)),
+                )
+                .await;
+            }
         }
     }
-    let warned: Vec<serde_json::Value> = router
-        .lines()
-        .iter()
-        .filter_map(|(_, l)| serde_json::from_str::<serde_json::Value>(l).ok())
-        .filter(|v| {
-            v["fields"]["message"]
-                .as_str()
-                .is_some_and(|m| m.contains("fewer cached prefix tokens than the router predicts"))
-        })
-        .collect();
-    assert!(
-        !warned.is_empty(),
-        "no drift warning; output: {}",
-        router.output()
-    );
+    let warned = warned();
     let named = warned[0]["fields"]["worker"].as_str().unwrap().to_owned();
     assert!(
         [a.url(), b.url()]
@@ -305,15 +312,13 @@ async fn a_short_delivery_ages_out_the_workers_older_records() {
     assert_eq!(w, x);
     let h = hits(&get(addr, "/workers").await.json(), &labels[x]);
     assert_eq!(h["shortfalls"].as_u64(), Some(1), "{h}");
-    // The sweep removes conversations 1 and 2's own parts (last used before 3's).
-    let mut aged = 0.0;
-    for _ in 0..200 {
-        aged = scrape(addr).await.get(AGED, &[]).unwrap_or(0.0);
-        if aged > 0.0 {
-            break;
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+    // The sweep removes conversations 1 and 2's own parts (last used before 3's); it
+    // runs off the request path, about once a second.
+    wait_until("the age-out sweep", STEP_TIMEOUT, || async {
+        scrape(addr).await.get(AGED, &[]).unwrap_or(0.0) > 0.0
+    })
+    .await;
+    let aged = scrape(addr).await.get(AGED, &[]).unwrap_or(0.0);
     let tail = long_q(1).len() - " question ".len();
     assert!(
         aged >= (2 * tail) as f64,
@@ -343,8 +348,9 @@ async fn a_short_delivery_ages_out_the_workers_older_records() {
 }
 
 /// By default (`cache.learn_evictions` off) a short answer is counted and shown, and
-/// the tree keeps every record: the same sequence as above ages out nothing.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// the tree keeps every record: the same sequence as above ages out nothing. On paused
+/// time: the upkeep task's looks for age-out work (one a virtual second) come at once.
+#[tokio::test(start_paused = true)]
 async fn by_default_a_short_delivery_is_counted_and_ages_out_nothing() {
     const AGED: &str = "cache_aware_router_tree_aged_out_bytes_total";
     let (_hold, [a, b], yaml) = usage_engines("", "").await;
@@ -364,9 +370,9 @@ async fn by_default_a_short_delivery_is_counted_and_ages_out_nothing() {
     }
     let h = hits(&get(addr, "/workers").await.json(), &labels[x]);
     assert_eq!(h["shortfalls"].as_u64(), Some(1), "{h}");
-    // After the upkeep task's next look for age-out work (one a second), nothing has
+    // After the upkeep task's next looks for age-out work (one a second), nothing has
     // gone.
-    tokio::time::sleep(std::time::Duration::from_millis(1200)).await;
+    tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     let m = scrape(addr).await;
     assert_eq!(m.get(AGED, &[]), Some(0.0), "{}", m.text);
     let (_, w) = send_tagged(addr, &ws, ask(1, 1024)).await;

@@ -260,8 +260,17 @@ async fn a_replica_that_starts_late_bootstraps_from_the_snapshot() {
         let r = send(one.addr, &chat_with(&system(k), "first question")).await;
         assert_eq!(r.status, 200);
     }
-    // The publisher flushes every 20 ms; give it many times that.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Replica 1 publishes what it queued every 20 ms (and its load every 100 ms): a
+    // message that starts after the last answer carries that answer's records, and the
+    // second message counted from here started after the first had ended.
+    let sent = |v: serde_json::Value| v["fleet"]["messages_out"].as_u64().unwrap_or(0);
+    let after_answers = sent(get_workers(one.addr).await);
+    wait_until(
+        "two messages published after the last answer",
+        Duration::from_secs(5),
+        || async { sent(get_workers(one.addr).await) >= after_answers + 2 },
+    )
+    .await;
     let logged = redis
         .command(&["LLEN", "cache-aware-router:fleet:v2:log"])
         .unwrap_or_default();
