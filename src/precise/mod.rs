@@ -395,17 +395,22 @@ impl Precise {
         }
     }
 
-    /// Queues the token-parity check of an answer `worker` gave to a request keyed as
-    /// `keys` from token ids `ids` (see [`parity`]); nothing for a worker without
-    /// `kv_events`.
-    pub fn check_parity(&self, worker: &crate::pool::Worker, keys: &Arc<[u64]>, ids: &Arc<[u32]>) {
-        let feeds = worker.feeds();
+    /// Queues the token-parity check of an answer the worker labelled `worker`, with
+    /// these KV-event `feeds`, gave to a request keyed as `keys` from token ids `ids`
+    /// (see [`parity`]); nothing for a worker without `kv_events`.
+    pub fn check_parity(
+        &self,
+        worker: &Arc<str>,
+        feeds: &[Arc<feed::Feed>],
+        keys: &Arc<[u64]>,
+        ids: &Arc<[u32]>,
+    ) {
         if feeds.is_empty() || keys.is_empty() {
             return;
         }
         self.parity.push(parity::Check {
             due: crate::clock::now() + parity::CHECK_DELAY,
-            worker: Arc::clone(worker.label()),
+            worker: Arc::clone(worker),
             feeds: feeds.to_vec(),
             clears: feeds.iter().map(|f| f.clears()).collect(),
             keys: Arc::clone(keys),

@@ -259,7 +259,8 @@ impl Policy for PreciseCacheAware {
     fn answered(&self, worker: &Worker, answer: &Answer<'_>) {
         self.fallback.learn(worker, answer);
         if let Some(Prepared::Blocks(Lookup::Blocks { keys, ids, .. })) = answer.prepared {
-            self.precise.check_parity(worker, keys, ids);
+            self.precise
+                .check_parity(worker.label(), worker.feeds(), keys, ids);
         }
     }
 
