@@ -8,7 +8,7 @@
 //!   (read only), and `tree/insert_held_32KiB`: recording it again (the observe of a
 //!   cache hit: the path is re-stamped, nothing is allocated).
 //! - `pick_slot/{4,1000}_workers`: the proxy's pick for a held 2 KiB prompt
-//!   (`proxy::pick_slot`: the candidate list, the `cache_aware` pick, the in-flight slot)
+//!   (`policy::decide::pick_slot`: the candidate list, the `cache_aware` pick, the in-flight slot)
 //!   and its observe, extraction excluded: what a request pays per worker in the pool;
 //!   `…_miss`: the pick alone for a prompt no worker holds (it goes to the least loaded).
 //!
@@ -21,10 +21,10 @@
 use std::time::Duration;
 
 use cache_aware_router::config::Config;
+use cache_aware_router::policy::decide::pick_slot;
 use cache_aware_router::policy::{self, Outcome, RouteRequest};
 use cache_aware_router::pool::{Pool, WorkerId};
 use cache_aware_router::prompt::{Endpoint, RouteContext, extract};
-use cache_aware_router::proxy::pick_slot;
 use cache_aware_router::tree::{RadixTree, WorkerMask};
 use criterion::{Criterion, criterion_group, criterion_main};
 use rand::rngs::StdRng;

@@ -5,10 +5,10 @@
 
 use std::time::{Duration, Instant};
 
+use cache_aware_router::policy::decide::pick_slot;
 use cache_aware_router::policy::{Outcome, Policy, Reason, RouteRequest};
 use cache_aware_router::pool::{WorkerId, WorkerSet};
 use cache_aware_router::prompt::{Endpoint, extract};
-use cache_aware_router::proxy::pick_slot;
 use cache_aware_router::tree::{RadixTree, WorkerMask, evict};
 use rand::Rng;
 use rand::rngs::StdRng;
@@ -185,7 +185,7 @@ thread_local! {
     static READ: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
-/// One decision, as the proxy makes it: extract, `proxy::pick_slot` (the candidates
+/// One decision, as the proxy makes it: extract, `policy::decide::pick_slot` (the candidates
 /// from the set, pick, the in-flight slot), observe(Served).
 ///
 /// The body is first copied (untimed) into one reused buffer, as the proxy copies the

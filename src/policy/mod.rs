@@ -33,6 +33,7 @@
 mod cache_aware;
 mod consistent_hash;
 mod cost_aware;
+pub mod decide;
 mod least_load;
 mod lmcache;
 mod matches;

@@ -121,7 +121,7 @@ impl GuardedBody {
                     tap.metrics.engine_usage(worker, u.prompt_tokens, cached);
                     if let Some(g) = &guard {
                         let d = &tap.log.decision;
-                        let (delivered, short) = settle_usage(
+                        let (delivered, short) = crate::policy::decide::settle_usage(
                             g,
                             u.prompt_tokens,
                             u.cached_tokens,
@@ -161,38 +161,6 @@ impl GuardedBody {
             }
         }
     }
-}
-
-/// What a complete answer's usage tells the router, applied as the proxy applies it
-/// (and `simulate`, with the same code): the in-flight `guard` learns the worker's
-/// tokens per byte (and its prefill speed when `streamed`); the worker's hit counters
-/// hear the `cached_tokens` it reported; a delivery far short of the pick's
-/// `(predicted tokens, tree stamp)` counts as a shortfall ([`crate::policy::Shortfall::of`],
-/// with `block_tokens` tokens per engine block), to be given to `Policy::answered`.
-/// Returns the delivered tokens (`None` while the worker has never reported cached
-/// tokens) and the shortfall, if any. Counts are prompt tokens.
-pub fn settle_usage(
-    guard: &InFlightGuard,
-    prompt_tokens: u64,
-    cached_tokens: Option<u64>,
-    streamed: bool,
-    (predicted_tokens, stamp): (u64, u64),
-    block_tokens: u64,
-) -> (Option<u64>, Option<crate::policy::Shortfall>) {
-    guard.learn(prompt_tokens, cached_tokens.unwrap_or(0), streamed);
-    let Some(delivered) = guard.worker().hits().delivered(cached_tokens) else {
-        return (None, None);
-    };
-    let short = crate::policy::Shortfall::of(predicted_tokens, delivered, block_tokens);
-    if short {
-        guard.worker().hits().shortfall();
-    }
-    let shortfall = short.then_some(crate::policy::Shortfall {
-        stamp,
-        predicted_tokens,
-        delivered_tokens: delivered,
-    });
-    (Some(delivered), shortfall)
 }
 
 impl BodyTap {

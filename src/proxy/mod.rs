@@ -37,9 +37,7 @@ use crate::error::ProxyError;
 use crate::fleet::Fleet;
 use crate::log_format::Decimal;
 use crate::metrics::Metrics;
-use crate::policy::{
-    self, Candidate, Outcome, Pick, Policy, Prepared, Reason, RequestParts, RouteRequest,
-};
+use crate::policy::{self, Outcome, Pick, Policy, Prepared, Reason, RequestParts, RouteRequest};
 use crate::pool::breaker::Outcome as BreakerOutcome;
 use crate::pool::{InFlightGuard, Pool, Worker, WorkerSet};
 use crate::prompt::{self, Endpoint};
@@ -611,14 +609,15 @@ impl Router {
         })
     }
 
-    /// One decision plus the in-flight slot on the chosen worker ([`pick_slot`]).
+    /// One decision plus the in-flight slot on the chosen worker
+    /// ([`policy::decide::pick_slot`]).
     fn pick(
         &self,
         set: &WorkerSet,
         route: &Route<'_>,
         tried: &WorkerMask,
     ) -> Option<(Pick, InFlightGuard)> {
-        pick_slot(&*self.policy, set, &route.req, tried, &mut rand::rng())
+        policy::decide::pick_slot(&*self.policy, set, &route.req, tried, &mut rand::rng())
     }
 
     /// Backoff before retry number `attempt` (1-based): initial × multiplier^(attempt-1),
@@ -734,72 +733,6 @@ impl Router {
             ));
         }
         entry.replay()
-    }
-}
-
-/// One decision plus the in-flight slot on the chosen worker, as every request makes
-/// it (the proxy, and `simulate` with the same policy code): candidates are the set's
-/// workers, usable when routable now and not in `tried`; fallback workers only while no
-/// primary one is usable, and workers that pushed back only while no other is. A worker
-/// that filled up between the decision and the slot is skipped and the decision re-run.
-/// `None` when no worker is usable.
-pub fn pick_slot(
-    policy: &dyn Policy,
-    set: &WorkerSet,
-    req: &RouteRequest<'_>,
-    tried: &WorkerMask,
-    rng: &mut dyn rand::RngCore,
-) -> Option<(Pick, InFlightGuard)> {
-    let mut excluded = tried.clone();
-    loop {
-        let now = crate::pool::now();
-        let now_ns = crate::clock::nanos(now);
-        let is_fallback = |w: &Worker| w.is_fallback();
-        let is_saturated = |w: &Worker| w.signals().is_saturated_at(now_ns);
-        // Whether a usable worker is a fallback or saturated, noted while the list is
-        // built: the passes that take them out run only then (one pass over the pool,
-        // not three, in the common case).
-        let mut avoided = false;
-        let none_excluded = excluded.is_empty();
-        let mut candidates: Vec<Candidate> = set
-            .workers()
-            .iter()
-            .map(|w| {
-                let (routable, load) = w.routing_state(now);
-                let usable = routable && (none_excluded || !excluded.contains(w.id()));
-                avoided |= usable && (is_fallback(w) || is_saturated(w));
-                Candidate {
-                    id: w.id(),
-                    load,
-                    usable,
-                    cache_aware: w.is_cache_aware(),
-                }
-            })
-            .collect();
-        if avoided {
-            let workers = set.workers();
-            for avoid in [&is_fallback as &dyn Fn(&Worker) -> bool, &is_saturated] {
-                if candidates
-                    .iter()
-                    .zip(workers)
-                    .any(|(c, w)| c.usable && !avoid(w))
-                {
-                    for (c, w) in candidates.iter_mut().zip(workers) {
-                        c.usable &= !avoid(w);
-                    }
-                }
-            }
-        }
-        let pick = policy.pick(req, set, &candidates, rng);
-        let id = pick.worker?;
-        let worker = set.get(id)?;
-        // Lost a race for the last slot, or the breaker's last probe slot: re-pick.
-        if let Some(mut guard) = InFlightGuard::try_acquire(worker)
-            && guard.admit()
-        {
-            return Some((pick, guard));
-        }
-        excluded.insert(id);
     }
 }
 

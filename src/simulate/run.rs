@@ -2,7 +2,8 @@
 //! (`policy::build`) in front of N [`EngineModel`]s, on tokio's paused clock.
 //!
 //! Each request is routed as the proxy routes it: `prompt::extract` of its body, the
-//! proxy's [`pick_slot`] (candidates, usability, the policy's `pick`, the in-flight
+//! [`pick_slot`] shared with the proxy (candidates, usability, the policy's `pick`, the
+//! in-flight
 //! guard), the guard's prefill reservation, `Policy::observe(Served)` at once (a
 //! streamed answer's headers come before its prefill, as sim-engine sends them), the
 //! guard's `first_byte` at the end of prefill, and at the last byte the proxy's
@@ -21,11 +22,10 @@ use rand::rngs::StdRng;
 
 use super::engine::{EngineModel, Timing};
 use crate::config::Config;
+use crate::policy::decide::{pick_slot, settle_usage};
 use crate::policy::{self, Answer, Outcome, Pick, RouteRequest};
 use crate::pool::{InFlightGuard, Pool};
 use crate::prompt::{Endpoint, RouteContext};
-use crate::proxy::body::settle_usage;
-use crate::proxy::pick_slot;
 use crate::tree::WorkerMask;
 
 /// A request as the simulation replays it (worked out once, shared by every run).

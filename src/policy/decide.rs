@@ -1,0 +1,106 @@
+//! The decision every routed request makes, shared by the proxy and `simulate` (one
+//! code path, so a simulated run routes as the router does): [`pick_slot`] (the
+//! candidates, the policy's pick, the in-flight slot on its worker) and
+//! [`settle_usage`] (what a complete answer's engine usage teaches the router).
+
+use super::{Candidate, Pick, Policy, RouteRequest, Shortfall};
+use crate::pool::{InFlightGuard, Worker, WorkerSet};
+use crate::tree::WorkerMask;
+
+/// One decision plus the in-flight slot on the chosen worker, as every request makes
+/// it (the proxy, and `simulate` with the same policy code): candidates are the set's
+/// workers, usable when routable now and not in `tried`; fallback workers only while no
+/// primary one is usable, and workers that pushed back only while no other is. A worker
+/// that filled up between the decision and the slot is skipped and the decision re-run.
+/// `None` when no worker is usable.
+pub fn pick_slot(
+    policy: &dyn Policy,
+    set: &WorkerSet,
+    req: &RouteRequest<'_>,
+    tried: &WorkerMask,
+    rng: &mut dyn rand::RngCore,
+) -> Option<(Pick, InFlightGuard)> {
+    let mut excluded = tried.clone();
+    loop {
+        let now = crate::pool::now();
+        let now_ns = crate::clock::nanos(now);
+        let is_fallback = |w: &Worker| w.is_fallback();
+        let is_saturated = |w: &Worker| w.signals().is_saturated_at(now_ns);
+        // Whether a usable worker is a fallback or saturated, noted while the list is
+        // built: the passes that take them out run only then (one pass over the pool,
+        // not three, in the common case).
+        let mut avoided = false;
+        let none_excluded = excluded.is_empty();
+        let mut candidates: Vec<Candidate> = set
+            .workers()
+            .iter()
+            .map(|w| {
+                let (routable, load) = w.routing_state(now);
+                let usable = routable && (none_excluded || !excluded.contains(w.id()));
+                avoided |= usable && (is_fallback(w) || is_saturated(w));
+                Candidate {
+                    id: w.id(),
+                    load,
+                    usable,
+                    cache_aware: w.is_cache_aware(),
+                }
+            })
+            .collect();
+        if avoided {
+            let workers = set.workers();
+            for avoid in [&is_fallback as &dyn Fn(&Worker) -> bool, &is_saturated] {
+                if candidates
+                    .iter()
+                    .zip(workers)
+                    .any(|(c, w)| c.usable && !avoid(w))
+                {
+                    for (c, w) in candidates.iter_mut().zip(workers) {
+                        c.usable &= !avoid(w);
+                    }
+                }
+            }
+        }
+        let pick = policy.pick(req, set, &candidates, rng);
+        let id = pick.worker?;
+        let worker = set.get(id)?;
+        // Lost a race for the last slot, or the breaker's last probe slot: re-pick.
+        if let Some(mut guard) = InFlightGuard::try_acquire(worker)
+            && guard.admit()
+        {
+            return Some((pick, guard));
+        }
+        excluded.insert(id);
+    }
+}
+
+/// What a complete answer's usage tells the router, applied as the proxy applies it
+/// (and `simulate`, with the same code): the in-flight `guard` learns the worker's
+/// tokens per byte (and its prefill speed when `streamed`); the worker's hit counters
+/// hear the `cached_tokens` it reported; a delivery far short of the pick's
+/// `(predicted tokens, tree stamp)` counts as a shortfall ([`Shortfall::of`], with
+/// `block_tokens` tokens per engine block), to be given to `Policy::answered`.
+/// Returns the delivered tokens (`None` while the worker has never reported cached
+/// tokens) and the shortfall, if any. Counts are prompt tokens.
+pub fn settle_usage(
+    guard: &InFlightGuard,
+    prompt_tokens: u64,
+    cached_tokens: Option<u64>,
+    streamed: bool,
+    (predicted_tokens, stamp): (u64, u64),
+    block_tokens: u64,
+) -> (Option<u64>, Option<Shortfall>) {
+    guard.learn(prompt_tokens, cached_tokens.unwrap_or(0), streamed);
+    let Some(delivered) = guard.worker().hits().delivered(cached_tokens) else {
+        return (None, None);
+    };
+    let short = Shortfall::of(predicted_tokens, delivered, block_tokens);
+    if short {
+        guard.worker().hits().shortfall();
+    }
+    let shortfall = short.then_some(Shortfall {
+        stamp,
+        predicted_tokens,
+        delivered_tokens: delivered,
+    });
+    (Some(delivered), shortfall)
+}
