@@ -2,10 +2,9 @@
 //! (`policy::build`) in front of N [`EngineModel`]s, on tokio's paused clock.
 //!
 //! Each request is routed as the proxy routes it: `prompt::extract` of its body, the
-//! [`pick_slot`] shared with the proxy (candidates, usability, the policy's `pick`, the
-//! in-flight
-//! guard), the guard's prefill reservation, `Policy::observe(Served)` at once (a
-//! streamed answer's headers come before its prefill, as sim-engine sends them), the
+//! [`pick_slot`] the proxy uses (candidates, usability, the policy's `pick`, the
+//! in-flight guard), the guard's prefill reservation, `Policy::observe(Served)` at once
+//! (a streamed answer's headers come before its prefill, as sim-engine sends them), the
 //! guard's `first_byte` at the end of prefill, and at the last byte the proxy's
 //! [`settle_usage`] with the engine's `cached_tokens` and `Policy::answered` on a
 //! shortfall; dropping the guard ends the request's in-flight count. Between events the
