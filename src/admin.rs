@@ -3,10 +3,10 @@
 use http::StatusCode;
 use serde::Serialize;
 
-use crate::error::{ProxyError, json_response};
+use crate::error::{ProxyBody, ProxyError, json_response};
 use crate::policy::view::Fields;
 use crate::pool::WorkerSet;
-use crate::proxy::{ProxyBody, Router};
+use crate::proxy::Router;
 
 #[derive(Serialize)]
 struct Health {
@@ -454,15 +454,14 @@ pub async fn mutate_with_body(
     router: &Router,
     req: http::Request<hyper::body::Incoming>,
 ) -> http::Response<ProxyBody> {
-    let declared = crate::proxy::content_length(req.headers());
+    let declared = crate::request::body::content_length(req.headers());
     let timeout = router.config().server.body_timeout;
-    let body =
-        match crate::proxy::request_body::read(req.into_body(), declared, MAX_ADMIN_BODY, timeout)
-            .await
-        {
-            Ok(b) => b,
-            Err(e) => return e.into_response(),
-        };
+    let body = match crate::request::body::read(req.into_body(), declared, MAX_ADMIN_BODY, timeout)
+        .await
+    {
+        Ok(b) => b,
+        Err(e) => return e.into_response(),
+    };
     let cfg = match crate::config::WorkerConfig::from_json(&body) {
         Ok(c) => c,
         Err(e) => return ProxyError::BadRequest(format!("invalid worker: {e}")).into_response(),

@@ -11,14 +11,15 @@
 //!              secret: credentials; passthrough: which other paths reach a worker)
 //! service      the hyper service: admin endpoints, or the proxy
 //! proxy        body -> prompt -> policy -> upstream -> GuardedBody, retries
-//!   request_body  bounded in bytes, memory and time
 //!   media      proxy.remote_media_url_policy: media members of any JSON body
-//!   headers    hop-by-hop stripping, request ids
-//!   upstream   hyper HTTP/1.1 connections kept per worker, one attempt; health
-//!              probes and scrapes on the same connections
+//!   headers    request ids, the router's response headers, worker URLs made relative
 //!   body       GuardedBody: streams the answer, owns the in-flight guard
 //!   usage      engine token usage (and /v1/responses ids) read as bytes pass
 //!   models     GET /v1/models with a per-set cache
+//! request      a client's request body, bounded in bytes, memory and time (proxy, admin)
+//! upstream     the client to workers: hyper HTTP/1.1 connections kept per worker, one
+//!              attempt; health probes and scrapes on the same connections; headers
+//!              (hop-by-hop stripping); below both proxy and cache
 //! policy       trait Policy (pick pure, observe = the only writer of routing memory),
 //!              build(); select; one module per policy; session (conversation state
 //!              and sessions around any policy); precise (KV-event policy, supervisor)
@@ -95,6 +96,7 @@ pub mod proxy;
 pub mod redact;
 pub mod redis_link;
 pub mod reload;
+pub mod request;
 pub mod service;
 pub mod shutdown;
 pub mod signals;
@@ -102,3 +104,4 @@ pub mod simulate;
 pub mod tokenize;
 pub mod trace;
 pub mod tree;
+pub mod upstream;

@@ -35,7 +35,7 @@ use http::header::{self, HeaderMap, HeaderValue};
 
 use crate::config::{ResponseCacheConfig, Secret};
 use crate::prompt::Endpoint;
-use crate::proxy::upstream::Upstream;
+use crate::upstream::Upstream;
 use entry::{Entry, NotStored};
 use key::{Key, Unkeyable};
 use semantic::Embedder;

@@ -11,7 +11,7 @@ use serde::Deserialize;
 
 use super::store::Candidate;
 use crate::config::SemanticConfig;
-use crate::proxy::upstream::Upstream;
+use crate::upstream::Upstream;
 
 /// Longest one embeddings call may take; past it the request goes on as an exact miss.
 pub const EMBED_TIMEOUT: Duration = Duration::from_secs(2);

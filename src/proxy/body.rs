@@ -10,12 +10,12 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Sleep};
 
-use super::upstream::UpstreamBody;
 use super::usage::UsageScanner;
 use super::{AccessLog, BoxError};
 use crate::metrics::Metrics;
 use crate::pool::InFlightGuard;
 use crate::pool::breaker::Outcome;
+use crate::upstream::UpstreamBody;
 
 /// What is recorded when a response body finishes: duration, engine usage, access log.
 #[derive(Debug)]

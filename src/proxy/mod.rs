@@ -13,11 +13,12 @@ pub mod headers;
 mod json_members;
 pub mod media;
 pub mod models;
-pub mod request_body;
 pub mod responses;
 pub mod tunnel;
-pub mod upstream;
 pub mod usage;
+
+/// The client to workers, below `proxy` (`crate::upstream`).
+pub use crate::upstream;
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -28,8 +29,8 @@ use http::{Method, Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 
+use crate::upstream::UpstreamBody;
 pub use body::GuardedBody;
-use upstream::UpstreamBody;
 
 use crate::cache::{self, Lookup, Pending, ResponseCache};
 use crate::config::{Config, PassthroughVerdict, RemoteMediaPolicy, Role};
@@ -277,9 +278,9 @@ impl Router {
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let arrived = Instant::now();
         let (parts, body) = req.into_parts();
-        let body = request_body::read(
+        let body = crate::request::body::read(
             body,
-            content_length(&parts.headers),
+            crate::request::body::content_length(&parts.headers),
             self.config.server.max_body_bytes,
             self.config.server.body_timeout,
         )
@@ -1027,14 +1028,6 @@ fn may_answer_with_response_id(label: &str) -> bool {
     ]
     .iter()
     .any(|e| e.as_str() == label)
-}
-
-/// The request's declared `Content-Length`, when it has a valid one.
-pub fn content_length(headers: &http::HeaderMap) -> Option<u64> {
-    headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok())
 }
 
 /// A client's path as quoted back in an error: at most 100 characters.

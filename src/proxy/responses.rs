@@ -24,12 +24,12 @@ use std::time::Instant;
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode};
 
-use super::upstream::{RequestTemplate, UpstreamBody};
 use super::{AccessLog, Decision, Route, Router};
 use crate::error::{ProxyBody, ProxyError};
 use crate::policy::{Answer, Reason};
 use crate::pool::breaker::Outcome as BreakerOutcome;
 use crate::pool::{InFlightGuard, Worker};
+use crate::upstream::{RequestTemplate, UpstreamBody};
 
 /// The response id a call names when `path` is `/v1/responses/{id}` or a path below it
 /// (`…/cancel`, `…/input_items`); `None` for `/v1/responses` itself and other paths.

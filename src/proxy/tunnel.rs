@@ -23,13 +23,13 @@ use http_body_util::{BodyExt, Empty, Full, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
-use super::upstream::RequestTemplate;
 use super::{AccessLog, Decision, Route, Router, headers};
 use crate::error::{ProxyBody, ProxyError};
 use crate::policy::RouteRequest;
 use crate::pool::breaker::Outcome as BreakerOutcome;
 use crate::trace::TraceContext;
 use crate::tree::WorkerMask;
+use crate::upstream::RequestTemplate;
 
 /// Longest refusal body (a worker's non-101 answer to a handshake) passed back.
 const MAX_REFUSAL_BYTES: usize = 1 << 20;

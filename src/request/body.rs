@@ -15,6 +15,14 @@ use http_body_util::BodyExt;
 
 use crate::error::ProxyError;
 
+/// The request's declared `Content-Length`, when it has a valid one.
+pub fn content_length(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(http::header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
 /// Most a body whose length is declared reserves before its bytes arrive; it grows
 /// from there, so a client that declares 32 MiB and sends one byte holds 16 KiB.
 const FIRST_RESERVE: usize = 16 * 1024;

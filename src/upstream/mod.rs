@@ -1,5 +1,9 @@
-//! The upstream client: requests to workers on per-worker keep-alive connections
-//! (`crate::pool::keep_alive`), and the per-attempt request.
+//! The client to workers: requests on per-worker keep-alive connections
+//! (`crate::pool::keep_alive`), the per-attempt request, and calls to other hosts (the
+//! response cache's embeddings endpoint). Below both `proxy` and `cache`, so neither
+//! depends on the other.
+
+pub mod headers;
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -17,7 +21,6 @@ use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 use hyper_util::rt::{TokioExecutor, TokioTimer};
 
-use super::headers;
 use crate::config::{ProxyConfig, Secret};
 use crate::error::ProxyError;
 use crate::pool::Worker;
@@ -105,7 +108,7 @@ impl Upstream {
                 headers.insert(header::AUTHORIZATION, key.bearer().clone());
             }
             if let Some(rank) = dp_rank {
-                headers.insert(super::headers::DP_RANK.clone(), HeaderValue::from(rank));
+                headers.insert(headers::DP_RANK.clone(), HeaderValue::from(rank));
             }
             headers
         };
