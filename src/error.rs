@@ -14,14 +14,24 @@ pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 /// An error and its causes on one line, `outer: cause: root cause` (hyper's and the
 /// connector's top-level messages alone say little).
 pub fn describe(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(cause) = src {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        src = cause.source();
+    Chain(e).to_string()
+}
+
+/// Displays an error and its causes on one line, `outer: cause: root cause`, without
+/// building a string first ([`describe`] builds one).
+#[derive(Debug, Clone, Copy)]
+pub struct Chain<'a>(pub &'a (dyn std::error::Error + 'static));
+
+impl std::fmt::Display for Chain<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut src = self.0.source();
+        while let Some(cause) = src {
+            write!(f, ": {cause}")?;
+            src = cause.source();
+        }
+        Ok(())
     }
-    s
 }
 
 /// The body of every response the router sends.
@@ -88,6 +98,9 @@ pub enum ProxyError {
         "the worker sent no response headers within {0:.1} s (proxy.request_timeout_secs bounds the whole wait, proxy.attempt_timeout_secs one attempt)"
     )]
     Timeout(f64),
+    /// An endpoint served on the other listener (404): `why` says where.
+    #[error("{path}: {why}")]
+    NotHere { path: String, why: &'static str },
     /// A mutating admin endpoint without a configured token (403) or with a wrong one (401).
     #[error("{0}")]
     Forbidden(&'static str),
@@ -103,9 +116,9 @@ impl ProxyError {
         match self {
             ProxyError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
-            ProxyError::NotPassedThrough { .. } | ProxyError::OperatorEndpoint { .. } => {
-                StatusCode::NOT_FOUND
-            }
+            ProxyError::NotPassedThrough { .. }
+            | ProxyError::OperatorEndpoint { .. }
+            | ProxyError::NotHere { .. } => StatusCode::NOT_FOUND,
             ProxyError::BadBody(_) | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::NoWorker(_)
             | ProxyError::Unreachable(_)
@@ -123,7 +136,7 @@ impl ProxyError {
         match self {
             ProxyError::BodyTooLarge { .. } => "request_too_large",
             ProxyError::BodyTimeout { .. } => "request_timeout",
-            ProxyError::NotPassedThrough { .. } => "not_found",
+            ProxyError::NotPassedThrough { .. } | ProxyError::NotHere { .. } => "not_found",
             ProxyError::OperatorEndpoint { .. } => "operator_endpoint_closed",
             ProxyError::BadBody(_) | ProxyError::BadRequest(_) => "invalid_request_error",
             ProxyError::NoWorker(_) | ProxyError::Unreachable(_) => "no_worker_available",

@@ -10,8 +10,9 @@ use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use tokio::time::{Instant, Sleep};
 
+use super::BoxError;
+use super::access_log::AccessLog;
 use super::usage::UsageScanner;
-use super::{AccessLog, BoxError};
 use crate::metrics::Metrics;
 use crate::pool::InFlightGuard;
 use crate::pool::breaker::Outcome;
@@ -98,8 +99,8 @@ impl GuardedBody {
         }
     }
 
-    /// Releases the guard (recording `outcome` with the breaker, if any) and writes the
-    /// request's metrics and access line, once.
+    /// Releases the guard (recording `outcome` with the breaker, if any), settles what
+    /// the answer's usage says, and ends the request ([`AccessLog::end`]), once.
     fn finish(&mut self, outcome: Option<Outcome>, how: &'static str) {
         let mut guard = self.guard.take();
         let served_by = guard.as_ref().map(|g| Arc::clone(g.worker()));
@@ -111,7 +112,6 @@ impl GuardedBody {
         if let Some(mut tap) = self.tap.take() {
             let worker = &tap.log.worker;
             tap.metrics.finished(worker, tap.log.arrived.elapsed());
-            tap.metrics.outcome(how);
             if how == "complete"
                 && let Some(found) = tap.scanner.take().map(UsageScanner::found)
             {
@@ -155,10 +155,7 @@ impl GuardedBody {
             if let Some(r) = tap.record {
                 r.finish(how == "complete");
             }
-            tap.log.write(how);
-            if let Some(x) = &tap.export {
-                x.record(&tap.log.finished(how));
-            }
+            tap.log.end(&tap.metrics, tap.export.as_deref(), how);
         }
     }
 }

@@ -1,6 +1,5 @@
 //! `GET /v1/models`: proxied to a usable worker, the answer cached per worker set.
 
-use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::Bytes;
@@ -9,9 +8,10 @@ use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 
-use super::{ProxyBody, Route, Router};
+use super::access_log::RequestEnd;
+use super::serve::Route;
+use super::{ProxyBody, Router};
 use crate::error::ProxyError;
-use crate::policy::RouteRequest;
 use crate::pool::CachedAnswer as Cached;
 
 /// Largest `/v1/models` answer that is cached, in bytes.
@@ -22,9 +22,7 @@ const MAX_CACHED_BYTES: usize = 4 << 20;
 pub(super) async fn get(
     router: &Router,
     req: Request<Incoming>,
-    request_id: &HeaderValue,
-    trace: crate::trace::TraceContext,
-    waiting_on: &mut Option<Arc<str>>,
+    end: &mut RequestEnd<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let set = router.worker_set();
     let ttl = router.config.proxy.models_cache;
@@ -35,17 +33,9 @@ pub(super) async fn get(
         return Ok(build(StatusCode::OK, c.content_type, c.body));
     }
     let (parts, _) = req.into_parts();
-    let now = Instant::now();
-    let route = Route {
-        cache: None,
-        label: "models",
-        req: RouteRequest::default(),
-        arrived: now,
-        started: now,
-        trace,
-    };
+    let route = Route::unrouted(end.id);
     let resp = router
-        .forward(&set, parts, Bytes::new(), &route, request_id, waiting_on)
+        .forward(&set, parts, Bytes::new(), &route, &mut end.waiting_on)
         .await?;
     if resp.status() != StatusCode::OK || ttl.is_zero() {
         return Ok(resp);

@@ -22,13 +22,15 @@ use std::task::Poll;
 use std::time::Instant;
 
 use bytes::Bytes;
-use http::{HeaderValue, Response, StatusCode};
+use http::{Response, StatusCode};
 
-use super::{AccessLog, Decision, Route, Router};
+use super::Router;
+use super::access_log::{AccessLog, Decision};
+use super::serve::Route;
 use crate::error::{ProxyBody, ProxyError};
 use crate::policy::{Answer, Reason};
+use crate::pool::InFlightGuard;
 use crate::pool::breaker::Outcome as BreakerOutcome;
-use crate::pool::{InFlightGuard, Worker};
 use crate::upstream::{RequestTemplate, UpstreamBody};
 
 /// The response id a call names when `path` is `/v1/responses/{id}` or a path below it
@@ -62,7 +64,6 @@ impl Router {
         parts: http::request::Parts,
         body: Bytes,
         route: &Route<'_>,
-        request_id: &HeaderValue,
         waiting_on: &mut Option<Arc<str>>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let id = response_id_in_path(parts.uri.path())
@@ -70,8 +71,8 @@ impl Router {
             .to_string();
         let key = xxhash_rust::xxh3::xxh3_64(id.as_bytes());
         let set = self.worker_set();
-        let base = RequestTemplate::new(parts, request_id, &route.trace);
-        let deadline = route.arrived + self.config.proxy.request_timeout;
+        let base = RequestTemplate::new(parts, route.id.request_id, &route.id.trace);
+        let deadline = route.id.arrived + self.config.proxy.request_timeout;
         let wait = || {
             let left = deadline.saturating_duration_since(Instant::now());
             self.config
@@ -102,15 +103,13 @@ impl Router {
             let result = self.client.send(&worker, &base, body, None, wait()).await;
             record(&mut guard, &result);
             let resp = result?;
-            return Ok(self.answer(resp, guard, Reason::Conversation, route, request_id));
+            return Ok(self.answer(resp, guard, Reason::Conversation, route));
         }
-        self.fan_out(&set, &base, body, &id, route, request_id, wait())
-            .await
+        self.fan_out(&set, &base, body, &id, route, wait()).await
     }
 
     /// Sends the call to every usable worker at once; see the module docs for which
     /// answer the client gets.
-    #[allow(clippy::too_many_arguments)]
     async fn fan_out(
         &self,
         set: &crate::pool::WorkerSet,
@@ -118,7 +117,6 @@ impl Router {
         body: Bytes,
         id: &str,
         route: &Route<'_>,
-        request_id: &HeaderValue,
         wait: std::time::Duration,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let now = crate::pool::now();
@@ -175,7 +173,7 @@ impl Router {
                     }
                     // The others' calls are dropped: they could only say 404.
                     drop(pending);
-                    return Ok(self.answer(resp, guard, Reason::FanOut, route, request_id));
+                    return Ok(self.answer(resp, guard, Reason::FanOut, route));
                 }
                 result => {
                     if kept.as_ref().is_none_or(|k| rank(&result) > rank(&k.1)) {
@@ -185,9 +183,7 @@ impl Router {
             }
         }
         match kept {
-            Some((guard, Ok(resp))) => {
-                Ok(self.answer(resp, guard, Reason::FanOut, route, request_id))
-            }
+            Some((guard, Ok(resp))) => Ok(self.answer(resp, guard, Reason::FanOut, route)),
             Some((_, Err(e))) => Err(e),
             None => Err(ProxyError::NoWorker(
                 "every worker is unhealthy, at max_load, or down",
@@ -202,28 +198,9 @@ impl Router {
         guard: InFlightGuard,
         reason: Reason,
         route: &Route<'_>,
-        request_id: &HeaderValue,
     ) -> Response<ProxyBody> {
-        let worker: &Arc<Worker> = guard.worker();
-        let log = AccessLog {
-            request_id: request_id.clone(),
-            endpoint: route.label,
-            worker: Arc::clone(worker.label()),
-            role: worker.config().role.as_str(),
-            decision: Decision {
-                reason,
-                matched_ratio: 0.0,
-                available_tokens: 0,
-                predicted_tokens: 0,
-                stamp: 0,
-                decision_us: route.started.elapsed().as_micros() as u64,
-                attempt: 0,
-            },
-            status: resp.status().as_u16(),
-            arrived: route.arrived,
-            delivered_tokens: None,
-            trace: route.trace,
-        };
+        let decision = Decision::unmatched(reason, route.started, 0);
+        let log = AccessLog::new(&route.id, guard.worker(), decision, resp.status().as_u16());
         self.respond(resp, guard, log, route)
     }
 }

@@ -23,11 +23,11 @@ use http_body_util::{BodyExt, Empty, Full, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
 
-use super::{AccessLog, Decision, Route, Router, headers};
-use crate::error::{ProxyBody, ProxyError};
-use crate::policy::RouteRequest;
+use super::access_log::{AccessLog, Decision, RequestEnd};
+use super::serve::Route;
+use super::{Router, headers};
+use crate::error::{Chain, ProxyBody, ProxyError};
 use crate::pool::breaker::Outcome as BreakerOutcome;
-use crate::trace::TraceContext;
 use crate::tree::WorkerMask;
 use crate::upstream::RequestTemplate;
 
@@ -60,12 +60,8 @@ impl Router {
     pub(super) async fn tunnel(
         &self,
         mut req: Request<Incoming>,
-        request_id: &HeaderValue,
-        trace: TraceContext,
-        label: &'static str,
-        waiting_on: &mut Option<Arc<str>>,
+        end: &mut RequestEnd<'_>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        let arrived = Instant::now();
         let upgrade = req
             .headers()
             .get(header::UPGRADE)
@@ -73,22 +69,15 @@ impl Router {
             .unwrap_or(HeaderValue::from_static("websocket"));
         let client_side = hyper::upgrade::on(&mut req);
         let (parts, _) = req.into_parts();
-        let base = RequestTemplate::new(parts, request_id, &trace);
+        let route = Route::unrouted(end.id);
+        let base = RequestTemplate::new(parts, route.id.request_id, &route.id.trace);
         let set = self.worker_set();
-        let route = Route {
-            label,
-            req: RouteRequest::default(),
-            arrived,
-            started: arrived,
-            cache: None,
-            trace,
-        };
-        let deadline = arrived + self.config.proxy.request_timeout;
+        let deadline = route.id.arrived + self.config.proxy.request_timeout;
         let mut tried = WorkerMask::default();
         let mut last_error =
             ProxyError::NoWorker("every worker is unhealthy, at max_load, or down");
         for attempt in 0..=self.config.proxy.max_retries {
-            let Some((pick, mut guard)) = self.pick(&set, &route, &tried) else {
+            let Some((pick, mut guard)) = self.pick(&set, &route.req, &tried) else {
                 if attempt == 0 {
                     self.metrics
                         .decision(crate::policy::Reason::NoWorker, route.started.elapsed());
@@ -97,7 +86,7 @@ impl Router {
             };
             let worker = Arc::clone(guard.worker());
             tried.insert(worker.id());
-            *waiting_on = Some(Arc::clone(worker.label()));
+            end.waiting_on = Some(Arc::clone(worker.label()));
             self.metrics.decision(pick.reason, route.started.elapsed());
             let left = deadline.saturating_duration_since(Instant::now());
             let resp = match self
@@ -108,7 +97,7 @@ impl Router {
                 Ok(resp) => resp,
                 Err(e) => {
                     guard.record(BreakerOutcome::Failure);
-                    tracing::warn!(request_id = ?request_id, worker = %worker.url(), error = %e, "websocket handshake to the worker failed");
+                    tracing::warn!(request_id = ?route.id.request_id, worker = %worker.url(), error = %Chain(&e), "websocket handshake to the worker failed");
                     // Only a worker that could not be reached leaves the handshake
                     // unsent: another may take it.
                     let again = matches!(e, ProxyError::Unreachable(_));
@@ -127,29 +116,12 @@ impl Router {
             } else {
                 BreakerOutcome::Success
             });
-            let log = AccessLog {
-                request_id: request_id.clone(),
-                endpoint: label,
-                worker: Arc::clone(worker.label()),
-                role: worker.config().role.as_str(),
-                decision: Decision {
-                    reason: pick.reason,
-                    matched_ratio: 0.0,
-                    available_tokens: 0,
-                    predicted_tokens: 0,
-                    stamp: 0,
-                    decision_us: route.started.elapsed().as_micros() as u64,
-                    attempt,
-                },
-                status: status.as_u16(),
-                arrived,
-                delivered_tokens: None,
-                trace,
-            };
-            self.metrics.request(label, &log.worker, log.status);
-            self.metrics.first_byte(&log.worker, arrived.elapsed());
+            let decision = Decision::unmatched(pick.reason, route.started, attempt);
+            let log = AccessLog::new(&route.id, &worker, decision, status.as_u16());
+            self.metrics.request(log.endpoint, &log.worker, log.status);
+            self.metrics.first_byte(&log.worker, log.arrived.elapsed());
             if status != StatusCode::SWITCHING_PROTOCOLS {
-                return refusal(resp, log, &self.metrics).await;
+                return refusal(resp, log, &self.metrics, self.export.as_deref()).await;
             }
             let mut resp = resp;
             let worker_side = hyper::upgrade::on(&mut resp);
@@ -167,6 +139,7 @@ impl Router {
                 head.headers.insert(headers::ROUTED_PEER.clone(), v);
             }
             let metrics = Arc::clone(&self.metrics);
+            let export = self.export.clone();
             tokio::spawn(async move {
                 // The session's slot on its worker, held until the tunnel closes.
                 let _slot = guard;
@@ -191,8 +164,7 @@ impl Router {
                         "upstream_error"
                     }
                 };
-                metrics.outcome(outcome);
-                log.write(outcome);
+                log.end(&metrics, export.as_deref(), outcome);
             });
             let body = Empty::<Bytes>::new()
                 .map_err(|never| match never {})
@@ -209,6 +181,7 @@ async fn refusal(
     resp: Response<Incoming>,
     log: AccessLog,
     metrics: &crate::metrics::Metrics,
+    export: Option<&crate::trace::export::Exporter>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (mut head, body) = resp.into_parts();
     let body = Limited::new(body, MAX_REFUSAL_BYTES)
@@ -218,8 +191,7 @@ async fn refusal(
         .to_bytes();
     headers::strip_hop_by_hop(&mut head.headers);
     head.headers.remove(header::CONTENT_LENGTH);
-    metrics.outcome("complete");
-    log.write("complete");
+    log.end(metrics, export, "complete");
     let body = Full::new(body).map_err(|never| match never {}).boxed();
     Ok(Response::from_parts(head, body))
 }

@@ -1,0 +1,286 @@
+//! Forward: the attempt loop of one routed request. Each attempt picks a worker not yet
+//! tried (the policy's decision and an in-flight slot), sends the request, and tells the
+//! breaker and the policy how it went; [`super::retry`] says whether another worker
+//! takes it. The answer that ends the loop goes to [`Router::respond`].
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::Response;
+
+use super::access_log::{AccessLog, Decision};
+use super::retry::{self, Answer, Retries};
+use super::serve::Route;
+use super::{ProxyBody, Router};
+use crate::config::Role;
+use crate::error::ProxyError;
+use crate::policy::{self, Outcome, Pick, Policy, Reason, RouteRequest};
+use crate::pool::breaker::Outcome as BreakerOutcome;
+use crate::pool::{InFlightGuard, Worker, WorkerSet};
+use crate::tree::WorkerMask;
+use crate::upstream::{RequestTemplate, UpstreamBody};
+
+impl Router {
+    /// Picks a worker and forwards, retrying on other workers while nothing has been
+    /// returned to the client.
+    pub(super) async fn forward(
+        &self,
+        set: &WorkerSet,
+        parts: http::request::Parts,
+        body: Bytes,
+        route: &Route<'_>,
+        waiting_on: &mut Option<Arc<str>>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let base = RequestTemplate::new(parts, route.id.request_id, &route.id.trace);
+        let mut retries = Retries::new(&self.config.proxy, route.id.arrived);
+        let mut tried = WorkerMask::default();
+        let mut started = route.started;
+        for attempt in 0..=retries.max() {
+            if attempt > 0 {
+                let unsaturated = || self.any_unsaturated(set, &tried);
+                let Some(backoff) = retries.backoff_before(attempt, unsaturated) else {
+                    break;
+                };
+                tokio::time::sleep(backoff).await;
+                started = Instant::now();
+            }
+            let Some((pick, guard)) = self.pick_for(attempt, set, route, &tried, started).await?
+            else {
+                break;
+            };
+            let worker = Arc::clone(guard.worker());
+            *waiting_on = Some(Arc::clone(worker.label()));
+            if let Some(id) = pick.worker {
+                tried.insert(id);
+            }
+            let decision = self.decided(&pick, &worker, started, attempt);
+            let wait = retries.attempt_wait();
+            let (result, guard, pushed_back) =
+                self.send(&base, &body, route, &pick, guard, wait).await;
+            match result {
+                Ok(resp) => {
+                    let status = resp.status().as_u16();
+                    let log = AccessLog::new(&route.id, &worker, decision, status);
+                    if !retries.holds(attempt, status, pushed_back) {
+                        return Ok(self.respond(resp, guard, log, route));
+                    }
+                    retries.hold(Answer { resp, guard, log }, pushed_back, &worker);
+                }
+                Err(e) => {
+                    if !retries.failed(attempt, e, &worker, route.id.request_id) {
+                        break;
+                    }
+                }
+            }
+        }
+        let a = retries.finish()?;
+        Ok(self.respond(a.resp, a.guard, a.log, route))
+    }
+
+    /// The pick and slot of attempt `attempt`: on the first, waiting in `proxy.queue`
+    /// when only full workers stand in the way. `Ok(None)` when no worker is usable;
+    /// on the first attempt that (and a queue's refusal) counts as a `no_worker`
+    /// decision, while a retry that finds no worker left is not a decision.
+    async fn pick_for(
+        &self,
+        attempt: u32,
+        set: &WorkerSet,
+        route: &Route<'_>,
+        tried: &WorkerMask,
+        started: Instant,
+    ) -> Result<Option<(Pick, InFlightGuard)>, ProxyError> {
+        let picked = self.pick(set, &route.req, tried);
+        if picked.is_some() || attempt > 0 {
+            return Ok(picked);
+        }
+        let waited = self.wait_for_slot(set, &route.req, tried).await;
+        if !matches!(waited, Ok(Some(_))) {
+            self.metrics.decision(Reason::NoWorker, started.elapsed());
+        }
+        waited
+    }
+
+    /// Counts the decision of attempt `attempt` (made since `started`) and returns it as
+    /// the access line will tell it.
+    fn decided(&self, pick: &Pick, worker: &Worker, started: Instant, attempt: u32) -> Decision {
+        let decided_in = started.elapsed();
+        self.metrics.decision(pick.reason, decided_in);
+        if pick.reason == Reason::CacheHit {
+            self.metrics
+                .estimated_saved(worker.label(), pick.saved_tokens());
+        }
+        if attempt > 0 {
+            self.metrics.retry();
+        }
+        if worker.config().role == Role::Fallback {
+            self.metrics.fallback_pick();
+        }
+        Decision {
+            reason: pick.reason,
+            matched_ratio: pick.matched_ratio(),
+            available_tokens: pick.available_tokens(),
+            predicted_tokens: pick.saved_tokens(),
+            stamp: pick.stamp,
+            decision_us: decided_in.as_micros() as u64,
+            attempt,
+        }
+    }
+
+    /// One attempt on the worker `guard` holds a slot on, waiting at most `wait` for its
+    /// headers. The breaker and the policy hear how it went (the policy exactly once,
+    /// [`Outcome::Cancelled`] if the client leaves first); a push-back saturates the
+    /// worker for as long as it asks. Returns the answer, the slot, and whether it was
+    /// a push-back.
+    async fn send(
+        &self,
+        base: &RequestTemplate,
+        body: &Bytes,
+        route: &Route<'_>,
+        pick: &Pick,
+        mut guard: InFlightGuard,
+        wait: Duration,
+    ) -> (
+        Result<Response<UpstreamBody>, ProxyError>,
+        InFlightGuard,
+        bool,
+    ) {
+        let worker = Arc::clone(guard.worker());
+        let watch = Attempt {
+            policy: &*self.policy,
+            req: &route.req,
+            pick,
+            worker: &worker,
+            done: false,
+        };
+        guard.reserve_prefill(
+            pick.prefill_tokens,
+            route.req.ctx.map_or(0, |c| c.total_len) as u64,
+        );
+        let result = self
+            .client
+            .send(&worker, base, body.clone(), pick.dp_rank, wait)
+            .await;
+        let pushed_back = result.as_ref().ok().and_then(retry::back_pressure);
+        if let Some(wait) = pushed_back {
+            worker.signals().saturate(crate::pool::now() + wait);
+            self.metrics.back_pressure(worker.label());
+            tracing::info!(
+                request_id = ?route.id.request_id,
+                worker = %worker.url(),
+                secs = wait.as_secs_f64(),
+                "worker pushed back; no new requests to it for that long while others can take them"
+            );
+        }
+        guard.record(match &result {
+            // Back-pressure is the engine working as designed, not a fault.
+            Ok(_) if pushed_back.is_some() => BreakerOutcome::Neutral,
+            Ok(r) if r.status().is_server_error() => BreakerOutcome::Failure,
+            Ok(r) if r.status().is_client_error() => BreakerOutcome::Neutral,
+            Ok(_) => BreakerOutcome::Success,
+            Err(_) => BreakerOutcome::Failure,
+        });
+        watch.finish(match &result {
+            Ok(r) if r.status().is_success() => Outcome::Served,
+            _ => Outcome::Failed,
+        });
+        (result, guard, pushed_back.is_some())
+    }
+
+    /// `proxy.queue`: when no worker could be picked only because every usable one is at
+    /// `max_load`, waits (FIFO among the waiting, bounded by `max_waiting`) for a slot to
+    /// free and picks again, for at most `timeout_ms`. `Ok(None)` when waiting cannot
+    /// help (the queue is off, or no worker is merely full); `Err` when the queue is full
+    /// or the time ran out (503 + Retry-After, saying which). A client that leaves drops
+    /// this future and so its place.
+    async fn wait_for_slot(
+        &self,
+        set: &WorkerSet,
+        req: &RouteRequest<'_>,
+        tried: &WorkerMask,
+    ) -> Result<Option<(Pick, InFlightGuard)>, ProxyError> {
+        let q = self.config.proxy.queue;
+        let only_full = |now| {
+            set.workers()
+                .iter()
+                .any(|w| !tried.contains(w.id()) && w.is_full(now))
+        };
+        if q.max_waiting == 0 || !only_full(crate::pool::now()) {
+            return Ok(None);
+        }
+        let Some(_place) = self.metrics.queue_enter(q.max_waiting) else {
+            self.metrics.queue_rejected("full");
+            return Err(ProxyError::QueueFull { max: q.max_waiting });
+        };
+        let since = Instant::now();
+        let deadline = since + q.timeout;
+        loop {
+            // Registered before the re-check, so a slot freed in between is not missed.
+            let freed = self.pool.slot_freed().notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if let Some(picked) = self.pick(set, req, tried) {
+                self.metrics.queue_waited(since.elapsed());
+                return Ok(Some(picked));
+            }
+            if !only_full(crate::pool::now()) {
+                return Ok(None);
+            }
+            if tokio::time::timeout_at(deadline.into(), freed)
+                .await
+                .is_err()
+            {
+                self.metrics.queue_rejected("timeout");
+                return Err(ProxyError::QueueTimeout {
+                    ms: q.timeout.as_millis() as u64,
+                });
+            }
+        }
+    }
+
+    /// Whether a worker not yet tried is usable and has not pushed back.
+    fn any_unsaturated(&self, set: &WorkerSet, tried: &WorkerMask) -> bool {
+        let now = crate::pool::now();
+        set.workers().iter().any(|w| {
+            !tried.contains(w.id()) && w.is_routable(now) && !w.signals().is_saturated(now)
+        })
+    }
+
+    /// One decision plus the in-flight slot on the chosen worker
+    /// ([`policy::decide::pick_slot`]).
+    pub(super) fn pick(
+        &self,
+        set: &WorkerSet,
+        req: &RouteRequest<'_>,
+        tried: &WorkerMask,
+    ) -> Option<(Pick, InFlightGuard)> {
+        policy::decide::pick_slot(&*self.policy, set, req, tried, &mut rand::rng())
+    }
+}
+
+/// One attempt's pick, told to the policy exactly once: how it ended, or
+/// [`Outcome::Cancelled`] when the request is dropped first (the client went away).
+struct Attempt<'a> {
+    policy: &'a dyn Policy,
+    req: &'a RouteRequest<'a>,
+    pick: &'a Pick,
+    worker: &'a Worker,
+    done: bool,
+}
+
+impl Attempt<'_> {
+    fn finish(mut self, outcome: Outcome) {
+        self.done = true;
+        self.policy
+            .observe(self.req, self.pick, self.worker, outcome);
+    }
+}
+
+impl Drop for Attempt<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            self.policy
+                .observe(self.req, self.pick, self.worker, Outcome::Cancelled);
+        }
+    }
+}

@@ -1,0 +1,225 @@
+//! Serve: one request the route table (`crate::service`) sent to the proxy, from its
+//! arrival to the response handed back. A routed or passed-through request is read
+//! (bounded), checked, answered from the response cache when it can be, prepared for
+//! the policy and forwarded ([`super::forward`]); `/v1/models`, calls on a stored
+//! response and WebSocket handshakes take their own ways. Whatever happens, the
+//! request's end is written once ([`super::access_log`]).
+
+use std::time::Instant;
+
+use http::{Request, Response, StatusCode};
+use hyper::body::Incoming;
+
+use super::access_log::{Ident, RequestEnd};
+use super::{ProxyBody, Router, headers, media, models, responses};
+use crate::cache::{self, Lookup, Pending};
+use crate::config::{PassthroughVerdict, RemoteMediaPolicy};
+use crate::error::ProxyError;
+use crate::policy::{self, Prepared, RequestParts, RouteRequest};
+use crate::prompt::{self, Endpoint};
+use crate::trace::TraceContext;
+
+/// What the proxy does with a request (the route table's choice).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Call {
+    /// `GET /v1/models`: the per-set cache, or forwarded.
+    Models,
+    /// Read and forwarded: routed on its prompt when it is a routed endpoint's `POST`,
+    /// else a path `proxy.passthrough` opens.
+    Forward(Option<Endpoint>),
+    /// A WebSocket handshake, tunnelled to one worker.
+    Tunnel,
+    /// A path `proxy.passthrough` closes (404 saying why).
+    Closed(PassthroughVerdict),
+}
+
+impl Call {
+    /// The endpoint label of logs and metrics.
+    pub fn label(self) -> &'static str {
+        match self {
+            Call::Models => "models",
+            Call::Forward(Some(e)) => e.as_str(),
+            _ => "other",
+        }
+    }
+}
+
+/// What one request routes on.
+pub(super) struct Route<'a> {
+    pub id: Ident<'a>,
+    /// What the policy decides on.
+    pub req: RouteRequest<'a>,
+    /// When the decision started (for its latency).
+    pub started: Instant,
+    /// Where the answer goes in the response cache, on a miss.
+    pub cache: Option<Pending>,
+}
+
+impl<'a> Route<'a> {
+    /// A request routed without a prompt (`/v1/models`, a tunnel, a stored response's
+    /// calls): the policy's least-loaded choice, or a bound session's worker.
+    pub fn unrouted(id: Ident<'a>) -> Self {
+        Route {
+            id,
+            req: RouteRequest::default(),
+            started: Instant::now(),
+            cache: None,
+        }
+    }
+}
+
+impl Router {
+    /// Answers a request for a worker as `call` says. Never fails: errors become JSON
+    /// responses.
+    pub async fn serve(&self, req: Request<Incoming>, call: Call) -> Response<ProxyBody> {
+        let arrived = Instant::now();
+        let request_id = headers::request_id(req.headers());
+        let id = Ident {
+            request_id: &request_id,
+            trace: TraceContext::from_headers(req.headers()),
+            endpoint: call.label(),
+            arrived,
+        };
+        // `x-cache` on every answer while the cache is on: bypass unless the lookup
+        // says otherwise.
+        let mut x_cache = self.cache.as_ref().map(|_| cache::Status::Bypass);
+        let mut end = RequestEnd::new(id, &self.metrics, self.export.as_deref(), &self.no_worker);
+        let result = match call {
+            Call::Models => models::get(self, req, &mut end).await,
+            Call::Forward(endpoint) => {
+                self.read_and_forward(req, endpoint, &mut x_cache, &mut end)
+                    .await
+            }
+            Call::Tunnel => self.tunnel(req, &mut end).await,
+            Call::Closed(verdict) => Err(self.closed(verdict, req.uri().path())),
+        };
+        let mut resp = match result {
+            Ok(resp) => {
+                end.answered();
+                resp
+            }
+            Err(e) => {
+                end.refused(&e);
+                e.into_response()
+            }
+        };
+        resp.headers_mut()
+            .insert(headers::REQUEST_ID.clone(), request_id);
+        if let Some(status) = x_cache {
+            resp.headers_mut()
+                .insert(headers::X_CACHE.clone(), status.header());
+        }
+        resp
+    }
+
+    /// Why `path` is not forwarded.
+    fn closed(&self, verdict: PassthroughVerdict, path: &str) -> ProxyError {
+        match verdict {
+            PassthroughVerdict::Operator => ProxyError::OperatorEndpoint {
+                path: shown_path(path),
+            },
+            _ => ProxyError::NotPassedThrough {
+                path: shown_path(path),
+                rule: self.config.proxy.passthrough.describe(),
+            },
+        }
+    }
+
+    /// Reads the body (bounded), answers from the response cache or routes and
+    /// forwards.
+    async fn read_and_forward(
+        &self,
+        req: Request<Incoming>,
+        endpoint: Option<Endpoint>,
+        x_cache: &mut Option<cache::Status>,
+        end: &mut RequestEnd<'_>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
+        let id = end.id;
+        let (parts, body) = req.into_parts();
+        let body = crate::request::body::read(
+            body,
+            crate::request::body::content_length(&parts.headers),
+            self.config.server.max_body_bytes,
+            self.config.server.body_timeout,
+        )
+        .await?;
+        // Before anything reads the body for routing or the response cache: every
+        // body the router forwards, routed endpoint or pass-through, is checked the same.
+        if let RemoteMediaPolicy::Reject(status) = self.config.proxy.remote_media_url_policy
+            && media::references_remote_media(&body)
+        {
+            return Err(ProxyError::RemoteMedia(
+                StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
+            ));
+        }
+        // A call on a stored response goes where the response is.
+        if endpoint.is_none() && responses::response_id_in_path(parts.uri.path()).is_some() {
+            let route = Route::unrouted(id);
+            return self
+                .to_response_holder(parts, body, &route, &mut end.waiting_on)
+                .await;
+        }
+        // The response cache first: a hit skips extraction and the pick.
+        let mut pending = None;
+        if let (Some(c), Some(e)) = (&self.cache, endpoint) {
+            match c.lookup(e, &parts.headers, &body).await {
+                Lookup::Hit { entry, kind } => {
+                    *x_cache = Some(cache::Status::Hit);
+                    // Counted and logged like a routed answer (worker `cache`, reason
+                    // `response_cache`).
+                    end.replayed(&self.cache_worker, kind, entry.body.len());
+                    return Ok(entry.replay());
+                }
+                Lookup::Route { status, pending: p } => {
+                    *x_cache = Some(status);
+                    pending = p;
+                }
+            }
+        }
+        let started = Instant::now();
+        let mut ctx =
+            endpoint.map(|e| prompt::extract(e, &body, self.config.cache.max_prompt_bytes));
+        // The policy's own preparation (precise mode: token ids), once, before the
+        // worker set is read: it may wait for the blocking pool.
+        let prepared = match self.policy.prepare(RequestParts {
+            headers: &parts.headers,
+            endpoint,
+            body: &body,
+        }) {
+            Some(work) => work.await,
+            None => Prepared::Nothing,
+        };
+        // Read whether or not session affinity is on: `consistent_hash` hashes it too.
+        let session = policy::session::session_key(&self.config.session, &parts.headers, &body);
+        let set = self.worker_set();
+        // The chunk hashes extraction computed with the digest, moved to the request:
+        // a shared-state pick matches by them and the publish of what was served
+        // takes them.
+        let chain = ctx
+            .as_mut()
+            .map(|c| std::mem::take(&mut c.chain))
+            .unwrap_or_default();
+        let route = Route {
+            id,
+            req: RouteRequest {
+                ctx: ctx.as_ref(),
+                prepared,
+                session,
+                tie: session.or(ctx.as_ref().map(|c| c.digest)),
+                chain: chain.into(),
+            },
+            started,
+            cache: pending,
+        };
+        self.forward(&set, parts, body.clone(), &route, &mut end.waiting_on)
+            .await
+    }
+}
+
+/// A client's path as quoted back in an error: at most 100 characters.
+fn shown_path(path: &str) -> String {
+    match path.char_indices().nth(100) {
+        Some((i, _)) => format!("{}…", &path[..i]),
+        None => path.to_string(),
+    }
+}
