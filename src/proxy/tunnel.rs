@@ -21,6 +21,7 @@ use http::header::{self, HeaderMap, HeaderValue};
 use http::{Method, Request, Response, StatusCode};
 use http_body_util::{BodyExt, Empty, Full, Limited};
 use hyper::body::Incoming;
+use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
 use super::access_log::{AccessLog, Decision, RequestEnd};
@@ -138,33 +139,12 @@ impl Router {
             {
                 head.headers.insert(headers::ROUTED_PEER.clone(), v);
             }
-            let metrics = Arc::clone(&self.metrics);
-            let export = self.export.clone();
+            // The session's slot on its worker is held until the tunnel closes.
+            let (metrics, export) = (Arc::clone(&self.metrics), self.export.clone());
             tokio::spawn(async move {
-                // The session's slot on its worker, held until the tunnel closes.
-                let _slot = guard;
-                let outcome = match tokio::join!(client_side, worker_side) {
-                    (Ok(client), Ok(worker)) => {
-                        let mut client = TokioIo::new(client);
-                        let mut worker = TokioIo::new(worker);
-                        match tokio::io::copy_bidirectional(&mut client, &mut worker).await {
-                            Ok(_) => "complete",
-                            Err(e) => {
-                                tracing::debug!(error = %e, "websocket tunnel ended with an error");
-                                "upstream_error"
-                            }
-                        }
-                    }
-                    (Err(e), _) => {
-                        tracing::debug!(error = %e, "the client left before its websocket upgrade");
-                        "client_gone"
-                    }
-                    (_, Err(e)) => {
-                        tracing::warn!(error = %e, "the worker's websocket upgrade failed");
-                        "upstream_error"
-                    }
-                };
+                let outcome = join(client_side, worker_side).await;
                 log.end(&metrics, export.as_deref(), outcome);
+                drop(guard);
             });
             let body = Empty::<Bytes>::new()
                 .map_err(|never| match never {})
@@ -172,6 +152,32 @@ impl Router {
             return Ok(Response::from_parts(head, body));
         }
         Err(last_error)
+    }
+}
+
+/// Joins the client's and the worker's upgraded connections byte for byte until either
+/// side closes; returns the session's outcome.
+async fn join(client_side: OnUpgrade, worker_side: OnUpgrade) -> &'static str {
+    match tokio::join!(client_side, worker_side) {
+        (Ok(client), Ok(worker)) => {
+            let mut client = TokioIo::new(client);
+            let mut worker = TokioIo::new(worker);
+            match tokio::io::copy_bidirectional(&mut client, &mut worker).await {
+                Ok(_) => "complete",
+                Err(e) => {
+                    tracing::debug!(error = %e, "websocket tunnel ended with an error");
+                    "upstream_error"
+                }
+            }
+        }
+        (Err(e), _) => {
+            tracing::debug!(error = %e, "the client left before its websocket upgrade");
+            "client_gone"
+        }
+        (_, Err(e)) => {
+            tracing::warn!(error = %e, "the worker's websocket upgrade failed");
+            "upstream_error"
+        }
     }
 }
 
