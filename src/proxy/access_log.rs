@@ -334,3 +334,99 @@ fn span_name(label: &'static str) -> &'static str {
         _ => "proxy",
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use tracing::field::{Field, Visit};
+    use tracing_subscriber::layer::{Context, SubscriberExt};
+
+    use super::*;
+
+    /// Records the field names of every event, in order (the message left out).
+    #[derive(Clone, Default)]
+    struct Names(Arc<Mutex<Vec<Vec<&'static str>>>>);
+
+    impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Names {
+        fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+            struct V(Vec<&'static str>);
+            impl Visit for V {
+                fn record_debug(&mut self, f: &Field, _: &dyn std::fmt::Debug) {
+                    if f.name() != "message" {
+                        self.0.push(f.name());
+                    }
+                }
+            }
+            let mut v = V(Vec::new());
+            event.record(&mut v);
+            self.0.lock().unwrap().push(v.0);
+        }
+    }
+
+    #[test]
+    fn each_way_a_request_ends_keeps_its_access_line_fields_in_order() {
+        let names = Names::default();
+        let subscriber = tracing_subscriber::registry().with(names.clone());
+        let metrics = Metrics::new();
+        let request_id = HeaderValue::from_static("r1");
+        let id = Ident {
+            request_id: &request_id,
+            trace: TraceContext::from_headers(&http::HeaderMap::new()),
+            endpoint: "chat_completions",
+            arrived: Instant::now(),
+        };
+        let none: Arc<str> = Arc::from("none");
+        tracing::subscriber::with_default(subscriber, || {
+            let log = AccessLog {
+                request_id: request_id.clone(),
+                endpoint: id.endpoint,
+                worker: Arc::from("w0"),
+                role: "primary",
+                decision: Decision::unmatched(Reason::Miss, Instant::now(), 0),
+                status: 200,
+                arrived: id.arrived,
+                delivered_tokens: None,
+                trace: id.trace,
+            };
+            log.end(&metrics, None, "complete");
+            RequestEnd::new(id, &metrics, None, &none).refused(&ProxyError::NoWorker("x"));
+            RequestEnd::new(id, &metrics, None, &none).replayed(&Arc::from("cache"), "exact", 5);
+            drop(RequestEnd::new(id, &metrics, None, &none));
+            RequestEnd::new(id, &metrics, None, &none).answered();
+        });
+        let lines = names.0.lock().unwrap().clone();
+        let head = ["request_id", "trace_id", "endpoint", "worker"];
+        let tails: [&[&str]; 4] = [
+            &[
+                "role",
+                "reason",
+                "matched_ratio",
+                "available_tokens",
+                "predicted_tokens",
+                "delivered_tokens",
+                "decision_us",
+                "attempt",
+                "status",
+                "duration_ms",
+                "outcome",
+            ],
+            &["reason", "status", "error", "outcome"],
+            &[
+                "reason",
+                "cache",
+                "status",
+                "bytes",
+                "duration_ms",
+                "outcome",
+            ],
+            &["status", "duration_ms", "outcome"],
+        ];
+        // One line per end; an answered request's line is its answer's.
+        assert_eq!(lines.len(), tails.len());
+        for (line, tail) in lines.iter().zip(tails) {
+            let want: Vec<&str> = head.iter().chain(tail).copied().collect();
+            assert_eq!(line, &want);
+        }
+    }
+}
