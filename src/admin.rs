@@ -476,11 +476,7 @@ pub async fn mutate_with_body(
                 serde_json::json!({"added": url, "workers": n}).to_string(),
             )
         }
-        Err(m) => json_response(
-            StatusCode::CONFLICT,
-            serde_json::json!({"error": {"message": m, "type": "conflict", "code": 409}})
-                .to_string(),
-        ),
+        Err(m) => ProxyError::Conflict(m).into_response(),
     }
 }
 
@@ -523,14 +519,6 @@ fn parse_url(raw: Option<&str>, param: &str) -> Result<crate::config::WorkerUrl,
     crate::config::WorkerUrl::parse(raw).map_err(|e| {
         ProxyError::BadRequest(format!("`{param}`: `{}`: {e}", crate::redact::url(raw)))
     })
-}
-
-fn not_found(what: String) -> http::Response<ProxyBody> {
-    json_response(
-        StatusCode::NOT_FOUND,
-        serde_json::json!({"error": {"message": what, "type": "not_found", "code": 404}})
-            .to_string(),
-    )
 }
 
 /// How an admin request names a worker.
@@ -578,10 +566,9 @@ fn remove_worker(
     which: Which<'_>,
 ) -> Result<http::Response<ProxyBody>, ProxyError> {
     let Some(w) = find_worker(&router.worker_set(), &which)? else {
-        return Ok(not_found(format!(
-            "no worker {} in the pool",
-            shown(&which)
-        )));
+        return Err(ProxyError::UnknownWorker {
+            which: shown(&which),
+        });
     };
     router.pool().remove(w.key());
     tracing::info!(worker = %w.url(), key = w.key(), "worker removed (admin API); its in-flight requests finish");
@@ -611,10 +598,11 @@ pub async fn clear_cache_blocking(
     })
     .await;
     cleared.unwrap_or_else(|e| {
-        json_response(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            serde_json::json!({"error": {"message": format!("clearing the route records failed: {e}"), "type": "internal_error", "code": 500}}).to_string(),
-        )
+        ProxyError::Internal {
+            what: "clearing the route records failed",
+            cause: Box::new(e),
+        }
+        .into_response()
     })
 }
 
@@ -640,10 +628,9 @@ fn clear_cache(
         Some(raw) => {
             let which = Which::Either(raw);
             let Some(w) = find_worker(&router.worker_set(), &which)? else {
-                return Ok(not_found(format!(
-                    "no worker {} in the pool",
-                    shown(&which)
-                )));
+                return Err(ProxyError::UnknownWorker {
+                    which: shown(&which),
+                });
             };
             let Some(removed) = clear(Some(w.id())) else {
                 return Ok(keeps_no_tree());

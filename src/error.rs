@@ -1,8 +1,10 @@
-//! Errors the proxy answers itself, and their single mapping to an HTTP response.
+//! Errors the router answers itself, and their single mapping to an HTTP response.
 //!
 //! Every error response has a JSON body in the OpenAI error shape, so SDKs show the
-//! message: `{"error":{"message":…,"type":…,"code":<status>}}`. The detail that helps
-//! an operator is logged where the error happens; the client gets a short message.
+//! message: `{"error":{"message":…,"type":…,"code":<status>}}`; [`ProxyError::into_response`]
+//! is the only place that body is built. An error keeps its cause as its `source()`
+//! (a hyper or connector error, not its text); the message shown, logged or exported is
+//! the error with its causes, `outer: cause: root cause` ([`Chain`]).
 
 use bytes::Bytes;
 use http::{HeaderValue, Response, StatusCode, header};
@@ -61,8 +63,8 @@ pub enum ProxyError {
     )]
     OperatorEndpoint { path: String },
     /// The request body could not be read (client went away, bad framing) (400).
-    #[error("could not read the request body: {0}")]
-    BadBody(String),
+    #[error("could not read the request body")]
+    BadBody(#[source] BoxError),
     /// No worker is usable: all unhealthy, open, full, or already tried (503).
     #[error("no usable worker: {0}")]
     NoWorker(&'static str),
@@ -86,11 +88,14 @@ pub enum ProxyError {
     QueueFull { max: usize },
     /// The chosen worker could not be connected to (503; another worker is tried while
     /// one is left, so the client sees this only when none could be).
-    #[error("could not connect to the worker: {0}")]
-    Unreachable(String),
+    #[error("could not connect to the worker")]
+    Unreachable(#[source] BoxError),
     /// A worker failed after the connection was made (502).
-    #[error("upstream worker failed: {0}")]
-    Upstream(String),
+    #[error("upstream worker failed")]
+    Upstream(#[source] BoxError),
+    /// The worker's URL and the request's path make no valid URI (400).
+    #[error("cannot build the upstream URI")]
+    UpstreamUri(#[source] http::Error),
     /// No response headers within the attempt's time, in seconds: what was left of
     /// `proxy.request_timeout_secs` (counted from the request's arrival), or
     /// `proxy.attempt_timeout_secs` (504). Retried only when the latter is set.
@@ -109,6 +114,19 @@ pub enum ProxyError {
     /// A malformed admin request (400).
     #[error("{0}")]
     BadRequest(String),
+    /// The admin API names a worker that is not in the pool (404); `which` as shown.
+    #[error("no worker {which} in the pool")]
+    UnknownWorker { which: String },
+    /// The admin API cannot add a worker as asked (409): the pool says why.
+    #[error("{0}")]
+    Conflict(String),
+    /// The router's own work failed (500): `what` failed, and why.
+    #[error("{what}")]
+    Internal {
+        what: &'static str,
+        #[source]
+        cause: BoxError,
+    },
 }
 
 impl ProxyError {
@@ -118,8 +136,11 @@ impl ProxyError {
             ProxyError::BodyTimeout { .. } => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotPassedThrough { .. }
             | ProxyError::OperatorEndpoint { .. }
-            | ProxyError::NotHere { .. } => StatusCode::NOT_FOUND,
-            ProxyError::BadBody(_) | ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            | ProxyError::NotHere { .. }
+            | ProxyError::UnknownWorker { .. } => StatusCode::NOT_FOUND,
+            ProxyError::BadBody(_) | ProxyError::BadRequest(_) | ProxyError::UpstreamUri(_) => {
+                StatusCode::BAD_REQUEST
+            }
             ProxyError::NoWorker(_)
             | ProxyError::Unreachable(_)
             | ProxyError::QueueTimeout { .. }
@@ -129,6 +150,8 @@ impl ProxyError {
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
             ProxyError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
+            ProxyError::Conflict(_) => StatusCode::CONFLICT,
+            ProxyError::Internal { .. } => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -136,9 +159,13 @@ impl ProxyError {
         match self {
             ProxyError::BodyTooLarge { .. } => "request_too_large",
             ProxyError::BodyTimeout { .. } => "request_timeout",
-            ProxyError::NotPassedThrough { .. } | ProxyError::NotHere { .. } => "not_found",
+            ProxyError::NotPassedThrough { .. }
+            | ProxyError::NotHere { .. }
+            | ProxyError::UnknownWorker { .. } => "not_found",
             ProxyError::OperatorEndpoint { .. } => "operator_endpoint_closed",
-            ProxyError::BadBody(_) | ProxyError::BadRequest(_) => "invalid_request_error",
+            ProxyError::BadBody(_) | ProxyError::BadRequest(_) | ProxyError::UpstreamUri(_) => {
+                "invalid_request_error"
+            }
             ProxyError::NoWorker(_) | ProxyError::Unreachable(_) => "no_worker_available",
             ProxyError::QueueTimeout { .. } => "queue_timeout",
             ProxyError::QueueFull { .. } => "queue_full",
@@ -147,16 +174,20 @@ impl ProxyError {
             ProxyError::Timeout(_) => "upstream_timeout",
             ProxyError::Forbidden(_) => "admin_disabled",
             ProxyError::Unauthorized(_) => "unauthorized",
+            ProxyError::Conflict(_) => "conflict",
+            ProxyError::Internal { .. } => "internal_error",
         }
     }
 
-    /// The JSON error response. A 503 carries `Retry-After: 1`; a 408 closes the
-    /// connection (the rest of the body is never read).
+    /// The JSON error response, the one shape of every error the router answers: the
+    /// message is the error and its causes ([`Chain`]), credentials redacted. A 503
+    /// carries `Retry-After: 1`; a 408 closes the connection (the rest of the body is
+    /// never read).
     pub fn into_response(self) -> Response<ProxyBody> {
         let status = self.status();
         let body = serde_json::json!({
             "error": {
-                "message": crate::redact::text(&self.to_string()),
+                "message": crate::redact::text(&Chain(&self).to_string()),
                 "type": self.kind(),
                 "code": status.as_u16(),
             }
@@ -187,4 +218,69 @@ pub fn json_response(status: StatusCode, body: String) -> Response<ProxyBody> {
         HeaderValue::from_static("application/json"),
     );
     resp
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn body(resp: Response<ProxyBody>) -> serde_json::Value {
+        let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+        serde_json::from_slice(&bytes).unwrap()
+    }
+
+    #[tokio::test]
+    async fn an_error_keeps_its_cause_and_the_json_body_shows_the_chain() {
+        let refused = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let e = ProxyError::Unreachable(Box::new(refused));
+        let cause = std::error::Error::source(&e).expect("the cause is kept");
+        assert!(cause.downcast_ref::<std::io::Error>().is_some());
+        let resp = e.into_response();
+        assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(resp.headers()[header::RETRY_AFTER], "1");
+        let v = body(resp).await;
+        assert_eq!(
+            v["error"]["message"],
+            "could not connect to the worker: refused"
+        );
+        assert_eq!(v["error"]["type"], "no_worker_available");
+        assert_eq!(v["error"]["code"], 503);
+    }
+
+    #[tokio::test]
+    async fn admin_and_listener_errors_share_the_one_body_shape() {
+        for (e, status, kind, message) in [
+            (
+                ProxyError::UnknownWorker {
+                    which: "named `w9`".into(),
+                },
+                404,
+                "not_found",
+                "no worker named `w9` in the pool",
+            ),
+            (
+                ProxyError::Conflict("worker already in the pool".into()),
+                409,
+                "conflict",
+                "worker already in the pool",
+            ),
+            (
+                ProxyError::NotHere {
+                    path: "/metrics".into(),
+                    why: "served on the admin listener (server.admin) only",
+                },
+                404,
+                "not_found",
+                "/metrics: served on the admin listener (server.admin) only",
+            ),
+        ] {
+            let resp = e.into_response();
+            assert_eq!(resp.status().as_u16(), status);
+            assert_eq!(resp.headers()[header::CONTENT_TYPE], "application/json");
+            let v = body(resp).await;
+            assert_eq!(v["error"]["message"], message);
+            assert_eq!(v["error"]["type"], kind);
+            assert_eq!(v["error"]["code"], status);
+        }
+    }
 }

@@ -80,8 +80,8 @@ impl Embedder {
                 MAX_ANSWER_BYTES,
             )
             .await
-            .map_err(|message| EmbedError {
-                message,
+            .map_err(|e| EmbedError {
+                message: crate::error::describe(&e),
                 unavailable: true,
             })?;
         let bad = |message: String| EmbedError {

@@ -17,6 +17,15 @@ use crate::pool::CachedAnswer as Cached;
 /// Largest `/v1/models` answer that is cached, in bytes.
 const MAX_CACHED_BYTES: usize = 4 << 20;
 
+/// Why a worker's `/v1/models` answer could not be cached and passed on.
+#[derive(Debug, thiserror::Error)]
+enum ListError {
+    #[error("reading /v1/models")]
+    Read(#[source] crate::error::BoxError),
+    #[error("/v1/models answer is over {MAX_CACHED_BYTES} bytes")]
+    TooLarge,
+}
+
 /// Serves `/v1/models` from the cache, or forwards it like any request (least-loaded
 /// usable worker, retries) and caches a 200 answer for `proxy.models_cache_secs`.
 pub(super) async fn get(
@@ -45,12 +54,10 @@ pub(super) async fn get(
     // Send check (rust-lang/rust#102211).
     let mut buf = bytes::BytesMut::new();
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| ProxyError::Upstream(format!("reading /v1/models: {e}")))?;
+        let frame = frame.map_err(|e| ProxyError::Upstream(Box::new(ListError::Read(e))))?;
         if let Some(data) = frame.data_ref() {
             if buf.len() + data.len() > MAX_CACHED_BYTES {
-                return Err(ProxyError::Upstream(format!(
-                    "/v1/models answer is over {MAX_CACHED_BYTES} bytes"
-                )));
+                return Err(ProxyError::Upstream(Box::new(ListError::TooLarge)));
             }
             buf.extend_from_slice(data);
         }

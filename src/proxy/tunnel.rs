@@ -193,7 +193,7 @@ async fn refusal(
     let body = Limited::new(body, MAX_REFUSAL_BYTES)
         .collect()
         .await
-        .map_err(|e| ProxyError::Upstream(crate::error::describe(&*e)))?
+        .map_err(ProxyError::Upstream)?
         .to_bytes();
     headers::strip_hop_by_hop(&mut head.headers);
     head.headers.remove(header::CONTENT_LENGTH);

@@ -42,7 +42,7 @@ pub async fn read<B>(
 ) -> Result<Bytes, ProxyError>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: std::fmt::Display,
+    B::Error: Into<crate::error::BoxError>,
 {
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(ProxyError::BodyTooLarge { limit });
@@ -57,13 +57,13 @@ where
 async fn collect<B>(mut body: B, declared: Option<u64>, limit: usize) -> Result<Bytes, ProxyError>
 where
     B: http_body::Body<Data = Bytes> + Unpin,
-    B::Error: std::fmt::Display,
+    B::Error: Into<crate::error::BoxError>,
 {
     let declared = declared.and_then(|n| usize::try_from(n).ok());
     let mut buf: Vec<u8> = Vec::new();
     let mut first = true;
     while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| ProxyError::BadBody(e.to_string()))?;
+        let frame = frame.map_err(|e| ProxyError::BadBody(e.into()))?;
         let Ok(data) = frame.into_data() else {
             continue; // trailers: not forwarded
         };

@@ -92,7 +92,7 @@ impl Upstream {
         let uri = worker
             .url()
             .origin_form(template.path_and_query.as_str())
-            .map_err(|e| ProxyError::BadRequest(format!("cannot build the upstream URI: {e}")))?;
+            .map_err(ProxyError::UpstreamUri)?;
         // The headers are built again for a resend (rare) rather than cloned for it on
         // every request.
         let headers = || {
@@ -135,7 +135,7 @@ impl Upstream {
         let mut conn = self.checkout(worker).await?;
         let resp = match conn.send_request(build()).await {
             Err(e) if is_stale_connection(&e) => {
-                tracing::debug!(worker = %worker.url(), error = %crate::error::describe(&e), "stale connection; resending once on a new one");
+                tracing::debug!(worker = %worker.url(), error = %crate::error::Chain(&e), "stale connection; resending once on a new one");
                 drop(conn);
                 conn = self.connect(worker).await?;
                 conn.send_request(build()).await
@@ -145,7 +145,7 @@ impl Upstream {
         // `pool_idle_timeout_secs: 0`: no connection is kept (it closes after its answer).
         let keep = (!self.idle_timeout.is_zero()).then(|| Arc::clone(worker));
         resp.map(|r| UpstreamBody::wrap(r, conn, keep))
-            .map_err(|e| ProxyError::Upstream(crate::error::describe(&e)))
+            .map_err(|e| ProxyError::Upstream(Box::new(e)))
     }
 
     /// A ready connection to `worker`: its most recently idled one, else a new one.
@@ -166,7 +166,7 @@ impl Upstream {
         let io = self.dial(worker).await?;
         let (conn, io_task) = hyper::client::conn::http1::handshake(io)
             .await
-            .map_err(|e| ProxyError::Unreachable(crate::error::describe(&e)))?;
+            .map_err(|e| ProxyError::Unreachable(Box::new(e)))?;
         Ok(Conn::new(conn, io_task, Arc::clone(worker.label())))
     }
 
@@ -175,17 +175,14 @@ impl Upstream {
         &self,
         worker: &Worker,
     ) -> Result<<Connector as tower_service::Service<http::Uri>>::Response, ProxyError> {
-        let unreachable = |e: &(dyn std::error::Error + 'static)| {
-            ProxyError::Unreachable(crate::error::describe(e))
-        };
-        let origin = worker.url().origin().map_err(|e| unreachable(&e))?;
+        let origin = (worker.url().origin()).map_err(|e| ProxyError::Unreachable(Box::new(e)))?;
         let mut connector = self.connector.clone();
         std::future::poll_fn(|cx| tower_service::Service::poll_ready(&mut connector, cx))
             .await
-            .map_err(|e| unreachable(&*e))?;
+            .map_err(ProxyError::Unreachable)?;
         tower_service::Service::call(&mut connector, origin)
             .await
-            .map_err(|e| unreachable(&*e))
+            .map_err(ProxyError::Unreachable)
     }
 
     /// Sends an upgrade handshake (a WebSocket `GET`) to `worker` on a connection of its
@@ -204,9 +201,7 @@ impl Upstream {
             let uri = worker
                 .url()
                 .origin_form(template.path_and_query.as_str())
-                .map_err(|e| {
-                    ProxyError::BadRequest(format!("cannot build the upstream URI: {e}"))
-                })?;
+                .map_err(ProxyError::UpstreamUri)?;
             let mut req = Request::new(Full::new(Bytes::new()));
             *req.method_mut() = template.method.clone();
             *req.uri_mut() = uri;
@@ -222,18 +217,18 @@ impl Upstream {
             let io = self.dial(worker).await?;
             let (mut send, conn) = hyper::client::conn::http1::handshake(io)
                 .await
-                .map_err(|e| ProxyError::Unreachable(crate::error::describe(&e)))?;
+                .map_err(|e| ProxyError::Unreachable(Box::new(e)))?;
             // Driven by a task of its own: after a 101 it hands the socket to the
             // tunnel, and it must keep running while the request's task waits for that.
             let label = Arc::clone(worker.label());
             tokio::spawn(async move {
                 if let Err(e) = conn.with_upgrades().await {
-                    tracing::debug!(worker = &*label, error = %crate::error::describe(&e), "upgrade connection ended with an error");
+                    tracing::debug!(worker = &*label, error = %crate::error::Chain(&e), "upgrade connection ended with an error");
                 }
             });
             send.send_request(req)
                 .await
-                .map_err(|e| ProxyError::Upstream(crate::error::describe(&e)))
+                .map_err(|e| ProxyError::Upstream(Box::new(e)))
         };
         tokio::time::timeout(timeout, call)
             .await
@@ -369,14 +364,17 @@ fn is_stale_connection(e: &hyper::Error) -> bool {
 }
 
 impl crate::pool::Fetch for Upstream {
-    fn get(
+    /// [`Upstream::get`], its error shown with its causes.
+    async fn get(
         &self,
         worker: &Arc<Worker>,
         target: crate::pool::Target<'_>,
         timeout: Duration,
         max_bytes: usize,
-    ) -> impl std::future::Future<Output = Result<(http::StatusCode, Bytes), String>> + Send {
+    ) -> Result<(http::StatusCode, Bytes), String> {
         Upstream::get(self, worker, target, timeout, max_bytes)
+            .await
+            .map_err(|e| crate::error::describe(&e))
     }
 }
 
@@ -390,10 +388,10 @@ impl Upstream {
         target: crate::pool::Target<'_>,
         timeout: Duration,
         max_bytes: usize,
-    ) -> Result<(http::StatusCode, Bytes), String> {
+    ) -> Result<(http::StatusCode, Bytes), CallError> {
         let url = match target {
             crate::pool::Target::Path(path) => {
-                let uri = worker.url().origin_form(path).map_err(|e| e.to_string())?;
+                let uri = worker.url().origin_form(path)?;
                 let build = || {
                     let mut req = Request::new(Full::new(Bytes::new()));
                     *req.uri_mut() = uri.clone();
@@ -406,22 +404,17 @@ impl Upstream {
                     req
                 };
                 let call = async {
-                    let resp = self
-                        .exchange(worker, build)
-                        .await
-                        .map_err(|e| e.to_string())?;
+                    let resp = self.exchange(worker, build).await?;
                     read_bounded(resp, max_bytes).await
                 };
                 return tokio::time::timeout(timeout, call)
                     .await
-                    .map_err(|_| format!("no answer within {timeout:?}"))?;
+                    .map_err(|_| CallError::Timeout(timeout))?;
             }
             crate::pool::Target::Url(url) => url,
         };
         let mut req = Request::new(Full::new(Bytes::new()));
-        let uri: http::Uri = url
-            .parse()
-            .map_err(|e: http::uri::InvalidUri| e.to_string())?;
+        let uri: http::Uri = url.parse().map_err(http::Error::from)?;
         if let Some(host) = uri
             .authority()
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
@@ -441,10 +434,8 @@ impl Upstream {
         bearer: Option<&HeaderValue>,
         timeout: std::time::Duration,
         max_bytes: usize,
-    ) -> Result<(http::StatusCode, Bytes), String> {
-        let uri: http::Uri = url
-            .parse()
-            .map_err(|e: http::uri::InvalidUri| e.to_string())?;
+    ) -> Result<(http::StatusCode, Bytes), CallError> {
+        let uri: http::Uri = url.parse().map_err(http::Error::from)?;
         let mut req = Request::new(Full::new(body));
         *req.method_mut() = Method::POST;
         let h = req.headers_mut();
@@ -471,14 +462,14 @@ impl Upstream {
         req: Request<Full<Bytes>>,
         timeout: std::time::Duration,
         max_bytes: usize,
-    ) -> Result<(http::StatusCode, Bytes), String> {
+    ) -> Result<(http::StatusCode, Bytes), CallError> {
         let call = async {
-            let resp = self.client.request(req).await.map_err(|e| describe(&e))?;
+            let resp = self.client.request(req).await?;
             read_bounded(resp, max_bytes).await
         };
         tokio::time::timeout(timeout, call)
             .await
-            .map_err(|_| format!("no answer within {timeout:?}"))?
+            .map_err(|_| CallError::Timeout(timeout))?
     }
 
     /// The backend key for `worker`: its own `api_key`, else `proxy.api_key`.
@@ -527,7 +518,7 @@ impl RequestTemplate {
 async fn read_bounded<B>(
     resp: Response<B>,
     max_bytes: usize,
-) -> Result<(http::StatusCode, Bytes), String>
+) -> Result<(http::StatusCode, Bytes), CallError>
 where
     B: Body<Data = Bytes>,
     B::Error: std::error::Error + Send + Sync + 'static,
@@ -536,12 +527,28 @@ where
     let body = http_body_util::Limited::new(resp.into_body(), max_bytes)
         .collect()
         .await
-        .map_err(|e| e.to_string())?
+        .map_err(CallError::Body)?
         .to_bytes();
     Ok((status, body))
 }
 
-/// The error and its causes on one line ([`crate::error::describe`]).
-fn describe(e: &hyper_util::client::legacy::Error) -> String {
-    crate::error::describe(e)
+/// Why a call that is not a proxied request (a health probe, a scrape, an embeddings
+/// lookup) got no answer. Each shows as its cause does, `describe` adding the causes'
+/// causes.
+#[derive(Debug, thiserror::Error)]
+pub enum CallError {
+    /// The URL, or the worker's prefix with the path, is not a valid URI.
+    #[error(transparent)]
+    Uri(#[from] http::Error),
+    /// A call on the worker's own connections failed.
+    #[error(transparent)]
+    Worker(#[from] ProxyError),
+    /// A call to another host failed.
+    #[error(transparent)]
+    Client(#[from] hyper_util::client::legacy::Error),
+    /// The answer's body could not be read whole within its bound.
+    #[error(transparent)]
+    Body(crate::error::BoxError),
+    #[error("no answer within {0:?}")]
+    Timeout(Duration),
 }
