@@ -9,20 +9,27 @@
 //! cores        thread per core: client connections on single-threaded runtimes
 //! config       YAML layers -> validated Config (source: positions and words;
 //!              secret: credentials; passthrough: which other paths reach a worker)
-//! service      the hyper service: admin endpoints, or the proxy
-//! proxy        body -> prompt -> policy -> upstream -> GuardedBody, retries
+//! service      the hyper service: one route table (admin endpoints, listener rules,
+//!              routed endpoints, passthrough verdicts, WebSockets) -> admin or proxy
+//! proxy        serve -> forward -> respond, read in that direction
+//!   serve      body (bounded) -> media check -> response cache -> prompt -> forward
+//!   forward    the attempt loop: policy::decide::pick_slot -> upstream -> observe
+//!   retry      which answer or failure another worker takes; backoff; push-back
+//!   respond    the answer's headers, its body in a GuardedBody
+//!   body       GuardedBody: streams the answer, owns the in-flight guard
+//!   access_log the end of a request in one place: outcome, access line, span
 //!   media      proxy.remote_media_url_policy: media members of any JSON body
 //!   headers    request ids, the router's response headers, worker URLs made relative
-//!   body       GuardedBody: streams the answer, owns the in-flight guard
 //!   usage      engine token usage (and /v1/responses ids) read as bytes pass
-//!   models     GET /v1/models with a per-set cache
+//!   models, responses, tunnel   GET /v1/models; calls on a stored response; WebSockets
 //! request      a client's request body, bounded in bytes, memory and time (proxy, admin)
 //! upstream     the client to workers: hyper HTTP/1.1 connections kept per worker, one
 //!              attempt; health probes and scrapes on the same connections; headers
 //!              (hop-by-hop stripping); below both proxy and cache
 //! policy       trait Policy (pick pure, observe = the only writer of routing memory),
-//!              build(); select; one module per policy; session (conversation state
-//!              and sessions around any policy); precise (KV-event policy, supervisor)
+//!              build(); decide (the pick with its slot, the usage settlement: shared
+//!              with simulate); select; one module per policy; session (conversation
+//!              state and sessions around any policy); precise (KV-event policy)
 //! pool         workers, stable ids, membership, health, breaker, in-flight guards,
 //!              fetch (how tasks reach a worker), pending prefill and the learned
 //!              prefill rate, each worker's signal slots and idle connections
@@ -44,7 +51,7 @@
 //! reload       SIGHUP: re-read files, replace the pool's workers
 //! simulate     `simulate`: a request log through the same policy code over modelled
 //!              engines (the engine model sim-engine uses), a grid of settings
-//! error        ProxyError -> JSON response
+//! error        ProxyError (causes kept as #[source]) -> the one JSON error response
 //! log_format   the text log line's fields and timestamp, written for less (one access
 //!              line per request)
 //! log_sink     where log lines go: stderr, gathered per connection thread and written
@@ -55,8 +62,9 @@
 //! clock, shutdown  tokio's clock for state machines; one shutdown signal
 //! ```
 //!
-//! Dependencies point one way: proxy -> cache, proxy -> trace, proxy -> policy -> fleet -> pool/tree;
-//! health, reload, admin, discovery and the KV-event supervisor use the pool, never the
+//! Dependencies point one way: proxy -> cache -> upstream, proxy -> upstream -> pool,
+//! proxy -> trace, proxy -> policy -> fleet -> pool/tree; simulate -> policy, never the
+//! proxy; health, reload, discovery and the KV-event supervisor use the pool, never the
 //! proxy.
 //!
 //! # A request

@@ -1,4 +1,4 @@
-//! The hyper service: one route table ([`route`]) that sends each request to the
+//! The hyper service: one route table (`route`) that sends each request to the
 //! router's own endpoints (`admin`) or to a worker (`proxy`). The only module that
 //! knows both.
 

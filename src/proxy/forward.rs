@@ -45,7 +45,8 @@ impl Router {
                 tokio::time::sleep(backoff).await;
                 started = Instant::now();
             }
-            let Some((pick, guard)) = self.pick_for(attempt, set, route, &tried, started).await?
+            let Some((pick, mut guard)) =
+                self.pick_for(attempt, set, route, &tried, started).await?
             else {
                 break;
             };
@@ -55,9 +56,17 @@ impl Router {
                 tried.insert(id);
             }
             let decision = self.decided(&pick, &worker, started, attempt);
+            let watch = Attempt {
+                policy: &*self.policy,
+                req: &route.req,
+                pick: &pick,
+                worker: &worker,
+                done: false,
+            };
             let wait = retries.attempt_wait();
-            let (result, guard, pushed_back) =
-                self.send(&base, &body, route, &pick, guard, wait).await;
+            let (result, pushed_back) = self
+                .send(watch, &base, &body, route, &mut guard, wait)
+                .await;
             match result {
                 Ok(resp) => {
                     let status = resp.status().as_u16();
@@ -127,39 +136,28 @@ impl Router {
         }
     }
 
-    /// One attempt on the worker `guard` holds a slot on, waiting at most `wait` for its
-    /// headers. The breaker and the policy hear how it went (the policy exactly once,
-    /// [`Outcome::Cancelled`] if the client leaves first); a push-back saturates the
-    /// worker for as long as it asks. Returns the answer, the slot, and whether it was
-    /// a push-back.
+    /// One attempt, `watch`'s pick, on the worker `guard` holds a slot on, waiting at
+    /// most `wait` for its headers. The breaker and the policy hear how it went (the
+    /// policy exactly once, [`Outcome::Cancelled`] if the client leaves first); a
+    /// push-back saturates the worker for as long as it asks. Returns the answer and
+    /// whether it was a push-back.
     async fn send(
         &self,
+        watch: Attempt<'_>,
         base: &RequestTemplate,
         body: &Bytes,
         route: &Route<'_>,
-        pick: &Pick,
-        mut guard: InFlightGuard,
+        guard: &mut InFlightGuard,
         wait: Duration,
-    ) -> (
-        Result<Response<UpstreamBody>, ProxyError>,
-        InFlightGuard,
-        bool,
-    ) {
-        let worker = Arc::clone(guard.worker());
-        let watch = Attempt {
-            policy: &*self.policy,
-            req: &route.req,
-            pick,
-            worker: &worker,
-            done: false,
-        };
+    ) -> (Result<Response<UpstreamBody>, ProxyError>, bool) {
+        let (pick, worker) = (watch.pick, watch.worker);
         guard.reserve_prefill(
             pick.prefill_tokens,
             route.req.ctx.map_or(0, |c| c.total_len) as u64,
         );
         let result = self
             .client
-            .send(&worker, base, body.clone(), pick.dp_rank, wait)
+            .send(worker, base, body.clone(), pick.dp_rank, wait)
             .await;
         let pushed_back = result.as_ref().ok().and_then(retry::back_pressure);
         if let Some(wait) = pushed_back {
@@ -184,7 +182,7 @@ impl Router {
             Ok(r) if r.status().is_success() => Outcome::Served,
             _ => Outcome::Failed,
         });
-        (result, guard, pushed_back.is_some())
+        (result, pushed_back.is_some())
     }
 
     /// `proxy.queue`: when no worker could be picked only because every usable one is at
@@ -264,7 +262,7 @@ struct Attempt<'a> {
     policy: &'a dyn Policy,
     req: &'a RouteRequest<'a>,
     pick: &'a Pick,
-    worker: &'a Worker,
+    worker: &'a Arc<Worker>,
     done: bool,
 }
 
