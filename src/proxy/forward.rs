@@ -9,10 +9,10 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use http::Response;
 
-use super::access_log::{AccessLog, Decision};
+use super::access_log::{AccessLog, Decision, Ident};
 use super::retry::{self, Answer, Retries};
-use super::serve::Route;
 use super::{ProxyBody, Router};
+use crate::cache::Pending;
 use crate::config::Role;
 use crate::error::ProxyError;
 use crate::policy::{self, Outcome, Pick, Policy, Reason, RouteRequest};
@@ -20,6 +20,30 @@ use crate::pool::breaker::Outcome as BreakerOutcome;
 use crate::pool::{InFlightGuard, Worker, WorkerSet};
 use crate::tree::WorkerMask;
 use crate::upstream::{RequestTemplate, UpstreamBody};
+
+/// What one request routes on.
+pub(super) struct Route<'a> {
+    pub id: Ident<'a>,
+    /// What the policy decides on.
+    pub req: RouteRequest<'a>,
+    /// When the decision started (for its latency).
+    pub started: Instant,
+    /// Where the answer goes in the response cache, on a miss.
+    pub cache: Option<Pending>,
+}
+
+impl<'a> Route<'a> {
+    /// A request routed without a prompt (`/v1/models`, a tunnel, a stored response's
+    /// calls): the policy's least-loaded choice, or a bound session's worker.
+    pub fn unrouted(id: Ident<'a>) -> Self {
+        Route {
+            id,
+            req: RouteRequest::default(),
+            started: Instant::now(),
+            cache: None,
+        }
+    }
+}
 
 impl Router {
     /// Picks a worker and forwards, retrying on other workers while nothing has been

@@ -9,7 +9,7 @@ use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;
 
 use super::access_log::RequestEnd;
-use super::serve::Route;
+use super::forward::Route;
 use super::{ProxyBody, Router};
 use crate::error::ProxyError;
 use crate::pool::CachedAnswer as Cached;

@@ -10,7 +10,7 @@ use http_body_util::BodyExt;
 
 use super::access_log::AccessLog;
 use super::body::{BodyTap, GuardedBody};
-use super::serve::Route;
+use super::forward::Route;
 use super::{ProxyBody, Router, headers, usage};
 use crate::cache;
 use crate::pool::InFlightGuard;

@@ -26,7 +26,7 @@ use http::{Response, StatusCode};
 
 use super::Router;
 use super::access_log::{AccessLog, Decision};
-use super::serve::Route;
+use super::forward::Route;
 use crate::error::{ProxyBody, ProxyError};
 use crate::policy::{Answer, Reason};
 use crate::pool::InFlightGuard;

@@ -11,8 +11,9 @@ use http::{Request, Response, StatusCode};
 use hyper::body::Incoming;
 
 use super::access_log::{Ident, RequestEnd};
+use super::forward::Route;
 use super::{ProxyBody, Router, headers, media, models, responses};
-use crate::cache::{self, Lookup, Pending};
+use crate::cache::{self, Lookup};
 use crate::config::{PassthroughVerdict, RemoteMediaPolicy};
 use crate::error::ProxyError;
 use crate::policy::{self, Prepared, RequestParts, RouteRequest};
@@ -40,30 +41,6 @@ impl Call {
             Call::Models => "models",
             Call::Forward(Some(e)) => e.as_str(),
             _ => "other",
-        }
-    }
-}
-
-/// What one request routes on.
-pub(super) struct Route<'a> {
-    pub id: Ident<'a>,
-    /// What the policy decides on.
-    pub req: RouteRequest<'a>,
-    /// When the decision started (for its latency).
-    pub started: Instant,
-    /// Where the answer goes in the response cache, on a miss.
-    pub cache: Option<Pending>,
-}
-
-impl<'a> Route<'a> {
-    /// A request routed without a prompt (`/v1/models`, a tunnel, a stored response's
-    /// calls): the policy's least-loaded choice, or a bound session's worker.
-    pub fn unrouted(id: Ident<'a>) -> Self {
-        Route {
-            id,
-            req: RouteRequest::default(),
-            started: Instant::now(),
-            cache: None,
         }
     }
 }

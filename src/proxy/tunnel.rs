@@ -25,7 +25,7 @@ use hyper::upgrade::OnUpgrade;
 use hyper_util::rt::TokioIo;
 
 use super::access_log::{AccessLog, Decision, RequestEnd};
-use super::serve::Route;
+use super::forward::Route;
 use super::{Router, headers};
 use crate::error::{Chain, ProxyBody, ProxyError};
 use crate::pool::breaker::Outcome as BreakerOutcome;
