@@ -35,7 +35,7 @@ pub(super) struct Route<'a> {
 impl<'a> Route<'a> {
     /// A request routed without a prompt (`/v1/models`, a tunnel, a stored response's
     /// calls): the policy's least-loaded choice, or a bound session's worker.
-    pub fn unrouted(id: Ident<'a>) -> Self {
+    pub fn without_prompt(id: Ident<'a>) -> Self {
         Route {
             id,
             req: RouteRequest::default(),

@@ -42,7 +42,7 @@ pub(super) async fn get(
         return Ok(build(StatusCode::OK, c.content_type, c.body));
     }
     let (parts, _) = req.into_parts();
-    let route = Route::unrouted(end.id);
+    let route = Route::without_prompt(end.id);
     let resp = router
         .forward(&set, parts, Bytes::new(), &route, &mut end.waiting_on)
         .await?;

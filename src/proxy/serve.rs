@@ -131,7 +131,7 @@ impl Router {
         }
         // A call on a stored response goes where the response is.
         if endpoint.is_none() && responses::response_id_in_path(parts.uri.path()).is_some() {
-            let route = Route::unrouted(id);
+            let route = Route::without_prompt(id);
             return self
                 .to_response_holder(parts, body, &route, &mut end.waiting_on)
                 .await;

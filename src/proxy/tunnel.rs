@@ -70,7 +70,7 @@ impl Router {
             .unwrap_or(HeaderValue::from_static("websocket"));
         let client_side = hyper::upgrade::on(&mut req);
         let (parts, _) = req.into_parts();
-        let route = Route::unrouted(end.id);
+        let route = Route::without_prompt(end.id);
         let base = RequestTemplate::new(parts, route.id.request_id, &route.id.trace);
         let set = self.worker_set();
         let deadline = route.id.arrived + self.config.proxy.request_timeout;
