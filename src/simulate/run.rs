@@ -22,7 +22,7 @@ use rand::rngs::StdRng;
 use super::engine::{EngineModel, Timing};
 use crate::config::Config;
 use crate::policy::decide::{pick_slot, settle_usage};
-use crate::policy::{self, Answer, Outcome, Pick, RouteRequest};
+use crate::policy::{self, Answer, Outcome, Pick, Policy, RouteRequest};
 use crate::pool::{InFlightGuard, Pool};
 use crate::prompt::{Endpoint, RouteContext};
 use crate::tree::WorkerMask;
@@ -166,41 +166,6 @@ pub async fn replay(
         }
     };
     let ms_to_ns = |ms: f64| (ms.max(0.0) * 1e6) as u64;
-    let handle = |e: Event, flying: &mut Vec<Option<InFlight>>| {
-        let Some(f) = flying[e.index].as_mut() else {
-            return;
-        };
-        if e.kind == FIRST_BYTE {
-            f.guard.first_byte();
-            return;
-        }
-        let Some(f) = flying[e.index].take() else {
-            return;
-        };
-        let (delivered, shortfall) = settle_usage(
-            &f.guard,
-            f.prompt_tokens,
-            Some(f.cached_tokens),
-            true,
-            (f.pick.saved_tokens(), f.pick.stamp),
-            block_tokens,
-        );
-        // The worker's drift, as the proxy counts it: the tree's learning weighs a
-        // short answer against it.
-        if let Some(d) = delivered {
-            let numbers = [f.pick.available_tokens(), f.pick.saved_tokens(), d];
-            f.guard.worker().hits().record(numbers, 0.0, Duration::MAX);
-        }
-        if shortfall.is_some() {
-            let answer = Answer {
-                response_id: None,
-                shortfall,
-                prepared: None,
-            };
-            policy.answered(f.guard.worker(), &answer);
-        }
-        drop(f.guard);
-    };
     for (index, r) in requests.iter().enumerate() {
         let arrival_ns = ms_to_ns(r.arrival_ms);
         while events
@@ -211,7 +176,7 @@ pub async fn replay(
                 break;
             };
             advance_to(e.at_ns).await;
-            handle(e, &mut flying);
+            on_event(e, &mut flying, &*policy, block_tokens);
         }
         advance_to(arrival_ns).await;
         progress();
@@ -281,8 +246,47 @@ pub async fn replay(
     }
     while let Some(Reverse(e)) = events.pop() {
         advance_to(e.at_ns).await;
-        handle(e, &mut flying);
+        on_event(e, &mut flying, &*policy, block_tokens);
     }
     m.ttft_ms.sort_by(f64::total_cmp);
     m
+}
+
+/// A request's event: its first byte ends the guard's prefill; its last byte settles
+/// the engine's usage as the proxy does ([`settle_usage`], the drift, a shortfall told to
+/// the policy) and ends its in-flight count.
+fn on_event(e: Event, flying: &mut [Option<InFlight>], policy: &dyn Policy, block_tokens: u64) {
+    let Some(f) = flying[e.index].as_mut() else {
+        return;
+    };
+    if e.kind == FIRST_BYTE {
+        f.guard.first_byte();
+        return;
+    }
+    let Some(f) = flying[e.index].take() else {
+        return;
+    };
+    let (delivered, shortfall) = settle_usage(
+        &f.guard,
+        f.prompt_tokens,
+        Some(f.cached_tokens),
+        true,
+        (f.pick.saved_tokens(), f.pick.stamp),
+        block_tokens,
+    );
+    // The worker's drift, as the proxy counts it: the tree's learning weighs a
+    // short answer against it.
+    if let Some(d) = delivered {
+        let numbers = [f.pick.available_tokens(), f.pick.saved_tokens(), d];
+        f.guard.worker().hits().record(numbers, 0.0, Duration::MAX);
+    }
+    if shortfall.is_some() {
+        let answer = Answer {
+            response_id: None,
+            shortfall,
+            prepared: None,
+        };
+        policy.answered(f.guard.worker(), &answer);
+    }
+    drop(f.guard);
 }
