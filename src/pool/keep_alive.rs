@@ -4,7 +4,7 @@
 //! Kept per worker, so a request finds its connections without a pool-wide lookup (a
 //! shared pool keyed by scheme and authority hashes the key and takes a pool-wide lock
 //! twice per request). The proxy opens, uses and returns the connections
-//! (`crate::proxy::upstream`); this list only holds them. Connections close when
+//! (`crate::upstream`); this list only holds them. Connections close when
 //! dropped: taken after `max_idle`, closed by the worker, reaped by
 //! [`KeepAlive::close_idle`], or with the worker when it leaves the pool.
 
