@@ -10,6 +10,7 @@
 //! replay   open-loop replay of a trace against one URL (or several, round robin)
 //! stats    per-request results -> summary (hit rate, TTFT percentiles, throughput)
 //! matrix   start engines + router per policy, replay, one markdown table
+//! chart    the table's picture: TTFT CDF and hit rate per contender (SVG)
 //! procs    child processes (engines, router): start, wait ready, stop; /proc usage
 //! load     closed-loop HTTP load (one keep-alive connection per worker), bursts
 //! workloads synthetic traces in the Mooncake format (the hot-prefix trace)
@@ -23,6 +24,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod chart;
 pub mod embeddings;
 pub mod engine;
 pub mod load;

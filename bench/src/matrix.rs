@@ -856,6 +856,8 @@ pub struct ContenderRun {
     /// What the replicas sent and received on the fleet channel during the replay
     /// (`None`: they share nothing).
     pub fleet: Option<FleetTraffic>,
+    /// Time to first token of each successful request, in ms (for the picture).
+    pub ttft_ms: Vec<f64>,
 }
 
 /// The fleet counters of one replica (`GET /workers` → `fleet`), or their sum over
@@ -1288,6 +1290,11 @@ async fn run_contender_inner(
         other_cpu,
         routers: contender.routers(),
         fleet,
+        ttft_ms: results
+            .iter()
+            .filter(|r| r.is_ok())
+            .filter_map(|r| r.ttft_ms)
+            .collect(),
     })
 }
 
@@ -1649,6 +1656,7 @@ mod tests {
             other_cpu: None,
             routers: 1,
             fleet: None,
+            ttft_ms: Vec::new(),
         };
         let t = render_table(&[
             ("least_load".into(), Ok(run)),

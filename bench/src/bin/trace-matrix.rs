@@ -2,7 +2,8 @@
 //! policies, a peer router — `sglang:POLICY`, `vllm:POLICY` — `direct` without a
 //! router, or `ideal`: one engine with an unbounded KV cache) it starts cold
 //! `sim-engine` replicas and the router, replays the Mooncake slice through it,
-//! stops everything and prints one markdown table. Exits non-zero if a contender
+//! stops everything and prints one markdown table, with a picture of it beside
+//! (`--svg`: TTFT distribution and hit rate per contender). Exits non-zero if a contender
 //! had errors or could not start. `POLICY/N[/shared][/kill]` runs N replicas of our
 //! router over the same engines, requests alternating between them, independent or
 //! sharing state through a `redis-server` it starts (and with `kill`, the last
@@ -166,6 +167,10 @@ struct Cli {
     /// Write per-request results to DIR/CONTENDER.jsonl (e.g. cache_aware.jsonl).
     #[arg(long)]
     out_dir: Option<PathBuf>,
+    /// Where the picture goes: TTFT distribution and hit rate per contender, SVG
+    /// [default: trace-matrix.svg in --out-dir, else in the working directory].
+    #[arg(long)]
+    svg: Option<PathBuf>,
     /// Progress line interval on stderr, in s (0 = none).
     #[arg(long, default_value_t = 10.0)]
     progress_s: f64,
@@ -413,6 +418,22 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     }
     println!("{params}\n");
     println!("{}", matrix::render_table(&rows));
+    let svg_path = cli.svg.clone().unwrap_or_else(|| {
+        cli.out_dir
+            .clone()
+            .unwrap_or_default()
+            .join("trace-matrix.svg")
+    });
+    match write_picture(&svg_path, &rows, &trace, records.len(), &cli, time_factor) {
+        Ok(()) => println!(
+            "picture (TTFT distribution and hit rate): {}\n",
+            svg_path.display()
+        ),
+        Err(e) => {
+            eprintln!("trace-matrix: {e}");
+            failed = true;
+        }
+    }
     println!(
         "hit rate = Σ cached / Σ prompt tokens from the engines' usage; TTFT and end-to-end are \
          wall-clock ms at time factor {time_factor} (÷ {time_factor} ≈ full-scale simulated ms); \
@@ -488,6 +509,31 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The picture beside the table, written to `path`.
+fn write_picture(
+    path: &std::path::Path,
+    rows: &[(String, Result<matrix::ContenderRun, String>)],
+    trace: &std::path::Path,
+    requests: usize,
+    cli: &Cli,
+    time_factor: f64,
+) -> Result<(), String> {
+    let name = trace
+        .file_name()
+        .unwrap_or(trace.as_os_str())
+        .to_string_lossy();
+    let subtitle = format!(
+        "{requests} requests of {name} at load {}; {} simulated vLLM engines × {} KV blocks of {} tokens; \
+         TTFT wall-clock ms at time factor {time_factor}",
+        cli.load, cli.engines, cli.kv_blocks, cli.block_size
+    );
+    let svg = bench::chart::render_svg(rows, &subtitle)?;
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    }
+    std::fs::write(path, svg).map_err(|e| format!("{}: {e}", path.display()))
 }
 
 /// `engine_metrics:` at the production defaults (1 s scrapes, stale after 5 s) scaled by
