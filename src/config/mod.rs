@@ -21,6 +21,8 @@ use crate::tokenize::chat_template::ContentFormat;
 use crate::tokenize::{LoadError, PromptTokenizer};
 
 mod discovery;
+#[cfg(test)]
+mod doc_reference;
 mod passthrough;
 mod response_cache;
 mod secret;
