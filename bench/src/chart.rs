@@ -5,6 +5,7 @@
 
 use plotters::coord::ranged1d::SegmentValue;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 
 use crate::matrix::ContenderRun;
 
@@ -69,9 +70,22 @@ fn draw(drawn: &[Drawn<'_>], subtitle: &str, svg: &mut String) -> DrawResult {
     Ok(())
 }
 
+/// Tableau's ten colours: distinct on white and for the common colour blindnesses.
+const PALETTE: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+
 fn color(i: usize) -> RGBColor {
-    let (r, g, b) = Palette99::pick(i).to_backend_color().rgb;
-    RGBColor(r, g, b)
+    PALETTE[i % PALETTE.len()]
 }
 
 /// Up to [`CDF_POINTS`] (TTFT, share of requests at or under it) points, sorted.
@@ -167,7 +181,8 @@ where
         .margin(12)
         .x_label_area_size(44)
         .y_label_area_size(48)
-        .build_cartesian_2d((0..drawn.len()).into_segmented(), 0.0..y_max)?;
+        // An integer range counts its end as a value: 0..n-1 holds n bars.
+        .build_cartesian_2d((0..drawn.len() - 1).into_segmented(), 0.0..y_max)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
@@ -193,8 +208,11 @@ where
     chart.draw_series(drawn.iter().enumerate().map(|(i, d)| {
         Text::new(
             format!("{:.3}", d.hit_rate),
-            (SegmentValue::CenterOf(i), d.hit_rate + y_max * 0.03),
-            ("sans-serif", 13).into_font(),
+            (SegmentValue::CenterOf(i), d.hit_rate + y_max * 0.01),
+            ("sans-serif", 13)
+                .into_font()
+                .into_text_style(area)
+                .pos(Pos::new(HPos::Center, VPos::Bottom)),
         )
     }))?;
     Ok(())
