@@ -83,7 +83,7 @@ fn refusal(path: &[Step]) -> Option<(String, String)> {
     match Config::from_sources([(Path::new("probe.yaml"), text.as_str())]).err()? {
         ConfigError::Parse { key, message, .. } => Some((key.unwrap_or_default(), message)),
         ConfigError::Invalid { key, message, .. } => Some((key, message)),
-        ConfigError::Read { .. } | ConfigError::Other(_) => None,
+        _ => None,
     }
 }
 
