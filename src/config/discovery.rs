@@ -6,7 +6,7 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_yaml_ng::Value;
 
-use super::{Checker, ConfigError, Secs};
+use super::{Checker, ConfigError, Secs, Section};
 
 /// `discovery:` — `static` (default: only `workers:`), `dns: {…}` or `kubernetes: {…}`.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -15,6 +15,10 @@ pub enum DiscoveryConfig {
     Static,
     Dns(DnsDiscovery),
     Kubernetes(KubernetesDiscovery),
+}
+
+impl Section for DiscoveryConfig {
+    const KEY: &'static str = "discovery";
 }
 
 /// `discovery.kubernetes:` — the ready endpoints of the EndpointSlices that match

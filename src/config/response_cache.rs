@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError, Secret, Secs, WorkerUrl};
+use super::{Checker, ConfigError, Secret, Secs, Section, WorkerUrl};
 use crate::prompt::Endpoint;
 
 /// Every endpoint the cache can serve, in config order.
@@ -105,6 +105,10 @@ impl Default for ResponseCacheConfig {
             semantic: None,
         }
     }
+}
+
+impl Section for ResponseCacheConfig {
+    const KEY: &'static str = "response_cache";
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -71,6 +71,8 @@ impl std::fmt::Debug for Secret {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::WorkerConfig;
+    use crate::config::testing::{ONE, err, load};
 
     #[test]
     fn header_safe_keys_are_kept_and_built_once() {
@@ -98,5 +100,64 @@ mod tests {
             assert!(e.contains(why), "{raw:?}: {e}");
             assert!(!e.contains("secret") || raw.is_empty(), "{raw:?}: {e}");
         }
+    }
+
+    #[test]
+    fn keys_never_show_in_debug_output() {
+        let c = load(&[(
+            "k.yaml",
+            "workers:\n  - url: http://a:1\n    api_key: sk-worker-1\nproxy:\n  api_key: sk-global-2\nserver:\n  admin_token: tok-3\n",
+        )])
+        .unwrap();
+        let shown = format!("{c:?}");
+        for secret in ["sk-worker-1", "sk-global-2", "tok-3"] {
+            assert!(!shown.contains(secret), "{shown}");
+        }
+        assert_eq!(
+            c.workers[0].api_key.as_ref().map(Secret::expose),
+            Some("sk-worker-1")
+        );
+    }
+
+    #[test]
+    fn keys_that_cannot_be_a_header_are_refused_naming_the_key_never_the_value() {
+        for (key, yaml) in [
+            (
+                "workers[0].api_key",
+                "workers:\n  - url: http://a:1\n    api_key: {v}\n",
+            ),
+            ("proxy.api_key", "proxy:\n  api_key: {v}\n"),
+            ("server.admin_token", "server:\n  admin_token: {v}\n"),
+        ] {
+            for v in [
+                "\"sk-hidden-1\\n\"",
+                "\"\"",
+                "\"sk hidden-1\"",
+                "\"sk-\\u0007hidden-1\"",
+                "[sk-hidden-1]",
+                "{a: sk-hidden-1}",
+            ] {
+                let e = err(&[("a.yaml", ONE), ("k.yaml", &yaml.replace("{v}", v))]);
+                assert!(e.contains("k.yaml") && e.contains(key), "{key} {v}: {e}");
+                assert!(
+                    !e.contains("hidden"),
+                    "{key} {v}: the value is printed: {e}"
+                );
+            }
+        }
+        let w = WorkerConfig::from_json(br#"{"url":"http://c:1","api_key":"sk-hidden-1\n"}"#)
+            .unwrap_err();
+        assert!(w.contains("api_key") && !w.contains("hidden"), "{w}");
+        let w = WorkerConfig::from_json(br#"{"url":"http://c:1","api_key":12345678}"#).unwrap_err();
+        assert!(w.contains("api_key") && !w.contains("12345678"), "{w}");
+        let c = load(&[(
+            "a.yaml",
+            "workers:\n  - url: http://a:1\n    api_key: sk-ok_1.2\n",
+        )])
+        .unwrap();
+        assert_eq!(
+            c.workers[0].api_key.as_ref().unwrap().bearer(),
+            "Bearer sk-ok_1.2"
+        );
     }
 }

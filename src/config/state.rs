@@ -2,7 +2,7 @@
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError, RedisUrl};
+use super::{Checker, ConfigError, RedisUrl, Section};
 
 /// `state:` — absent = each router keeps its own routing state.
 #[derive(Debug, Clone, PartialEq, Default)]
@@ -12,6 +12,10 @@ pub struct StateConfig {
     /// Prefix of the fleet's channel and keys (default `cache-aware-router`): replicas
     /// with the same URL and namespace route as one.
     pub namespace: String,
+}
+
+impl Section for StateConfig {
+    const KEY: &'static str = "state";
 }
 
 #[derive(Debug, Default, Deserialize)]

@@ -10,6 +10,9 @@ use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, Server
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
+use serde::Deserialize;
+
+use super::{Checker, ConfigError};
 
 /// `proxy.tls`, loaded at config time so a bad CA file is a config error. Two settings
 /// are equal when they name the same file and the same verification (SIGHUP reload
@@ -120,6 +123,21 @@ impl TlsSetting {
     }
 }
 
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
+pub(super) struct RawTls {
+    ca_file: Option<PathBuf>,
+    insecure_skip_verify: Option<bool>,
+}
+
+impl RawTls {
+    /// Loads the setting; a CA file that cannot be used is refused at `proxy.tls.ca_file`.
+    pub(super) fn validate(self, ck: &Checker<'_>) -> Result<TlsSetting, ConfigError> {
+        TlsSetting::load(self.ca_file, self.insecure_skip_verify.unwrap_or(false))
+            .map_err(|m| ck.err("proxy.tls.ca_file", m))
+    }
+}
+
 /// `insecure_skip_verify`: any certificate for any name, signatures still checked
 /// against the certificate presented (so the handshake is well-formed, not trusted).
 #[derive(Debug)]
@@ -173,6 +191,7 @@ impl ServerCertVerifier for AnyCertificate {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::testing::{ONE, err, load};
 
     #[test]
     fn a_ca_file_must_hold_pem_certificates() {
@@ -197,5 +216,28 @@ mod tests {
         // The platform's store alone loads (it may be empty on a bare machine).
         assert!(TlsSetting::load(None, false).is_ok());
         assert!(TlsSetting::load(None, true).is_ok());
+    }
+
+    #[test]
+    fn https_workers_and_proxy_tls_are_checked() {
+        let c = load(&[("a", "workers:\n  - url: HTTPS://Example.com/v1/\n")]).unwrap();
+        assert_eq!(c.workers[0].url.as_str(), "https://example.com/v1");
+        assert!(!c.proxy.tls.insecure_skip_verify);
+        let e = err(&[
+            ("a.yaml", ONE),
+            (
+                "b.yaml",
+                "proxy:\n  tls:\n    ca_file: /nonexistent/ca.pem\n",
+            ),
+        ]);
+        assert!(
+            e.contains("proxy.tls.ca_file") && e.contains("cannot be read"),
+            "{e}"
+        );
+        let e = err(&[
+            ("a.yaml", ONE),
+            ("b.yaml", "proxy:\n  tls:\n    verify: no\n"),
+        ]);
+        assert!(e.contains("verify"), "{e}");
     }
 }

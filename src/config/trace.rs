@@ -3,7 +3,7 @@
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError};
+use super::{Checker, ConfigError, Section};
 
 /// `tracing:` — absent = no export.
 #[derive(Debug, Clone, PartialEq)]
@@ -24,6 +24,10 @@ impl Default for TracingConfig {
             service_name: DEFAULT_SERVICE_NAME.to_string(),
         }
     }
+}
+
+impl Section for TracingConfig {
+    const KEY: &'static str = "tracing";
 }
 
 const DEFAULT_SERVICE_NAME: &str = "cache-aware-router";

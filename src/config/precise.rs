@@ -1,0 +1,293 @@
+//! `precise:` — precise mode's block index, and the tokenizer it loads.
+
+use std::num::NonZeroUsize;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::check::named;
+use super::{Checker, ConfigError, Secs, Section};
+use crate::tokenize::chat_template::ContentFormat;
+use crate::tokenize::{LoadError, PromptTokenizer};
+
+/// `precise:` — the block index of precise mode.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PreciseConfig {
+    /// Tokens per KV block; must equal the engines' `--block-size` (default 16, vLLM's
+    /// CUDA default). Events with another block size are skipped and counted.
+    pub block_size: usize,
+    /// Most distinct blocks (prefix keys) the index keeps; least recently used ones go
+    /// first (default 1,000,000).
+    pub max_blocks: NonZeroUsize,
+    /// A worker whose feed sent nothing for this long while requests were routed to it
+    /// scores neutral (default 30 s).
+    pub stale: Duration,
+    /// How long a routed request's blocks count as held by the chosen worker before the
+    /// engine's own events confirm them (default 2 s).
+    pub speculative_ttl: Duration,
+    /// In-router tokenization (`precise.tokenizer`), loaded; `None` = requests without
+    /// token ids are scored by the approximate tree.
+    pub tokenizer: Option<TokenizerSetting>,
+    /// Token-parity floor (`precise.parity_floor`, default 0.5; 0 = never fall back): a
+    /// worker whose engine confirmed under this share of the router's block keys over
+    /// its last checked answers is scored by the tree until the share is back (see
+    /// [`crate::precise::parity`]).
+    pub parity_floor: f64,
+}
+
+/// `precise.tokenizer` (+ `chat_template`, `chat_template_content_format`), loaded at
+/// config time so a bad file is a config error. Two settings are equal when they name
+/// the same files and format (SIGHUP reload compares configs).
+#[derive(Clone)]
+pub struct TokenizerSetting {
+    /// A Hugging Face model folder holding `tokenizer.json`, or that file.
+    pub path: PathBuf,
+    /// A Jinja chat template overriding the folder's (vLLM's `--chat-template`).
+    pub chat_template: Option<PathBuf>,
+    pub content_format: ContentFormat,
+    /// Most bytes of each prompt's text tokenized (a longer prompt's prefix is).
+    pub max_bytes: usize,
+    pub loaded: Arc<PromptTokenizer>,
+}
+
+impl PartialEq for TokenizerSetting {
+    fn eq(&self, other: &Self) -> bool {
+        (
+            &self.path,
+            &self.chat_template,
+            self.content_format,
+            self.max_bytes,
+        ) == (
+            &other.path,
+            &other.chat_template,
+            other.content_format,
+            other.max_bytes,
+        )
+    }
+}
+
+impl std::fmt::Debug for TokenizerSetting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TokenizerSetting")
+            .field("path", &self.path)
+            .field("chat_template", &self.chat_template)
+            .field("content_format", &self.content_format)
+            .field("max_bytes", &self.max_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+named!(ContentFormat {
+    "auto" => ContentFormat::Auto,
+    "string" => ContentFormat::String,
+    "openai" => ContentFormat::OpenAi,
+});
+
+impl Default for PreciseConfig {
+    fn default() -> Self {
+        PreciseConfig {
+            block_size: 16,
+            max_blocks: const { NonZeroUsize::new(1_000_000).unwrap() },
+            stale: Duration::from_secs(30),
+            speculative_ttl: Duration::from_secs(2),
+            tokenizer: None,
+            parity_floor: 0.5,
+        }
+    }
+}
+
+impl Section for PreciseConfig {
+    const KEY: &'static str = "precise";
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
+pub(super) struct RawPrecise {
+    block_size: Option<u64>,
+    max_blocks: Option<u64>,
+    stale_secs: Option<Secs>,
+    speculative_ttl_secs: Option<Secs>,
+    tokenizer: Option<PathBuf>,
+    chat_template: Option<PathBuf>,
+    chat_template_content_format: Option<ContentFormat>,
+    max_tokenize_bytes: Option<u64>,
+    parity_floor: Option<f64>,
+}
+
+impl RawPrecise {
+    pub(super) fn validate(self, ck: &Checker<'_>) -> Result<PreciseConfig, ConfigError> {
+        let d = PreciseConfig::default();
+        let tokenizer = self.tokenizer_setting(ck)?;
+        let block_size = self.block_size.unwrap_or(d.block_size as u64);
+        if !(1..=4096).contains(&block_size) {
+            return Err(ck.bad(
+                "precise.block_size",
+                block_size,
+                "is out of range (tokens, 1 to 4096; must equal the engines' --block-size)",
+            ));
+        }
+        let max_blocks = self.max_blocks.unwrap_or(d.max_blocks.get() as u64);
+        let max_blocks = NonZeroUsize::new(max_blocks as usize)
+            .filter(|_| max_blocks <= 1 << 32)
+            .ok_or_else(|| {
+                ck.bad(
+                    "precise.max_blocks",
+                    max_blocks,
+                    "is out of range (blocks, 1 to 2^32)",
+                )
+            })?;
+        let parity_floor = self.parity_floor.unwrap_or(d.parity_floor);
+        if !(0.0..=1.0).contains(&parity_floor) {
+            return Err(ck.bad(
+                "precise.parity_floor",
+                parity_floor,
+                "is out of range (a share of checked answers whose blocks the engine confirmed, 0 to 1; 0 = never fall back)",
+            ));
+        }
+        Ok(PreciseConfig {
+            block_size: block_size as usize,
+            max_blocks,
+            stale: ck.secs(
+                "precise.stale_secs",
+                self.stale_secs,
+                d.stale.as_secs_f64(),
+                None,
+            )?,
+            speculative_ttl: ck.secs(
+                "precise.speculative_ttl_secs",
+                self.speculative_ttl_secs,
+                d.speculative_ttl.as_secs_f64(),
+                Some("off"),
+            )?,
+            tokenizer,
+            parity_floor,
+        })
+    }
+
+    /// `precise.tokenizer` and the keys that go with it, loaded.
+    fn tokenizer_setting(&self, ck: &Checker<'_>) -> Result<Option<TokenizerSetting>, ConfigError> {
+        let max_bytes = self
+            .max_tokenize_bytes
+            .unwrap_or(crate::tokenize::DEFAULT_MAX_BYTES as u64);
+        if !(1024..=1 << 30).contains(&max_bytes) {
+            return Err(ck.bad(
+                "precise.max_tokenize_bytes",
+                max_bytes,
+                "is out of range (bytes, 1024 to 2^30)",
+            ));
+        }
+        match (&self.tokenizer, &self.chat_template) {
+            (Some(path), chat_template) => {
+                let content_format = self
+                    .chat_template_content_format
+                    .unwrap_or(ContentFormat::Auto);
+                let loaded = PromptTokenizer::load_with_limit(
+                    path,
+                    chat_template.as_deref(),
+                    content_format,
+                    max_bytes as usize,
+                )
+                .map_err(|e| match e {
+                    LoadError::Template(m) if chat_template.is_some() => {
+                        ck.err("precise.chat_template", m)
+                    }
+                    e => ck.err("precise.tokenizer", e.to_string()),
+                })?;
+                Ok(Some(TokenizerSetting {
+                    path: path.clone(),
+                    chat_template: chat_template.clone(),
+                    content_format,
+                    max_bytes: max_bytes as usize,
+                    loaded: Arc::new(loaded),
+                }))
+            }
+            (None, Some(_)) => Err(ck.err(
+                "precise.chat_template",
+                "needs `precise.tokenizer` (the model folder or its tokenizer.json)",
+            )),
+            (None, None) => Ok(None),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::config::testing::{ONE, err, load};
+
+    #[test]
+    fn precise_keys_are_read_with_defaults() {
+        let doc = "policy: precise_cache_aware\nworkers:\n  - url: http://a:1\n    kv_events:\n      endpoint: tcp://10.0.0.7:5557\n      topic: kv-events\n      replay_endpoint: tcp://10.0.0.7:5558\n  - url: http://b:1\n";
+        let c = load(&[("p.yaml", doc)]).unwrap();
+        assert_eq!(c.precise.block_size, 16);
+        assert_eq!(c.precise.max_blocks.get(), 1_000_000);
+        assert_eq!(c.precise.stale, Duration::from_secs(30));
+        assert_eq!(c.precise.speculative_ttl, Duration::from_secs(2));
+        assert_eq!(c.precise, PreciseConfig::default());
+        let c = load(&[
+            ("p.yaml", doc),
+            ("q.yaml", "precise:\n  block_size: 32\n  max_blocks: 10\n  stale_secs: 0.5\n  speculative_ttl_secs: 0\n"),
+        ])
+        .unwrap();
+        assert_eq!((c.precise.block_size, c.precise.max_blocks.get()), (32, 10));
+        assert_eq!(c.precise.stale, Duration::from_millis(500));
+        assert!(c.precise.speculative_ttl.is_zero());
+    }
+
+    #[test]
+    fn precise_errors_name_the_key() {
+        let base = "workers:\n  - url: http://a:1\n";
+        for (over, key, value) in [
+            ("precise:\n  block_size: 0\n", "precise.block_size", "0"),
+            ("precise:\n  max_blocks: 0\n", "precise.max_blocks", "0"),
+            ("precise:\n  stale_secs: 0\n", "precise.stale_secs", "0"),
+            (
+                "precise:\n  tokenizer: Qwen/Qwen3-8B\n",
+                "precise.tokenizer",
+                "Qwen/Qwen3-8B",
+            ),
+            (
+                "precise:\n  chat_template: t.jinja\n",
+                "precise.chat_template",
+                "precise.tokenizer",
+            ),
+            (
+                "precise:\n  chat_template_content_format: list\n",
+                "precise.chat_template_content_format",
+                "list",
+            ),
+            (
+                "precise:\n  max_tokenize_bytes: 10\n",
+                "precise.max_tokenize_bytes",
+                "10",
+            ),
+        ] {
+            let e = err(&[("base.yaml", base), ("over.yaml", over)]);
+            assert!(
+                e.contains("over.yaml") && e.contains(key) && e.contains(value),
+                "{over:?} gave {e}"
+            );
+        }
+    }
+
+    #[test]
+    fn the_parity_floor_is_a_ratio_from_0_to_1() {
+        let key = "precise.parity_floor";
+        let doc = |v: &str| format!("precise:\n  parity_floor: {v}\n");
+        for bad in ["-0.1", "1.5", ".nan"] {
+            let e = err(&[("a.yaml", ONE), ("b.yaml", &doc(bad))]);
+            assert!(e.contains(key) && e.contains("0 to 1"), "{key} {bad}: {e}");
+        }
+        for good in ["0", "0.5", "1"] {
+            assert!(
+                load(&[("a.yaml", ONE), ("b.yaml", &doc(good))]).is_ok(),
+                "{key} {good}"
+            );
+        }
+        assert_eq!(load(&[("a", ONE)]).unwrap().precise.parity_floor, 0.5);
+    }
+}
