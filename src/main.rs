@@ -7,6 +7,7 @@ use cache_aware_router::{
     cli::{Cli, Command},
     config::{Config, LogColor, LogFormat},
     log_format, log_sink, simulate,
+    tokenize::PromptTokenizer,
 };
 use clap::Parser;
 
@@ -24,7 +25,12 @@ fn main() -> ExitCode {
             }
         };
     }
-    let config = match Config::load(&cli.config) {
+    // The tokenizer is the part's to load (precise mode loads it again when it builds);
+    // loaded here first so that a file it cannot use is refused before serving, and by
+    // --config-check, like any config value.
+    let loaded =
+        Config::load(&cli.config).and_then(|c| PromptTokenizer::from_config(&c.precise).map(|_| c));
+    let config = match loaded {
         Ok(c) => c,
         Err(e) => {
             eprintln!("cache-aware-router: invalid configuration: {e}");

@@ -12,6 +12,8 @@
 //! ([`Section`]); `workers[i].kv_events` and `workers[i].lmcache` are sections of a
 //! worker entry. [`check`] builds the refusals (file, line, key path, value as
 //! written). This file holds the [`Config`] of sections, the layering and the loading.
+//! Files a setting names (the tokenizer, its chat template) are read by the part that
+//! uses them, not here.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -48,7 +50,7 @@ mod worker_url;
 mod workers;
 
 pub use cache::CacheConfig;
-pub use check::{ConfigError, MIN_SECS};
+pub use check::{ConfigError, KeySite, MIN_SECS};
 pub use circuit_breaker::BreakerConfig;
 pub use consistent_hash::{ConsistentHashConfig, HashKey};
 pub use discovery::{DiscoveryConfig, DnsDiscovery, KubernetesDiscovery};
@@ -59,7 +61,7 @@ pub use lmcache::LmcacheConfig;
 pub use log::{LogColor, LogConfig, LogFormat};
 pub use passthrough::{Passthrough, Verdict as PassthroughVerdict};
 pub use policy::PolicyKind;
-pub use precise::{PreciseConfig, TokenizerSetting};
+pub use precise::{ContentFormat, DEFAULT_MAX_TOKENIZE_BYTES, PreciseConfig, TokenizerSetting};
 pub use proxy::{ProxyConfig, QueueConfig, RemoteMediaPolicy};
 pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticConfig};
 pub use secret::Secret;

@@ -1,16 +1,17 @@
-//! `precise:` — precise mode's block index, and the tokenizer it loads.
+//! `precise:` — precise mode's block index, and the tokenizer it names.
+//!
+//! The tokenizer's files are only named here: the part that tokenizes loads them
+//! (`tokenize::PromptTokenizer::from_config`), and a file it cannot use is refused in
+//! the config's words, at the key and line that named it ([`KeySite`]).
 
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
-use std::sync::Arc;
 use std::time::Duration;
 
 use serde::Deserialize;
 
 use super::check::named;
-use super::{Checker, ConfigError, Secs, Section};
-use crate::tokenize::chat_template::ContentFormat;
-use crate::tokenize::{LoadError, PromptTokenizer};
+use super::{Checker, ConfigError, KeySite, Secs, Section};
 
 /// `precise:` — the block index of precise mode.
 #[derive(Debug, Clone, PartialEq)]
@@ -27,8 +28,8 @@ pub struct PreciseConfig {
     /// How long a routed request's blocks count as held by the chosen worker before the
     /// engine's own events confirm them (default 2 s).
     pub speculative_ttl: Duration,
-    /// In-router tokenization (`precise.tokenizer`), loaded; `None` = requests without
-    /// token ids are scored by the approximate tree.
+    /// In-router tokenization (`precise.tokenizer`); `None` = requests without token ids
+    /// are scored by the approximate tree.
     pub tokenizer: Option<TokenizerSetting>,
     /// Token-parity floor (`precise.parity_floor`, default 0.5; 0 = never fall back): a
     /// worker whose engine confirmed under this share of the router's block keys over
@@ -37,10 +38,12 @@ pub struct PreciseConfig {
     pub parity_floor: f64,
 }
 
-/// `precise.tokenizer` (+ `chat_template`, `chat_template_content_format`), loaded at
-/// config time so a bad file is a config error. Two settings are equal when they name
-/// the same files and format (SIGHUP reload compares configs).
-#[derive(Clone)]
+/// `precise.tokenizer` (+ `chat_template`, `chat_template_content_format`,
+/// `max_tokenize_bytes`): the files precise mode tokenizes with, and where the keys
+/// naming them were set. Two settings are equal when they name the same files and
+/// format (SIGHUP reload compares configs; a changed file is read again only at a
+/// restart).
+#[derive(Debug, Clone)]
 pub struct TokenizerSetting {
     /// A Hugging Face model folder holding `tokenizer.json`, or that file.
     pub path: PathBuf,
@@ -49,7 +52,12 @@ pub struct TokenizerSetting {
     pub content_format: ContentFormat,
     /// Most bytes of each prompt's text tokenized (a longer prompt's prefix is).
     pub max_bytes: usize,
-    pub loaded: Arc<PromptTokenizer>,
+    /// Where `precise.tokenizer` was set: a tokenizer file that cannot be used is
+    /// refused there.
+    pub tokenizer_at: KeySite,
+    /// Where `precise.chat_template` was set: a template that cannot be used is
+    /// refused there.
+    pub chat_template_at: KeySite,
 }
 
 impl PartialEq for TokenizerSetting {
@@ -68,15 +76,17 @@ impl PartialEq for TokenizerSetting {
     }
 }
 
-impl std::fmt::Debug for TokenizerSetting {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TokenizerSetting")
-            .field("path", &self.path)
-            .field("chat_template", &self.chat_template)
-            .field("content_format", &self.content_format)
-            .field("max_bytes", &self.max_bytes)
-            .finish_non_exhaustive()
-    }
+/// How the template reads a message's `content` (vLLM `--chat-template-content-format`,
+/// `precise.chat_template_content_format`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ContentFormat {
+    /// Detect it from the template's source, as vLLM does (the default).
+    #[default]
+    Auto,
+    /// `content` is one string (text parts joined with `"\n"`).
+    String,
+    /// `content` is a list of `{"type": "text", "text": …}` parts.
+    OpenAi,
 }
 
 named!(ContentFormat {
@@ -84,6 +94,11 @@ named!(ContentFormat {
     "string" => ContentFormat::String,
     "openai" => ContentFormat::OpenAi,
 });
+
+/// Default of `precise.max_tokenize_bytes`: 256 KiB of prompt text, about 60k tokens,
+/// 30 ms of one core and 50 MB of transient memory (the tokenizer's per-token
+/// bookkeeping).
+pub const DEFAULT_MAX_TOKENIZE_BYTES: usize = 256 << 10;
 
 impl Default for PreciseConfig {
     fn default() -> Self {
@@ -166,11 +181,11 @@ impl RawPrecise {
         })
     }
 
-    /// `precise.tokenizer` and the keys that go with it, loaded.
+    /// `precise.tokenizer` and the keys that go with it (the files are not read here).
     fn tokenizer_setting(&self, ck: &Checker<'_>) -> Result<Option<TokenizerSetting>, ConfigError> {
         let max_bytes = self
             .max_tokenize_bytes
-            .unwrap_or(crate::tokenize::DEFAULT_MAX_BYTES as u64);
+            .unwrap_or(DEFAULT_MAX_TOKENIZE_BYTES as u64);
         if !(1024..=1 << 30).contains(&max_bytes) {
             return Err(ck.bad(
                 "precise.max_tokenize_bytes",
@@ -179,30 +194,14 @@ impl RawPrecise {
             ));
         }
         match (&self.tokenizer, &self.chat_template) {
-            (Some(path), chat_template) => {
-                let content_format = self
-                    .chat_template_content_format
-                    .unwrap_or(ContentFormat::Auto);
-                let loaded = PromptTokenizer::load_with_limit(
-                    path,
-                    chat_template.as_deref(),
-                    content_format,
-                    max_bytes as usize,
-                )
-                .map_err(|e| match e {
-                    LoadError::Template(m) if chat_template.is_some() => {
-                        ck.err("precise.chat_template", m)
-                    }
-                    e => ck.err("precise.tokenizer", e.to_string()),
-                })?;
-                Ok(Some(TokenizerSetting {
-                    path: path.clone(),
-                    chat_template: chat_template.clone(),
-                    content_format,
-                    max_bytes: max_bytes as usize,
-                    loaded: Arc::new(loaded),
-                }))
-            }
+            (Some(path), chat_template) => Ok(Some(TokenizerSetting {
+                path: path.clone(),
+                chat_template: chat_template.clone(),
+                content_format: self.chat_template_content_format.unwrap_or_default(),
+                max_bytes: max_bytes as usize,
+                tokenizer_at: ck.site("precise.tokenizer"),
+                chat_template_at: ck.site("precise.chat_template"),
+            })),
             (None, Some(_)) => Err(ck.err(
                 "precise.chat_template",
                 "needs `precise.tokenizer` (the model folder or its tokenizer.json)",
@@ -246,11 +245,6 @@ mod tests {
             ("precise:\n  max_blocks: 0\n", "precise.max_blocks", "0"),
             ("precise:\n  stale_secs: 0\n", "precise.stale_secs", "0"),
             (
-                "precise:\n  tokenizer: Qwen/Qwen3-8B\n",
-                "precise.tokenizer",
-                "Qwen/Qwen3-8B",
-            ),
-            (
                 "precise:\n  chat_template: t.jinja\n",
                 "precise.chat_template",
                 "precise.tokenizer",
@@ -272,6 +266,35 @@ mod tests {
                 "{over:?} gave {e}"
             );
         }
+    }
+
+    /// The tokenizer's files are read by the part that tokenizes; the setting keeps
+    /// where each key was written, for that part's refusal.
+    #[test]
+    fn a_tokenizer_setting_names_its_files_and_where_they_were_set() {
+        let base = "workers:\n  - url: http://a:1\n";
+        let over = "precise:\n  tokenizer: Qwen/Qwen3-8B\n  chat_template: t.jinja\n  chat_template_content_format: openai\n";
+        let c = load(&[("base.yaml", base), ("over.yaml", over)]).unwrap();
+        let t = c.precise.tokenizer.expect("a tokenizer setting");
+        assert_eq!(
+            (
+                t.path.to_str(),
+                t.chat_template.as_deref().and_then(|p| p.to_str())
+            ),
+            (Some("Qwen/Qwen3-8B"), Some("t.jinja"))
+        );
+        assert_eq!(
+            (t.content_format, t.max_bytes),
+            (ContentFormat::OpenAi, DEFAULT_MAX_TOKENIZE_BYTES)
+        );
+        assert_eq!(
+            t.tokenizer_at.refuse("cannot be read").to_string(),
+            "over.yaml:2: `precise.tokenizer`: cannot be read"
+        );
+        assert_eq!(
+            t.chat_template_at.refuse("does not render").to_string(),
+            "over.yaml:3: `precise.chat_template`: does not render"
+        );
     }
 
     #[test]

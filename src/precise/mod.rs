@@ -207,20 +207,31 @@ pub const TOKENIZE_QUEUE_PER_SLOT: usize = 64;
 pub const MAX_LOOKUP_TOKENS: usize = 1 << 18;
 
 impl Precise {
-    /// An empty index sized by `config` (nothing allocated up front).
+    /// An empty index sized by `config` (nothing allocated up front), and the tokenizer
+    /// `precise.tokenizer` names, loaded here. Startup and `--config-check` refuse one
+    /// that cannot be loaded before this builds; should it fail here all the same (a
+    /// file changed since), the failure is logged and the tree decides for requests
+    /// without token ids.
     pub fn new(config: &PreciseConfig) -> Self {
-        if let Some(t) = &config.tokenizer
-            && !t.loaded.has_chat_template()
+        let tokenizer = match PromptTokenizer::from_config(config) {
+            Ok(t) => t.map(Arc::new),
+            Err(e) => {
+                tracing::error!(error = %e, "precise.tokenizer cannot be loaded: requests without token ids are routed by the tree");
+                None
+            }
+        };
+        if let (Some(t), Some(s)) = (&tokenizer, &config.tokenizer)
+            && !t.has_chat_template()
         {
             tracing::warn!(
-                tokenizer = %t.path.display(),
+                tokenizer = %s.path.display(),
                 "precise.tokenizer has no chat template: chat requests are routed by the tree (set precise.chat_template)"
             );
         }
         let slots = std::thread::available_parallelism().map_or(1, |n| n.get());
         Precise {
             index: Mutex::new(BlockIndex::new(config.block_size, config.max_blocks.get())),
-            tokenizer: config.tokenizer.as_ref().map(|t| Arc::clone(&t.loaded)),
+            tokenizer,
             config: config.clone(),
             parity: parity::Checks::default(),
             precise_decisions: Default::default(),
@@ -528,19 +539,14 @@ mod tests {
     #[tokio::test]
     async fn busy_tokenizer_slots_fall_back_and_dropped_waiters_leave_the_queue() {
         let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
-        let loaded = PromptTokenizer::load(
-            &dir,
-            None,
-            crate::tokenize::chat_template::ContentFormat::Auto,
-        )
-        .unwrap();
         let p = Precise::new(&PreciseConfig {
             tokenizer: Some(crate::config::TokenizerSetting {
                 path: dir,
                 chat_template: None,
                 content_format: crate::tokenize::chat_template::ContentFormat::Auto,
                 max_bytes: tokens::DEFAULT_MAX_BYTES,
-                loaded: Arc::new(loaded),
+                tokenizer_at: Default::default(),
+                chat_template_at: Default::default(),
             }),
             ..config()
         });

@@ -51,17 +51,9 @@ pub enum Untokenizable {
     Tokenizer(String),
 }
 
-/// How the template reads a message's `content` (vLLM `--chat-template-content-format`).
-/// Read from the config as `auto`, `string` or `openai` (`config::Named`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ContentFormat {
-    /// Detect it from the template's source, as vLLM does.
-    Auto,
-    /// `content` is one string (text parts joined with `"\n"`).
-    String,
-    /// `content` is a list of `{"type": "text", "text": …}` parts.
-    OpenAi,
-}
+/// How the template reads a message's `content`: a config value
+/// (`precise.chat_template_content_format`).
+pub use crate::config::ContentFormat;
 
 /// The chat-completions fields that change the rendered prompt.
 #[derive(Debug, Deserialize)]

@@ -20,6 +20,8 @@ pub mod chat_template;
 
 use chat_template::{ChatRequest, ChatTemplate, ContentFormat, Untokenizable};
 
+use crate::config::{ConfigError, DEFAULT_MAX_TOKENIZE_BYTES, PreciseConfig, TokenizerSetting};
+
 /// The model's tokenizer and chat template, loaded once from `precise.tokenizer`.
 pub struct PromptTokenizer {
     tokenizer: tokenizers::Tokenizer,
@@ -48,6 +50,32 @@ impl std::fmt::Debug for PromptTokenizer {
 pub type Tokens = Vec<u32>;
 
 impl PromptTokenizer {
+    /// The tokenizer `precise.tokenizer` names, loaded; `None` when none is set. A file
+    /// that cannot be used is refused like a config value, at the key that named it
+    /// (`precise.chat_template` for the template file given there, else
+    /// `precise.tokenizer`). Precise mode loads it when it builds; startup and
+    /// `--config-check` load it first, so a bad file is refused before serving.
+    pub fn from_config(config: &PreciseConfig) -> Result<Option<Self>, ConfigError> {
+        config
+            .tokenizer
+            .as_ref()
+            .map(Self::from_setting)
+            .transpose()
+    }
+
+    fn from_setting(s: &TokenizerSetting) -> Result<Self, ConfigError> {
+        Self::load_with_limit(
+            &s.path,
+            s.chat_template.as_deref(),
+            s.content_format,
+            s.max_bytes,
+        )
+        .map_err(|e| match e {
+            LoadError::Template(m) if s.chat_template.is_some() => s.chat_template_at.refuse(m),
+            e => s.tokenizer_at.refuse(e.to_string()),
+        })
+    }
+
     /// Loads `path`: a directory holding `tokenizer.json` (a Hugging Face model folder),
     /// or a `tokenizer.json` file. The chat template is, first found: `chat_template`
     /// (a Jinja file, like vLLM's `--chat-template`), `chat_template.jinja` beside the
@@ -225,10 +253,8 @@ impl PromptTokenizer {
     }
 }
 
-/// Default of `precise.max_tokenize_bytes`: 256 KiB of prompt text, about 60k tokens,
-/// 30 ms of one core and 50 MB of transient memory (the tokenizer's per-token
-/// bookkeeping).
-pub const DEFAULT_MAX_BYTES: usize = 256 << 10;
+/// Default of `precise.max_tokenize_bytes` (see [`DEFAULT_MAX_TOKENIZE_BYTES`]).
+pub const DEFAULT_MAX_BYTES: usize = DEFAULT_MAX_TOKENIZE_BYTES;
 
 /// `transformers`' named special tokens, passed to chat templates.
 const SPECIAL_TOKENS: [&str; 7] = [
@@ -453,5 +479,37 @@ mod tests {
         let zero =
             PromptTokenizer::load(Path::new("/dev/zero"), None, ContentFormat::Auto).unwrap_err();
         assert!(zero.to_string().contains("not a regular file"), "{zero}");
+    }
+
+    /// The tokenizer a config names is refused like a config value: the file and line
+    /// that set the key, the key, and the path as written.
+    #[test]
+    fn a_configured_tokenizer_that_cannot_load_names_the_file_key_and_value() {
+        use crate::config::Config;
+        let load = |over: &str| {
+            Config::from_sources([
+                (Path::new("base.yaml"), "workers:\n  - url: http://a:1\n"),
+                (Path::new("over.yaml"), over),
+            ])
+            .and_then(|c| PromptTokenizer::from_config(&c.precise))
+        };
+        let e = load("precise:\n  tokenizer: Qwen/Qwen3-8B\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("over.yaml")
+                && e.contains("precise.tokenizer")
+                && e.contains("Qwen/Qwen3-8B"),
+            "{e}"
+        );
+        assert!(load("precise:\n  block_size: 32\n").unwrap().is_none());
+        let fixture = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizer");
+        let t = load(&format!(
+            "precise:\n  tokenizer: \"{}\"\n",
+            fixture.display()
+        ))
+        .unwrap()
+        .expect("loaded");
+        assert!(t.has_chat_template());
     }
 }

@@ -137,6 +137,31 @@ fn empty_worker_list_is_refused_with_a_message_saying_so() {
     }
 }
 
+/// The tokenizer is loaded by the part that tokenizes, and by startup before it
+/// serves: a file it cannot use is refused like a config value, with exit 2, naming
+/// the file, line and key, by `--config-check` and by a start alike.
+#[test]
+fn a_tokenizer_that_cannot_load_is_refused_before_serving() {
+    let f = TempFile::new(
+        "tokenizer.yaml",
+        "server: {host: 127.0.0.1, port: 0}\nworkers:\n  - url: http://127.0.0.1:9\nprecise:\n  tokenizer: /nonexistent/model\n",
+    );
+    for extra in [&["--config-check"][..], &[][..]] {
+        let path = f.path.display().to_string();
+        let mut args = vec!["-c", path.as_str()];
+        args.extend_from_slice(extra);
+        let o = BINARY.run(&args);
+        let err = stderr(&o);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains("invalid configuration")
+                && err.contains(&format!("{path}:5: `precise.tokenizer`"))
+                && err.contains("/nonexistent/model"),
+            "{args:?}: {err}"
+        );
+    }
+}
+
 const BASE: &str = "policy: round_robin\nserver:\n  host: 127.0.0.1\n  port: 6999\nlog:\n  format: json\nworkers:\n  - url: http://127.0.0.1:9/\n";
 
 #[test]

@@ -12,6 +12,7 @@ use std::path::{Path, PathBuf};
 
 use cache_aware_router::app::RunningRouter;
 use cache_aware_router::config::Config;
+use cache_aware_router::tokenize::PromptTokenizer;
 use serde_json::{Value, json};
 use support::{client::*, config::*, observe::*, worker::*};
 
@@ -340,12 +341,15 @@ async fn prompts_past_the_tokenize_cap_are_still_forwarded_whole() {
     r.shutdown().await;
 }
 
-/// `--config-check`'s text for these `precise:` lines.
+/// `--config-check`'s text for these `precise:` lines: the config, then the tokenizer
+/// it names (loaded by the part that uses it, and by startup before serving).
 fn config_error(precise: &str) -> String {
     let yaml = format!(
         "policy: precise_cache_aware\nprecise:\n{precise}workers:\n  - url: http://127.0.0.1:9\n    kv_events:\n      endpoint: tcp://127.0.0.1:9\n"
     );
-    match Config::from_sources([(Path::new("test.yaml"), yaml.as_str())]) {
+    let checked = Config::from_sources([(Path::new("test.yaml"), yaml.as_str())])
+        .and_then(|c| PromptTokenizer::from_config(&c.precise));
+    match checked {
         Ok(_) => panic!("accepted:\n{yaml}"),
         Err(e) => e.to_string(),
     }
