@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError, Secs, Section};
+use super::check::{Checker, ConfigError, Secs};
+use super::difference::Section;
 
 /// `cache:` — the approximate prefix tree and the cache/load trade-off.
 #[derive(Debug, Clone, PartialEq)]

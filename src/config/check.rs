@@ -11,7 +11,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_yaml_ng::Value;
 
-use super::{Secret, source};
+use super::secret::Secret;
+use super::source;
 use crate::redact;
 
 /// A config error: which file, which key, what was wrong.
@@ -174,7 +175,7 @@ pub struct KeySite {
 }
 
 impl KeySite {
-    /// A refusal of this key that says `message` (redacted), like [`Checker`]'s.
+    /// A refusal of this key that says `message` (redacted), worded as the checker's.
     pub fn refuse(&self, message: impl Into<String>) -> ConfigError {
         ConfigError::Invalid {
             file: self.file.clone(),

@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError, Secs, Section};
+use super::check::{Checker, ConfigError, Secs};
+use super::difference::Section;
 
 /// `circuit_breaker:` — passive failure tracking per worker.
 #[derive(Debug, Clone, PartialEq)]

@@ -3,8 +3,8 @@
 
 use serde::Deserialize;
 
-use super::check::named;
-use super::{Checker, ConfigError, Section};
+use super::check::{Checker, ConfigError, named};
+use super::difference::Section;
 
 /// `consistent_hash:` — the ring policy's key and load bound.
 #[derive(Debug, Clone, PartialEq)]

@@ -6,7 +6,8 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_yaml_ng::Value;
 
-use super::{Checker, ConfigError, Secs, Section};
+use super::check::{Checker, ConfigError, Secs};
+use super::difference::Section;
 
 /// `discovery:` — `static` (default: only `workers:`), `dns: {…}` or `kubernetes: {…}`.
 #[derive(Debug, Clone, PartialEq, Default)]

@@ -5,7 +5,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError, PolicyKind, Secs, Section};
+use super::check::{Checker, ConfigError, Secs};
+use super::difference::Section;
+use super::policy::PolicyKind;
 
 /// `engine_metrics:` — scraping each engine's Prometheus endpoint for its own load
 /// (see `signals::engine_metrics`).

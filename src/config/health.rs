@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError, Secs, Section};
+use super::check::{Checker, ConfigError, Secs};
+use super::difference::Section;
 
 /// `health:` — active health checks (see `health.rs`).
 #[derive(Debug, Clone, PartialEq)]

@@ -6,7 +6,8 @@ use std::collections::HashMap;
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError, PolicyKind, WorkerConfig};
+use super::check::{Checker, ConfigError};
+use super::policy::PolicyKind;
 use crate::redact;
 
 /// `workers[i].kv_events:` — one vLLM KV-event publisher (spec
@@ -233,14 +234,15 @@ fn zmq_endpoint(raw: &str) -> Result<String, String> {
 /// The checks of `kv_events` across workers: `precise_cache_aware` needs at least one
 /// worker that publishes, and no port any rank of a worker dials (event or replay) may
 /// be one another worker's rank dials (one publisher per worker and rank).
-pub(super) fn check_workers(
+/// `kv` holds each worker's `kv_events`, in list order.
+pub(super) fn check_workers<'a>(
     policy: PolicyKind,
-    workers: &[WorkerConfig],
+    kv: impl Iterator<Item = Option<&'a KvEventsConfig>> + Clone,
     ck: &Checker<'_>,
 ) -> Result<(), ConfigError> {
     if policy == PolicyKind::PreciseCacheAware
-        && !workers.is_empty()
-        && workers.iter().all(|w| w.kv_events.is_none())
+        && kv.clone().next().is_some()
+        && kv.clone().all(|k| k.is_none())
     {
         return Err(ck.err(
             "workers",
@@ -248,8 +250,8 @@ pub(super) fn check_workers(
         ));
     }
     let mut dialled: HashMap<(&str, u16), (usize, u32, u32, bool)> = HashMap::new();
-    for (i, w) in workers.iter().enumerate() {
-        let Some(k) = &w.kv_events else { continue };
+    for (i, k) in kv.enumerate() {
+        let Some(k) = k else { continue };
         for (rank, replay, host, port) in kv_ports(k) {
             if let Some(&(j, dp, r, rep)) = dialled.get(&(host, port))
                 && j != i

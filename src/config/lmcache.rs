@@ -5,7 +5,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError, MIN_SECS, PolicyKind, Secs, WorkerConfig};
+use super::check::{Checker, ConfigError, MIN_SECS, Secs};
+use super::policy::PolicyKind;
 use crate::redact;
 
 /// `workers[i].lmcache:` — an HTTP JSON signal of the worker's LMCache occupancy,
@@ -79,15 +80,16 @@ impl RawLmcache {
     }
 }
 
-/// `policy: lmcache_aware` needs `lmcache` on at least one worker.
-pub(super) fn check_workers(
+/// `policy: lmcache_aware` needs `lmcache` on at least one worker; `lmcache` holds
+/// each worker's, in list order.
+pub(super) fn check_workers<'a>(
     policy: PolicyKind,
-    workers: &[WorkerConfig],
+    mut lmcache: impl Iterator<Item = Option<&'a LmcacheConfig>> + Clone,
     ck: &Checker<'_>,
 ) -> Result<(), ConfigError> {
     if policy == PolicyKind::LmcacheAware
-        && !workers.is_empty()
-        && workers.iter().all(|w| w.lmcache.is_none())
+        && lmcache.clone().next().is_some()
+        && lmcache.all(|l| l.is_none())
     {
         return Err(ck.err(
             "workers",

@@ -2,8 +2,8 @@
 
 use serde::Deserialize;
 
-use super::check::named;
-use super::{Checker, ConfigError, Section};
+use super::check::{Checker, ConfigError, named};
+use super::difference::Section;
 
 /// `log:` — tracing output.
 #[derive(Debug, Clone, PartialEq)]

@@ -9,8 +9,8 @@
 //!
 //! Every top-level section has a file of its own holding its raw (serde) schema, its
 //! defaults, its validation, its tests and its key for the SIGHUP difference
-//! ([`Section`]); `workers[i].kv_events` and `workers[i].lmcache` are sections of a
-//! worker entry. [`check`] builds the refusals (file, line, key path, value as
+//! (`difference.rs`); `workers[i].kv_events` and `workers[i].lmcache` are sections of
+//! a worker entry. `check.rs` builds the refusals (file, line, key path, value as
 //! written). This file holds the [`Config`] of sections, the layering and the loading.
 //! Files a setting names (the tokenizer, its chat template) are read by the part that
 //! uses them, not here.
@@ -25,6 +25,7 @@ mod cache;
 mod check;
 mod circuit_breaker;
 mod consistent_hash;
+mod difference;
 mod discovery;
 #[cfg(test)]
 mod doc_reference;
@@ -41,7 +42,6 @@ mod response_cache;
 mod secret;
 mod server;
 mod session;
-mod settings;
 pub mod source;
 mod state;
 mod tls;
@@ -53,6 +53,7 @@ pub use cache::CacheConfig;
 pub use check::{ConfigError, KeySite, MIN_SECS};
 pub use circuit_breaker::BreakerConfig;
 pub use consistent_hash::{ConsistentHashConfig, HashKey};
+pub use difference::Settings;
 pub use discovery::{DiscoveryConfig, DnsDiscovery, KubernetesDiscovery};
 pub use engine_metrics::EngineMetricsConfig;
 pub use health::HealthConfig;
@@ -67,14 +68,14 @@ pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticC
 pub use secret::Secret;
 pub use server::{AdminListen, ServerConfig};
 pub use session::{SessionConfig, SessionMode};
-pub use settings::Settings;
 pub use state::StateConfig;
 pub use tls::TlsSetting;
 pub use trace::TracingConfig;
 pub use worker_url::WorkerUrl;
 pub use workers::{Role, WorkerConfig};
 
-use check::{Checker, Layer, Secs};
+use check::{Checker, Layer};
+use difference::changed;
 
 /// The whole validated configuration.
 #[derive(Debug, Clone, PartialEq)]
@@ -98,19 +99,6 @@ pub struct Config {
     pub state: StateConfig,
     pub discovery: DiscoveryConfig,
     pub tracing: TracingConfig,
-}
-
-/// A top-level section other than `workers`: its key in the files. SIGHUP may change
-/// only `workers`, so a section that differs refuses the reload, naming this key; what
-/// counts as a difference is the section's `PartialEq` (a setting that names a file
-/// compares the file's path, not its contents).
-trait Section: PartialEq {
-    const KEY: &'static str;
-}
-
-/// `Some(S::KEY)` when the two differ.
-fn changed<S: Section>(a: &S, b: &S) -> Option<&'static str> {
-    (a != b).then_some(S::KEY)
 }
 
 // Raw (serde) schema of the whole file: every section's raw form, each key optional so
@@ -166,11 +154,11 @@ impl RawConfig {
         let proxy = self.proxy.validate(ck)?;
         let log = self.log.validate(ck)?;
         let precise = self.precise.validate(ck)?;
-        kv_events::check_workers(policy, &workers, ck)?;
+        kv_events::check_workers(policy, workers.iter().map(|w| w.kv_events.as_ref()), ck)?;
         let consistent_hash = self.consistent_hash.validate(ck)?;
         let session = self.session.validate(ck)?;
         let engine_metrics = self.engine_metrics.validate(policy, ck)?;
-        lmcache::check_workers(policy, &workers, ck)?;
+        lmcache::check_workers(policy, workers.iter().map(|w| w.lmcache.as_ref()), ck)?;
         Ok(Config {
             policy,
             server,
@@ -320,7 +308,7 @@ impl Config {
     /// but meaning the same (`0.30` and `0.3`) is not listed.
     pub fn changed_settings(&self, other: &Config) -> Vec<String> {
         let mut out = Vec::new();
-        settings::diff_values(
+        difference::diff_values(
             "",
             Some(&self.settings.0),
             Some(&other.settings.0),

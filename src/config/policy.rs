@@ -1,7 +1,7 @@
 //! `policy:` — which routing policy decides (see `crate::policy`).
 
-use super::Section;
 use super::check::named;
+use super::difference::Section;
 
 /// Routing policy (top-level `policy` key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

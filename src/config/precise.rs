@@ -10,8 +10,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::check::named;
-use super::{Checker, ConfigError, KeySite, Secs, Section};
+use super::check::{Checker, ConfigError, KeySite, Secs, named};
+use super::difference::Section;
 
 /// `precise:` — the block index of precise mode.
 #[derive(Debug, Clone, PartialEq)]

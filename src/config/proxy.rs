@@ -6,8 +6,11 @@ use std::time::Duration;
 use serde::Deserialize;
 use serde_yaml_ng::Value;
 
-use super::tls::RawTls;
-use super::{Checker, ConfigError, Passthrough, Secret, Secs, Section, TlsSetting};
+use super::check::{Checker, ConfigError, Secs};
+use super::difference::Section;
+use super::passthrough::Passthrough;
+use super::secret::Secret;
+use super::tls::{RawTls, TlsSetting};
 
 /// `proxy:` — forwarding, retries and timeouts.
 #[derive(Debug, Clone, PartialEq)]

@@ -4,7 +4,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError, Secret, Secs, Section, WorkerUrl};
+use super::check::{Checker, ConfigError, Secs};
+use super::difference::Section;
+use super::secret::Secret;
+use super::worker_url::WorkerUrl;
 use crate::prompt::Endpoint;
 
 /// Every endpoint the cache can serve, in config order.

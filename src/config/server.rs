@@ -4,7 +4,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError, Secret, Secs, Section};
+use super::check::{Checker, ConfigError, Secs};
+use super::difference::Section;
+use super::secret::Secret;
 
 /// `server:` — the client-facing listener.
 #[derive(Debug, Clone, PartialEq)]

@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::check::named;
-use super::{Checker, ConfigError, Secs, Section};
+use super::check::{Checker, ConfigError, Secs, named};
+use super::difference::Section;
 
 /// `session:` — session affinity around the policy (see `policy::session`).
 #[derive(Debug, Clone, PartialEq)]

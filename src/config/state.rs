@@ -2,7 +2,9 @@
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError, RedisUrl, Section};
+use super::check::{Checker, ConfigError};
+use super::difference::Section;
+use super::response_cache::RedisUrl;
 
 /// `state:` — absent = each router keeps its own routing state.
 #[derive(Debug, Clone, PartialEq, Default)]

@@ -12,7 +12,7 @@ use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use serde::Deserialize;
 
-use super::{Checker, ConfigError};
+use super::check::{Checker, ConfigError};
 
 /// `proxy.tls`, loaded at config time so a bad CA file is a config error. Two settings
 /// are equal when they name the same file and the same verification (SIGHUP reload

@@ -3,7 +3,8 @@
 
 use serde::Deserialize;
 
-use super::{Checker, ConfigError, Section};
+use super::check::{Checker, ConfigError};
+use super::difference::Section;
 
 /// `tracing:` — absent = no export.
 #[derive(Debug, Clone, PartialEq)]

@@ -7,10 +7,12 @@ use std::num::NonZeroUsize;
 
 use serde::Deserialize;
 
-use super::check::named;
-use super::kv_events::RawKvEvents;
-use super::lmcache::RawLmcache;
-use super::{Checker, ConfigError, KvEventsConfig, LmcacheConfig, Secret, WorkerUrl, source};
+use super::check::{Checker, ConfigError, named};
+use super::kv_events::{KvEventsConfig, RawKvEvents};
+use super::lmcache::{LmcacheConfig, RawLmcache};
+use super::secret::Secret;
+use super::source;
+use super::worker_url::WorkerUrl;
 use crate::redact;
 
 /// One entry of `workers:`.

@@ -1,9 +1,23 @@
-//! The merged files' keys as written: what a rejected reload changed, in the files'
-//! own words.
+//! What two configs differ in: SIGHUP may change only `workers`. Each section names
+//! its key ([`Section`]) and says what counts as a change (its `PartialEq`); the files'
+//! keys as written ([`Settings`]) name every changed key to the operator.
 
 use std::sync::Arc;
 
 use serde_yaml_ng::{Mapping, Value};
+
+/// A top-level section other than `workers`: its key in the files. A section that
+/// differs refuses a SIGHUP reload, naming this key; what counts as a difference is the
+/// section's `PartialEq` (a setting that names a file compares the file's path, not
+/// its contents).
+pub(super) trait Section: PartialEq {
+    const KEY: &'static str;
+}
+
+/// `Some(S::KEY)` when the two differ.
+pub(super) fn changed<S: Section>(a: &S, b: &S) -> Option<&'static str> {
+    (a != b).then_some(S::KEY)
+}
 
 /// The merged files' keys other than `workers`, as written (for naming what a rejected
 /// reload changed). Not part of the configuration's meaning: always equal.
