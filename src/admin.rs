@@ -6,7 +6,53 @@ use serde::Serialize;
 use crate::error::{ProxyBody, ProxyError, json_response};
 use crate::policy::view::Fields;
 use crate::pool::WorkerSet;
-use crate::proxy::Router;
+
+/// What the router's own endpoints read and change: the pool, the policy's views, the
+/// metrics registry, the fleet and the response cache, with the config keys they use.
+pub struct Admin {
+    pool: std::sync::Arc<crate::pool::Pool>,
+    policy: std::sync::Arc<dyn crate::policy::Policy>,
+    metrics: std::sync::Arc<crate::metrics::Metrics>,
+    fleet: Option<std::sync::Arc<crate::fleet::Fleet>>,
+    cache: Option<std::sync::Arc<crate::cache::ResponseCache>>,
+    /// `server.admin_token`.
+    token: Option<crate::config::Secret>,
+    /// `server.body_timeout_secs`: how long an admin request's body may take.
+    body_timeout: std::time::Duration,
+    /// `engine_metrics:` (whether and when a signal is stale).
+    engine_metrics: crate::config::EngineMetricsConfig,
+    /// Whether `response_cache.semantic` is set.
+    semantic: bool,
+}
+
+impl Admin {
+    /// The endpoints over the parts `app` built from `config`.
+    pub fn new(
+        config: &crate::config::Config,
+        pool: std::sync::Arc<crate::pool::Pool>,
+        policy: std::sync::Arc<dyn crate::policy::Policy>,
+        metrics: std::sync::Arc<crate::metrics::Metrics>,
+        fleet: Option<std::sync::Arc<crate::fleet::Fleet>>,
+        cache: Option<std::sync::Arc<crate::cache::ResponseCache>>,
+    ) -> Self {
+        Admin {
+            pool,
+            policy,
+            metrics,
+            fleet,
+            cache,
+            token: config.server.admin_token.clone(),
+            body_timeout: config.server.body_timeout,
+            engine_metrics: config.engine_metrics.clone(),
+            semantic: config.response_cache.semantic.is_some(),
+        }
+    }
+
+    /// The current worker set.
+    pub fn worker_set(&self) -> std::sync::Arc<WorkerSet> {
+        self.pool.set()
+    }
+}
 
 #[derive(Serialize)]
 struct Health {
@@ -299,11 +345,11 @@ struct ResponseCacheView {
 }
 
 /// `GET /metrics`: Prometheus text exposition (see `metrics.rs`).
-pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
+pub fn metrics(admin: &Admin) -> http::Response<ProxyBody> {
     use http_body_util::BodyExt;
-    let text = router
-        .metrics()
-        .encode(router.policy().name(), &router.worker_set());
+    let text = admin
+        .metrics
+        .encode(admin.policy.name(), &admin.worker_set());
     let mut resp = http::Response::new(
         http_body_util::Full::new(bytes::Bytes::from(text))
             .map_err(|never| match never {})
@@ -319,16 +365,16 @@ pub fn metrics(router: &Router) -> http::Response<ProxyBody> {
 /// `GET /workers`: per-worker URL, in-flight count, health, breaker state and tree share;
 /// in precise mode also the index and, per worker with `kv_events`, its feed (per DP
 /// rank too, see [`FeedView`]). API keys are never shown.
-pub fn workers(router: &Router) -> http::Response<ProxyBody> {
-    let set = router.worker_set();
-    let policy = router.policy();
+pub fn workers(admin: &Admin) -> http::Response<ProxyBody> {
+    let set = admin.worker_set();
+    let policy = &admin.policy;
     let now = crate::pool::now();
     let mut top = Fields::new();
     let mut per_worker = vec![Fields::new(); set.workers().len()];
     for view in policy.views() {
         view.workers(&set, &mut top, &mut per_worker);
     }
-    let em = &router.config().engine_metrics;
+    let em = &admin.engine_metrics;
     let workers: Vec<WorkerView> = set
         .workers()
         .iter()
@@ -362,7 +408,7 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
         hits: HitsSummary::of(workers.iter().map(|w| &w.hits)),
         policy: policy.name(),
         views: top,
-        fleet: router.fleet().map(|f| {
+        fleet: admin.fleet.as_ref().map(|f| {
             let c = &f.counts;
             let n = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
             FleetView {
@@ -376,11 +422,11 @@ pub fn workers(router: &Router) -> http::Response<ProxyBody> {
                 snapshot_messages: n(&c.snapshot_messages),
             }
         }),
-        response_cache: router.response_cache().map(|c| {
+        response_cache: admin.cache.as_ref().map(|c| {
             let st = c.stats();
             ResponseCacheView {
                 store: if st.is_some() { "memory" } else { "redis" },
-                semantic: router.config().response_cache.semantic.is_some(),
+                semantic: admin.semantic,
                 entries: st.map(|s| s.entries),
                 bytes: st.map(|s| s.bytes),
             }
@@ -411,7 +457,7 @@ const MAX_ADMIN_BODY: usize = 64 * 1024;
 /// `POST /workers`, `DELETE /workers?url=…`, `POST /cache/clear[?worker=…]`. They need
 /// `Authorization: Bearer <server.admin_token>`; without a configured token they answer
 /// 403 saying how to enable them. None of them blocks requests being served.
-pub fn mutation<B>(router: &Router, req: &http::Request<B>) -> Option<Mutation> {
+pub fn mutation<B>(admin: &Admin, req: &http::Request<B>) -> Option<Mutation> {
     let (method, path) = (req.method(), req.uri().path());
     let is_admin = matches!(
         (method, path),
@@ -422,7 +468,7 @@ pub fn mutation<B>(router: &Router, req: &http::Request<B>) -> Option<Mutation> 
     if !is_admin {
         return None;
     }
-    if let Err(e) = authorize(router, req.headers()) {
+    if let Err(e) = authorize(admin, req.headers()) {
         return Some(Mutation::Done(e.into_response()));
     }
     let resp = match (method, path) {
@@ -432,8 +478,8 @@ pub fn mutation<B>(router: &Router, req: &http::Request<B>) -> Option<Mutation> 
                 query_param(req.uri(), "url"),
                 query_param(req.uri(), "name"),
             ) {
-                (Some(url), None) => remove_worker(router, Which::Url(&url)),
-                (None, Some(name)) => remove_worker(router, Which::Name(&name)),
+                (Some(url), None) => remove_worker(admin, Which::Url(&url)),
+                (None, Some(name)) => remove_worker(admin, Which::Name(&name)),
                 (Some(_), Some(_)) => Err(ProxyError::BadRequest(
                     "give `url` or `name`, not both".into(),
                 )),
@@ -451,11 +497,11 @@ pub fn mutation<B>(router: &Router, req: &http::Request<B>) -> Option<Mutation> 
 
 /// `POST /workers` with a JSON worker entry (the keys of one `workers:` item).
 pub async fn mutate_with_body(
-    router: &Router,
+    admin: &Admin,
     req: http::Request<hyper::body::Incoming>,
 ) -> http::Response<ProxyBody> {
     let declared = crate::request::body::content_length(req.headers());
-    let timeout = router.config().server.body_timeout;
+    let timeout = admin.body_timeout;
     let body = match crate::request::body::read(req.into_body(), declared, MAX_ADMIN_BODY, timeout)
         .await
     {
@@ -467,10 +513,10 @@ pub async fn mutate_with_body(
         Err(e) => return ProxyError::BadRequest(format!("invalid worker: {e}")).into_response(),
     };
     let url = cfg.url.to_string();
-    match router.pool().add(cfg) {
+    match admin.pool.add(cfg) {
         Ok(()) => {
             tracing::info!(worker = %url, "worker added (admin API)");
-            let n = router.worker_set().workers().len();
+            let n = admin.worker_set().workers().len();
             json_response(
                 StatusCode::CREATED,
                 serde_json::json!({"added": url, "workers": n}).to_string(),
@@ -480,8 +526,8 @@ pub async fn mutate_with_body(
     }
 }
 
-fn authorize(router: &Router, headers: &http::HeaderMap) -> Result<(), ProxyError> {
-    let Some(token) = &router.config().server.admin_token else {
+fn authorize(admin: &Admin, headers: &http::HeaderMap) -> Result<(), ProxyError> {
+    let Some(token) = &admin.token else {
         return Err(ProxyError::Forbidden(
             "the admin API is disabled: set server.admin_token in the config and send `Authorization: Bearer <token>`",
         ));
@@ -561,20 +607,17 @@ fn shown(which: &Which<'_>) -> String {
     }
 }
 
-fn remove_worker(
-    router: &Router,
-    which: Which<'_>,
-) -> Result<http::Response<ProxyBody>, ProxyError> {
-    let Some(w) = find_worker(&router.worker_set(), &which)? else {
+fn remove_worker(admin: &Admin, which: Which<'_>) -> Result<http::Response<ProxyBody>, ProxyError> {
+    let Some(w) = find_worker(&admin.worker_set(), &which)? else {
         return Err(ProxyError::UnknownWorker {
             which: shown(&which),
         });
     };
-    router.pool().remove(w.key());
+    admin.pool.remove(w.key());
     tracing::info!(worker = %w.url(), key = w.key(), "worker removed (admin API); its in-flight requests finish");
     Ok(json_response(
         StatusCode::OK,
-        serde_json::json!({"removed": w.url().to_string(), "key": w.key(), "workers": router.worker_set().workers().len()})
+        serde_json::json!({"removed": w.url().to_string(), "key": w.key(), "workers": admin.worker_set().workers().len()})
             .to_string(),
     ))
 }
@@ -590,11 +633,11 @@ fn keeps_no_tree() -> http::Response<ProxyBody> {
 
 /// `POST /cache/clear` on a blocking thread (see [`Mutation::ClearCache`]).
 pub async fn clear_cache_blocking(
-    router: std::sync::Arc<Router>,
+    admin: std::sync::Arc<Admin>,
     worker: Option<String>,
 ) -> http::Response<ProxyBody> {
     let cleared = tokio::task::spawn_blocking(move || {
-        clear_cache(&router, worker.as_deref()).unwrap_or_else(ProxyError::into_response)
+        clear_cache(&admin, worker.as_deref()).unwrap_or_else(ProxyError::into_response)
     })
     .await;
     cleared.unwrap_or_else(|e| {
@@ -607,10 +650,10 @@ pub async fn clear_cache_blocking(
 }
 
 fn clear_cache(
-    router: &Router,
+    admin: &Admin,
     worker: Option<&str>,
 ) -> Result<http::Response<ProxyBody>, ProxyError> {
-    let views = router.policy().views();
+    let views = admin.policy.views();
     let clear = |worker| {
         views
             .iter()
@@ -627,7 +670,7 @@ fn clear_cache(
         }
         Some(raw) => {
             let which = Which::Either(raw);
-            let Some(w) = find_worker(&router.worker_set(), &which)? else {
+            let Some(w) = find_worker(&admin.worker_set(), &which)? else {
                 return Err(ProxyError::UnknownWorker {
                     which: shown(&which),
                 });

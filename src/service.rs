@@ -87,13 +87,20 @@ fn route(
     }
 }
 
+/// What a connection serves: the proxy and the router's own endpoints.
+pub struct Service {
+    pub router: Arc<Router>,
+    pub admin: Arc<admin::Admin>,
+}
+
 /// Answers one client request that came in on `on`. Never fails: errors become JSON
 /// responses.
 pub async fn handle(
-    router: Arc<Router>,
+    service: &Service,
     req: Request<Incoming>,
     on: Listener,
 ) -> Response<ProxyBody> {
+    let (router, admin) = (&service.router, &service.admin);
     let admin_here = on == Listener::Admin || router.config().server.admin.is_none();
     let to = route(
         on,
@@ -104,14 +111,14 @@ pub async fn handle(
         &router.config().proxy.passthrough,
     );
     match to {
-        Route::Health => admin::health(&router.worker_set()),
-        Route::Workers => admin::workers(&router),
-        Route::Metrics => admin::metrics(&router),
-        Route::Admin => match admin::mutation(&router, &req) {
+        Route::Health => admin::health(&admin.worker_set()),
+        Route::Workers => admin::workers(admin),
+        Route::Metrics => admin::metrics(admin),
+        Route::Admin => match admin::mutation(admin, &req) {
             Some(admin::Mutation::Done(r)) => r,
-            Some(admin::Mutation::NeedsBody) => admin::mutate_with_body(&router, req).await,
+            Some(admin::Mutation::NeedsBody) => admin::mutate_with_body(admin, req).await,
             Some(admin::Mutation::ClearCache(worker)) => {
-                admin::clear_cache_blocking(Arc::clone(&router), worker).await
+                admin::clear_cache_blocking(Arc::clone(admin), worker).await
             }
             // The table and `admin::mutation` name the same endpoints.
             None => not_here(req.uri().path(), ADMIN_LISTENER_ONLY),

@@ -67,8 +67,8 @@ async fn reload_with_an_unbracketed_ipv6_url_is_refused_and_the_old_list_stays()
         &yaml_for_urls(&[a.url(), b.url(), "http://::1:18006".into()], extra),
     );
     match reload::apply(
-        router.router.config(),
-        router.router.pool(),
+        router.config(),
+        router.pool(),
         std::slice::from_ref(&bad.path),
     ) {
         Outcome::Invalid(msg) => {
@@ -97,8 +97,8 @@ async fn reload_with_an_unbracketed_ipv6_url_is_refused_and_the_old_list_stays()
     let good = TempFile::new("workers.yaml", &yaml_for(&[&b], extra));
     assert_eq!(
         reload::apply(
-            router.router.config(),
-            router.router.pool(),
+            router.config(),
+            router.pool(),
             std::slice::from_ref(&good.path)
         ),
         Outcome::Applied { workers: 1 }
@@ -114,8 +114,8 @@ async fn reload_changing_anything_but_workers_is_rejected() {
     let f = TempFile::new("c.yaml", &yaml_for(&[&a], "policy: round_robin\n"));
     assert_eq!(
         reload::apply(
-            router.router.config(),
-            router.router.pool(),
+            router.config(),
+            router.pool(),
             std::slice::from_ref(&f.path)
         ),
         Outcome::Rejected {
@@ -140,8 +140,8 @@ async fn reload_keeps_the_in_flight_count_of_a_surviving_worker() {
     let f = TempFile::new("w.yaml", &yaml_for(&[&b, &a], ""));
     assert_eq!(
         reload::apply(
-            router.router.config(),
-            router.router.pool(),
+            router.config(),
+            router.pool(),
             std::slice::from_ref(&f.path)
         ),
         Outcome::Applied { workers: 2 }
@@ -185,8 +185,8 @@ async fn models_after_a_reload_come_from_the_new_worker_list() {
     let f = TempFile::new("w.yaml", &yaml_for(&[&b], ""));
     assert_eq!(
         reload::apply(
-            router.router.config(),
-            router.router.pool(),
+            router.config(),
+            router.pool(),
             std::slice::from_ref(&f.path)
         ),
         Outcome::Applied { workers: 1 }
@@ -265,8 +265,8 @@ async fn reload_to_an_empty_worker_list_answers_503_until_workers_return() {
         let empty = TempFile::new("w.yaml", &format!("{extra}workers: []\n"));
         assert_eq!(
             reload::apply(
-                router.router.config(),
-                router.router.pool(),
+                router.config(),
+                router.pool(),
                 std::slice::from_ref(&empty.path)
             ),
             Outcome::Applied { workers: 0 },
@@ -289,8 +289,8 @@ async fn reload_to_an_empty_worker_list_answers_503_until_workers_return() {
         let back = TempFile::new("w.yaml", &yaml_for(&[&a], &extra));
         assert_eq!(
             reload::apply(
-                router.router.config(),
-                router.router.pool(),
+                router.config(),
+                router.pool(),
                 std::slice::from_ref(&back.path)
             ),
             Outcome::Applied { workers: 1 }
@@ -323,8 +323,8 @@ async fn reload_keeps_the_breaker_state_of_a_surviving_worker() {
     let f = TempFile::new("w.yaml", &yaml_for(&[&b, &a], extra));
     assert_eq!(
         reload::apply(
-            router.router.config(),
-            router.router.pool(),
+            router.config(),
+            router.pool(),
             std::slice::from_ref(&f.path)
         ),
         Outcome::Applied { workers: 2 }
@@ -410,8 +410,8 @@ async fn reload_under_steady_load_fails_no_request() {
     let f = TempFile::new("w.yaml", &yaml_for(&[&b, &c], ""));
     assert_eq!(
         reload::apply(
-            router.router.config(),
-            router.router.pool(),
+            router.config(),
+            router.pool(),
             std::slice::from_ref(&f.path)
         ),
         Outcome::Applied { workers: 2 }
@@ -425,8 +425,8 @@ async fn reload_under_steady_load_fails_no_request() {
     let f = TempFile::new("w.yaml", &yaml_for(&[&c, &a], ""));
     assert_eq!(
         reload::apply(
-            router.router.config(),
-            router.router.pool(),
+            router.config(),
+            router.pool(),
             std::slice::from_ref(&f.path)
         ),
         Outcome::Applied { workers: 2 }
@@ -518,8 +518,8 @@ async fn refused_reloads_keep_the_running_workers_and_config() {
     for (key, yaml, changes) in &rejected {
         let f = TempFile::new("w.yaml", yaml);
         let outcome = reload::apply(
-            router.router.config(),
-            router.router.pool(),
+            router.config(),
+            router.pool(),
             std::slice::from_ref(&f.path),
         );
         let Outcome::Rejected { key: k, changes: c } = outcome else {
@@ -542,8 +542,8 @@ async fn refused_reloads_keep_the_running_workers_and_config() {
     for (what, yaml) in &invalid {
         let f = TempFile::new("w.yaml", yaml);
         match reload::apply(
-            router.router.config(),
-            router.router.pool(),
+            router.config(),
+            router.pool(),
             std::slice::from_ref(&f.path),
         ) {
             Outcome::Invalid(msg) => assert!(
@@ -556,8 +556,8 @@ async fn refused_reloads_keep_the_running_workers_and_config() {
     let missing = std::env::temp_dir().join("car-tests-no-such-dir/w.yaml");
     assert!(matches!(
         reload::apply(
-            router.router.config(),
-            router.router.pool(),
+            router.config(),
+            router.pool(),
             std::slice::from_ref(&missing)
         ),
         Outcome::Invalid(_)

@@ -170,8 +170,8 @@ async fn removing_re_adding_and_reordering_workers_keeps_the_others_affinity() {
     let f = TempFile::new("workers.yaml", &yaml_for(&reversed, extra));
     assert_eq!(
         reload::apply(
-            router.router.config(),
-            router.router.pool(),
+            router.config(),
+            router.pool(),
             std::slice::from_ref(&f.path)
         ),
         Outcome::Applied { workers: 3 }

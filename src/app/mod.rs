@@ -14,12 +14,17 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::task::JoinHandle;
 
+mod parts;
+
+pub use parts::Parts;
+
+use crate::admin::Admin;
 use crate::config::Config;
 use crate::cores::Cores;
-use crate::pool::health;
+use crate::pool::{Pool, health};
 use crate::proxy::Router;
 use crate::reload;
-use crate::service;
+use crate::service::{self, Service};
 use crate::shutdown::{self, Shutdown, Trigger};
 
 /// A router serving on a bound listener, as started by [`spawn`].
@@ -28,7 +33,10 @@ pub struct RunningRouter {
     pub addr: SocketAddr,
     /// The admin listener's address (`server.admin`), when one is configured.
     pub admin_addr: Option<SocketAddr>,
-    pub router: Arc<Router>,
+    /// The config it runs (SIGHUP's reload compares against it).
+    config: Config,
+    pool: Arc<Pool>,
+    metrics: Arc<crate::metrics::Metrics>,
     trigger: Trigger,
     task: JoinHandle<()>,
 }
@@ -39,6 +47,16 @@ impl RunningRouter {
     pub async fn shutdown(self) {
         self.trigger.shutdown();
         let _ = self.task.await;
+    }
+
+    /// The config it was started with.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// Its worker pool (what a reload changes).
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
     }
 
     /// A handle that triggers the same shutdown.
@@ -78,66 +96,31 @@ pub fn spawn_on(
     };
     let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
     let grace = config.server.shutdown_grace;
-    let router = Arc::new(Router::new(config));
+    let parts = Parts::build(&config);
     let (trigger, shutdown) = shutdown::channel();
-    tokio::spawn(health::run(
-        Arc::clone(router.pool()),
-        router.config().health.clone(),
-        router.upstream().clone(),
-        shutdown.clone(),
-    ));
-    // Idle keep-alive connections to workers closed after `proxy.pool_idle_timeout_secs`.
-    tokio::spawn(crate::proxy::upstream::close_idle(
-        Arc::clone(router.pool()),
-        router.config().proxy.pool_idle_timeout,
-        shutdown.clone(),
-    ));
-    // What the engines say about themselves: load scrapes, LMCache signals.
-    if router.config().engine_metrics.enabled {
-        tokio::spawn(crate::signals::engine_metrics::run(
-            Arc::clone(router.pool()),
-            router.config().engine_metrics.clone(),
-            router.upstream().clone(),
-            shutdown.clone(),
-        ));
-    }
-    tokio::spawn(crate::signals::lmcache::run(
-        Arc::clone(router.pool()),
-        router.upstream().clone(),
-        shutdown.clone(),
-    ));
-    // Workers found at run time (`discovery:`), into the pool's membership path.
-    match &router.config().discovery {
-        crate::config::DiscoveryConfig::Static => {}
-        crate::config::DiscoveryConfig::Dns(d) => {
-            tokio::spawn(crate::discovery::dns::run(
-                Arc::clone(router.pool()),
-                d.clone(),
-                shutdown.clone(),
-            ));
-        }
-        crate::config::DiscoveryConfig::Kubernetes(k) => {
-            tokio::spawn(crate::discovery::kubernetes::run(
-                Arc::clone(router.pool()),
-                k.clone(),
-                shutdown.clone(),
-            ));
-        }
-    }
-    // Routing state shared with the other router replicas (`state.redis_url`).
-    if let Some(fleet) = router.fleet() {
-        tokio::spawn(Arc::clone(fleet).run(shutdown.clone()));
-    }
-    // The policy's own upkeep: tree eviction, KV-event consumers.
-    if let Some(task) = router
-        .policy()
-        .background(Arc::clone(router.pool()), shutdown.clone())
-    {
-        tokio::spawn(task);
-    }
+    spawn_upkeep(&config, &parts, &shutdown);
+    let service = Arc::new(Service {
+        admin: Arc::new(Admin::new(
+            &config,
+            Arc::clone(&parts.pool),
+            Arc::clone(&parts.policy),
+            Arc::clone(&parts.metrics),
+            parts.fleet.clone(),
+            parts.cache.clone(),
+        )),
+        router: Arc::new(Router::new(
+            config.clone(),
+            Arc::clone(&parts.pool),
+            Arc::clone(&parts.policy),
+            parts.upstream.clone(),
+            Arc::clone(&parts.metrics),
+            parts.cache.clone(),
+            parts.export.clone(),
+        )),
+    });
     let admin_task = admin.map(|l| {
         tokio::spawn(serve(
-            Arc::clone(&router),
+            Arc::clone(&service),
             l,
             service::Listener::Admin,
             shutdown.clone(),
@@ -146,14 +129,14 @@ pub fn spawn_on(
         ))
     });
     let main = tokio::spawn(serve(
-        Arc::clone(&router),
+        Arc::clone(&service),
         listener,
         service::Listener::Main,
         shutdown,
         grace,
         cores,
     ));
-    let export = router.exporter().cloned();
+    let export = parts.export.clone();
     let task = tokio::spawn(async move {
         let _ = main.await;
         if let Some(t) = admin_task {
@@ -168,10 +151,71 @@ pub fn spawn_on(
     Ok(RunningRouter {
         admin_addr,
         addr,
-        router,
+        config,
+        pool: parts.pool,
+        metrics: parts.metrics,
         trigger,
         task,
     })
+}
+
+/// The long-lived tasks that keep the parts current, each watching `shutdown`: health
+/// probes, idle upstream connections, engine signals, discovery, the fleet's channel and
+/// the policy's own upkeep.
+fn spawn_upkeep(config: &Config, parts: &Parts, shutdown: &Shutdown) {
+    let pool = || Arc::clone(&parts.pool);
+    tokio::spawn(health::run(
+        pool(),
+        config.health.clone(),
+        parts.upstream.clone(),
+        shutdown.clone(),
+    ));
+    // Idle keep-alive connections to workers closed after `proxy.pool_idle_timeout_secs`.
+    tokio::spawn(crate::upstream::close_idle(
+        pool(),
+        config.proxy.pool_idle_timeout,
+        shutdown.clone(),
+    ));
+    // What the engines say about themselves: load scrapes, LMCache signals.
+    if config.engine_metrics.enabled {
+        tokio::spawn(crate::signals::engine_metrics::run(
+            pool(),
+            config.engine_metrics.clone(),
+            parts.upstream.clone(),
+            shutdown.clone(),
+        ));
+    }
+    tokio::spawn(crate::signals::lmcache::run(
+        pool(),
+        parts.upstream.clone(),
+        shutdown.clone(),
+    ));
+    // Workers found at run time (`discovery:`), into the pool's membership path.
+    match &config.discovery {
+        crate::config::DiscoveryConfig::Static => {}
+        crate::config::DiscoveryConfig::Dns(d) => {
+            tokio::spawn(crate::discovery::dns::run(
+                pool(),
+                d.clone(),
+                shutdown.clone(),
+            ));
+        }
+        crate::config::DiscoveryConfig::Kubernetes(k) => {
+            tokio::spawn(crate::discovery::kubernetes::run(
+                pool(),
+                k.clone(),
+                shutdown.clone(),
+            ));
+        }
+    }
+    // Routing state shared with the other router replicas (`state.redis_url`).
+    if let Some(fleet) = &parts.fleet {
+        tokio::spawn(Arc::clone(fleet).run(shutdown.clone()));
+    }
+    // The policy's own upkeep: tree eviction, KV-event consumers.
+    if let Some(task) = parts.policy.background(pool(), shutdown.clone()) {
+        tokio::spawn(task);
+    }
 }
 
 /// The binary's main loop: bind, serve, reload on SIGHUP, drain on SIGTERM/SIGINT
@@ -201,9 +245,9 @@ pub async fn run(config: Config, files: Vec<PathBuf>) -> std::io::Result<()> {
         tracing::info!(addr = %admin, "admin listener (/workers, /metrics, admin API) listening");
     }
     let reload_task = tokio::spawn(reload::run(
-        running.router.config().clone(),
-        Arc::clone(running.router.pool()),
-        Arc::clone(running.router.metrics()),
+        running.config.clone(),
+        Arc::clone(&running.pool),
+        Arc::clone(&running.metrics),
         files,
         hup,
     ));
@@ -243,7 +287,7 @@ async fn listen(addr: &str) -> std::io::Result<TcpListener> {
 }
 
 async fn serve(
-    router: Arc<Router>,
+    service: Arc<Service>,
     listener: TcpListener,
     on: service::Listener,
     mut shutdown: Shutdown,
@@ -260,16 +304,16 @@ async fn serve(
                 Ok((stream, _peer)) => {
                     // Small SSE writes must leave at once, not wait for a delayed ACK.
                     let _ = stream.set_nodelay(true);
-                    let router = Arc::clone(&router);
+                    let service = Arc::clone(&service);
                     let watcher = draining.clone();
                     match &cores {
-                        None => drop(tokio::spawn(serve_connection(router, stream, on, watcher))),
+                        None => drop(tokio::spawn(serve_connection(service, stream, on, watcher))),
                         // Moved to the runtime it will live on: its socket is registered
                         // with that runtime's I/O driver, not this one's.
                         Some(cores) => match stream.into_std() {
                             Ok(stream) => cores.spawn(async move {
                                 match TcpStream::from_std(stream) {
-                                    Ok(stream) => serve_connection(router, stream, on, watcher).await,
+                                    Ok(stream) => serve_connection(service, stream, on, watcher).await,
                                     Err(e) => tracing::warn!(error = %e, "cannot take over a client connection"),
                                 }
                             }),
@@ -301,14 +345,14 @@ async fn serve(
 /// WebSocket handshake upgrades it (`proxy::tunnel`): the connection's task ends there
 /// and the tunnel's task carries the socket on.
 async fn serve_connection(
-    router: Arc<Router>,
+    service: Arc<Service>,
     stream: TcpStream,
     on: service::Listener,
     mut watcher: tokio::sync::watch::Receiver<bool>,
 ) {
     let service = service_fn(move |req| {
-        let router = Arc::clone(&router);
-        async move { Ok::<_, Infallible>(service::handle(router, req, on).await) }
+        let service = Arc::clone(&service);
+        async move { Ok::<_, Infallible>(service::handle(&service, req, on).await) }
     });
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())

@@ -1,0 +1,113 @@
+//! Every running part, built once from the config. `app` hands each consumer the parts
+//! it uses (the proxy, the admin endpoints, the background tasks); no part reaches
+//! another through a third one, and nothing is wired in after construction.
+
+use std::sync::Arc;
+
+use http::HeaderValue;
+
+use crate::cache::ResponseCache;
+use crate::config::Config;
+use crate::fleet::Fleet;
+use crate::metrics::Metrics;
+use crate::policy::{self, Policy};
+use crate::pool::{Pool, PoolListener};
+use crate::trace::export::Exporter;
+use crate::upstream::Upstream;
+
+/// See the module docs.
+pub struct Parts {
+    /// The workers: membership, health, load. (One pool today; routing by model makes
+    /// this a table of pools, each with its policy.)
+    pub pool: Arc<Pool>,
+    /// The routing policy; its views' families are registered in `metrics`.
+    pub policy: Arc<dyn Policy>,
+    /// Routing state shared with other router replicas (`state.redis_url`).
+    pub fleet: Option<Arc<Fleet>>,
+    /// The pooled client to workers (requests, health probes, scrapes).
+    pub upstream: Upstream,
+    /// The registry every part registered its families in; it hears the pool's
+    /// membership (a worker that leaves takes its series with it).
+    pub metrics: Arc<Metrics>,
+    /// `response_cache:` when enabled.
+    pub cache: Option<Arc<ResponseCache>>,
+    /// One span per request to an OTLP collector (`tracing.otlp_endpoint`).
+    pub export: Option<Arc<Exporter>>,
+}
+
+impl Parts {
+    /// The parts for a validated config: workers start healthy with nothing in flight,
+    /// the policy's state empty. A part that cannot start (the fleet, the response
+    /// cache, the exporter) is logged and left off.
+    pub fn build(config: &Config) -> Parts {
+        let pool = Arc::new(Pool::new(&config.workers, &config.circuit_breaker));
+        let policy::Routing { policy, fleet, .. } = policy::build(config, &pool);
+        let upstream = Upstream::new(&config.proxy);
+        let cache = response_cache(config, &upstream);
+        let export = config.tracing.otlp_endpoint.as_ref().and_then(|url| {
+            Exporter::new(&config.tracing)
+                .inspect(|_| tracing::info!(collector = %crate::redact::url(&url.to_string()), "tracing: exporting one span per request"))
+                .inspect_err(|e| tracing::error!(error = %e, "tracing export off: it cannot start"))
+                .ok()
+                .map(Arc::new)
+        });
+        let mut metrics = Metrics::new();
+        for view in policy.views() {
+            if let Some(c) = view.collector(&pool) {
+                metrics.register(c);
+            }
+        }
+        metrics.register(Box::new(crate::pool::metrics::PoolMetrics::new(
+            Arc::clone(&pool),
+        )));
+        if let Some(f) = &fleet {
+            metrics.register(Box::new(crate::fleet::metrics::FleetMetrics(Arc::clone(f))));
+        }
+        if let Some(c) = &cache {
+            metrics.register(Box::new(crate::cache::metrics::CacheCollector(Arc::clone(
+                c,
+            ))));
+        }
+        let metrics = Arc::new(metrics);
+        pool.listen(Arc::clone(&metrics) as Arc<dyn PoolListener>);
+        Parts {
+            pool,
+            policy,
+            fleet,
+            upstream,
+            metrics,
+            cache,
+            export,
+        }
+    }
+}
+
+/// The response cache `response_cache:` asks for, when enabled and able to start.
+fn response_cache(config: &Config, upstream: &Upstream) -> Option<Arc<ResponseCache>> {
+    let rc = &config.response_cache;
+    if !rc.enabled {
+        return None;
+    }
+    let bearer = rc
+        .semantic
+        .as_ref()
+        .and_then(|s| embeddings_key(config, &s.embeddings_url));
+    ResponseCache::new(rc, upstream, bearer)
+        .inspect_err(|e| tracing::error!(error = %e, "response cache off: it cannot start"))
+        .ok()
+}
+
+/// The backend key to send an embeddings endpoint that is one of the workers (same
+/// scheme and authority): that worker's `api_key`, else `proxy.api_key`.
+fn embeddings_key(config: &Config, url: &str) -> Option<HeaderValue> {
+    let url = crate::config::WorkerUrl::parse(url).ok()?;
+    let worker = config
+        .workers
+        .iter()
+        .find(|w| w.url.authority() == url.authority())?;
+    worker
+        .api_key
+        .as_ref()
+        .or(config.proxy.api_key.as_ref())
+        .map(|k| k.bearer().clone())
+}
