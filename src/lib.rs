@@ -5,7 +5,10 @@
 //! ```text
 //! main.rs      cli -> Config::load -> app::run (or a tool: simulate)
 //! cli          the command line: serve, --config-check, simulate
-//! app          builds the Router, spawns every long-lived task, SIGHUP, SIGTERM drain
+//! app          parts: every running part built once from Config (pool, policy, fleet,
+//!              upstream client, metrics, response cache, exporter); hands each
+//!              consumer the parts it uses, spawns every long-lived task, SIGHUP,
+//!              SIGTERM drain
 //! cores        thread per core: client connections on single-threaded runtimes
 //! config       YAML layers -> validated Config (source: positions and words;
 //!              secret: credentials; passthrough: which other paths reach a worker)
@@ -29,10 +32,13 @@
 //! policy       trait Policy (pick pure, observe = the only writer of routing memory),
 //!              build(); decide (the pick with its slot, the usage settlement: shared
 //!              with simulate); select; one module per policy; session (conversation
-//!              state and sessions around any policy); precise (KV-event policy)
+//!              state and sessions around any policy); precise (KV-event policy);
+//!              view: what a policy's memory shows (/workers fields, its metric
+//!              families, POST /cache/clear), one interface for every policy
 //! pool         workers, stable ids, membership, health, breaker, in-flight guards,
 //!              fetch (how tasks reach a worker), pending prefill and the learned
-//!              prefill rate, each worker's signal slots and idle connections
+//!              prefill rate, each worker's signal slots and idle connections;
+//!              metrics: the pool's scrape-time families
 //! signals      background sources for those slots: engine /metrics scrapes, LMCache
 //! cache        the response cache: exact and semantic keys, stored answers, in-process
 //!              (moka) or Redis store, embeddings
@@ -47,7 +53,8 @@
 //! prompt       request body -> RouteContext (routing text, length, digest)
 //! metrics      the registry and the request path's families (prometheus-client);
 //!              parts register their own scrape-time families (exposition: how)
-//! admin        GET /health, /workers, /metrics; the admin API
+//! admin        GET /health, /workers, /metrics; the admin API (its own parts: Admin)
+//! exposition   how a part writes its scrape-time families (imports no part)
 //! reload       SIGHUP: re-read files, replace the pool's workers
 //! simulate     `simulate`: a request log through the same policy code over modelled
 //!              engines (the engine model sim-engine uses), a grid of settings
@@ -62,10 +69,12 @@
 //! clock, shutdown  tokio's clock for state machines; one shutdown signal
 //! ```
 //!
-//! Dependencies point one way: proxy -> cache -> upstream, proxy -> upstream -> pool,
-//! proxy -> trace, proxy -> policy -> fleet -> pool/tree; simulate -> policy, never the
-//! proxy; health, reload, discovery and the KV-event supervisor use the pool, never the
-//! proxy.
+//! Dependencies point one way: app -> service -> admin | proxy; proxy -> cache ->
+//! upstream, proxy -> upstream -> pool, proxy -> trace, proxy -> policy -> fleet ->
+//! pool/tree; simulate -> policy, never the proxy; admin reads the policy's views and
+//! the pool, never the proxy; health, reload, discovery and the KV-event supervisor
+//! use the pool. Each part registers its own metric families (exposition, which
+//! imports no part); metrics keeps the registry and the request path's families.
 //!
 //! # A request
 //!
