@@ -10,8 +10,9 @@
 //!              consumer the parts it uses, spawns every long-lived task, SIGHUP,
 //!              SIGTERM drain
 //! cores        thread per core: client connections on single-threaded runtimes
-//! config       YAML layers -> validated Config (source: positions and words;
-//!              secret: credentials; passthrough: which other paths reach a worker)
+//! config       YAML layers -> validated Config: one file per section (its schema,
+//!              defaults, checks, SIGHUP difference); check: positions and words;
+//!              secret: credentials; passthrough: which other paths reach a worker
 //! service      the hyper service: one route table (admin endpoints, listener rules,
 //!              routed endpoints, passthrough verdicts, WebSockets) -> admin or proxy
 //! proxy        serve -> forward -> respond, read in that direction
