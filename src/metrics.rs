@@ -131,6 +131,113 @@ pub struct Metrics {
     outcome_counts: [Counter; OUTCOMES.len()],
 }
 
+/// The per-worker families a routed request updates (see [`Metrics::new`]).
+fn register_worker_families(r: &mut Registry, m: &Metrics) {
+    r.register(
+        "requests",
+        "Requests answered, by endpoint, worker (\"none\" when the router answered) and status",
+        m.requests.clone(),
+    );
+    r.register(
+        "routing_decisions",
+        "Routing decisions by reason: cache_hit, hit_overloaded (a degradation), miss, empty_text, no_worker",
+        m.decisions.clone(),
+    );
+    r.register(
+        "estimated_prefix_tokens_saved",
+        "Prefix tokens the router expects the worker to reuse on its hits (whole KV blocks; estimated from bytes at the worker's learned tokens per byte in approximate mode)",
+        m.estimated_saved.clone(),
+    );
+    r.register(
+        "engine_cached_tokens",
+        "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens)",
+        m.engine_cached.clone(),
+    );
+    r.register(
+        "engine_prompt_tokens",
+        "Prompt tokens the engines reported (usage.prompt_tokens) in responses that carried usage",
+        m.engine_prompt.clone(),
+    );
+    r.register(
+        "prefix_tokens",
+        "Prefix tokens of the answers that reported cached tokens, by worker, policy and kind: available (the longest any worker held), predicted (what the router believed the chosen worker held), delivered (the engine's cached_tokens); in whole KV blocks, estimated from bytes at the worker's learned tokens per byte in approximate mode",
+        m.prefix_tokens.clone(),
+    );
+    r.register(
+        "worker_hit_drift",
+        "Delivered / predicted prefix tokens over a worker's last 100 answers that predicted a hit (absent until 10)",
+        m.drift.clone(),
+    );
+    r.register(
+        "worker_hit_drift_low",
+        "1 while a worker's drift has stayed under cache.drift_floor for a minute: the router's memory of its KV cache is stale",
+        m.drift_low.clone(),
+    );
+    r.register_with_unit(
+        "decision_duration",
+        "Time to extract the prompt and pick a worker",
+        Unit::Seconds,
+        m.decision_time.clone(),
+    );
+}
+
+/// The request path's pool-wide families (see [`Metrics::new`]).
+fn register_request_families(r: &mut Registry, m: &Metrics) {
+    r.register_with_unit(
+        "time_to_first_byte",
+        "From the request's arrival to the worker's response headers",
+        Unit::Seconds,
+        m.ttfb.clone(),
+    );
+    r.register_with_unit(
+        "request_duration",
+        "From the request's arrival to the end of the response body",
+        Unit::Seconds,
+        m.duration.clone(),
+    );
+    r.register(
+        "retries",
+        "Requests re-sent to another worker",
+        m.retries.clone(),
+    );
+    r.register(
+        "fallback_picks",
+        "Attempts sent to a `role: fallback` worker (no primary worker was usable)",
+        m.fallback_picks.clone(),
+    );
+    r.register(
+        "reloads",
+        "SIGHUP reloads by result (applied, rejected, invalid)",
+        m.reloads.clone(),
+    );
+    r.register(
+        "queue_waiting",
+        "Requests waiting for an in-flight slot now (proxy.queue: every usable worker at max_load)",
+        m.queue_waiting.clone(),
+    );
+    r.register_with_unit(
+        "queue_wait",
+        "How long queued requests waited before a slot freed",
+        Unit::Seconds,
+        m.queue_wait.clone(),
+    );
+    r.register(
+        "request_outcomes",
+        "Requests by how their client's exchange ended: complete, client_gone (before or after the headers), upstream_error, upstream_idle_timeout",
+        m.outcomes.clone(),
+    );
+    r.register(
+        "queue_rejected",
+        "Requests the admission queue answered 503: full (max_waiting reached) or timeout (timeout_ms passed)",
+        m.queue_rejected.clone(),
+    );
+    r.register(
+        "back_pressure",
+        "429 (or 503 with Retry-After) answers per worker; not counted by the circuit breaker",
+        m.back_pressure.clone(),
+    );
+}
+
 /// A worker that leaves the pool takes its series with it.
 impl crate::pool::PoolListener for Metrics {
     fn worker_left(&self, worker: &crate::pool::Worker) {
@@ -220,105 +327,8 @@ impl Metrics {
             outcome_counts: Default::default(),
             registry: Registry::default(),
         };
-        r.register(
-            "requests",
-            "Requests answered, by endpoint, worker (\"none\" when the router answered) and status",
-            m.requests.clone(),
-        );
-        r.register(
-            "routing_decisions",
-            "Routing decisions by reason: cache_hit, hit_overloaded (a degradation), miss, empty_text, no_worker",
-            m.decisions.clone(),
-        );
-        r.register(
-            "estimated_prefix_tokens_saved",
-            "Prefix tokens the router expects the worker to reuse on its hits (whole KV blocks; estimated from bytes at the worker's learned tokens per byte in approximate mode)",
-            m.estimated_saved.clone(),
-        );
-        r.register(
-            "engine_cached_tokens",
-            "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens)",
-            m.engine_cached.clone(),
-        );
-        r.register(
-            "engine_prompt_tokens",
-            "Prompt tokens the engines reported (usage.prompt_tokens) in responses that carried usage",
-            m.engine_prompt.clone(),
-        );
-        r.register(
-            "prefix_tokens",
-            "Prefix tokens of the answers that reported cached tokens, by worker, policy and kind: available (the longest any worker held), predicted (what the router believed the chosen worker held), delivered (the engine's cached_tokens); in whole KV blocks, estimated from bytes at the worker's learned tokens per byte in approximate mode",
-            m.prefix_tokens.clone(),
-        );
-        r.register(
-            "worker_hit_drift",
-            "Delivered / predicted prefix tokens over a worker's last 100 answers that predicted a hit (absent until 10)",
-            m.drift.clone(),
-        );
-        r.register(
-            "worker_hit_drift_low",
-            "1 while a worker's drift has stayed under cache.drift_floor for a minute: the router's memory of its KV cache is stale",
-            m.drift_low.clone(),
-        );
-        r.register_with_unit(
-            "decision_duration",
-            "Time to extract the prompt and pick a worker",
-            Unit::Seconds,
-            m.decision_time.clone(),
-        );
-        r.register_with_unit(
-            "time_to_first_byte",
-            "From the request's arrival to the worker's response headers",
-            Unit::Seconds,
-            m.ttfb.clone(),
-        );
-        r.register_with_unit(
-            "request_duration",
-            "From the request's arrival to the end of the response body",
-            Unit::Seconds,
-            m.duration.clone(),
-        );
-        r.register(
-            "retries",
-            "Requests re-sent to another worker",
-            m.retries.clone(),
-        );
-        r.register(
-            "fallback_picks",
-            "Attempts sent to a `role: fallback` worker (no primary worker was usable)",
-            m.fallback_picks.clone(),
-        );
-        r.register(
-            "reloads",
-            "SIGHUP reloads by result (applied, rejected, invalid)",
-            m.reloads.clone(),
-        );
-        r.register(
-            "queue_waiting",
-            "Requests waiting for an in-flight slot now (proxy.queue: every usable worker at max_load)",
-            m.queue_waiting.clone(),
-        );
-        r.register_with_unit(
-            "queue_wait",
-            "How long queued requests waited before a slot freed",
-            Unit::Seconds,
-            m.queue_wait.clone(),
-        );
-        r.register(
-            "request_outcomes",
-            "Requests by how their client's exchange ended: complete, client_gone (before or after the headers), upstream_error, upstream_idle_timeout",
-            m.outcomes.clone(),
-        );
-        r.register(
-            "queue_rejected",
-            "Requests the admission queue answered 503: full (max_waiting reached) or timeout (timeout_ms passed)",
-            m.queue_rejected.clone(),
-        );
-        r.register(
-            "back_pressure",
-            "429 (or 503 with Retry-After) answers per worker; not counted by the circuit breaker",
-            m.back_pressure.clone(),
-        );
+        register_worker_families(&mut r, &m);
+        register_request_families(&mut r, &m);
         for (reason, count) in REASONS.iter().zip(&mut m.decision_counts) {
             *count = m
                 .decisions

@@ -299,6 +299,55 @@ pub fn learned_tokens_per_byte(set: &WorkerSet, id: WorkerId) -> f64 {
         })
 }
 
+/// One pass over the candidates: the least load among usable workers (which of them
+/// carries it is worked out only when the pick goes there: a tie among many idle workers
+/// ranks each of them), the usable cache-aware workers, every cache-aware one, and the
+/// pool's in-flight total.
+struct Survey {
+    eligible: MaskBuilder,
+    all: MaskBuilder,
+    least_load: usize,
+    in_flight: usize,
+}
+
+impl Survey {
+    #[inline]
+    fn of(candidates: &[Candidate]) -> Survey {
+        let (mut eligible, mut all) = (
+            MaskBuilder::for_ids(candidates.len()),
+            MaskBuilder::for_ids(candidates.len()),
+        );
+        // Each mask word's bits are gathered in a register while consecutive candidates
+        // share it (the proxy lists a pool in id order: one store per 64 workers), not
+        // read and written in memory per worker (`stages pick_slot/1000_workers`: 9.5 →
+        // 7.9 µs).
+        let mut least_load = usize::MAX;
+        let mut in_flight = 0usize;
+        let (mut word, mut all_bits, mut eligible_bits) = (0usize, 0u64, 0u64);
+        for c in candidates {
+            in_flight = in_flight.saturating_add(c.load);
+            let w = c.id.0 as usize / 64;
+            if w != word {
+                all.or_word(word, all_bits);
+                eligible.or_word(word, eligible_bits);
+                (word, all_bits, eligible_bits) = (w, 0, 0);
+            }
+            let bit = 1u64 << (c.id.0 % 64);
+            all_bits |= bit & u64::from(c.cache_aware).wrapping_neg();
+            eligible_bits |= bit & u64::from(c.cache_aware && c.usable).wrapping_neg();
+            least_load = least_load.min(if c.usable { c.load } else { usize::MAX });
+        }
+        all.or_word(word, all_bits);
+        eligible.or_word(word, eligible_bits);
+        Survey {
+            eligible,
+            all,
+            least_load,
+            in_flight,
+        }
+    }
+}
+
 /// The cache-aware decision (steps 1–6 of the module docs) on `memory` (the longer of
 /// the tree's and the other replicas' matches wins, equal ones merge); records nothing
 /// (the policy records the served worker in [`Policy::observe`]). The pick's numbers
@@ -312,35 +361,12 @@ pub fn pick_cache_aware(
     tie: Option<u64>,
     rng: &mut dyn RngCore,
 ) -> Pick {
-    // One pass: the least load among usable workers (which of them carries it is worked
-    // out only when the pick goes there: a tie among many idle workers ranks each of
-    // them), the usable cache-aware workers, and every cache-aware one.
-    let (mut eligible, mut all) = (
-        MaskBuilder::for_ids(candidates.len()),
-        MaskBuilder::for_ids(candidates.len()),
-    );
-    // Each mask word's bits are gathered in a register while consecutive candidates
-    // share it (the proxy lists a pool in id order: one store per 64 workers), not
-    // read and written in memory per worker (`stages pick_slot/1000_workers`: 9.5 →
-    // 7.9 µs).
-    let mut least_load = usize::MAX;
-    let mut in_flight = 0usize;
-    let (mut word, mut all_bits, mut eligible_bits) = (0usize, 0u64, 0u64);
-    for c in candidates {
-        in_flight = in_flight.saturating_add(c.load);
-        let w = c.id.0 as usize / 64;
-        if w != word {
-            all.or_word(word, all_bits);
-            eligible.or_word(word, eligible_bits);
-            (word, all_bits, eligible_bits) = (w, 0, 0);
-        }
-        let bit = 1u64 << (c.id.0 % 64);
-        all_bits |= bit & u64::from(c.cache_aware).wrapping_neg();
-        eligible_bits |= bit & u64::from(c.cache_aware && c.usable).wrapping_neg();
-        least_load = least_load.min(if c.usable { c.load } else { usize::MAX });
-    }
-    all.or_word(word, all_bits);
-    eligible.or_word(word, eligible_bits);
+    let Survey {
+        eligible,
+        all,
+        least_load,
+        in_flight,
+    } = Survey::of(candidates);
     // A usable candidate's load is below `usize::MAX`: `least_load` is its least.
     let Some(first) = usable(candidates).next() else {
         return Pick::load_only(None, text.len());

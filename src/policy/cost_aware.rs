@@ -87,6 +87,54 @@ pub struct CostAware {
 }
 
 impl CostAware {
+    /// Each cache-aware worker's prefix match of the request's text (bytes, with the
+    /// tree's last-use stamp; the other replicas' records when shared; a cut prompt
+    /// as far as the worker served it), and the tree's clock when read.
+    fn matches(
+        &self,
+        req: &RouteRequest<'_>,
+        candidates: &[Candidate],
+        prompt_bytes: usize,
+    ) -> (Matches, u64) {
+        let text = req.text();
+        let mut matches = Matches::new();
+        let mut clock = 0;
+        if !text.is_empty() {
+            // Every cache-aware worker, usable or not: the unusable ones' matches count
+            // only in what was available (the costs are the usable ones').
+            let eligible: WorkerMask = candidates
+                .iter()
+                .filter(|c| c.cache_aware)
+                .map(|c| c.id)
+                .collect();
+            // Matches under one block cost as misses (`cost` counts whole blocks).
+            let shared = self.tree.shared_tree();
+            let tree = shared.lock();
+            tree.prefix_per_worker(text, &eligible, |w, n, stamp| matches.set(w, n, stamp));
+            clock = tree.clock();
+            drop(tree);
+            // Other replicas' records (no stamp of this tree's): whichever holds more.
+            if let Some(r) = shared.remote() {
+                r.prefix_per_worker(text, &eligible, &req.chain, &mut |w, n| {
+                    if n > matches.get(w) {
+                        matches.set(w, n, 0)
+                    }
+                });
+            }
+        }
+        // A cut prompt whose whole cut text a worker holds: as far as it served before.
+        if let Some(key) = req.ctx.and_then(|c| c.cut_digest)
+            && let Some(served) = self.beyond().get(&key)
+        {
+            for &(w, len) in served {
+                if matches.get(w) == text.len() {
+                    matches.set(w, len.min(prompt_bytes), matches.stamp(w));
+                }
+            }
+        }
+        (matches, clock)
+    }
+
     /// The tree it shares with `cache_aware`'s decision.
     pub fn shared_tree(&self) -> &Arc<SharedTree> {
         self.tree.shared_tree()
@@ -246,41 +294,7 @@ impl Policy for CostAware {
         let prompt_bytes = req
             .ctx
             .map_or(text.len(), |c| c.total_len.max(c.text.len()));
-        let mut matches = Matches::new();
-        let mut clock = 0;
-        if !text.is_empty() {
-            // Every cache-aware worker, usable or not: the unusable ones' matches count
-            // only in what was available (the costs are the usable ones').
-            let eligible: WorkerMask = candidates
-                .iter()
-                .filter(|c| c.cache_aware)
-                .map(|c| c.id)
-                .collect();
-            // Matches under one block cost as misses (`cost` counts whole blocks).
-            let shared = self.tree.shared_tree();
-            let tree = shared.lock();
-            tree.prefix_per_worker(text, &eligible, |w, n, stamp| matches.set(w, n, stamp));
-            clock = tree.clock();
-            drop(tree);
-            // Other replicas' records (no stamp of this tree's): whichever holds more.
-            if let Some(r) = shared.remote() {
-                r.prefix_per_worker(text, &eligible, &req.chain, &mut |w, n| {
-                    if n > matches.get(w) {
-                        matches.set(w, n, 0)
-                    }
-                });
-            }
-        }
-        // A cut prompt whose whole cut text a worker holds: as far as it served before.
-        if let Some(key) = req.ctx.and_then(|c| c.cut_digest)
-            && let Some(served) = self.beyond().get(&key)
-        {
-            for &(w, len) in served {
-                if matches.get(w) == text.len() {
-                    matches.set(w, len.min(prompt_bytes), matches.stamp(w));
-                }
-            }
-        }
+        let (matches, clock) = self.matches(req, candidates, prompt_bytes);
         let now = crate::clock::now();
         let fleet = fleet_rate(set, candidates);
         let costs: Vec<(&Candidate, Cost)> = usable(candidates)

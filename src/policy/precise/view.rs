@@ -349,99 +349,7 @@ impl PreciseMetrics {
             )
         };
         for ((label, ranks), held) in feeds.iter().zip(per_worker) {
-            let w = || WorkerLabels {
-                worker: Arc::clone(label),
-            };
-            let kind = |kind| WorkerKindLabels {
-                worker: Arc::clone(label),
-                kind,
-            };
-            let s: FeedCounts = ranks.iter().map(|feed| feed.stats.counts()).sum();
-            f.messages.get_or_create(&w()).inc_by(s.messages);
-            f.malformed.get_or_create(&w()).inc_by(s.malformed);
-            for (k, c) in [
-                ("block_stored", s.stored),
-                ("block_removed", s.removed),
-                ("all_blocks_cleared", s.cleared),
-                ("unknown_parent", s.unknown_parent),
-                ("ignored", s.ignored),
-                ("skipped", s.skipped_events),
-            ] {
-                f.events.get_or_create(&kind(k)).inc_by(c);
-            }
-            f.gaps.get_or_create(&w()).inc_by(s.gaps);
-            f.restarts.get_or_create(&w()).inc_by(s.restarts);
-            for (cause, c) in [
-                ("gap", s.clears_gap),
-                ("restart", s.clears_restart),
-                ("reconnect", s.clears_reconnect),
-                ("unhealthy", s.clears_unhealthy),
-            ] {
-                f.clears
-                    .get_or_create(&WorkerCauseLabels {
-                        worker: Arc::clone(label),
-                        cause,
-                    })
-                    .inc_by(c);
-            }
-            f.reconnects.get_or_create(&w()).inc_by(s.reconnects);
-            for (result, c) in [
-                ("requested", s.replays),
-                ("complete", s.replays_complete),
-                ("failed", s.replays_failed),
-            ] {
-                f.replays
-                    .get_or_create(&WorkerResultLabels {
-                        worker: Arc::clone(label),
-                        result,
-                    })
-                    .inc_by(c);
-            }
-            f.rank_mismatch.get_or_create(&w()).inc_by(s.rank_mismatch);
-            if let Some(feed) = ranks.first() {
-                let parity = feed.parity();
-                let (matches, mismatches) = parity.counts();
-                for (result, c) in [("match", matches), ("mismatch", mismatches)] {
-                    f.parity_checks
-                        .get_or_create(&WorkerResultLabels {
-                            worker: Arc::clone(label),
-                            result,
-                        })
-                        .inc_by(c);
-                }
-                f.parity_lost
-                    .get_or_create(&w())
-                    .set(i64::from(parity.is_lost()));
-            }
-            if let Some(secs) = ranks
-                .iter()
-                .filter_map(|feed| feed.seconds_since_message(now))
-                .reduce(f64::min)
-            {
-                f.since_message.get_or_create(&w()).set(secs);
-            }
-            f.connected
-                .get_or_create(&w())
-                .set(i64::from(ranks.iter().all(|feed| feed.is_connected())));
-            let states: Vec<FeedState> = ranks.iter().map(|feed| feed.state(now, stale)).collect();
-            let state = states.iter().max().copied().unwrap_or(FeedState::Live);
-            for st in [
-                FeedState::Live,
-                FeedState::ParityLost,
-                FeedState::Replaying,
-                FeedState::Stale,
-                FeedState::Disconnected,
-            ] {
-                f.state
-                    .get_or_create(&WorkerStateLabels {
-                        worker: Arc::clone(label),
-                        state: st.as_str(),
-                    })
-                    .set(i64::from(st == state));
-            }
-            let live = states.iter().filter(|st| **st == FeedState::Live).count();
-            f.live_ranks.get_or_create(&w()).set(live as i64);
-            f.worker_blocks.get_or_create(&w()).set(held as i64);
+            worker_series(f, label, ranks, held, now, stale);
         }
         f.blocks.set(blocks as i64);
         let before = f.evicted.get();
@@ -454,143 +362,258 @@ impl PreciseMetrics {
     }
 }
 
+/// One worker's series: its feeds' (ranks summed) counters, state and blocks held.
+fn worker_series(
+    f: &PreciseFamilies,
+    label: &Arc<str>,
+    ranks: &[Arc<Feed>],
+    held: usize,
+    now: std::time::Instant,
+    stale: std::time::Duration,
+) {
+    let w = || WorkerLabels {
+        worker: Arc::clone(label),
+    };
+    let kind = |kind| WorkerKindLabels {
+        worker: Arc::clone(label),
+        kind,
+    };
+    let s: FeedCounts = ranks.iter().map(|feed| feed.stats.counts()).sum();
+    f.messages.get_or_create(&w()).inc_by(s.messages);
+    f.malformed.get_or_create(&w()).inc_by(s.malformed);
+    for (k, c) in [
+        ("block_stored", s.stored),
+        ("block_removed", s.removed),
+        ("all_blocks_cleared", s.cleared),
+        ("unknown_parent", s.unknown_parent),
+        ("ignored", s.ignored),
+        ("skipped", s.skipped_events),
+    ] {
+        f.events.get_or_create(&kind(k)).inc_by(c);
+    }
+    f.gaps.get_or_create(&w()).inc_by(s.gaps);
+    f.restarts.get_or_create(&w()).inc_by(s.restarts);
+    for (cause, c) in [
+        ("gap", s.clears_gap),
+        ("restart", s.clears_restart),
+        ("reconnect", s.clears_reconnect),
+        ("unhealthy", s.clears_unhealthy),
+    ] {
+        f.clears
+            .get_or_create(&WorkerCauseLabels {
+                worker: Arc::clone(label),
+                cause,
+            })
+            .inc_by(c);
+    }
+    f.reconnects.get_or_create(&w()).inc_by(s.reconnects);
+    for (result, c) in [
+        ("requested", s.replays),
+        ("complete", s.replays_complete),
+        ("failed", s.replays_failed),
+    ] {
+        f.replays
+            .get_or_create(&WorkerResultLabels {
+                worker: Arc::clone(label),
+                result,
+            })
+            .inc_by(c);
+    }
+    f.rank_mismatch.get_or_create(&w()).inc_by(s.rank_mismatch);
+    if let Some(feed) = ranks.first() {
+        let parity = feed.parity();
+        let (matches, mismatches) = parity.counts();
+        for (result, c) in [("match", matches), ("mismatch", mismatches)] {
+            f.parity_checks
+                .get_or_create(&WorkerResultLabels {
+                    worker: Arc::clone(label),
+                    result,
+                })
+                .inc_by(c);
+        }
+        f.parity_lost
+            .get_or_create(&w())
+            .set(i64::from(parity.is_lost()));
+    }
+    if let Some(secs) = ranks
+        .iter()
+        .filter_map(|feed| feed.seconds_since_message(now))
+        .reduce(f64::min)
+    {
+        f.since_message.get_or_create(&w()).set(secs);
+    }
+    f.connected
+        .get_or_create(&w())
+        .set(i64::from(ranks.iter().all(|feed| feed.is_connected())));
+    let states: Vec<FeedState> = ranks.iter().map(|feed| feed.state(now, stale)).collect();
+    let state = states.iter().max().copied().unwrap_or(FeedState::Live);
+    for st in [
+        FeedState::Live,
+        FeedState::ParityLost,
+        FeedState::Replaying,
+        FeedState::Stale,
+        FeedState::Disconnected,
+    ] {
+        f.state
+            .get_or_create(&WorkerStateLabels {
+                worker: Arc::clone(label),
+                state: st.as_str(),
+            })
+            .set(i64::from(st == state));
+    }
+    let live = states.iter().filter(|st| **st == FeedState::Live).count();
+    f.live_ranks.get_or_create(&w()).set(live as i64);
+    f.worker_blocks.get_or_create(&w()).set(held as i64);
+}
+
 impl prometheus_client::collector::Collector for PreciseMetrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
         self.refill(&self.pool.set());
         let f = &self.families;
-        family(
-            &mut enc,
-            "kv_event_messages",
-            "KV-event messages (batches) received per worker, well-formed or not",
-            None,
-            &f.messages,
-        )?;
-        family(
-            &mut enc,
-            "kv_event_malformed",
-            "KV-event messages that did not decode (frames or msgpack), skipped",
-            None,
-            &f.malformed,
-        )?;
-        family(
-            &mut enc,
-            "kv_events",
-            "KV events per worker by kind: block_stored, block_removed, all_blocks_cleared, unknown_parent (not indexed), ignored (other tier, group or block size), skipped (unknown tag or bad field)",
-            None,
-            &f.events,
-        )?;
-        family(
-            &mut enc,
-            "kv_event_gaps",
-            "Sequence gaps in a worker's KV-event stream",
-            None,
-            &f.gaps,
-        )?;
-        family(
-            &mut enc,
-            "kv_event_restarts",
-            "Publisher restarts seen in a worker's KV-event stream",
-            None,
-            &f.restarts,
-        )?;
-        family(
-            &mut enc,
-            "kv_event_clears",
-            "Times the router dropped a worker's blocks, by cause: gap (no replay could fill it), restart (sequence went back or new publisher id), reconnect (forward jump after a reconnect, taken as a restart), unhealthy (health checks failed)",
-            None,
-            &f.clears,
-        )?;
-        family(
-            &mut enc,
-            "kv_event_replays",
-            "Replays per worker by result: requested, complete (gap closed), failed (blocks cleared)",
-            None,
-            &f.replays,
-        )?;
-        family(
-            &mut enc,
-            "kv_event_reconnects",
-            "Connections to a worker's KV-event publisher re-established",
-            None,
-            &f.reconnects,
-        )?;
-        family(
-            &mut enc,
-            "kv_event_since_last",
-            "Seconds since the last KV-event message from the worker (absent before the first)",
-            Some(&Unit::Seconds),
-            &f.since_message,
-        )?;
-        family(
-            &mut enc,
-            "kv_event_connected",
-            "1 while connected to the worker's KV-event publisher",
-            None,
-            &f.connected,
-        )?;
-        family(
-            &mut enc,
-            "kv_event_feed_state",
-            "1 for the feed's state: live (scored), parity_lost, replaying, stale or disconnected (neutral)",
-            None,
-            &f.state,
-        )?;
-        family(
-            &mut enc,
-            "kv_event_live_ranks",
-            "Data-parallel ranks of the worker whose KV-event feed is live (scored); the worker scores neutral at 0",
-            None,
-            &f.live_ranks,
-        )?;
-        family(
-            &mut enc,
-            "kv_event_rank_mismatch",
-            "KV-event batches whose dp_rank was not the rank of the port they came on (workers with dp_size > 1; applied to the port's rank)",
-            None,
-            &f.rank_mismatch,
-        )?;
-        family(
-            &mut enc,
-            "precise_parity_checks",
-            "Answers whose KV blocks were looked up in the worker's own events after they ended: result match (the engine reported the router's last block key) or mismatch",
-            None,
-            &f.parity_checks,
-        )?;
-        family(
-            &mut enc,
-            "precise_parity_lost",
-            "1 while the worker's engine blocks do not match the router's tokens (match share under precise.parity_floor): the approximate tree routes for it",
-            None,
-            &f.parity_lost,
-        )?;
-        family(
-            &mut enc,
-            "precise_index_worker_blocks",
-            "Engine blocks a worker holds according to its events",
-            None,
-            &f.worker_blocks,
-        )?;
-        family(
-            &mut enc,
-            "precise_index_blocks",
-            "Distinct blocks in the precise index (speculative ones included)",
-            None,
-            &f.blocks,
-        )?;
-        family(
-            &mut enc,
-            "precise_index_evicted",
-            "Blocks dropped from the precise index to stay within precise.max_blocks",
-            None,
-            &f.evicted,
-        )?;
-        family(
-            &mut enc,
-            "precise_decisions",
-            "Precise-mode decisions: path precise (cause: token source x_token_ids, prompt_token_ids, tokenizer) or fallback to the approximate tree (cause no_tokens, bad_tokens, short_prompt, no_fresh_worker, untokenizable, tokenizer_busy, unscored_miss)",
-            None,
-            &f.decisions,
-        )?;
-        Ok(())
+        feed_families(&mut enc, f)?;
+        index_families(&mut enc, f)
     }
+}
+
+/// The KV-event feeds' families (per worker, ranks summed).
+fn feed_families(enc: &mut DescriptorEncoder, f: &PreciseFamilies) -> std::fmt::Result {
+    family(
+        enc,
+        "kv_event_messages",
+        "KV-event messages (batches) received per worker, well-formed or not",
+        None,
+        &f.messages,
+    )?;
+    family(
+        enc,
+        "kv_event_malformed",
+        "KV-event messages that did not decode (frames or msgpack), skipped",
+        None,
+        &f.malformed,
+    )?;
+    family(
+        enc,
+        "kv_events",
+        "KV events per worker by kind: block_stored, block_removed, all_blocks_cleared, unknown_parent (not indexed), ignored (other tier, group or block size), skipped (unknown tag or bad field)",
+        None,
+        &f.events,
+    )?;
+    family(
+        enc,
+        "kv_event_gaps",
+        "Sequence gaps in a worker's KV-event stream",
+        None,
+        &f.gaps,
+    )?;
+    family(
+        enc,
+        "kv_event_restarts",
+        "Publisher restarts seen in a worker's KV-event stream",
+        None,
+        &f.restarts,
+    )?;
+    family(
+        enc,
+        "kv_event_clears",
+        "Times the router dropped a worker's blocks, by cause: gap (no replay could fill it), restart (sequence went back or new publisher id), reconnect (forward jump after a reconnect, taken as a restart), unhealthy (health checks failed)",
+        None,
+        &f.clears,
+    )?;
+    family(
+        enc,
+        "kv_event_replays",
+        "Replays per worker by result: requested, complete (gap closed), failed (blocks cleared)",
+        None,
+        &f.replays,
+    )?;
+    family(
+        enc,
+        "kv_event_reconnects",
+        "Connections to a worker's KV-event publisher re-established",
+        None,
+        &f.reconnects,
+    )?;
+    family(
+        enc,
+        "kv_event_since_last",
+        "Seconds since the last KV-event message from the worker (absent before the first)",
+        Some(&Unit::Seconds),
+        &f.since_message,
+    )?;
+    family(
+        enc,
+        "kv_event_connected",
+        "1 while connected to the worker's KV-event publisher",
+        None,
+        &f.connected,
+    )?;
+    family(
+        enc,
+        "kv_event_feed_state",
+        "1 for the feed's state: live (scored), parity_lost, replaying, stale or disconnected (neutral)",
+        None,
+        &f.state,
+    )?;
+    family(
+        enc,
+        "kv_event_live_ranks",
+        "Data-parallel ranks of the worker whose KV-event feed is live (scored); the worker scores neutral at 0",
+        None,
+        &f.live_ranks,
+    )?;
+    family(
+        enc,
+        "kv_event_rank_mismatch",
+        "KV-event batches whose dp_rank was not the rank of the port they came on (workers with dp_size > 1; applied to the port's rank)",
+        None,
+        &f.rank_mismatch,
+    )?;
+    Ok(())
+}
+
+/// Token parity, the index and the decisions.
+fn index_families(enc: &mut DescriptorEncoder, f: &PreciseFamilies) -> std::fmt::Result {
+    family(
+        enc,
+        "precise_parity_checks",
+        "Answers whose KV blocks were looked up in the worker's own events after they ended: result match (the engine reported the router's last block key) or mismatch",
+        None,
+        &f.parity_checks,
+    )?;
+    family(
+        enc,
+        "precise_parity_lost",
+        "1 while the worker's engine blocks do not match the router's tokens (match share under precise.parity_floor): the approximate tree routes for it",
+        None,
+        &f.parity_lost,
+    )?;
+    family(
+        enc,
+        "precise_index_worker_blocks",
+        "Engine blocks a worker holds according to its events",
+        None,
+        &f.worker_blocks,
+    )?;
+    family(
+        enc,
+        "precise_index_blocks",
+        "Distinct blocks in the precise index (speculative ones included)",
+        None,
+        &f.blocks,
+    )?;
+    family(
+        enc,
+        "precise_index_evicted",
+        "Blocks dropped from the precise index to stay within precise.max_blocks",
+        None,
+        &f.evicted,
+    )?;
+    family(
+        enc,
+        "precise_decisions",
+        "Precise-mode decisions: path precise (cause: token source x_token_ids, prompt_token_ids, tokenizer) or fallback to the approximate tree (cause no_tokens, bad_tokens, short_prompt, no_fresh_worker, untokenizable, tokenizer_busy, unscored_miss)",
+        None,
+        &f.decisions,
+    )?;
+    Ok(())
 }
