@@ -161,7 +161,7 @@ impl BindingSink for Memory {
 
 /// The layer as operators see it: [`SessionStats`] as `sessions` in `/workers`, and
 /// the session families in `/metrics`.
-#[derive(Debug)]
+#[derive(Debug, Clone)]
 pub struct SessionsView {
     memory: std::sync::Arc<Memory>,
     counters: std::sync::Arc<Counters>,
@@ -194,10 +194,7 @@ impl super::View for SessionsView {
         &self,
         _: &std::sync::Arc<crate::pool::Pool>,
     ) -> Option<Box<dyn prometheus_client::collector::Collector>> {
-        Some(Box::new(SessionsView {
-            memory: std::sync::Arc::clone(&self.memory),
-            counters: std::sync::Arc::clone(&self.counters),
-        }))
+        Some(Box::new(self.clone()))
     }
 }
 
