@@ -33,7 +33,7 @@ use cache_aware_router::config::Config;
 use cache_aware_router::fleet::wire::{Batch, Record};
 use cache_aware_router::fleet::{Fleet, chain};
 use cache_aware_router::policy::{self, Policy};
-use cache_aware_router::pool::{Pool, WorkerId, WorkerSet};
+use cache_aware_router::pools::pool::{Pool, WorkerId, WorkerSet};
 use cache_aware_router::prompt::{Endpoint, extract};
 use cache_aware_router::tree::{ChainMemo, RemotePrefixes, SharedTree, WorkerMask};
 use rand::rngs::StdRng;

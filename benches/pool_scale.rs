@@ -23,7 +23,7 @@ use std::time::{Duration, Instant};
 
 use cache_aware_router::config::Config;
 use cache_aware_router::policy::{self, Policy};
-use cache_aware_router::pool::{Pool, WorkerId};
+use cache_aware_router::pools::pool::{Pool, WorkerId};
 use cache_aware_router::tree::SharedTree;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};

@@ -23,7 +23,7 @@ use std::time::Duration;
 use cache_aware_router::config::Config;
 use cache_aware_router::policy::decide::pick_slot;
 use cache_aware_router::policy::{self, Outcome, RouteRequest};
-use cache_aware_router::pool::{Pool, WorkerId};
+use cache_aware_router::pools::pool::{Pool, WorkerId};
 use cache_aware_router::prompt::{Endpoint, RouteContext, extract};
 use cache_aware_router::tree::{RadixTree, WorkerMask};
 use criterion::{Criterion, criterion_group, criterion_main};

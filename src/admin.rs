@@ -5,13 +5,13 @@ use serde::Serialize;
 
 use crate::error::{ProxyBody, ProxyError, json_response};
 use crate::policy::view::Fields;
-use crate::pool::WorkerSet;
+use crate::pools::pool::WorkerSet;
 
-/// What the router's own endpoints read and change: the pool, the policy's views, the
-/// metrics registry, the fleet and the response cache, with the config keys they use.
+/// What the router's own endpoints read and change: the workers and each pool's policy's
+/// views (the routing table), the metrics registry, the fleet and the response cache,
+/// with the config keys they use.
 pub struct Admin {
-    pool: std::sync::Arc<crate::pool::Pool>,
-    policy: std::sync::Arc<dyn crate::policy::Policy>,
+    pools: std::sync::Arc<crate::policy::Routes>,
     metrics: std::sync::Arc<crate::metrics::Metrics>,
     fleet: Option<std::sync::Arc<crate::fleet::Fleet>>,
     cache: Option<std::sync::Arc<crate::cache::ResponseCache>>,
@@ -29,15 +29,13 @@ impl Admin {
     /// The endpoints over the parts `app` built from `config`.
     pub fn new(
         config: &crate::config::Config,
-        pool: std::sync::Arc<crate::pool::Pool>,
-        policy: std::sync::Arc<dyn crate::policy::Policy>,
+        pools: std::sync::Arc<crate::policy::Routes>,
         metrics: std::sync::Arc<crate::metrics::Metrics>,
         fleet: Option<std::sync::Arc<crate::fleet::Fleet>>,
         cache: Option<std::sync::Arc<crate::cache::ResponseCache>>,
     ) -> Self {
         Admin {
-            pool,
-            policy,
+            pools,
             metrics,
             fleet,
             cache,
@@ -50,7 +48,18 @@ impl Admin {
 
     /// The current worker set.
     pub fn worker_set(&self) -> std::sync::Arc<WorkerSet> {
-        self.pool.set()
+        self.pools.workers().set()
+    }
+
+    /// The policy of the pool that serves any model (its name labels `/workers` and the
+    /// decision families).
+    fn policy(&self) -> &dyn crate::policy::Policy {
+        &**self.pools.route(None).policy()
+    }
+
+    /// Every pool's policy's views.
+    fn views(&self) -> Vec<std::sync::Arc<dyn crate::policy::View>> {
+        self.pools.iter().flat_map(|p| p.policy().views()).collect()
     }
 }
 
@@ -195,7 +204,7 @@ struct PrefillView {
 }
 
 fn engine_view(
-    w: &crate::pool::Worker,
+    w: &crate::pools::pool::Worker,
     now: std::time::Instant,
     stale: std::time::Duration,
 ) -> EngineView {
@@ -219,7 +228,7 @@ fn engine_view(
     }
 }
 
-fn lmcache_view(w: &crate::pool::Worker, now: std::time::Instant) -> Option<LmcacheView> {
+fn lmcache_view(w: &crate::pools::pool::Worker, now: std::time::Instant) -> Option<LmcacheView> {
     let cfg = w.config().lmcache.as_ref()?;
     let sig = w.signals();
     let s = sig.lmcache();
@@ -238,7 +247,7 @@ fn lmcache_view(w: &crate::pool::Worker, now: std::time::Instant) -> Option<Lmca
     })
 }
 
-fn hits_view(h: &crate::pool::hits::HitStats) -> HitsView {
+fn hits_view(h: &crate::pools::pool::hits::HitStats) -> HitsView {
     use std::sync::atomic::Ordering::Relaxed;
     HitsView {
         answers: h.answers.load(Relaxed),
@@ -250,7 +259,7 @@ fn hits_view(h: &crate::pool::hits::HitStats) -> HitsView {
     }
 }
 
-fn prefill_view(w: &crate::pool::Worker) -> PrefillView {
+fn prefill_view(w: &crate::pools::pool::Worker) -> PrefillView {
     let (pending_requests, pending_tokens) = w.prefill().pending();
     let rate = w.prefill().rate();
     PrefillView {
@@ -261,7 +270,7 @@ fn prefill_view(w: &crate::pool::Worker) -> PrefillView {
         tokens_per_byte: rate.tokens_per_byte,
         samples: rate.samples,
         queue_factor: rate.queue_factor,
-        learned: rate.samples >= crate::pool::prefill::MIN_SAMPLES,
+        learned: rate.samples >= crate::pools::pool::prefill::MIN_SAMPLES,
     }
 }
 
@@ -349,7 +358,7 @@ pub fn metrics(admin: &Admin) -> http::Response<ProxyBody> {
     use http_body_util::BodyExt;
     let text = admin
         .metrics
-        .encode(admin.policy.name(), &admin.worker_set());
+        .encode(admin.policy().name(), &admin.worker_set());
     let mut resp = http::Response::new(
         http_body_util::Full::new(bytes::Bytes::from(text))
             .map_err(|never| match never {})
@@ -367,11 +376,11 @@ pub fn metrics(admin: &Admin) -> http::Response<ProxyBody> {
 /// rank too, see [`FeedView`]). API keys are never shown.
 pub fn workers(admin: &Admin) -> http::Response<ProxyBody> {
     let set = admin.worker_set();
-    let policy = &admin.policy;
-    let now = crate::pool::now();
+    let policy = admin.policy();
+    let now = crate::pools::pool::now();
     let mut top = Fields::new();
     let mut per_worker = vec![Fields::new(); set.workers().len()];
-    for view in policy.views() {
+    for view in admin.views() {
         view.workers(&set, &mut top, &mut per_worker);
     }
     let em = &admin.engine_metrics;
@@ -513,7 +522,7 @@ pub async fn mutate_with_body(
         Err(e) => return ProxyError::BadRequest(format!("invalid worker: {e}")).into_response(),
     };
     let url = cfg.url.to_string();
-    match admin.pool.add(cfg) {
+    match admin.pools.workers().add(cfg) {
         Ok(()) => {
             tracing::info!(worker = %url, "worker added (admin API)");
             let n = admin.worker_set().workers().len();
@@ -581,7 +590,7 @@ enum Which<'a> {
 fn find_worker(
     set: &WorkerSet,
     which: &Which<'_>,
-) -> Result<Option<std::sync::Arc<crate::pool::Worker>>, ProxyError> {
+) -> Result<Option<std::sync::Arc<crate::pools::pool::Worker>>, ProxyError> {
     let by_url = |raw: &str, param: &str| -> Result<_, ProxyError> {
         let url = parse_url(Some(raw), param)?;
         Ok(set.workers().iter().find(|w| w.url() == &url).cloned())
@@ -613,7 +622,7 @@ fn remove_worker(admin: &Admin, which: Which<'_>) -> Result<http::Response<Proxy
             which: shown(&which),
         });
     };
-    admin.pool.remove(w.key());
+    admin.pools.workers().remove(w.key());
     tracing::info!(worker = %w.url(), key = w.key(), "worker removed (admin API); its in-flight requests finish");
     Ok(json_response(
         StatusCode::OK,
@@ -653,7 +662,7 @@ fn clear_cache(
     admin: &Admin,
     worker: Option<&str>,
 ) -> Result<http::Response<ProxyBody>, ProxyError> {
-    let views = admin.policy.views();
+    let views = admin.views();
     let clear = |worker| {
         views
             .iter()

@@ -7,7 +7,7 @@
 //! between threads; at one connection that cost 1.4 extra context switches a request
 //! and about a quarter of the router's CPU (README "Performance", sessions 17 and 19). On a
 //! runtime of its own, a connection's reads, its upstream calls (whose connections are
-//! kept per runtime, see `crate::pool::keep_alive`) and its writes all run on one
+//! kept per runtime, see `crate::pools::pool::keep_alive`) and its writes all run on one
 //! thread, as nginx's workers do. Background work (health probes, scrapes, the tree's
 //! upkeep, reloads, the admin listener) stays on the main multi-threaded runtime.
 //!

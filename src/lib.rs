@@ -5,8 +5,9 @@
 //! ```text
 //! main.rs      cli -> Config::load -> app::run (or a tool: simulate)
 //! cli          the command line: serve, --config-check, simulate
-//! app          parts: every running part built once from Config (pool, policy, fleet,
-//!              upstream client, metrics, response cache, exporter); hands each
+//! app          parts: every running part built once from Config (the routing table of
+//!              pools and policies, fleet, upstream client, metrics, response cache,
+//!              exporter); hands each
 //!              consumer the parts it uses, spawns every long-lived task, SIGHUP,
 //!              SIGTERM drain
 //! cores        thread per core: client connections on single-threaded runtimes
@@ -36,7 +37,10 @@
 //!              state and sessions around any policy); precise (KV-event policy);
 //!              view: what a policy's memory shows (/workers fields, its metric
 //!              families, POST /cache/clear), one interface for every policy
-//! pool         workers, stable ids, membership, health, breaker, in-flight guards,
+//! pools        the routing table: the pools a request can route in (one per model to
+//!              come; today `default`, any model), each with what routes in it, over
+//!              one membership of workers (a worker in two pools is one engine)
+//!   pool       workers, stable ids, membership, health, breaker, in-flight guards,
 //!              fetch (how tasks reach a worker), pending prefill and the learned
 //!              prefill rate, each worker's signal slots and idle connections;
 //!              metrics: the pool's scrape-time families
@@ -71,10 +75,11 @@
 //! ```
 //!
 //! Dependencies point one way: app -> service -> admin | proxy; proxy -> cache ->
-//! upstream, proxy -> upstream -> pool, proxy -> trace, proxy -> policy -> fleet ->
-//! pool/tree; simulate -> policy, never the proxy; admin reads the policy's views and
-//! the pool, never the proxy; health, reload, discovery and the KV-event supervisor
-//! use the pool. Each part registers its own metric families (exposition, which
+//! upstream, proxy -> upstream -> pools, proxy -> trace, proxy -> policy -> fleet ->
+//! pools/tree (the table of pools is generic over the policy, so it sits below it);
+//! simulate -> policy, never the proxy; admin reads the pools' policies' views and the
+//! workers, never the proxy; health, reload, discovery and the KV-event supervisor use
+//! the workers' pool. Each part registers its own metric families (exposition, which
 //! imports no part); metrics keeps the registry and the request path's families.
 //!
 //! # A request
@@ -107,7 +112,7 @@ pub mod log_format;
 pub mod log_sink;
 pub mod metrics;
 pub mod policy;
-pub mod pool;
+pub mod pools;
 pub mod precise;
 pub mod prompt;
 pub mod proxy;

@@ -26,7 +26,7 @@ use prometheus_client::registry::{Registry, Unit};
 mod handles;
 
 use crate::policy::Reason;
-use crate::pool::WorkerSet;
+use crate::pools::pool::WorkerSet;
 
 /// Content type of [`Metrics::encode`]'s output (Prometheus text format 0.0.4).
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
@@ -239,8 +239,8 @@ fn register_request_families(r: &mut Registry, m: &Metrics) {
 }
 
 /// A worker that leaves the pool takes its series with it.
-impl crate::pool::PoolListener for Metrics {
-    fn worker_left(&self, worker: &crate::pool::Worker) {
+impl crate::pools::pool::PoolListener for Metrics {
+    fn worker_left(&self, worker: &crate::pools::pool::Worker) {
         self.forget_worker(worker.label());
     }
 }
@@ -529,7 +529,7 @@ impl Metrics {
         worker: &Arc<str>,
         policy: &'static str,
         [available, predicted, delivered]: [u64; 3],
-        drift: crate::pool::hits::DriftNow,
+        drift: crate::pools::pool::hits::DriftNow,
     ) {
         let h = self.handles.get(self, worker);
         let numbers = [available, predicted, delivered];

@@ -9,7 +9,7 @@ use std::sync::Arc;
 
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::pool::Pool;
+use crate::pools::pool::Pool;
 
 /// What a reload did.
 #[derive(Debug, PartialEq, Eq)]

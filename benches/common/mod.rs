@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use cache_aware_router::policy::decide::pick_slot;
 use cache_aware_router::policy::{Outcome, Policy, Reason, RouteRequest};
-use cache_aware_router::pool::{WorkerId, WorkerSet};
+use cache_aware_router::pools::pool::{WorkerId, WorkerSet};
 use cache_aware_router::prompt::{Endpoint, extract};
 use cache_aware_router::tree::{RadixTree, WorkerMask, evict};
 use rand::Rng;

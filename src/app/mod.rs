@@ -21,7 +21,7 @@ pub use parts::Parts;
 use crate::admin::Admin;
 use crate::config::Config;
 use crate::cores::Cores;
-use crate::pool::{Pool, health};
+use crate::pools::pool::{Pool, health};
 use crate::proxy::Router;
 use crate::reload;
 use crate::service::{self, Service};
@@ -102,16 +102,14 @@ pub fn spawn_on(
     let service = Arc::new(Service {
         admin: Arc::new(Admin::new(
             &config,
-            Arc::clone(&parts.pool),
-            Arc::clone(&parts.policy),
+            Arc::clone(&parts.pools),
             Arc::clone(&parts.metrics),
             parts.fleet.clone(),
             parts.cache.clone(),
         )),
         router: Arc::new(Router::new(
             config.clone(),
-            Arc::clone(&parts.pool),
-            Arc::clone(&parts.policy),
+            Arc::clone(&parts.pools),
             parts.upstream.clone(),
             Arc::clone(&parts.metrics),
             parts.cache.clone(),
@@ -152,7 +150,7 @@ pub fn spawn_on(
         admin_addr,
         addr,
         config,
-        pool: parts.pool,
+        pool: Arc::clone(parts.pools.workers()),
         metrics: parts.metrics,
         trigger,
         task,
@@ -163,7 +161,7 @@ pub fn spawn_on(
 /// probes, idle upstream connections, engine signals, discovery, the fleet's channel and
 /// the policy's own upkeep.
 fn spawn_upkeep(config: &Config, parts: &Parts, shutdown: &Shutdown) {
-    let pool = || Arc::clone(&parts.pool);
+    let pool = || Arc::clone(parts.pools.workers());
     tokio::spawn(health::run(
         pool(),
         config.health.clone(),
@@ -212,9 +210,11 @@ fn spawn_upkeep(config: &Config, parts: &Parts, shutdown: &Shutdown) {
     if let Some(fleet) = &parts.fleet {
         tokio::spawn(Arc::clone(fleet).run(shutdown.clone()));
     }
-    // The policy's own upkeep: tree eviction, KV-event consumers.
-    if let Some(task) = parts.policy.background(pool(), shutdown.clone()) {
-        tokio::spawn(task);
+    // Each pool's policy's own upkeep: tree eviction, KV-event consumers.
+    for p in parts.pools.iter() {
+        if let Some(task) = p.policy().background(pool(), shutdown.clone()) {
+            tokio::spawn(task);
+        }
     }
 }
 

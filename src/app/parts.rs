@@ -10,18 +10,18 @@ use crate::cache::ResponseCache;
 use crate::config::Config;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
-use crate::policy::{self, Policy};
-use crate::pool::{Pool, PoolListener};
+use crate::policy::{self, Routes};
+use crate::pools::Pools;
+use crate::pools::pool::{Pool, PoolListener};
 use crate::trace::export::Exporter;
 use crate::upstream::Upstream;
 
 /// See the module docs.
 pub struct Parts {
-    /// The workers: membership, health, load. (One pool today; routing by model makes
-    /// this a table of pools, each with its policy.)
-    pub pool: Arc<Pool>,
-    /// The routing policy; its views' families are registered in `metrics`.
-    pub policy: Arc<dyn Policy>,
+    /// The routing table: every worker once (membership, health, load) and the pools
+    /// that route over them, each with its policy (whose views' families are
+    /// registered in `metrics`).
+    pub pools: Arc<Routes>,
     /// Routing state shared with other router replicas (`state.redis_url`).
     pub fleet: Option<Arc<Fleet>>,
     /// The pooled client to workers (requests, health probes, scrapes).
@@ -51,13 +51,14 @@ impl Parts {
                 .ok()
                 .map(Arc::new)
         });
+        let pools = Arc::new(Pools::single(Arc::clone(&pool), policy));
         let mut metrics = Metrics::new();
-        for view in policy.views() {
+        for view in pools.iter().flat_map(|p| p.policy().views()) {
             if let Some(c) = view.collector(&pool) {
                 metrics.register(c);
             }
         }
-        metrics.register(Box::new(crate::pool::metrics::PoolMetrics::new(
+        metrics.register(Box::new(crate::pools::pool::metrics::PoolMetrics::new(
             Arc::clone(&pool),
         )));
         if let Some(f) = &fleet {
@@ -71,8 +72,7 @@ impl Parts {
         let metrics = Arc::new(metrics);
         pool.listen(Arc::clone(&metrics) as Arc<dyn PoolListener>);
         Parts {
-            pool,
-            policy,
+            pools,
             fleet,
             upstream,
             metrics,

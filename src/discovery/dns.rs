@@ -12,7 +12,7 @@ use hickory_resolver::{Resolver, TokioResolver};
 
 use super::Found;
 use crate::config::DnsDiscovery;
-use crate::pool::Pool;
+use crate::pools::pool::Pool;
 use crate::shutdown::Shutdown;
 
 /// The resolver `cfg` asks: its `resolver` nameserver (UDP, then TCP), else the system's.

@@ -20,7 +20,7 @@ use kube::runtime::watcher::{self, Event};
 use kube::{Api, Client};
 
 use crate::config::KubernetesDiscovery;
-use crate::pool::Pool;
+use crate::pools::pool::Pool;
 use crate::shutdown::Shutdown;
 
 /// Least time between two log lines about watch failures.

@@ -1,5 +1,5 @@
 //! Workers found at run time (`discovery:`), fed into the pool's one membership path
-//! ([`crate::pool::Pool::set_discovered`]): the same one SIGHUP and the admin API use.
+//! ([`crate::pools::pool::Pool::set_discovered`]): the same one SIGHUP and the admin API use.
 //!
 //! - `dns`: the A/AAAA records of a name (a Kubernetes headless Service lists its ready
 //!   pods), re-resolved every `interval_secs` ([`dns`]).
@@ -15,7 +15,7 @@ pub mod kubernetes;
 use std::collections::{BTreeMap, BTreeSet};
 
 use crate::config::WorkerConfig;
-use crate::pool::Pool;
+use crate::pools::pool::Pool;
 
 /// Consecutive lookups a worker must be missing from before it leaves.
 pub const ABSENT_ROUNDS: u32 = 2;

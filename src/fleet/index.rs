@@ -18,7 +18,7 @@
 //! Memory: 16 bytes per slot, allocated up front (16 MiB for [`crate::fleet::MAX_RECORDS`]),
 //! against ~100 bytes per chunk hash in the map it replaces.
 
-use crate::pool::WorkerId;
+use crate::pools::pool::WorkerId;
 use crate::tree::WorkerMask;
 
 /// Slots per set: 8 × 16 bytes = two cache lines.

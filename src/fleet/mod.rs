@@ -39,7 +39,7 @@ use futures_util::StreamExt;
 use tokio::sync::mpsc;
 
 use crate::config::StateConfig;
-use crate::pool::{Pool, Worker, WorkerId};
+use crate::pools::pool::{Pool, Worker, WorkerId};
 pub use crate::prompt::chunks::{CHUNK_BYTES, chain};
 use crate::prompt::chunks::{extend, link};
 use crate::redis_link::{Query, RedisLink};

@@ -168,7 +168,7 @@ fn resolve(m: &Metrics, label: &Arc<str>) -> WorkerHandles {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::hits::DriftNow;
+    use crate::pools::pool::hits::DriftNow;
     use std::time::Duration;
 
     #[test]

@@ -32,7 +32,7 @@ use super::select::{
 };
 use super::{Answer, Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
-use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
+use crate::pools::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
 use crate::tree::{
     ChainMemo, MaskBuilder, PrefixMatch, RadixTree, RemotePrefixes, SharedTree, WorkerMask,
@@ -224,7 +224,7 @@ impl super::View for TreeView {
         Some(Box::new(TreeMetrics(Arc::clone(&self.0))))
     }
 
-    fn clear(&self, worker: Option<crate::pool::WorkerId>) -> Option<usize> {
+    fn clear(&self, worker: Option<crate::pools::pool::WorkerId>) -> Option<usize> {
         Some(match worker {
             // Swapped under the lock, the old nodes freed after releasing it.
             None => {
@@ -294,7 +294,7 @@ pub struct Memory<'a> {
 /// (`pool::prefill`), the prior for one not in `set`.
 pub fn learned_tokens_per_byte(set: &WorkerSet, id: WorkerId) -> f64 {
     set.get(id)
-        .map_or(crate::pool::prefill::PRIOR_TOKENS_PER_BYTE, |w| {
+        .map_or(crate::pools::pool::prefill::PRIOR_TOKENS_PER_BYTE, |w| {
             w.prefill().rate().tokens_per_byte
         })
 }
@@ -511,7 +511,7 @@ mod tests {
     use rand::rngs::StdRng;
 
     use crate::policy::fixtures::{cands, params};
-    use crate::pool::WorkerId;
+    use crate::pools::pool::WorkerId;
 
     fn rng() -> StdRng {
         StdRng::seed_from_u64(7)

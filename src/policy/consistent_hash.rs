@@ -14,7 +14,7 @@ use rand::RngCore;
 
 use super::{Candidate, Pick, Policy, RouteRequest};
 use crate::config::{ConsistentHashConfig, HashKey};
-use crate::pool::{PoolListener, WorkerId, WorkerSet};
+use crate::pools::pool::{PoolListener, WorkerId, WorkerSet};
 
 /// Ring points per worker: enough that four workers split the ring within a few percent.
 pub const VNODES: usize = 160;

@@ -65,8 +65,8 @@ use super::matches::Matches;
 use super::select::{BlockScale, eviction_evidence, tie_rank, usable};
 use super::{BoxFuture, Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::Config;
-use crate::pool::prefill::{MIN_SAMPLES, PrefillRate};
-use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
+use crate::pools::pool::prefill::{MIN_SAMPLES, PrefillRate};
+use crate::pools::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
 use crate::tree::{SharedTree, WorkerMask};
 
@@ -260,7 +260,7 @@ fn fleet_rate(set: &WorkerSet, candidates: &[Candidate]) -> Option<PrefillRate> 
     (n > 0.0).then(|| PrefillRate {
         base_s: base / n,
         secs_per_token: per_token / n,
-        tokens_per_byte: crate::pool::prefill::PRIOR_TOKENS_PER_BYTE,
+        tokens_per_byte: crate::pools::pool::prefill::PRIOR_TOKENS_PER_BYTE,
         samples: 0,
         queue_factor: queue_factor / n,
     })

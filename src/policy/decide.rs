@@ -4,7 +4,7 @@
 //! [`settle_usage`] (what a complete answer's engine usage teaches the router).
 
 use super::{Candidate, Pick, Policy, RouteRequest, Shortfall};
-use crate::pool::{InFlightGuard, Worker, WorkerSet};
+use crate::pools::pool::{InFlightGuard, Worker, WorkerSet};
 use crate::tree::WorkerMask;
 
 /// One decision plus the in-flight slot on the chosen worker, as every request makes
@@ -22,7 +22,7 @@ pub fn pick_slot(
 ) -> Option<(Pick, InFlightGuard)> {
     let mut excluded = tried.clone();
     loop {
-        let now = crate::pool::now();
+        let now = crate::pools::pool::now();
         let now_ns = crate::clock::nanos(now);
         let is_fallback = |w: &Worker| w.is_fallback();
         let is_saturated = |w: &Worker| w.signals().is_saturated_at(now_ns);

@@ -5,7 +5,7 @@ use rand::RngCore;
 
 use super::select::{least_loaded, usable};
 use super::{Candidate, Pick, Policy, RouteRequest};
-use crate::pool::{PoolListener, WorkerSet};
+use crate::pools::pool::{PoolListener, WorkerSet};
 
 /// See the module docs.
 pub struct LeastLoad;

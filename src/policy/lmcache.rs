@@ -19,7 +19,7 @@ use rand::RngCore;
 use super::select::{CacheParams, is_overloaded, least_loaded, usable};
 use super::{Candidate, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
-use crate::pool::{PoolListener, WorkerSet};
+use crate::pools::pool::{PoolListener, WorkerSet};
 
 /// The `lmcache_aware` policy: stateless besides the guard's thresholds.
 pub struct LmcacheAware {

@@ -1,7 +1,7 @@
 //! [`Matches`]: each worker's matched prefix for one request, on the stack for the usual
 //! fleet size.
 
-use crate::pool::WorkerId;
+use crate::pools::pool::WorkerId;
 
 /// Workers whose matches are kept on the stack; more spill to the heap.
 const INLINE: usize = 64;

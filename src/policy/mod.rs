@@ -7,7 +7,7 @@
 //! [`Outcome::Served`] (the first response byte with a 2xx status): a failed or
 //! cancelled attempt leaves nothing behind, and a retry that succeeds elsewhere is
 //! recorded there only. Each policy owns its state, keyed by [`WorkerId`] (stable for a
-//! worker's key, see [`crate::pool`]), and hears membership events as a
+//! worker's key, see [`crate::pools::pool`]), and hears membership events as a
 //! [`PoolListener`] so a worker that leaves or goes down is forgotten.
 //!
 //! Eligibility is decided once, by the proxy, for every policy alike
@@ -57,10 +57,13 @@ pub use view::View;
 
 use crate::config::{Config, PolicyKind};
 use crate::fleet::Fleet;
-use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
+use crate::pools::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::prompt::{Endpoint, RouteContext};
 use crate::shutdown::Shutdown;
 use crate::tree::SharedTree;
+
+/// The routing table the proxy routes with: each pool's policy (see [`crate::pools`]).
+pub type Routes = crate::pools::Pools<Arc<dyn Policy>>;
 
 /// A boxed future, for the few async hooks of the seam.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -427,7 +430,7 @@ pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
 #[cfg(test)]
 pub(crate) mod fixtures {
     use super::{CacheParams, Candidate};
-    use crate::pool::WorkerId;
+    use crate::pools::pool::WorkerId;
 
     /// The design.md defaults.
     pub(crate) fn params() -> CacheParams {

@@ -3,7 +3,7 @@
 use rand::{Rng, RngCore};
 
 use super::{Candidate, Pick, Policy, RouteRequest};
-use crate::pool::{PoolListener, WorkerSet};
+use crate::pools::pool::{PoolListener, WorkerSet};
 
 /// See the module docs.
 pub struct Random;

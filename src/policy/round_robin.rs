@@ -3,7 +3,7 @@
 use rand::RngCore;
 
 use super::{Candidate, Pick, Policy, RouteRequest};
-use crate::pool::{PoolListener, WorkerSet};
+use crate::pools::pool::{PoolListener, WorkerSet};
 
 /// See the module docs. The turn is the worker set's ticket counter.
 pub struct RoundRobin;

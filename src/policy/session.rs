@@ -35,7 +35,7 @@ use super::select::{is_overloaded, least_loaded, usable};
 use super::{CacheParams, Candidate, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::{SessionConfig, SessionMode};
 use crate::fleet::{BindingKind, BindingSink, Fleet};
-use crate::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
+use crate::pools::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
 
 /// Why a session left its worker.
@@ -192,7 +192,7 @@ impl super::View for SessionsView {
 
     fn collector(
         &self,
-        _: &std::sync::Arc<crate::pool::Pool>,
+        _: &std::sync::Arc<crate::pools::pool::Pool>,
     ) -> Option<Box<dyn prometheus_client::collector::Collector>> {
         Some(Box::new(self.clone()))
     }

@@ -12,7 +12,7 @@ use std::sync::Arc;
 use prometheus_client::collector::Collector;
 use serde::Serialize;
 
-use crate::pool::{WorkerId, WorkerSet};
+use crate::pools::pool::{WorkerId, WorkerSet};
 
 /// JSON fields of one `/workers` object.
 pub type Fields = serde_json::Map<String, serde_json::Value>;
@@ -26,7 +26,7 @@ pub trait View: Send + Sync {
     /// The metric families read from this part at each scrape, registered once when
     /// the metrics registry is built (`pool` gives the current workers); `None` when
     /// it has none.
-    fn collector(&self, _pool: &Arc<crate::pool::Pool>) -> Option<Box<dyn Collector>> {
+    fn collector(&self, _pool: &Arc<crate::pools::pool::Pool>) -> Option<Box<dyn Collector>> {
         None
     }
 

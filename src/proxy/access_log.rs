@@ -18,7 +18,7 @@ use crate::error::{Chain, ProxyError};
 use crate::log_format::Decimal;
 use crate::metrics::Metrics;
 use crate::policy::Reason;
-use crate::pool::Worker;
+use crate::pools::pool::Worker;
 use crate::trace::TraceContext;
 use crate::trace::export::{Exporter, Finished};
 

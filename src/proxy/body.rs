@@ -14,8 +14,8 @@ use super::BoxError;
 use super::access_log::AccessLog;
 use super::usage::UsageScanner;
 use crate::metrics::Metrics;
-use crate::pool::InFlightGuard;
-use crate::pool::breaker::Outcome;
+use crate::pools::pool::InFlightGuard;
+use crate::pools::pool::breaker::Outcome;
 use crate::upstream::UpstreamBody;
 
 /// What is recorded when a response body finishes: duration, engine usage, access log.
@@ -163,7 +163,7 @@ impl GuardedBody {
 impl BodyTap {
     /// Counts the answer's available / predicted / `delivered` tokens for `w`, warns when
     /// its drift has stayed low, and logs `delivered`.
-    fn hit_numbers(&mut self, w: &crate::pool::Worker, delivered: u64) {
+    fn hit_numbers(&mut self, w: &crate::pools::pool::Worker, delivered: u64) {
         let d = &self.log.decision;
         let numbers = [d.available_tokens, d.predicted_tokens, delivered];
         let drift = w.hits().record(numbers, self.drift_floor, self.drift_for);

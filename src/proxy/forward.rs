@@ -16,14 +16,17 @@ use crate::cache::Pending;
 use crate::config::Role;
 use crate::error::ProxyError;
 use crate::policy::{self, Outcome, Pick, Policy, Reason, RouteRequest};
-use crate::pool::breaker::Outcome as BreakerOutcome;
-use crate::pool::{InFlightGuard, Worker, WorkerSet};
+use crate::pools::ModelPool;
+use crate::pools::pool::breaker::Outcome as BreakerOutcome;
+use crate::pools::pool::{InFlightGuard, Worker, WorkerSet};
 use crate::tree::WorkerMask;
 use crate::upstream::{RequestTemplate, UpstreamBody};
 
 /// What one request routes on.
 pub(super) struct Route<'a> {
     pub id: Ident<'a>,
+    /// The pool it routes in (its model's; [`crate::pools::Pools::route`]).
+    pub pool: &'a ModelPool<Arc<dyn Policy>>,
     /// What the policy decides on.
     pub req: RouteRequest<'a>,
     /// When the decision started (for its latency).
@@ -35,9 +38,10 @@ pub(super) struct Route<'a> {
 impl<'a> Route<'a> {
     /// A request routed without a prompt (`/v1/models`, a tunnel, a stored response's
     /// calls): the policy's least-loaded choice, or a bound session's worker.
-    pub fn without_prompt(id: Ident<'a>) -> Self {
+    pub fn without_prompt(id: Ident<'a>, pool: &'a ModelPool<Arc<dyn Policy>>) -> Self {
         Route {
             id,
+            pool,
             req: RouteRequest::default(),
             started: Instant::now(),
             cache: None,
@@ -81,7 +85,7 @@ impl Router {
             }
             let decision = self.decided(&pick, &worker, started, attempt);
             let watch = Attempt {
-                policy: &*self.policy,
+                policy: &**route.pool.policy(),
                 req: &route.req,
                 pick: &pick,
                 worker: &worker,
@@ -123,11 +127,11 @@ impl Router {
         tried: &WorkerMask,
         started: Instant,
     ) -> Result<Option<(Pick, InFlightGuard)>, ProxyError> {
-        let picked = self.pick(set, &route.req, tried);
+        let picked = self.pick(set, route, tried);
         if picked.is_some() || attempt > 0 {
             return Ok(picked);
         }
-        let waited = self.wait_for_slot(set, &route.req, tried).await;
+        let waited = self.wait_for_slot(set, route, tried).await;
         if !matches!(waited, Ok(Some(_))) {
             self.metrics.decision(Reason::NoWorker, started.elapsed());
         }
@@ -185,7 +189,7 @@ impl Router {
             .await;
         let pushed_back = result.as_ref().ok().and_then(retry::back_pressure);
         if let Some(wait) = pushed_back {
-            worker.signals().saturate(crate::pool::now() + wait);
+            worker.signals().saturate(crate::pools::pool::now() + wait);
             self.metrics.back_pressure(worker.label());
             tracing::info!(
                 request_id = ?route.id.request_id,
@@ -218,7 +222,7 @@ impl Router {
     async fn wait_for_slot(
         &self,
         set: &WorkerSet,
-        req: &RouteRequest<'_>,
+        route: &Route<'_>,
         tried: &WorkerMask,
     ) -> Result<Option<(Pick, InFlightGuard)>, ProxyError> {
         let q = self.config.proxy.queue;
@@ -227,7 +231,7 @@ impl Router {
                 .iter()
                 .any(|w| !tried.contains(w.id()) && w.is_full(now))
         };
-        if q.max_waiting == 0 || !only_full(crate::pool::now()) {
+        if q.max_waiting == 0 || !only_full(crate::pools::pool::now()) {
             return Ok(None);
         }
         let Some(_place) = self.metrics.queue_enter(q.max_waiting) else {
@@ -238,14 +242,14 @@ impl Router {
         let deadline = since + q.timeout;
         loop {
             // Registered before the re-check, so a slot freed in between is not missed.
-            let freed = self.pool.slot_freed().notified();
+            let freed = self.pools.workers().slot_freed().notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
-            if let Some(picked) = self.pick(set, req, tried) {
+            if let Some(picked) = self.pick(set, route, tried) {
                 self.metrics.queue_waited(since.elapsed());
                 return Ok(Some(picked));
             }
-            if !only_full(crate::pool::now()) {
+            if !only_full(crate::pools::pool::now()) {
                 return Ok(None);
             }
             if tokio::time::timeout_at(deadline.into(), freed)
@@ -262,7 +266,7 @@ impl Router {
 
     /// Whether a worker not yet tried is usable and has not pushed back.
     fn any_unsaturated(&self, set: &WorkerSet, tried: &WorkerMask) -> bool {
-        let now = crate::pool::now();
+        let now = crate::pools::pool::now();
         set.workers().iter().any(|w| {
             !tried.contains(w.id()) && w.is_routable(now) && !w.signals().is_saturated(now)
         })
@@ -273,10 +277,11 @@ impl Router {
     pub(super) fn pick(
         &self,
         set: &WorkerSet,
-        req: &RouteRequest<'_>,
+        route: &Route<'_>,
         tried: &WorkerMask,
     ) -> Option<(Pick, InFlightGuard)> {
-        policy::decide::pick_slot(&*self.policy, set, req, tried, &mut rand::rng())
+        let policy = &**route.pool.policy();
+        policy::decide::pick_slot(policy, set, &route.req, tried, &mut rand::rng())
     }
 }
 

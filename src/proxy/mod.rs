@@ -43,8 +43,9 @@ pub use serve::Call;
 use crate::cache::ResponseCache;
 use crate::config::Config;
 use crate::metrics::Metrics;
-use crate::policy::Policy;
-use crate::pool::{Pool, WorkerSet};
+use crate::policy::{Policy, Routes};
+use crate::pools::ModelPool;
+use crate::pools::pool::WorkerSet;
 use crate::trace::export::Exporter;
 use crate::upstream::Upstream;
 
@@ -53,8 +54,8 @@ pub use crate::error::{BoxError, ProxyBody};
 /// Shared state of the request path. See the module docs.
 pub struct Router {
     config: Config,
-    pool: Arc<Pool>,
-    policy: Arc<dyn Policy>,
+    /// The routing table: the pools, each with its policy, over one membership.
+    pools: Arc<Routes>,
     client: Upstream,
     metrics: Arc<Metrics>,
     /// `response_cache:` when enabled.
@@ -72,8 +73,7 @@ impl Router {
     /// The request path over the parts `app` built from the same `config`.
     pub fn new(
         config: Config,
-        pool: Arc<Pool>,
-        policy: Arc<dyn Policy>,
+        pools: Arc<Routes>,
         client: Upstream,
         metrics: Arc<Metrics>,
         cache: Option<Arc<ResponseCache>>,
@@ -82,8 +82,7 @@ impl Router {
         Router {
             export,
             client,
-            pool,
-            policy,
+            pools,
             metrics,
             cache,
             no_worker: Arc::from(crate::metrics::NO_WORKER),
@@ -98,6 +97,11 @@ impl Router {
 
     /// The current worker set (one atomic load).
     pub fn worker_set(&self) -> Arc<WorkerSet> {
-        self.pool.set()
+        self.pools.workers().set()
+    }
+
+    /// The pool a request for `model` routes in (`None`: it names none).
+    fn pool_for(&self, model: Option<&str>) -> &ModelPool<Arc<dyn Policy>> {
+        self.pools.route(model)
     }
 }

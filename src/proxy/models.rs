@@ -12,7 +12,7 @@ use super::access_log::RequestEnd;
 use super::forward::Route;
 use super::{ProxyBody, Router};
 use crate::error::ProxyError;
-use crate::pool::CachedAnswer as Cached;
+use crate::pools::pool::CachedAnswer as Cached;
 
 /// Largest `/v1/models` answer that is cached, in bytes.
 const MAX_CACHED_BYTES: usize = 4 << 20;
@@ -42,7 +42,7 @@ pub(super) async fn get(
         return Ok(build(StatusCode::OK, c.content_type, c.body));
     }
     let (parts, _) = req.into_parts();
-    let route = Route::without_prompt(end.id);
+    let route = Route::without_prompt(end.id, router.pool_for(None));
     let resp = router
         .forward(&set, parts, Bytes::new(), &route, &mut end.waiting_on)
         .await?;

@@ -13,7 +13,7 @@ use super::body::{BodyTap, GuardedBody};
 use super::forward::Route;
 use super::{ProxyBody, Router, headers, usage};
 use crate::cache;
-use crate::pool::InFlightGuard;
+use crate::pools::pool::InFlightGuard;
 use crate::prompt::Endpoint;
 use crate::upstream::UpstreamBody;
 
@@ -62,7 +62,7 @@ impl Router {
         }
         let tap = BodyTap {
             metrics: Arc::clone(&self.metrics),
-            policy: Arc::clone(&self.policy),
+            policy: Arc::clone(route.pool.policy()),
             scanner: usage::UsageScanner::for_response(
                 &parts.headers,
                 may_answer_with_response_id(log.endpoint),

@@ -29,8 +29,8 @@ use super::access_log::{AccessLog, Decision};
 use super::forward::Route;
 use crate::error::{ProxyBody, ProxyError};
 use crate::policy::{Answer, Reason};
-use crate::pool::InFlightGuard;
-use crate::pool::breaker::Outcome as BreakerOutcome;
+use crate::pools::pool::InFlightGuard;
+use crate::pools::pool::breaker::Outcome as BreakerOutcome;
 use crate::upstream::{RequestTemplate, UpstreamBody};
 
 /// The response id a call names when `path` is `/v1/responses/{id}` or a path below it
@@ -80,8 +80,9 @@ impl Router {
                 .attempt_timeout
                 .map_or(left, |a| a.min(left))
         };
-        let holder = self
-            .policy
+        let holder = route
+            .pool
+            .policy()
             .response_holder(key, &set)
             .and_then(|w| set.get(w).cloned());
         if let Some(worker) = holder {
@@ -112,14 +113,14 @@ impl Router {
     /// answer the client gets.
     async fn fan_out(
         &self,
-        set: &crate::pool::WorkerSet,
+        set: &crate::pools::pool::WorkerSet,
         base: &RequestTemplate,
         body: Bytes,
         id: &str,
         route: &Route<'_>,
         wait: std::time::Duration,
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        let now = crate::pool::now();
+        let now = crate::pools::pool::now();
         let mut pending: Vec<Pin<Box<dyn Future<Output = Reply> + Send + '_>>> = set
             .workers()
             .iter()
@@ -169,7 +170,7 @@ impl Router {
                             response_id: Some(id),
                             ..Answer::default()
                         };
-                        self.policy.answered(guard.worker(), &answer);
+                        route.pool.policy().answered(guard.worker(), &answer);
                     }
                     // The others' calls are dropped: they could only say 404.
                     drop(pending);

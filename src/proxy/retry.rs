@@ -10,7 +10,7 @@ use http::{Response, StatusCode};
 use super::access_log::AccessLog;
 use crate::config::ProxyConfig;
 use crate::error::ProxyError;
-use crate::pool::{InFlightGuard, Worker};
+use crate::pools::pool::{InFlightGuard, Worker};
 use crate::upstream::UpstreamBody;
 
 /// A worker's answer, with the slot it holds there and its access line.

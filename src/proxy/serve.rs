@@ -131,7 +131,7 @@ impl Router {
         }
         // A call on a stored response goes where the response is.
         if endpoint.is_none() && responses::response_id_in_path(parts.uri.path()).is_some() {
-            let route = Route::without_prompt(id);
+            let route = Route::without_prompt(id, self.pool_for(None));
             return self
                 .to_response_holder(parts, body, &route, &mut end.waiting_on)
                 .await;
@@ -158,7 +158,8 @@ impl Router {
             endpoint.map(|e| prompt::extract(e, &body, self.config.cache.max_prompt_bytes));
         // The policy's own preparation (precise mode: token ids), once, before the
         // worker set is read: it may wait for the blocking pool.
-        let prepared = match self.policy.prepare(RequestParts {
+        let pool = self.pool_for(None);
+        let prepared = match pool.policy().prepare(RequestParts {
             headers: &parts.headers,
             endpoint,
             body: &body,
@@ -178,6 +179,7 @@ impl Router {
             .unwrap_or_default();
         let route = Route {
             id,
+            pool,
             req: RouteRequest {
                 ctx: ctx.as_ref(),
                 prepared,

@@ -28,7 +28,7 @@ use super::access_log::{AccessLog, Decision, RequestEnd};
 use super::forward::Route;
 use super::{Router, headers};
 use crate::error::{Chain, ProxyBody, ProxyError};
-use crate::pool::breaker::Outcome as BreakerOutcome;
+use crate::pools::pool::breaker::Outcome as BreakerOutcome;
 use crate::tree::WorkerMask;
 use crate::upstream::RequestTemplate;
 
@@ -70,7 +70,7 @@ impl Router {
             .unwrap_or(HeaderValue::from_static("websocket"));
         let client_side = hyper::upgrade::on(&mut req);
         let (parts, _) = req.into_parts();
-        let route = Route::without_prompt(end.id);
+        let route = Route::without_prompt(end.id, self.pool_for(None));
         let base = RequestTemplate::new(parts, route.id.request_id, &route.id.trace);
         let set = self.worker_set();
         let deadline = route.id.arrived + self.config.proxy.request_timeout;
@@ -78,7 +78,7 @@ impl Router {
         let mut last_error =
             ProxyError::NoWorker("every worker is unhealthy, at max_load, or down");
         for attempt in 0..=self.config.proxy.max_retries {
-            let Some((pick, mut guard)) = self.pick(&set, &route.req, &tried) else {
+            let Some((pick, mut guard)) = self.pick(&set, &route, &tried) else {
                 if attempt == 0 {
                     self.metrics
                         .decision(crate::policy::Reason::NoWorker, route.started.elapsed());

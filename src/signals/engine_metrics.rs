@@ -19,9 +19,9 @@ use tokio::task::JoinSet;
 use tokio::time::MissedTickBehavior;
 
 use crate::config::EngineMetricsConfig;
-use crate::pool::signals::{EngineKind, EngineLoad};
-use crate::pool::{Fetch, Target};
-use crate::pool::{Pool, WorkerId};
+use crate::pools::pool::signals::{EngineKind, EngineLoad};
+use crate::pools::pool::{Fetch, Target};
+use crate::pools::pool::{Pool, WorkerId};
 use crate::shutdown::Shutdown;
 
 /// Largest metrics page read, in bytes (vLLM's is ~100 KiB with its histograms).

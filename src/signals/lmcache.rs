@@ -13,9 +13,9 @@ use std::time::{Duration, Instant};
 
 use tokio::task::JoinSet;
 
-use crate::pool::signals::LmcacheSignal;
-use crate::pool::{Fetch, Target};
-use crate::pool::{Pool, WorkerId};
+use crate::pools::pool::signals::LmcacheSignal;
+use crate::pools::pool::{Fetch, Target};
+use crate::pools::pool::{Pool, WorkerId};
 use crate::shutdown::Shutdown;
 
 /// Largest signal body read, in bytes.
@@ -24,7 +24,7 @@ pub const MAX_SIGNAL_BYTES: usize = 64 << 10;
 /// One finished poll: whose, and what came back.
 type Polled = (
     WorkerId,
-    Arc<crate::pool::Worker>,
+    Arc<crate::pools::pool::Worker>,
     Result<(http::StatusCode, bytes::Bytes), String>,
 );
 
@@ -93,7 +93,10 @@ pub async fn run<F: Fetch>(pool: Arc<Pool>, fetch: F, mut shutdown: Shutdown) {
     }
 }
 
-fn record(worker: &crate::pool::Worker, got: Result<(http::StatusCode, bytes::Bytes), String>) {
+fn record(
+    worker: &crate::pools::pool::Worker,
+    got: Result<(http::StatusCode, bytes::Bytes), String>,
+) {
     let counts = &worker.signals().lmcache_polls;
     match got {
         Ok((status, body)) if status.is_success() => match parse(&body) {

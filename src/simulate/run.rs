@@ -23,7 +23,7 @@ use super::engine::{EngineModel, Timing};
 use crate::config::Config;
 use crate::policy::decide::{pick_slot, settle_usage};
 use crate::policy::{self, Answer, Outcome, Pick, Policy, RouteRequest};
-use crate::pool::{InFlightGuard, Pool};
+use crate::pools::pool::{InFlightGuard, Pool};
 use crate::prompt::{Endpoint, RouteContext};
 use crate::tree::WorkerMask;
 

@@ -32,7 +32,7 @@ mod mask;
 
 pub use mask::{MaskBuilder, WorkerMask};
 
-pub use crate::pool::WorkerId;
+pub use crate::pools::pool::WorkerId;
 
 /// How long a worker's learned KV cache capacity bounds its records after the last
 /// answer that showed its engine evicting: a capacity learned from a passing squeeze

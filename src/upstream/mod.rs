@@ -1,5 +1,5 @@
 //! The client to workers: requests on per-worker keep-alive connections
-//! (`crate::pool::keep_alive`), the per-attempt request, and calls to other hosts (the
+//! (`crate::pools::pool::keep_alive`), the per-attempt request, and calls to other hosts (the
 //! response cache's embeddings endpoint). Below both `proxy` and `cache`, so neither
 //! depends on the other.
 
@@ -23,8 +23,8 @@ use hyper_util::rt::{TokioExecutor, TokioTimer};
 
 use crate::config::{ProxyConfig, Secret};
 use crate::error::ProxyError;
-use crate::pool::Worker;
-use crate::pool::keep_alive::Conn;
+use crate::pools::pool::Worker;
+use crate::pools::pool::keep_alive::Conn;
 
 /// The connector of every upstream call: plain TCP for `http://`, rustls over it for
 /// `https://` (`proxy.tls`).
@@ -39,7 +39,7 @@ type Connector = HttpsConnector<HttpConnector>;
 /// hyper-util's pooled client.
 #[derive(Clone)]
 pub struct Upstream {
-    /// Calls to absolute URLs ([`crate::pool::Target::Url`], [`Upstream::post_json`]).
+    /// Calls to absolute URLs ([`crate::pools::pool::Target::Url`], [`Upstream::post_json`]).
     client: Client<Connector, Full<Bytes>>,
     connector: Connector,
     /// `proxy.pool_idle_timeout_secs`: an idle connection older than this is not used.
@@ -241,7 +241,7 @@ impl Upstream {
 /// connections do not stay open on the workers once the burst is over. Returns at once
 /// for a zero `idle_timeout` (no connection is kept).
 pub async fn close_idle(
-    pool: Arc<crate::pool::Pool>,
+    pool: Arc<crate::pools::pool::Pool>,
     idle_timeout: Duration,
     mut shutdown: crate::shutdown::Shutdown,
 ) {
@@ -363,12 +363,12 @@ fn is_stale_connection(e: &hyper::Error) -> bool {
     false
 }
 
-impl crate::pool::Fetch for Upstream {
+impl crate::pools::pool::Fetch for Upstream {
     /// [`Upstream::get`], its error shown with its causes.
     async fn get(
         &self,
         worker: &Arc<Worker>,
-        target: crate::pool::Target<'_>,
+        target: crate::pools::pool::Target<'_>,
         timeout: Duration,
         max_bytes: usize,
     ) -> Result<(http::StatusCode, Bytes), String> {
@@ -385,12 +385,12 @@ impl Upstream {
     pub async fn get(
         &self,
         worker: &Arc<Worker>,
-        target: crate::pool::Target<'_>,
+        target: crate::pools::pool::Target<'_>,
         timeout: Duration,
         max_bytes: usize,
     ) -> Result<(http::StatusCode, Bytes), CallError> {
         let url = match target {
-            crate::pool::Target::Path(path) => {
+            crate::pools::pool::Target::Path(path) => {
                 let uri = worker.url().origin_form(path)?;
                 let build = || {
                     let mut req = Request::new(Full::new(Bytes::new()));
@@ -411,7 +411,7 @@ impl Upstream {
                     .await
                     .map_err(|_| CallError::Timeout(timeout))?;
             }
-            crate::pool::Target::Url(url) => url,
+            crate::pools::pool::Target::Url(url) => url,
         };
         let mut req = Request::new(Full::new(Bytes::new()));
         let uri: http::Uri = url.parse().map_err(http::Error::from)?;

@@ -27,7 +27,7 @@ use super::{
     RouteRequest,
 };
 use crate::config::Config;
-use crate::pool::{Pool, PoolListener, Worker, WorkerSet};
+use crate::pools::pool::{Pool, PoolListener, Worker, WorkerSet};
 use crate::precise::feed::{self, Feed, FeedStats};
 use crate::precise::index::SourceId;
 use crate::precise::{Fallback, Lookup, Precise};
@@ -64,7 +64,7 @@ impl PreciseCacheAware {
         tokens: usize,
         rng: &mut dyn RngCore,
     ) -> Result<Pick, Fallback> {
-        let now = crate::pool::now();
+        let now = crate::pools::pool::now();
         let stale = self.precise.config().stale;
         // (candidate, source) for every live rank of every usable cache-aware candidate.
         let scorable: Vec<(usize, SourceId)> = candidates
@@ -195,7 +195,7 @@ impl Policy for PreciseCacheAware {
         candidates: &[Candidate],
         rng: &mut dyn RngCore,
     ) -> Pick {
-        let now = crate::pool::now();
+        let now = crate::pools::pool::now();
         let feeds: Vec<&[Arc<Feed>]> = candidates
             .iter()
             .map(|c| set.get(c.id).map_or(&[][..], |w| w.feeds()))
@@ -245,7 +245,7 @@ impl Policy for PreciseCacheAware {
         if pick.unit != super::MatchUnit::Tokens || !pick.cache_aware || ttl.is_zero() {
             return;
         }
-        let until = crate::pool::now() + ttl;
+        let until = crate::pools::pool::now() + ttl;
         let mut index = self.precise.index();
         for feed in worker.feeds() {
             if pick.dp_rank.is_none_or(|r| r == feed.rank()) {
@@ -322,7 +322,7 @@ mod tests {
     fn a_worker_of_several_ranks_scores_its_best_live_rank() {
         use crate::config::{BreakerConfig, WorkerConfig};
         use crate::policy::fixtures::cands;
-        use crate::pool::{Worker, WorkerId, WorkerSet};
+        use crate::pools::pool::{Worker, WorkerId, WorkerSet};
         use crate::precise::events::{BlockStored, Event};
         use crate::precise::{Fallback, Lookup, TokenSource};
         use std::time::Duration;
@@ -401,7 +401,7 @@ mod tests {
                 (first.worker, first.matched, first.dp_rank),
                 (Some(WorkerId(0)), 12, Some(1))
             );
-            let now = crate::pool::now();
+            let now = crate::pools::pool::now();
             let held = p
                 .index()
                 .match_prefix(keys, &[a[0].source(), a[1].source()], now);

@@ -95,7 +95,7 @@ pub fn pick_precise(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::pool::WorkerId;
+    use crate::pools::pool::WorkerId;
     use rand::SeedableRng;
     use rand::rngs::StdRng;
 

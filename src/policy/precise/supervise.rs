@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio::time::MissedTickBehavior;
 
-use crate::pool::Pool;
+use crate::pools::pool::Pool;
 use crate::precise::feed::Feed;
 use crate::precise::index::SourceId;
 use crate::precise::{Precise, consumer};

@@ -12,7 +12,7 @@ use prometheus_client::registry::Unit;
 use serde::Serialize;
 
 use crate::policy::view::{Fields, View, family, put};
-use crate::pool::{Pool, WorkerSet};
+use crate::pools::pool::{Pool, WorkerSet};
 use crate::precise::Precise;
 use crate::precise::feed::{Feed, FeedCounts, FeedState};
 
@@ -22,7 +22,7 @@ pub struct PreciseView(pub Arc<Precise>);
 impl View for PreciseView {
     fn workers(&self, set: &WorkerSet, top: &mut Fields, workers: &mut [Fields]) {
         let precise = &*self.0;
-        let now = crate::pool::now();
+        let now = crate::pools::pool::now();
         let (blocks, evicted, held): (usize, u64, Vec<Vec<usize>>) = {
             let index = precise.index();
             (
@@ -150,7 +150,7 @@ struct IndexView {
 
 /// A worker's `kv_events` view (see [`FeedView`]); `blocks` holds each rank's count.
 fn worker_feed_view(
-    w: &crate::pool::Worker,
+    w: &crate::pools::pool::Worker,
     blocks: &[usize],
     now: std::time::Instant,
     stale: std::time::Duration,
@@ -324,7 +324,7 @@ impl PreciseMetrics {
         f.parity_checks.clear();
         f.parity_lost.clear();
         f.decisions.clear();
-        let now = crate::pool::now();
+        let now = crate::pools::pool::now();
         let stale = precise.config().stale;
         let feeds: Vec<(&Arc<str>, &[Arc<Feed>])> = set
             .workers()

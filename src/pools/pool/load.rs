@@ -189,7 +189,7 @@ mod tests {
     use super::*;
 
     fn worker(max_load: Option<usize>) -> Arc<Worker> {
-        Arc::new(crate::pool::worker::for_test(
+        Arc::new(crate::pools::pool::worker::for_test(
             max_load,
             &crate::config::BreakerConfig {
                 failure_threshold: 1,
@@ -225,7 +225,7 @@ mod tests {
         let later = now() + std::time::Duration::from_secs(61);
         assert_eq!(
             w.breaker_state(later),
-            crate::pool::breaker::State::HalfOpen
+            crate::pools::pool::breaker::State::HalfOpen
         );
         assert_eq!(w.admit(later), Some(Admission::Probe));
         // The probe's client cancels: the guard records neutral on drop.

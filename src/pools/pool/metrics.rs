@@ -88,9 +88,9 @@ impl PoolMetrics {
                 .set(i64::from(w.is_healthy()));
             let state = w.breaker_state(now);
             for s in [
-                crate::pool::breaker::State::Closed,
-                crate::pool::breaker::State::Open,
-                crate::pool::breaker::State::HalfOpen,
+                crate::pools::pool::breaker::State::Closed,
+                crate::pools::pool::breaker::State::Open,
+                crate::pools::pool::breaker::State::HalfOpen,
             ] {
                 f.breaker
                     .get_or_create(&BreakerLabels {
