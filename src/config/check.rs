@@ -375,7 +375,7 @@ mod tests {
         }
         each::<PolicyKind>(|p| p.as_str());
         each::<Role>(|r| r.as_str());
-        assert_eq!(PolicyKind::NAMES.len(), 9);
+        assert_eq!(PolicyKind::NAMES.len(), 10);
         assert_eq!(one_of(&["a", "b"]), "`a` or `b`");
         assert_eq!(one_of(&["a", "b", "c"]), "one of: `a`, `b`, `c`");
     }

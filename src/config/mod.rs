@@ -37,6 +37,7 @@ mod log;
 mod passthrough;
 mod policy;
 mod precise;
+mod prefix_hash;
 mod proxy;
 mod response_cache;
 mod secret;
@@ -63,6 +64,7 @@ pub use log::{LogColor, LogConfig, LogFormat};
 pub use passthrough::{Passthrough, Verdict as PassthroughVerdict};
 pub use policy::PolicyKind;
 pub use precise::{ContentFormat, DEFAULT_MAX_TOKENIZE_BYTES, PreciseConfig, TokenizerSetting};
+pub use prefix_hash::PrefixHashConfig;
 pub use proxy::{ProxyConfig, QueueConfig, RemoteMediaPolicy};
 pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticConfig};
 pub use secret::Secret;
@@ -93,6 +95,7 @@ pub struct Config {
     pub log: LogConfig,
     pub precise: PreciseConfig,
     pub consistent_hash: ConsistentHashConfig,
+    pub prefix_hash: PrefixHashConfig,
     pub session: SessionConfig,
     pub engine_metrics: EngineMetricsConfig,
     pub response_cache: ResponseCacheConfig,
@@ -126,6 +129,8 @@ struct RawConfig {
     #[serde(default)]
     consistent_hash: consistent_hash::RawConsistentHash,
     #[serde(default)]
+    prefix_hash: prefix_hash::RawPrefixHash,
+    #[serde(default)]
     session: session::RawSession,
     #[serde(default)]
     engine_metrics: engine_metrics::RawEngineMetrics,
@@ -156,6 +161,7 @@ impl RawConfig {
         let precise = self.precise.validate(ck)?;
         kv_events::check_workers(policy, workers.iter().map(|w| w.kv_events.as_ref()), ck)?;
         let consistent_hash = self.consistent_hash.validate(ck)?;
+        let prefix_hash = self.prefix_hash.validate(ck)?;
         let session = self.session.validate(ck)?;
         let engine_metrics = self.engine_metrics.validate(policy, ck)?;
         lmcache::check_workers(policy, workers.iter().map(|w| w.lmcache.as_ref()), ck)?;
@@ -171,6 +177,7 @@ impl RawConfig {
             log,
             precise,
             consistent_hash,
+            prefix_hash,
             session,
             engine_metrics,
             response_cache: self.response_cache.validate(ck)?,
@@ -331,6 +338,7 @@ impl Config {
             changed(&a.log, &b.log),
             changed(&a.precise, &b.precise),
             changed(&a.consistent_hash, &b.consistent_hash),
+            changed(&a.prefix_hash, &b.prefix_hash),
             changed(&a.session, &b.session),
             changed(&a.engine_metrics, &b.engine_metrics),
             changed(&a.response_cache, &b.response_cache),

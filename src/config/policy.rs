@@ -19,6 +19,8 @@ pub enum PolicyKind {
     PowerOfTwo,
     /// The session (or prompt digest) on a hash ring, with bounded loads.
     ConsistentHash,
+    /// The prompt's first `prefix_hash.prefix_bytes` on a hash ring, with bounded loads.
+    PrefixHash,
     /// Prefix match on the blocks the engines report holding (vLLM KV-cache events,
     /// `precise:` and per-worker `kv_events:`), falling back to the approximate tree
     /// when a request carries no token ids or no worker's event feed is usable.
@@ -41,6 +43,7 @@ impl PolicyKind {
             PolicyKind::PreciseCacheAware => "precise_cache_aware",
             PolicyKind::PowerOfTwo => "power_of_two",
             PolicyKind::ConsistentHash => "consistent_hash",
+            PolicyKind::PrefixHash => "prefix_hash",
             PolicyKind::CostAware => "cost_aware",
             PolicyKind::LmcacheAware => "lmcache_aware",
         }
@@ -58,6 +61,7 @@ named!(PolicyKind {
     "least_load" => PolicyKind::LeastLoad,
     "power_of_two" => PolicyKind::PowerOfTwo,
     "consistent_hash" => PolicyKind::ConsistentHash,
+    "prefix_hash" => PolicyKind::PrefixHash,
     "precise_cache_aware" => PolicyKind::PreciseCacheAware,
     "cost_aware" => PolicyKind::CostAware,
     "lmcache_aware" => PolicyKind::LmcacheAware,

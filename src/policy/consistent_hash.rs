@@ -23,8 +23,26 @@ pub const VNODES: usize = 160;
 pub struct ConsistentHash {
     key: HashKey,
     load_factor: f64,
-    /// The ring of the last worker set seen: (set generation, ring).
-    ring: Mutex<Option<(u64, Arc<Ring>)>>,
+    ring: RingCache,
+}
+
+/// The ring of the last worker set seen, rebuilt when the set's generation changes.
+#[derive(Default)]
+pub struct RingCache(Mutex<Option<(u64, Arc<Ring>)>>);
+
+impl RingCache {
+    /// The ring of `set`'s workers (their keys and ids).
+    pub fn ring_for(&self, set: &WorkerSet) -> Arc<Ring> {
+        let mut cached = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        match &*cached {
+            Some((generation, ring)) if *generation == set.generation() => Arc::clone(ring),
+            _ => {
+                let ring = Arc::new(Ring::new(set.workers().iter().map(|w| (w.key(), w.id()))));
+                *cached = Some((set.generation(), Arc::clone(&ring)));
+                ring
+            }
+        }
+    }
 }
 
 /// Sorted (point, worker) pairs.
@@ -94,19 +112,7 @@ impl ConsistentHash {
         ConsistentHash {
             key: cfg.key,
             load_factor: cfg.load_factor,
-            ring: Mutex::new(None),
-        }
-    }
-
-    fn ring_for(&self, set: &WorkerSet) -> Arc<Ring> {
-        let mut cached = self.ring.lock().unwrap_or_else(|e| e.into_inner());
-        match &*cached {
-            Some((generation, ring)) if *generation == set.generation() => Arc::clone(ring),
-            _ => {
-                let ring = Arc::new(Ring::new(set.workers().iter().map(|w| (w.key(), w.id()))));
-                *cached = Some((set.generation(), Arc::clone(&ring)));
-                ring
-            }
+            ring: RingCache::default(),
         }
     }
 }
@@ -138,7 +144,7 @@ impl Policy for ConsistentHash {
             return Pick::load_only(w.map(|c| c.id), req.text().len());
         };
         let cap = load_cap(candidates, self.load_factor);
-        let w = self.ring_for(set).lookup(hash, candidates, cap);
+        let w = self.ring.ring_for(set).lookup(hash, candidates, cap);
         Pick::load_only(w.map(|c| c.id), req.text().len())
     }
 }

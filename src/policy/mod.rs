@@ -22,6 +22,7 @@
 //! least_load      fewest in flight (+ load_penalty)
 //! power_of_two    two random usable workers, the less loaded
 //! consistent_hash the session (or prompt digest) on a hash ring, with bounded loads
+//! prefix_hash     the prompt's head on that ring: shared heads share a worker, no memory
 //! cache_aware     longest prefix in the radix tree (owns the tree), load-guarded
 //! cost_aware      least expected TTFT: queued prefill + uncached prefill over the
 //!                 worker's learned prefill rate (the tree of cache_aware, no knobs)
@@ -39,6 +40,7 @@ mod lmcache;
 mod matches;
 mod power_of_two;
 pub mod precise;
+mod prefix_hash;
 mod random;
 mod round_robin;
 pub mod select;
@@ -403,6 +405,7 @@ pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
         PolicyKind::ConsistentHash => Arc::new(consistent_hash::ConsistentHash::new(
             &config.consistent_hash,
         )),
+        PolicyKind::PrefixHash => Arc::new(prefix_hash::PrefixHash::new(&config.prefix_hash)),
         PolicyKind::CostAware => {
             let p = cost_aware::CostAware::new(config, shared);
             tree = Some(Arc::clone(p.shared_tree()));

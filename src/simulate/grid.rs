@@ -3,7 +3,7 @@
 //! Rows: `cache_aware` at the design defaults and with one knob moved at a time
 //! (`cache.threshold`, `cache.match_abs_threshold`, the balance margins
 //! `balance_abs_threshold` / `balance_rel_threshold`), then `cost_aware`,
-//! `consistent_hash`, `least_load` and `round_robin`. Each row is YAML layered on the
+//! `consistent_hash`, `prefix_hash`, `least_load` and `round_robin`. Each row is YAML layered on the
 //! user's `-c` files, so a row reads exactly as a config would.
 //!
 //! **Recommendation**: among rows that rejected no request, those whose TTFT p99 is
@@ -53,6 +53,7 @@ pub fn settings() -> Vec<Setting> {
         ),
         plain("cost_aware"),
         plain("consistent_hash"),
+        plain("prefix_hash"),
         plain("least_load"),
         plain("round_robin"),
     ]

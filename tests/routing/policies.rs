@@ -263,6 +263,50 @@ async fn consistent_hash_keeps_a_key_on_one_worker_and_spreads_keys() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_hash_sends_a_shared_head_to_one_worker_and_spreads_heads() {
+    let pool = three_workers().await;
+    let ws: Vec<&FakeWorker> = pool.iter().collect();
+    let router = start_router(&yaml_for(
+        &ws,
+        "policy: prefix_hash
+prefix_hash:
+  prefix_bytes: 256
+session:
+  enabled: false
+",
+    ))
+    .await;
+    // 30 system prompts longer than the head, each with 4 different questions: every
+    // question of one system prompt lands where its first did; the heads spread.
+    let mut per_worker = [0usize; 3];
+    for s in 0..30 {
+        let system = long_prompt(&format!("System prompt {s}"));
+        let ask = |q: usize| {
+            serde_json::json!({"model": "m", "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": format!("question {q} of {s}")},
+            ]})
+            .to_string()
+        };
+        let first = served(router.addr, &ws, &ask(0)).await;
+        for q in 1..4 {
+            assert_eq!(
+                served(router.addr, &ws, &ask(q)).await,
+                first,
+                "head {s} moved"
+            );
+        }
+        per_worker[first] += 1;
+    }
+    assert!(
+        per_worker.iter().all(|n| *n >= 3),
+        "heads spread: {per_worker:?}"
+    );
+    assert_eq!(get_workers(router.addr).await["policy"], "prefix_hash");
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn power_of_two_serves_every_request_and_uses_every_worker() {
     let pool = three_workers().await;
     let ws: Vec<&FakeWorker> = pool.iter().collect();
