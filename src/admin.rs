@@ -353,12 +353,10 @@ struct ResponseCacheView {
     bytes: Option<u64>,
 }
 
-/// `GET /metrics`: Prometheus text exposition (see `metrics.rs`).
+/// `GET /metrics`: Prometheus text exposition of the registry every part registered in.
 pub fn metrics(admin: &Admin) -> http::Response<ProxyBody> {
     use http_body_util::BodyExt;
-    let text = admin
-        .metrics
-        .encode(admin.policy().name(), &admin.worker_set());
+    let text = admin.metrics.encode();
     let mut resp = http::Response::new(
         http_body_util::Full::new(bytes::Bytes::from(text))
             .map_err(|never| match never {})

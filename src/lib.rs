@@ -26,6 +26,8 @@
 //!   media      proxy.remote_media_url_policy: media members of any JSON body
 //!   headers    request ids, the router's response headers, worker URLs made relative
 //!   usage      engine token usage (and /v1/responses ids) read as bytes pass
+//!   metrics    the request path's families (requests, decisions, latencies, engine
+//!              usage, prefix numbers, admission queue), per-worker handles to them
 //!   models, responses, tunnel   GET /v1/models; calls on a stored response; WebSockets
 //! request      a client's request body, bounded in bytes, memory and time (proxy, admin)
 //! upstream     the client to workers: hyper HTTP/1.1 connections kept per worker, one
@@ -56,11 +58,12 @@
 //! precise      KV-event state: events, sequence, index, feed, consumer
 //! tokenize     request token ids as vLLM computes them (chat_template)
 //! prompt       request body -> RouteContext (routing text, length, digest)
-//! metrics      the registry and the request path's families (prometheus-client);
-//!              parts register their own scrape-time families (exposition: how)
+//! metrics      the registry (prometheus-client) and its naming rules, imports no part:
+//!              each part registers its own families and scrape-time collectors
+//!              (exposition: how) and may ask to run before each scrape (BeforeScrape)
 //! admin        GET /health, /workers, /metrics; the admin API (its own parts: Admin)
 //! exposition   how a part writes its scrape-time families (imports no part)
-//! reload       SIGHUP: re-read files, replace the pool's workers
+//! reload       SIGHUP: re-read files, replace the pool's workers; reloads_total
 //! simulate     `simulate`: a request log through the same policy code over modelled
 //!              engines (the engine model sim-engine uses), a grid of settings
 //! error        ProxyError (causes kept as #[source]) -> the one JSON error response
@@ -79,8 +82,10 @@
 //! pools/tree (the table of pools is generic over the policy, so it sits below it);
 //! simulate -> policy, never the proxy; admin reads the pools' policies' views and the
 //! workers, never the proxy; health, reload, discovery and the KV-event supervisor use
-//! the workers' pool. Each part registers its own metric families (exposition, which
-//! imports no part); metrics keeps the registry and the request path's families.
+//! the workers' pool. Each part registers its own metric families in the registry
+//! `app` builds (the proxy the request path's, reload its reloads, the others
+//! scrape-time collectors written with exposition); metrics and exposition import no
+//! part, and admin encodes the registry without knowing whose families it holds.
 //!
 //! # A request
 //!

@@ -1,294 +1,48 @@
-//! Every metric name and label, in one place, on `prometheus-client`.
+//! The registry behind `GET /metrics` and its naming rules, on `prometheus-client`.
+//! Each part registers its own families here (the proxy its request path's, `reload`
+//! its reloads, the pool, fleet, response cache and policy views their scrape-time
+//! collectors) before the registry is shared; this module imports no part.
 //!
-//! Names follow Prometheus conventions (`cache_aware_router_…_total` for counters,
-//! `…_seconds` for durations; the library adds both suffixes). Per-request metrics are
-//! recorded on the request path; gauges (in-flight, health, breaker, tree size) are read
-//! from the current worker set when `/metrics` is scraped, so they never drift.
-//!
-//! Hit rate and degradations are read from `…_routing_decisions_total{reason}`:
-//! hits / all, and `hit_overloaded` / (`cache_hit` + `hit_overloaded`). The engines' own
-//! view sits beside the router's estimate:
-//! `…_engine_cached_tokens_total / …_engine_prompt_tokens_total` per worker is the real
-//! prefix-cache hit rate, `…_estimated_prefix_tokens_saved_total` (the hits' predicted tokens)
-//! what the router expected.
+//! Naming rules: every name gets the [`PREFIX`] (`cache_aware_router_`); counters end
+//! in `_total` and durations in `_seconds` (the library adds both suffixes: register
+//! `requests` as a counter, `decision_duration` with [`Unit::Seconds`]); help texts
+//! are one sentence, the library (or `exposition` for a collector) adds its period. A
+//! per-worker family labels the worker `worker` (its URL, as `/workers` lists it), and
+//! its series go when the worker leaves the pool.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
-use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
-use prometheus_client::registry::{Registry, Unit};
-
-mod handles;
-
-use crate::policy::Reason;
-use crate::pools::pool::WorkerSet;
+use prometheus_client::collector::Collector;
+use prometheus_client::registry::{Metric, Registry, Unit};
 
 /// Content type of [`Metrics::encode`]'s output (Prometheus text format 0.0.4).
 pub const CONTENT_TYPE: &str = prometheus_client::encoding::prometheus_text::CONTENT_TYPE;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct RequestLabels {
-    endpoint: &'static str,
-    worker: Arc<str>,
-    status: u16,
+/// The prefix of every family's name (with `_` after it).
+pub const PREFIX: &str = "cache_aware_router";
+
+/// A part called just before each scrape is encoded: e.g. to create a series at 0 for
+/// every label value it knows now (each current worker), so a family is present from
+/// the first scrape and a first increment is seen as one.
+pub trait BeforeScrape: Send + Sync {
+    /// Runs on the scraping request's task: keep it short and never block.
+    fn before_scrape(&self);
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WorkerLabels {
-    worker: Arc<str>,
-}
-
-/// One of a worker's prefix numbers under one policy (see `pool::hits`).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct PrefixLabels {
-    worker: Arc<str>,
-    policy: &'static str,
-    /// `available`, `predicted` or `delivered`.
-    kind: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ReasonLabels {
-    reason: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct ResultLabels {
-    result: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct CauseLabels {
-    cause: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct OutcomeLabels {
-    outcome: &'static str,
-}
-
-/// How a request's exchange with its client ended, one per request (the access log's
-/// `outcome`): `complete` (the whole answer, the router's own errors included),
-/// `client_gone` (the client left first, before or after the headers),
-/// `upstream_error` (the worker broke the body), `upstream_idle_timeout`.
-pub const OUTCOMES: [&str; 4] = [
-    "complete",
-    "client_gone",
-    "upstream_error",
-    "upstream_idle_timeout",
-];
-
-fn latency_histogram() -> Histogram {
-    // 100 µs … ~100 s.
-    Histogram::new(exponential_buckets(0.0001, 2.0, 21))
-}
-
-fn decision_histogram() -> Histogram {
-    // 1 µs … ~16 ms.
-    Histogram::new(exponential_buckets(0.000_001, 2.0, 15))
-}
-
-/// The router's metrics. One instance per process, handed to the proxy and `/metrics`.
-#[derive(Debug)]
+/// The process's one registry: filled by the parts as `app` builds them, then shared
+/// (read-only) with `/metrics`.
 pub struct Metrics {
     registry: Registry,
-    requests: Family<RequestLabels, Counter>,
-    decisions: Family<ReasonLabels, Counter>,
-    estimated_saved: Family<WorkerLabels, Counter>,
-    engine_cached: Family<WorkerLabels, Counter>,
-    engine_prompt: Family<WorkerLabels, Counter>,
-    prefix_tokens: Family<PrefixLabels, Counter>,
-    drift: Family<WorkerLabels, Gauge<f64, std::sync::atomic::AtomicU64>>,
-    drift_low: Family<WorkerLabels, Gauge>,
-    decision_time: Histogram,
-    ttfb: Family<WorkerLabels, Histogram, fn() -> Histogram>,
-    duration: Family<WorkerLabels, Histogram, fn() -> Histogram>,
-    retries: Counter,
-    fallback_picks: Counter,
-    reloads: Family<ResultLabels, Counter>,
-    back_pressure: Family<WorkerLabels, Counter>,
-    /// Every worker label with series of its own that outlive a scrape, and the label
-    /// sets its label alone does not name (see [`Noted`]); a worker's entry and
-    /// series go when it leaves ([`Metrics::forget_worker`]).
-    noted: std::sync::Mutex<std::collections::HashMap<Arc<str>, Noted>>,
-    /// The per-worker series a routed request updates, resolved once per worker.
-    handles: handles::Handles,
-    /// `proxy.queue`: requests waiting for a slot now, their waits, refusals by cause.
-    queue_waiting: Gauge,
-    waiting: Arc<std::sync::atomic::AtomicUsize>,
-    queue_wait: Histogram,
-    queue_rejected: Family<CauseLabels, Counter>,
-    outcomes: Family<OutcomeLabels, Counter>,
-    /// `routing_decisions_total` per [`REASONS`] entry, resolved once (each request counts
-    /// one).
-    decision_counts: [Counter; REASONS.len()],
-    /// `request_outcomes_total` per [`OUTCOMES`] entry, resolved once.
-    outcome_counts: [Counter; OUTCOMES.len()],
+    before: Vec<Arc<dyn BeforeScrape>>,
 }
 
-/// The per-worker families a routed request updates (see [`Metrics::new`]).
-fn register_worker_families(r: &mut Registry, m: &Metrics) {
-    r.register(
-        "requests",
-        "Requests answered, by endpoint, worker (\"none\" when the router answered) and status",
-        m.requests.clone(),
-    );
-    r.register(
-        "routing_decisions",
-        "Routing decisions by reason: cache_hit, hit_overloaded (a degradation), miss, empty_text, no_worker",
-        m.decisions.clone(),
-    );
-    r.register(
-        "estimated_prefix_tokens_saved",
-        "Prefix tokens the router expects the worker to reuse on its hits (whole KV blocks; estimated from bytes at the worker's learned tokens per byte in approximate mode)",
-        m.estimated_saved.clone(),
-    );
-    r.register(
-        "engine_cached_tokens",
-        "Cached prompt tokens the engines reported (usage.prompt_tokens_details.cached_tokens)",
-        m.engine_cached.clone(),
-    );
-    r.register(
-        "engine_prompt_tokens",
-        "Prompt tokens the engines reported (usage.prompt_tokens) in responses that carried usage",
-        m.engine_prompt.clone(),
-    );
-    r.register(
-        "prefix_tokens",
-        "Prefix tokens of the answers that reported cached tokens, by worker, policy and kind: available (the longest any worker held), predicted (what the router believed the chosen worker held), delivered (the engine's cached_tokens); in whole KV blocks, estimated from bytes at the worker's learned tokens per byte in approximate mode",
-        m.prefix_tokens.clone(),
-    );
-    r.register(
-        "worker_hit_drift",
-        "Delivered / predicted prefix tokens over a worker's last 100 answers that predicted a hit (absent until 10)",
-        m.drift.clone(),
-    );
-    r.register(
-        "worker_hit_drift_low",
-        "1 while a worker's drift has stayed under cache.drift_floor for a minute: the router's memory of its KV cache is stale",
-        m.drift_low.clone(),
-    );
-    r.register_with_unit(
-        "decision_duration",
-        "Time to extract the prompt and pick a worker",
-        Unit::Seconds,
-        m.decision_time.clone(),
-    );
-}
-
-/// The request path's pool-wide families (see [`Metrics::new`]).
-fn register_request_families(r: &mut Registry, m: &Metrics) {
-    r.register_with_unit(
-        "time_to_first_byte",
-        "From the request's arrival to the worker's response headers",
-        Unit::Seconds,
-        m.ttfb.clone(),
-    );
-    r.register_with_unit(
-        "request_duration",
-        "From the request's arrival to the end of the response body",
-        Unit::Seconds,
-        m.duration.clone(),
-    );
-    r.register(
-        "retries",
-        "Requests re-sent to another worker",
-        m.retries.clone(),
-    );
-    r.register(
-        "fallback_picks",
-        "Attempts sent to a `role: fallback` worker (no primary worker was usable)",
-        m.fallback_picks.clone(),
-    );
-    r.register(
-        "reloads",
-        "SIGHUP reloads by result (applied, rejected, invalid)",
-        m.reloads.clone(),
-    );
-    r.register(
-        "queue_waiting",
-        "Requests waiting for an in-flight slot now (proxy.queue: every usable worker at max_load)",
-        m.queue_waiting.clone(),
-    );
-    r.register_with_unit(
-        "queue_wait",
-        "How long queued requests waited before a slot freed",
-        Unit::Seconds,
-        m.queue_wait.clone(),
-    );
-    r.register(
-        "request_outcomes",
-        "Requests by how their client's exchange ended: complete, client_gone (before or after the headers), upstream_error, upstream_idle_timeout",
-        m.outcomes.clone(),
-    );
-    r.register(
-        "queue_rejected",
-        "Requests the admission queue answered 503: full (max_waiting reached) or timeout (timeout_ms passed)",
-        m.queue_rejected.clone(),
-    );
-    r.register(
-        "back_pressure",
-        "429 (or 503 with Retry-After) answers per worker; not counted by the circuit breaker",
-        m.back_pressure.clone(),
-    );
-}
-
-/// A worker that leaves the pool takes its series with it.
-impl crate::pools::pool::PoolListener for Metrics {
-    fn worker_left(&self, worker: &crate::pools::pool::Worker) {
-        self.forget_worker(worker.label());
+impl std::fmt::Debug for Metrics {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Metrics")
+            .field("registry", &self.registry)
+            .finish_non_exhaustive()
     }
 }
-
-/// A request's place in the admission queue; dropping it (served, refused, or the
-/// client gone) gives the place back.
-#[derive(Debug)]
-pub struct QueuePlace {
-    waiting: Arc<std::sync::atomic::AtomicUsize>,
-    gauge: Gauge,
-}
-
-impl Drop for QueuePlace {
-    fn drop(&mut self) {
-        self.waiting.fetch_sub(1, Ordering::Relaxed);
-        self.gauge.dec();
-    }
-}
-
-/// Every decision reason, for series at 0 from start-up.
-/// Worker labels of answers the router gave itself ([`NO_WORKER`]) or replayed from the
-/// response cache ([`CACHE_WORKER`]): never a pool's worker, so never forgotten.
-pub const NO_WORKER: &str = "none";
-pub const CACHE_WORKER: &str = "cache";
-
-/// A worker's label sets that its label alone does not name, noted as they are first
-/// created so that they can be removed: `requests_total` has one per endpoint and
-/// status, `prefix_tokens_total` one per policy (a reload may change it).
-#[derive(Debug, Default)]
-struct Noted {
-    requests: Vec<(&'static str, u16)>,
-    policies: Vec<&'static str>,
-}
-
-const REASONS: [Reason; 9] = [
-    Reason::CacheHit,
-    Reason::HitOverloaded,
-    Reason::Miss,
-    Reason::EmptyText,
-    Reason::NoWorker,
-    Reason::Session,
-    Reason::Conversation,
-    Reason::CacheSignal,
-    Reason::FanOut,
-];
-
-/// `prefix_tokens_total`'s kinds.
-const PREFIX_KINDS: [&str; 3] = ["available", "predicted", "delivered"];
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -297,343 +51,80 @@ impl Default for Metrics {
 }
 
 impl Metrics {
-    /// Creates and registers every family.
+    /// An empty registry with the [`PREFIX`].
     pub fn new() -> Self {
-        let mut r = Registry::with_prefix("cache_aware_router");
-        let mut m = Metrics {
-            requests: Family::default(),
-            decisions: Family::default(),
-            estimated_saved: Family::default(),
-            engine_cached: Family::default(),
-            engine_prompt: Family::default(),
-            prefix_tokens: Family::default(),
-            drift: Family::default(),
-            drift_low: Family::default(),
-            decision_time: decision_histogram(),
-            ttfb: Family::new_with_constructor(latency_histogram),
-            duration: Family::new_with_constructor(latency_histogram),
-            retries: Counter::default(),
-            fallback_picks: Counter::default(),
-            reloads: Family::default(),
-            back_pressure: Family::default(),
-            noted: Default::default(),
-            handles: Default::default(),
-            queue_waiting: Gauge::default(),
-            waiting: Arc::default(),
-            queue_wait: latency_histogram(),
-            queue_rejected: Family::default(),
-            outcomes: Family::default(),
-            decision_counts: Default::default(),
-            outcome_counts: Default::default(),
-            registry: Registry::default(),
-        };
-        register_worker_families(&mut r, &m);
-        register_request_families(&mut r, &m);
-        for (reason, count) in REASONS.iter().zip(&mut m.decision_counts) {
-            *count = m
-                .decisions
-                .get_or_create(&ReasonLabels {
-                    reason: reason.as_str(),
-                })
-                .clone();
-        }
-        for result in ["applied", "rejected", "invalid"] {
-            let _ = m.reloads.get_or_create(&ResultLabels { result });
-        }
-        for (outcome, count) in OUTCOMES.iter().zip(&mut m.outcome_counts) {
-            *count = m.outcomes.get_or_create(&OutcomeLabels { outcome }).clone();
-        }
-        for cause in ["full", "timeout"] {
-            let _ = m.queue_rejected.get_or_create(&CauseLabels { cause });
-        }
-        Metrics { registry: r, ..m }
-    }
-
-    /// Gives every worker of `set` its per-worker series at 0 (those its events would
-    /// create: saved and engine tokens, `prefix_tokens_total` under `policy`, drift,
-    /// latency histograms), so a worker's first increments are seen; forgets every
-    /// worker not in `set` that still has series (an answer that finished after its
-    /// worker left made them again).
-    fn worker_series(&self, set: &WorkerSet, policy: &'static str) {
-        let now: Vec<Arc<str>> = set
-            .workers()
-            .iter()
-            .map(|w| Arc::clone(w.label()))
-            .collect();
-        let gone: Vec<Arc<str>> = self
-            .noted()
-            .keys()
-            .filter(|l| !now.contains(l) && !matches!(&***l, NO_WORKER | CACHE_WORKER))
-            .cloned()
-            .collect();
-        for label in &gone {
-            self.forget_worker(label);
-        }
-        for w in &now {
-            let labels = WorkerLabels {
-                worker: Arc::clone(w),
-            };
-            for f in [
-                &self.estimated_saved,
-                &self.engine_cached,
-                &self.engine_prompt,
-            ] {
-                let _ = f.get_or_create(&labels);
-            }
-            let _ = self.drift_low.get_or_create(&labels);
-            let _ = self.ttfb.get_or_create(&labels);
-            let _ = self.duration.get_or_create(&labels);
-            let _ = self.back_pressure.get_or_create(&labels);
-            for kind in PREFIX_KINDS {
-                let _ = self.prefix_tokens.get_or_create(&PrefixLabels {
-                    worker: Arc::clone(w),
-                    policy,
-                    kind,
-                });
-            }
-            self.note_policy(w, policy);
-        }
-        self.handles.retain(self, &now);
-    }
-
-    fn noted(&self) -> std::sync::MutexGuard<'_, std::collections::HashMap<Arc<str>, Noted>> {
-        self.noted.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Notes that `worker` has series of its own (created on its first update).
-    fn note_worker(&self, worker: &Arc<str>) {
-        self.noted().entry(Arc::clone(worker)).or_default();
-    }
-
-    /// Notes `worker`'s `prefix_tokens_total` series under `policy`.
-    fn note_policy(&self, worker: &Arc<str>, policy: &'static str) {
-        let mut noted = self.noted();
-        let n = noted.entry(Arc::clone(worker)).or_default();
-        if !n.policies.contains(&policy) {
-            n.policies.push(policy);
+        Metrics {
+            registry: Registry::with_prefix(PREFIX),
+            before: Vec::new(),
         }
     }
 
-    /// Removes every series of the worker labelled `worker`: it left the pool (the
-    /// admin API, a reload, discovery), so under churn the exposition stays as large as
-    /// the pool. Series read from the pool at scrape time (in-flight, health, breaker,
-    /// engine signals, KV-event feeds) are rebuilt by each scrape and need nothing here.
-    pub fn forget_worker(&self, worker: &Arc<str>) {
-        let noted = self.noted().remove(worker).unwrap_or_default();
-        let labels = WorkerLabels {
-            worker: Arc::clone(worker),
-        };
-        for f in [
-            &self.estimated_saved,
-            &self.engine_cached,
-            &self.engine_prompt,
-            &self.back_pressure,
-        ] {
-            f.remove(&labels);
-        }
-        self.drift.remove(&labels);
-        self.drift_low.remove(&labels);
-        self.ttfb.remove(&labels);
-        self.duration.remove(&labels);
-        for (endpoint, status) in noted.requests {
-            self.requests.remove(&RequestLabels {
-                endpoint,
-                worker: Arc::clone(worker),
-                status,
-            });
-        }
-        for policy in noted.policies {
-            for kind in PREFIX_KINDS {
-                self.prefix_tokens.remove(&PrefixLabels {
-                    worker: Arc::clone(worker),
-                    policy,
-                    kind,
-                });
-            }
-        }
-        self.handles.forget(worker);
+    /// Adds a family (or a single metric) a part updates as things happen; `name`
+    /// without the prefix or the `_total` suffix, `help` without its closing period.
+    pub fn register_family(&mut self, name: &str, help: &str, metric: impl Metric) {
+        self.registry.register(name, help, metric);
     }
 
-    /// One routing decision and how long it took.
-    pub fn decision(&self, reason: Reason, took: Duration) {
-        match REASONS.iter().position(|r| *r == reason) {
-            Some(i) => self.decision_counts[i].inc(),
-            None => self
-                .decisions
-                .get_or_create(&ReasonLabels {
-                    reason: reason.as_str(),
-                })
-                .inc(),
-        };
-        if reason != Reason::NoWorker {
-            self.decision_time.observe(took.as_secs_f64());
-        }
-    }
-
-    /// Prefix tokens the chosen worker is expected to reuse on a hit
-    /// ([`crate::policy::Pick::saved_tokens`]).
-    pub fn estimated_saved(&self, worker: &Arc<str>, tokens: u64) {
-        if tokens > 0 {
-            self.handles
-                .get(self, worker)
-                .estimated_saved
-                .inc_by(tokens);
-        }
-    }
-
-    /// A response (or an error the router answered itself, with worker `none`).
-    pub fn request(&self, endpoint: &'static str, worker: &Arc<str>, status: u16) {
-        let labels = RequestLabels {
-            endpoint,
-            worker: Arc::clone(worker),
-            status,
-        };
-        if let Some(c) = self.requests.get(&labels) {
-            c.inc();
-            return;
-        }
-        self.requests.get_or_create(&labels).inc();
-        let mut noted = self.noted();
-        let n = noted.entry(Arc::clone(worker)).or_default();
-        if !n.requests.contains(&(endpoint, status)) {
-            n.requests.push((endpoint, status));
-        }
-    }
-
-    /// Response headers arrived from `worker` after `elapsed`.
-    pub fn first_byte(&self, worker: &Arc<str>, elapsed: Duration) {
-        self.handles
-            .get(self, worker)
-            .ttfb
-            .observe(elapsed.as_secs_f64());
-    }
-
-    /// The response body from `worker` ended (or was dropped) after `elapsed`.
-    pub fn finished(&self, worker: &Arc<str>, elapsed: Duration) {
-        self.handles
-            .get(self, worker)
-            .duration
-            .observe(elapsed.as_secs_f64());
-    }
-
-    /// Token usage an engine reported in a response.
-    pub fn engine_usage(&self, worker: &Arc<str>, prompt_tokens: u64, cached_tokens: u64) {
-        let h = self.handles.get(self, worker);
-        h.engine_prompt.inc_by(prompt_tokens);
-        h.engine_cached.inc_by(cached_tokens);
-    }
-
-    /// One answer's three prefix numbers (tokens), and its worker's drift after it.
-    pub fn prefix_tokens(
-        &self,
-        worker: &Arc<str>,
-        policy: &'static str,
-        [available, predicted, delivered]: [u64; 3],
-        drift: crate::pools::pool::hits::DriftNow,
+    /// As [`Metrics::register_family`], with `unit`'s suffix (e.g. `_seconds`).
+    pub fn register_family_with_unit(
+        &mut self,
+        name: &str,
+        help: &str,
+        unit: Unit,
+        metric: impl Metric,
     ) {
-        let h = self.handles.get(self, worker);
-        let numbers = [available, predicted, delivered];
-        match h.prefix(self, policy) {
-            Some(c) => {
-                for (c, n) in c.iter().zip(numbers) {
-                    c.inc_by(n);
-                }
-            }
-            // Another policy than the handles were made under (a reload).
-            None => {
-                self.note_policy(worker, policy);
-                for (kind, n) in PREFIX_KINDS.into_iter().zip(numbers) {
-                    self.prefix_tokens
-                        .get_or_create(&PrefixLabels {
-                            worker: Arc::clone(worker),
-                            policy,
-                            kind,
-                        })
-                        .inc_by(n);
-                }
-            }
-        }
-        if let Some(r) = drift.ratio {
-            h.drift(self).set(r);
-        }
-        h.drift_low.set(i64::from(drift.low));
-    }
-
-    pub fn retry(&self) {
-        self.retries.inc();
-    }
-
-    /// An attempt sent to a fallback worker.
-    pub fn fallback_pick(&self) {
-        self.fallback_picks.inc();
-    }
-
-    /// A 429 or 503 + Retry-After from `worker`.
-    pub fn back_pressure(&self, worker: &Arc<str>) {
-        self.note_worker(worker);
-        self.back_pressure
-            .get_or_create(&WorkerLabels {
-                worker: Arc::clone(worker),
-            })
-            .inc();
-    }
-
-    /// Takes a place in the admission queue, unless `max` requests already wait.
-    pub fn queue_enter(&self, max: usize) -> Option<QueuePlace> {
-        self.waiting
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .ok()?;
-        self.queue_waiting.inc();
-        Some(QueuePlace {
-            waiting: Arc::clone(&self.waiting),
-            gauge: self.queue_waiting.clone(),
-        })
-    }
-
-    /// A queued request got a slot after waiting `took`.
-    pub fn queue_waited(&self, took: Duration) {
-        self.queue_wait.observe(took.as_secs_f64());
-    }
-
-    /// A request the queue refused: `full` or `timeout`.
-    pub fn queue_rejected(&self, cause: &'static str) {
-        self.queue_rejected
-            .get_or_create(&CauseLabels { cause })
-            .inc();
-    }
-
-    /// How one request ended, one of [`OUTCOMES`].
-    pub fn outcome(&self, outcome: &'static str) {
-        match OUTCOMES.iter().position(|o| *o == outcome) {
-            Some(i) => self.outcome_counts[i].inc(),
-            None => self
-                .outcomes
-                .get_or_create(&OutcomeLabels { outcome })
-                .inc(),
-        };
-    }
-
-    /// A reload attempt: `applied`, `rejected` or `invalid`.
-    pub fn reload(&self, result: &'static str) {
-        self.reloads.get_or_create(&ResultLabels { result }).inc();
+        self.registry.register_with_unit(name, help, unit, metric);
     }
 
     /// Adds the families read from a part at each scrape (a policy's views: its tree,
-    /// precise mode's index and feeds, sessions), before the registry is shared.
-    pub fn register(&mut self, collector: Box<dyn prometheus_client::collector::Collector>) {
+    /// precise mode's index and feeds, sessions; the pool's gauges), written with
+    /// `exposition`'s helpers. They follow the registered families in the exposition.
+    pub fn register(&mut self, collector: Box<dyn Collector>) {
         self.registry.register_collector(collector);
     }
 
-    /// Prometheus text exposition, with gauges read from `set` now, the registered
-    /// parts' families; `policy` names
-    /// the `prefix_tokens_total` series each worker gets at 0.
-    pub fn encode(&self, policy: &'static str, set: &WorkerSet) -> String {
-        self.worker_series(set, policy);
+    /// Has `hook` called before each scrape, in the order hooks were added.
+    pub fn before_scrape(&mut self, hook: Arc<dyn BeforeScrape>) {
+        self.before.push(hook);
+    }
+
+    /// Prometheus text exposition of every registered family, after the
+    /// [`BeforeScrape`] hooks ran.
+    pub fn encode(&self) -> String {
+        for hook in &self.before {
+            hook.before_scrape();
+        }
         let mut out = String::with_capacity(16 * 1024);
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus_client::metrics::counter::Counter;
+
+    /// Counts the scrapes it was told about in a counter of its own.
+    struct Scrapes(Counter);
+
+    impl BeforeScrape for Scrapes {
+        fn before_scrape(&self) {
+            self.0.inc();
+        }
+    }
+
+    #[test]
+    fn families_get_the_prefix_and_hooks_run_before_each_scrape() {
+        let mut m = Metrics::new();
+        let scrapes = Counter::default();
+        m.register_family("scrapes", "Scrapes seen", scrapes.clone());
+        m.before_scrape(Arc::new(Scrapes(scrapes)));
+        assert!(
+            m.encode()
+                .contains("# HELP cache_aware_router_scrapes_total Scrapes seen.\n")
+        );
+        assert!(m.encode().contains("cache_aware_router_scrapes_total 2\n"));
     }
 }

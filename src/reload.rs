@@ -2,14 +2,56 @@
 //!
 //! Only `workers` may change. A file that fails to load, or a change to any other key,
 //! is logged and the running config kept. Surviving workers keep their state and their
-//! routing memory (see [`Pool::replace`]); the `/v1/models` cache starts fresh.
+//! routing memory (see [`Pool::replace`]); the `/v1/models` cache starts fresh. Each
+//! attempt is counted in `/metrics` (`reloads_total{result}`, [`ReloadMetrics`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
 
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+
 use crate::config::Config;
 use crate::metrics::Metrics;
 use crate::pools::pool::Pool;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabels {
+    result: &'static str,
+}
+
+/// `reloads_total{result}`: every result at 0 from start-up.
+#[derive(Clone, Debug)]
+pub struct ReloadMetrics {
+    reloads: Family<ResultLabels, Counter>,
+}
+
+impl ReloadMetrics {
+    /// The family, registered in `registry`.
+    pub fn register(registry: &mut Metrics) -> Self {
+        let reloads = Family::default();
+        for result in ["applied", "rejected", "invalid"] {
+            let _ = reloads.get_or_create(&ResultLabels { result });
+        }
+        registry.register_family(
+            "reloads",
+            "SIGHUP reloads by result (applied, rejected, invalid)",
+            reloads.clone(),
+        );
+        ReloadMetrics { reloads }
+    }
+
+    /// A reload attempt that ended as `outcome`.
+    fn count(&self, outcome: &Outcome) {
+        let result = match outcome {
+            Outcome::Applied { .. } => "applied",
+            Outcome::Rejected { .. } => "rejected",
+            Outcome::Invalid(_) => "invalid",
+        };
+        self.reloads.get_or_create(&ResultLabels { result }).inc();
+    }
+}
 
 /// What a reload did.
 #[derive(Debug, PartialEq, Eq)]
@@ -56,7 +98,7 @@ pub fn apply(running: &Config, pool: &Pool, files: &[PathBuf]) -> Outcome {
 pub async fn run(
     running: Config,
     pool: Arc<Pool>,
-    metrics: Arc<Metrics>,
+    metrics: ReloadMetrics,
     files: Vec<PathBuf>,
     mut hup: tokio::signal::unix::Signal,
 ) {
@@ -68,11 +110,7 @@ pub async fn run(
             Ok(o) => o,
             Err(e) => Outcome::Invalid(format!("reload task failed: {e}")),
         };
-        metrics.reload(match outcome {
-            Outcome::Applied { .. } => "applied",
-            Outcome::Rejected { .. } => "rejected",
-            Outcome::Invalid(_) => "invalid",
-        });
+        metrics.count(&outcome);
         match outcome {
             Outcome::Applied { workers } => tracing::info!(workers, "reload applied"),
             Outcome::Invalid(e) => {

@@ -36,7 +36,7 @@ pub struct RunningRouter {
     /// The config it runs (SIGHUP's reload compares against it).
     config: Config,
     pool: Arc<Pool>,
-    metrics: Arc<crate::metrics::Metrics>,
+    reloads: reload::ReloadMetrics,
     trigger: Trigger,
     task: JoinHandle<()>,
 }
@@ -111,7 +111,7 @@ pub fn spawn_on(
             config.clone(),
             Arc::clone(&parts.pools),
             parts.upstream.clone(),
-            Arc::clone(&parts.metrics),
+            Arc::clone(&parts.requests),
             parts.cache.clone(),
             parts.export.clone(),
         )),
@@ -151,7 +151,7 @@ pub fn spawn_on(
         addr,
         config,
         pool: Arc::clone(parts.pools.workers()),
-        metrics: parts.metrics,
+        reloads: parts.reloads,
         trigger,
         task,
     })
@@ -247,7 +247,7 @@ pub async fn run(config: Config, files: Vec<PathBuf>) -> std::io::Result<()> {
     let reload_task = tokio::spawn(reload::run(
         running.config.clone(),
         Arc::clone(&running.pool),
-        Arc::clone(&running.metrics),
+        running.reloads.clone(),
         files,
         hup,
     ));

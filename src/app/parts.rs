@@ -12,7 +12,9 @@ use crate::fleet::Fleet;
 use crate::metrics::Metrics;
 use crate::policy::{self, Routes};
 use crate::pools::Pools;
-use crate::pools::pool::{Pool, PoolListener};
+use crate::pools::pool::Pool;
+use crate::proxy::metrics::RequestMetrics;
+use crate::reload::ReloadMetrics;
 use crate::trace::export::Exporter;
 use crate::upstream::Upstream;
 
@@ -26,9 +28,13 @@ pub struct Parts {
     pub fleet: Option<Arc<Fleet>>,
     /// The pooled client to workers (requests, health probes, scrapes).
     pub upstream: Upstream,
-    /// The registry every part registered its families in; it hears the pool's
-    /// membership (a worker that leaves takes its series with it).
+    /// The registry every part registered its families in (`/metrics` encodes it).
     pub metrics: Arc<Metrics>,
+    /// The request path's families (the proxy's); they hear the pool's membership (a
+    /// worker that leaves takes its series with them).
+    pub requests: Arc<RequestMetrics>,
+    /// `reloads_total` (SIGHUP's).
+    pub reloads: ReloadMetrics,
     /// `response_cache:` when enabled.
     pub cache: Option<Arc<ResponseCache>>,
     /// One span per request to an OTLP collector (`tracing.otlp_endpoint`).
@@ -53,6 +59,9 @@ impl Parts {
         });
         let pools = Arc::new(Pools::single(Arc::clone(&pool), policy));
         let mut metrics = Metrics::new();
+        let requests =
+            RequestMetrics::register(&mut metrics, &pool, pools.route(None).policy().name());
+        let reloads = ReloadMetrics::register(&mut metrics);
         for view in pools.iter().flat_map(|p| p.policy().views()) {
             if let Some(c) = view.collector(&pool) {
                 metrics.register(c);
@@ -69,13 +78,13 @@ impl Parts {
                 c,
             ))));
         }
-        let metrics = Arc::new(metrics);
-        pool.listen(Arc::clone(&metrics) as Arc<dyn PoolListener>);
         Parts {
             pools,
             fleet,
             upstream,
-            metrics,
+            metrics: Arc::new(metrics),
+            requests,
+            reloads,
             cache,
             export,
         }

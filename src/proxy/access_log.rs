@@ -14,9 +14,9 @@ use std::time::Instant;
 
 use http::HeaderValue;
 
+use super::metrics::RequestMetrics;
 use crate::error::{Chain, ProxyError};
 use crate::log_format::Decimal;
-use crate::metrics::Metrics;
 use crate::policy::Reason;
 use crate::pools::pool::Worker;
 use crate::trace::TraceContext;
@@ -109,7 +109,7 @@ impl AccessLog {
 
     /// Ends the request ([`write`]); `outcome` says how the answer ended (`complete`,
     /// `client_gone`, `upstream_error`, …). Its status was counted when its headers came.
-    pub fn end(&self, metrics: &Metrics, export: Option<&Exporter>, outcome: &'static str) {
+    pub fn end(&self, metrics: &RequestMetrics, export: Option<&Exporter>, outcome: &'static str) {
         let line = Line {
             request_id: &self.request_id,
             trace: self.trace,
@@ -138,7 +138,7 @@ pub struct RequestEnd<'a> {
     pub id: Ident<'a>,
     /// The worker of the attempt in progress.
     pub waiting_on: Option<Arc<str>>,
-    metrics: &'a Metrics,
+    metrics: &'a RequestMetrics,
     export: Option<&'a Exporter>,
     /// Worker label of answers the router gave itself (`none`).
     no_worker: &'a Arc<str>,
@@ -148,7 +148,7 @@ pub struct RequestEnd<'a> {
 impl<'a> RequestEnd<'a> {
     pub fn new(
         id: Ident<'a>,
-        metrics: &'a Metrics,
+        metrics: &'a RequestMetrics,
         export: Option<&'a Exporter>,
         no_worker: &'a Arc<str>,
     ) -> Self {
@@ -251,7 +251,7 @@ enum Kind<'a> {
 /// The one writer of a request's end: counts its status (unless a worker's headers
 /// did) and its outcome, writes its access line (target `cache_aware_router::access`;
 /// each kind's fields, in one order), and hands its span to the exporter when on.
-fn write(metrics: &Metrics, export: Option<&Exporter>, line: &Line<'_>) {
+fn write(metrics: &RequestMetrics, export: Option<&Exporter>, line: &Line<'_>) {
     let (routed, reason) = match &line.kind {
         Kind::Routed {
             role,
@@ -368,7 +368,7 @@ mod tests {
     fn each_way_a_request_ends_keeps_its_access_line_fields_in_order() {
         let names = Names::default();
         let subscriber = tracing_subscriber::registry().with(names.clone());
-        let metrics = Metrics::new();
+        let metrics = RequestMetrics::new();
         let request_id = HeaderValue::from_static("r1");
         let id = Ident {
             request_id: &request_id,

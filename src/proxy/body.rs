@@ -12,8 +12,8 @@ use tokio::time::{Instant, Sleep};
 
 use super::BoxError;
 use super::access_log::AccessLog;
+use super::metrics::RequestMetrics;
 use super::usage::UsageScanner;
-use crate::metrics::Metrics;
 use crate::pools::pool::InFlightGuard;
 use crate::pools::pool::breaker::Outcome;
 use crate::upstream::UpstreamBody;
@@ -21,7 +21,7 @@ use crate::upstream::UpstreamBody;
 /// What is recorded when a response body finishes: duration, engine usage, access log.
 #[derive(Debug)]
 pub struct BodyTap {
-    pub metrics: Arc<Metrics>,
+    pub metrics: Arc<RequestMetrics>,
     /// Told what a complete answer carried (a `/v1/responses` id).
     pub policy: Arc<dyn crate::policy::Policy>,
     /// Reads usage from the bytes as they pass; `None` for bodies it cannot read.

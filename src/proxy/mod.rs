@@ -11,6 +11,7 @@
 //! access_log  the end of a request, in one place: outcome, access line, span
 //! models, responses, tunnel   GET /v1/models; calls on a stored response; WebSockets
 //! headers, media, usage       header rules; remote media; engine usage in the answer
+//! metrics     the request path's families in `/metrics` (RequestMetrics)
 //! ```
 //!
 //! [`Router`] is the hyper service state shared by every connection. One request loads
@@ -26,6 +27,7 @@ mod forward;
 pub mod headers;
 mod json_members;
 pub mod media;
+pub mod metrics;
 pub mod models;
 mod respond;
 pub mod responses;
@@ -42,12 +44,12 @@ pub use serve::Call;
 
 use crate::cache::ResponseCache;
 use crate::config::Config;
-use crate::metrics::Metrics;
 use crate::policy::{Policy, Routes};
 use crate::pools::ModelPool;
 use crate::pools::pool::WorkerSet;
 use crate::trace::export::Exporter;
 use crate::upstream::Upstream;
+use metrics::RequestMetrics;
 
 pub use crate::error::{BoxError, ProxyBody};
 
@@ -57,7 +59,7 @@ pub struct Router {
     /// The routing table: the pools, each with its policy, over one membership.
     pools: Arc<Routes>,
     client: Upstream,
-    metrics: Arc<Metrics>,
+    metrics: Arc<RequestMetrics>,
     /// `response_cache:` when enabled.
     cache: Option<Arc<ResponseCache>>,
     /// Worker label of answers the router gave itself.
@@ -75,7 +77,7 @@ impl Router {
         config: Config,
         pools: Arc<Routes>,
         client: Upstream,
-        metrics: Arc<Metrics>,
+        metrics: Arc<RequestMetrics>,
         cache: Option<Arc<ResponseCache>>,
         export: Option<Arc<Exporter>>,
     ) -> Self {
@@ -85,8 +87,8 @@ impl Router {
             pools,
             metrics,
             cache,
-            no_worker: Arc::from(crate::metrics::NO_WORKER),
-            cache_worker: Arc::from(crate::metrics::CACHE_WORKER),
+            no_worker: Arc::from(metrics::NO_WORKER),
+            cache_worker: Arc::from(metrics::CACHE_WORKER),
             config,
         }
     }

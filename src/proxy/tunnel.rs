@@ -186,7 +186,7 @@ async fn join(client_side: OnUpgrade, worker_side: OnUpgrade) -> &'static str {
 async fn refusal(
     resp: Response<Incoming>,
     log: AccessLog,
-    metrics: &crate::metrics::Metrics,
+    metrics: &super::metrics::RequestMetrics,
     export: Option<&crate::trace::export::Exporter>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (mut head, body) = resp.into_parts();

@@ -16,7 +16,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
-use super::{Metrics, PREFIX_KINDS, PrefixLabels, WorkerLabels};
+use super::{PREFIX_KINDS, PrefixLabels, RequestMetrics, WorkerLabels};
 
 /// A table this large without a scrape to prune it (a churning pool, never scraped)
 /// starts again empty.
@@ -43,7 +43,7 @@ pub(super) struct WorkerHandles {
 
 impl WorkerHandles {
     /// The drift gauge, created on its first reading.
-    pub fn drift(&self, m: &Metrics) -> &Gauge<f64, std::sync::atomic::AtomicU64> {
+    pub fn drift(&self, m: &RequestMetrics) -> &Gauge<f64, std::sync::atomic::AtomicU64> {
         self.drift.get_or_init(|| {
             m.drift
                 .get_or_create(&WorkerLabels {
@@ -54,7 +54,7 @@ impl WorkerHandles {
     }
 
     /// The prefix counters under `policy`.
-    pub fn prefix(&self, m: &Metrics, policy: &'static str) -> Option<&[Counter; 3]> {
+    pub fn prefix(&self, m: &RequestMetrics, policy: &'static str) -> Option<&[Counter; 3]> {
         let (p, c) = self.prefix.get_or_init(|| {
             m.note_policy(&self.label, policy);
             let c = PREFIX_KINDS.map(|kind| {
@@ -89,7 +89,7 @@ fn key(label: &Arc<str>) -> usize {
 
 impl Handles {
     /// `label`'s handles, resolved (and kept) on its first use.
-    pub fn get(&self, m: &Metrics, label: &Arc<str>) -> Arc<WorkerHandles> {
+    pub fn get(&self, m: &RequestMetrics, label: &Arc<str>) -> Arc<WorkerHandles> {
         let k = key(label);
         let table = self.table.load();
         if let Ok(i) = table.binary_search_by_key(&k, |(a, _)| *a) {
@@ -112,7 +112,7 @@ impl Handles {
 
     /// Keeps the handles of `labels` (the pool now) and drops the rest, after a scrape
     /// removed the departed workers' series.
-    pub fn retain(&self, m: &Metrics, labels: &[Arc<str>]) {
+    pub fn retain(&self, m: &RequestMetrics, labels: &[Arc<str>]) {
         let _w = self.write.lock().unwrap_or_else(|e| e.into_inner());
         let old = self.table.load();
         let mut t: Table = labels
@@ -147,7 +147,7 @@ impl Handles {
 }
 
 /// Clones of `label`'s series from the families (created at 0 when absent).
-fn resolve(m: &Metrics, label: &Arc<str>) -> WorkerHandles {
+fn resolve(m: &RequestMetrics, label: &Arc<str>) -> WorkerHandles {
     m.note_worker(label);
     let l = WorkerLabels {
         worker: Arc::clone(label),
@@ -173,7 +173,7 @@ mod tests {
 
     #[test]
     fn handles_update_the_families_series_and_follow_the_pool() {
-        let m = Metrics::new();
+        let m = RequestMetrics::new();
         let (a, b): (Arc<str>, Arc<str>) = (Arc::from("a"), Arc::from("b"));
         let family = |l: &Arc<str>| {
             m.engine_cached
