@@ -133,3 +133,30 @@ pub mod tokenize;
 pub mod trace;
 pub mod tree;
 pub mod upstream;
+
+#[cfg(test)]
+mod tests {
+    /// The text block of `//!` docs that starts with ```` ```text ````, and the paragraph
+    /// after it, as plain text.
+    fn module_map(text: &str) -> (String, String) {
+        let (_, rest) = text.split_once("```text\n").expect("a module map");
+        let (map, rest) = rest.split_once("```").expect("its end");
+        let deps = rest.trim_start().split("\n\n").next().unwrap_or_default();
+        (map.to_string(), deps.to_string())
+    }
+
+    #[test]
+    fn the_books_architecture_page_copies_this_module_map() {
+        let docs: String = include_str!("lib.rs")
+            .lines()
+            .filter_map(|l| l.strip_prefix("//!"))
+            .map(|l| format!("{}\n", l.strip_prefix(' ').unwrap_or(l)))
+            .collect();
+        let page = include_str!("../docs/src/architecture.md");
+        assert_eq!(
+            module_map(&docs),
+            module_map(page),
+            "docs/src/architecture.md's module map and dependency paragraph must copy src/lib.rs's"
+        );
+    }
+}
