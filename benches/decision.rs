@@ -18,7 +18,7 @@
 //! The trees are held at their size after the fill, as a router's upkeep task holds its
 //! tree at `cache.max_tree_size` (an untimed eviction pass before the run and every 256
 //! decisions). Their least recently used leaves are earlier 32 KiB requests (inserted
-//! before the fill; `common::history`), so a pass evicts leaves as large as the run's
+//! before the fill; `seam::history`), so a pass evicts leaves as large as the run's
 //! new ones and each new 30 KiB leaf reuses memory an evicted one freed: the steady
 //! state of a tree at its cap under this traffic. With `--growing` there are no
 //! earlier requests and no passes: the trees grow in bytes, and each new leaf's pages
@@ -40,7 +40,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 mod common;
-use common::{Upkeep, chat_body, decide, history, minor_faults, report, words};
+#[path = "common/seam.rs"]
+mod seam;
+use common::{chat_body, words};
+use seam::{Upkeep, decide, history, report};
 
 /// One policy measured through the seam.
 struct Lane {
@@ -252,7 +255,7 @@ fn main() {
     let fill = Instant::now();
     let mut i = 0u64;
     // Held at its cap: first the earlier 32 KiB requests the run's passes evict (see
-    // `common::history`; in this tree only, not in the fleets' indexes).
+    // `seam::history`; in this tree only, not in the fleets' indexes).
     let earlier = if growing {
         0
     } else {
@@ -525,4 +528,16 @@ fn main() {
         report("chunk hashes (inside extract)", &mut hash_t);
         report("Fleet::longest_prefix", &mut walk_t);
     }
+}
+
+/// This thread's minor page faults so far (`/proc/thread-self/stat`, field 10); 0 where
+/// there is no such file.
+pub fn minor_faults() -> u64 {
+    std::fs::read_to_string("/proc/thread-self/stat")
+        .ok()
+        .and_then(|s| {
+            let rest = &s[s.rfind(')')? + 2..];
+            rest.split(' ').nth(7)?.parse().ok()
+        })
+        .unwrap_or(0)
 }

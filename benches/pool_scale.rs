@@ -5,7 +5,7 @@
 //! 1. decision latency (extract + pick + observe, µs) for 2 KiB and 32 KiB chat bodies,
 //!    the tree held at its cap by an untimed eviction pass every 256 decisions (as the
 //!    router's upkeep task holds it), its least recently used leaves earlier 32 KiB
-//!    requests (`common::history`);
+//!    requests (`seam::history`);
 //! 2. membership changes while a second thread decides in a loop: a worker removed and
 //!    added back (`Pool::remove` / `Pool::add`, the admin API's and discovery's path,
 //!    which drops its tree records), the time each change took and the longest decision
@@ -29,7 +29,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 mod common;
-use common::{Upkeep, chat_body, decide, history, percentile, report, words};
+#[path = "common/seam.rs"]
+mod seam;
+use common::{chat_body, words};
+use seam::{Upkeep, decide, history, percentile, report};
 
 fn config(workers: usize, nodes: usize) -> Config {
     let yaml = format!(
@@ -52,7 +55,7 @@ struct Fixture {
 
 /// Decisions per run (one run per prompt size).
 const DECISIONS: usize = 2000;
-/// Earlier requests in the tree (`common::history`): what the runs' passes evict.
+/// Earlier requests in the tree (`seam::history`): what the runs' passes evict.
 const EARLIER: usize = 2 * DECISIONS + Upkeep::SLACK;
 
 /// A pool of `workers` and a tree of `nodes` nodes: 200 shared 2 KiB system prompts,
@@ -119,14 +122,23 @@ fn decisions(f: &Fixture, upkeep: &Upkeep, bodies: &[Vec<u8>], label: &str) {
     let set = f.pool.set();
     let tree = &f.tree;
     let mut total = Vec::with_capacity(bodies.len());
+    let mut hits = 0;
     for (n, b) in bodies.iter().enumerate() {
         if n % Upkeep::EVERY == 0 {
             upkeep.pass(tree);
         }
         let d = decide(&*f.policy, &set, b, f.cfg.cache.max_prompt_bytes, &mut rng);
         total.push(d.extract + d.pick);
+        hits += usize::from(d.hit);
     }
     report(label, &mut total);
+    // What the timed decisions exercised: prefix matches, on a tree of this size.
+    println!(
+        "{:<34} {hits} of {} were prefix hits; tree held near {} nodes",
+        "",
+        bodies.len(),
+        upkeep.target()
+    );
 }
 
 /// Removes and re-adds one worker `rounds` times while another thread decides.
