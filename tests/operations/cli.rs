@@ -1,7 +1,6 @@
 //! The binary's command line: `--version`, `--config-check`, error messages naming file,
 //! key and value, and layered `-c` files.
 
-use std::time::Duration;
 
 use support::binary::*;
 use support::config::TempFile;
@@ -206,14 +205,10 @@ fn sighup_reloads_the_workers_and_counts_each_reload_in_metrics_by_result() {
     let base = BASE.replace("port: 6999", "port: 0");
     let f = TempFile::new("base.yaml", &base);
     let r = BINARY.serve(&[&f.path]);
-    // The binary installs its SIGHUP handler in a task started after the `listening`
-    // line, and nothing shows when that is done; until then SIGHUP's default action
-    // kills it. Serve a request, then leave it a moment before the first SIGHUP.
+    // The binary installs its SIGHUP handler before it binds, so a SIGHUP sent once it
+    // serves is never the default action (exit); one that arrives before the reload
+    // task listens waits for it.
     assert_eq!(workers_of(r.addr)["workers"].as_array().unwrap().len(), 1);
-    let settle = std::time::Instant::now();
-    while settle.elapsed() < Duration::from_millis(300) {
-        std::thread::park_timeout(Duration::from_millis(20));
-    }
     let reloads = |result: &str| {
         let text = get_of(r.addr, "/metrics");
         support::observe::Scrape::parse(&text)
