@@ -1,7 +1,6 @@
 //! The binary's command line: `--version`, `--config-check`, error messages naming file,
 //! key and value, and layered `-c` files.
 
-
 use support::binary::*;
 use support::config::TempFile;
 

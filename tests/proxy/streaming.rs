@@ -147,18 +147,20 @@ async fn gzip_sse_passes_through_byte_identical_with_its_content_encoding() {
     router.shutdown().await;
 }
 
-/// Sends `n` streamed requests one after the other on one keep-alive connection and
-/// returns the total time.
-async fn sequential_streams(addr: std::net::SocketAddr, n: usize) -> Duration {
-    let mut conn = Conn::connect(addr).await;
+/// The median time of `n` streamed requests (20 events each) sent one after the other
+/// on `conn`.
+async fn median_of(conn: &mut Conn, n: usize) -> Duration {
     let req = Req::post("/v1/chat/completions", chat_body("hi", true));
-    let start = Instant::now();
+    let mut took = Vec::with_capacity(n);
     for _ in 0..n {
+        let start = Instant::now();
         let resp = conn.request(&req).await;
+        took.push(start.elapsed());
         assert_eq!(resp.status, 200);
         assert_eq!(resp.body.len(), 20 * "data: tok00\n\n".len());
     }
-    start.elapsed()
+    took.sort();
+    took[n / 2]
 }
 
 // C29
@@ -175,17 +177,22 @@ async fn streaming_through_the_router_adds_no_per_response_stall() {
     })
     .await;
     let router = start_router(&yaml_for(&[&w], "")).await;
-    const N: usize = 50;
-    sequential_streams(w.addr(), 3).await;
-    sequential_streams(router.addr, 3).await;
-    let direct = sequential_streams(w.addr(), N).await;
-    let routed = sequential_streams(router.addr, N).await;
-    let added = routed.saturating_sub(direct) / N as u32;
-    // A Nagle / delayed-ACK stall costs ~40 ms per response; the bound is loose so that
-    // a busy CI machine cannot trip it.
+    // Rounds of 31 requests back to back on one keep-alive connection, direct then
+    // routed: a stall shows on every response of a routed round, so it moves the
+    // median; a busy machine delays some responses (the median ignores them) or a whole
+    // round (the best of three rounds ignores it).
+    let mut best = Duration::MAX;
+    for _ in 0..3 {
+        let direct = median_of(&mut Conn::connect(w.addr()).await, 31).await;
+        let routed = median_of(&mut Conn::connect(router.addr).await, 31).await;
+        best = best.min(routed.saturating_sub(direct));
+    }
+    // A stall on every response (a flush waiting on a timer; a delayed ACK without
+    // TCP_NODELAY, ~40 ms across hosts) fails this; on loopback a missing TCP_NODELAY
+    // costs only 0.3–3 ms, too little to tell reliably from a busy machine.
     assert!(
-        added < Duration::from_millis(5),
-        "the router adds {added:?} per streamed response (direct {direct:?}, routed {routed:?} for {N})"
+        best < Duration::from_millis(5),
+        "the router adds {best:?} to the median streamed response"
     );
     router.shutdown().await;
 }
