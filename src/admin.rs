@@ -51,15 +51,10 @@ impl Admin {
         self.pools.workers().set()
     }
 
-    /// The policy of the pool that serves any model (its name labels `/workers` and the
-    /// decision families).
-    fn policy(&self) -> &dyn crate::policy::Policy {
-        &**self.pools.route(None).policy()
-    }
-
     /// Every pool's policy's views.
     fn views(&self) -> Vec<std::sync::Arc<dyn crate::policy::View>> {
-        self.pools.iter().flat_map(|p| p.policy().views()).collect()
+        let table = self.pools.table();
+        table.pools().flat_map(|p| p.policy().views()).collect()
     }
 }
 
@@ -124,6 +119,126 @@ struct WorkerView {
     back_pressure: u64,
     prefill: PrefillView,
     hits: HitsView,
+    /// What it serves (`pools::pool::models`).
+    models: ModelsView,
+}
+
+/// A worker's model list in `/workers`.
+#[derive(Serialize)]
+struct ModelsView {
+    /// `listed` (read from its `GET /v1/models`), `pinned` (`workers[].models`),
+    /// `unread` (not yet) or `unreadable` (its answer was no model list).
+    source: &'static str,
+    /// Whether it takes a request for any model (its list is unread or unreadable).
+    serves_any: bool,
+    /// Base models' served names, as listed.
+    models: Vec<String>,
+    /// LoRA adapters, as listed, each with its base.
+    adapters: Vec<AdapterView>,
+    /// When the list was last read, seconds since the Unix epoch; `null` before (and
+    /// for a pinned list).
+    read_at: Option<f64>,
+    /// Why the last read gave no list; `null` after a good one.
+    error: Option<String>,
+}
+
+#[derive(Serialize)]
+struct AdapterView {
+    id: String,
+    parent: String,
+}
+
+fn models_view(w: &crate::pools::pool::Worker) -> ModelsView {
+    let s = w.served();
+    ModelsView {
+        source: s.source.as_str(),
+        serves_any: s.serves_any(),
+        models: s
+            .models
+            .iter()
+            .filter(|m| !m.is_adapter())
+            .map(|m| m.id.to_string())
+            .collect(),
+        adapters: s
+            .models
+            .iter()
+            .filter_map(|m| {
+                let parent = m.parent.as_ref()?;
+                Some(AdapterView {
+                    id: m.id.to_string(),
+                    parent: parent.to_string(),
+                })
+            })
+            .collect(),
+        read_at: s.read_at.and_then(|t| {
+            t.duration_since(std::time::UNIX_EPOCH)
+                .ok()
+                .map(|d| d.as_secs_f64())
+        }),
+        error: s.error.clone(),
+    }
+}
+
+/// One pool in `/workers`: its model's names, its workers and what its policy's views
+/// show of them.
+#[derive(Serialize)]
+struct PoolView {
+    name: String,
+    policy: &'static str,
+    /// The served names that route here (none for the default pool).
+    models: Vec<String>,
+    /// Its workers, each with its views' fields (`tree_share`, …).
+    workers: Vec<Fields>,
+    #[serde(flatten)]
+    views: Fields,
+}
+
+fn pool_view(
+    table: &crate::policy::RoutesTable,
+    pool: &crate::pools::ModelPool<std::sync::Arc<dyn crate::policy::Policy>>,
+) -> PoolView {
+    let all = table.set();
+    let mut models = Vec::new();
+    let mut member = vec![false; all.workers().len()];
+    let mut mark = |set: &WorkerSet| {
+        for (i, w) in all.workers().iter().enumerate() {
+            member[i] |= set.get(w.id()).is_some();
+        }
+    };
+    if std::sync::Arc::ptr_eq(pool.name(), table.everyone().pool.name()) {
+        if let Some(any) = table.any() {
+            mark(any);
+        }
+    }
+    for (name, p, set) in table.models() {
+        if std::sync::Arc::ptr_eq(p.name(), pool.name()) {
+            models.push(name.to_string());
+            mark(set);
+        }
+    }
+    let set = WorkerSet::new(
+        all.workers()
+            .iter()
+            .zip(&member)
+            .filter(|(_, m)| **m)
+            .map(|(w, _)| std::sync::Arc::clone(w))
+            .collect(),
+    );
+    let mut views = Fields::new();
+    let mut workers = vec![Fields::new(); set.workers().len()];
+    for view in pool.policy().views() {
+        view.workers(&set, &mut views, &mut workers);
+    }
+    for (w, fields) in set.workers().iter().zip(&mut workers) {
+        fields.insert("key".into(), w.key().into());
+    }
+    PoolView {
+        name: pool.name().to_string(),
+        policy: pool.policy().name(),
+        models,
+        workers,
+        views,
+    }
 }
 
 /// What a worker's answers said of the router's prefix memory (see `pool::hits`).
@@ -276,7 +391,11 @@ fn prefill_view(w: &crate::pools::pool::Worker) -> PrefillView {
 
 #[derive(Serialize)]
 struct Workers {
+    /// The default pool's policy (its views' fields follow, as a router with one pool
+    /// shows them).
     policy: &'static str,
+    /// Every pool (`pools`): the default one, then one per model.
+    pools: Vec<PoolView>,
     /// What the policy's views show (`tree_nodes`, `tree_bytes`, `sessions`,
     /// `precise`; see `policy::view`).
     #[serde(flatten)]
@@ -373,12 +492,13 @@ pub fn metrics(admin: &Admin) -> http::Response<ProxyBody> {
 /// in precise mode also the index and, per worker with `kv_events`, its feed (per DP
 /// rank too, see [`FeedView`]). API keys are never shown.
 pub fn workers(admin: &Admin) -> http::Response<ProxyBody> {
-    let set = admin.worker_set();
-    let policy = admin.policy();
+    let table = admin.pools.table();
+    let set = std::sync::Arc::clone(table.set());
+    let policy = table.everyone().pool.policy();
     let now = crate::pools::pool::now();
     let mut top = Fields::new();
     let mut per_worker = vec![Fields::new(); set.workers().len()];
-    for view in admin.views() {
+    for view in policy.views() {
         view.workers(&set, &mut top, &mut per_worker);
     }
     let em = &admin.engine_metrics;
@@ -409,9 +529,11 @@ pub fn workers(admin: &Admin) -> http::Response<ProxyBody> {
                 .load(std::sync::atomic::Ordering::Relaxed),
             prefill: prefill_view(w),
             hits: hits_view(w.hits()),
+            models: models_view(w),
         })
         .collect();
     let body = Workers {
+        pools: table.pools().map(|p| pool_view(&table, p)).collect(),
         hits: HitsSummary::of(workers.iter().map(|w| &w.hits)),
         policy: policy.name(),
         views: top,

@@ -1,8 +1,9 @@
 //! Errors the router answers itself, and their single mapping to an HTTP response.
 //!
 //! Every error response has a JSON body in the OpenAI error shape, so SDKs show the
-//! message: `{"error":{"message":…,"type":…,"code":<status>}}`; [`ProxyError::into_response`]
-//! is the only place that body is built. An error keeps its cause as its `source()`
+//! message: `{"error":{"message":…,"type":…,"code":<status>}}` (and `"param":"model"`
+//! when the request's model is at fault); [`ProxyError::into_response`] is the only
+//! place that body is built. An error keeps its cause as its `source()`
 //! (a hyper or connector error, not its text); the message shown, logged or exported is
 //! the error with its causes, `outer: cause: root cause` ([`Chain`]).
 
@@ -120,6 +121,18 @@ pub enum ProxyError {
     /// The admin API cannot add a worker as asked (409): the pool says why.
     #[error("{0}")]
     Conflict(String),
+    /// The request's `model` is one no worker serves (404, `model_not_found`): the
+    /// router answers it itself, never another model's worker. `model` as shown (cut).
+    #[error(
+        "the model `{model}` does not exist here: no worker serves it (GET /v1/models lists the models served)"
+    )]
+    ModelNotFound { model: String },
+    /// The request names no `model`, there is no `models.default`, and the workers serve
+    /// several (400); `choices` as shown.
+    #[error(
+        "the request names no model and several are served: set `model` to one of {choices} (or set models.default)"
+    )]
+    ModelRequired { choices: String },
     /// The router's own work failed (500): `what` failed, and why.
     #[error("{what}")]
     Internal {
@@ -137,10 +150,12 @@ impl ProxyError {
             ProxyError::NotPassedThrough { .. }
             | ProxyError::OperatorEndpoint { .. }
             | ProxyError::NotHere { .. }
+            | ProxyError::ModelNotFound { .. }
             | ProxyError::UnknownWorker { .. } => StatusCode::NOT_FOUND,
-            ProxyError::BadBody(_) | ProxyError::BadRequest(_) | ProxyError::UpstreamUri(_) => {
-                StatusCode::BAD_REQUEST
-            }
+            ProxyError::BadBody(_)
+            | ProxyError::BadRequest(_)
+            | ProxyError::UpstreamUri(_)
+            | ProxyError::ModelRequired { .. } => StatusCode::BAD_REQUEST,
             ProxyError::NoWorker(_)
             | ProxyError::Unreachable(_)
             | ProxyError::QueueTimeout { .. }
@@ -163,9 +178,11 @@ impl ProxyError {
             | ProxyError::NotHere { .. }
             | ProxyError::UnknownWorker { .. } => "not_found",
             ProxyError::OperatorEndpoint { .. } => "operator_endpoint_closed",
-            ProxyError::BadBody(_) | ProxyError::BadRequest(_) | ProxyError::UpstreamUri(_) => {
-                "invalid_request_error"
-            }
+            ProxyError::ModelNotFound { .. } => "model_not_found",
+            ProxyError::BadBody(_)
+            | ProxyError::BadRequest(_)
+            | ProxyError::UpstreamUri(_)
+            | ProxyError::ModelRequired { .. } => "invalid_request_error",
             ProxyError::NoWorker(_) | ProxyError::Unreachable(_) => "no_worker_available",
             ProxyError::QueueTimeout { .. } => "queue_timeout",
             ProxyError::QueueFull { .. } => "queue_full",
@@ -185,13 +202,20 @@ impl ProxyError {
     /// never read).
     pub fn into_response(self) -> Response<ProxyBody> {
         let status = self.status();
-        let body = serde_json::json!({
+        let mut body = serde_json::json!({
             "error": {
                 "message": crate::redact::text(&Chain(&self).to_string()),
                 "type": self.kind(),
                 "code": status.as_u16(),
             }
         });
+        // The request field at fault, as OpenAI names it.
+        if matches!(
+            self,
+            ProxyError::ModelNotFound { .. } | ProxyError::ModelRequired { .. }
+        ) {
+            body["error"]["param"] = "model".into();
+        }
         let mut resp = json_response(status, body.to_string());
         if status == StatusCode::SERVICE_UNAVAILABLE {
             resp.headers_mut()

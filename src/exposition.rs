@@ -40,3 +40,62 @@ pub fn family(
 fn described(help: &str) -> String {
     format!("{help}.")
 }
+
+/// `text` (Prometheus text exposition) with each family written once: the series of a
+/// family that appears in several places (one per pool, each labelled with its model)
+/// gathered under its first `# HELP` and `# TYPE`, families in order of first
+/// appearance. A family is the lines from its `# HELP` up to the next one.
+pub fn merge_families(text: &str) -> String {
+    let mut order: Vec<&str> = Vec::new();
+    let mut families: std::collections::HashMap<&str, (Vec<&str>, Vec<&str>)> =
+        std::collections::HashMap::new();
+    let mut current: Option<&str> = None;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# HELP ") {
+            let name = rest.split(' ').next().unwrap_or(rest);
+            current = Some(name);
+            let entry = families.entry(name).or_insert_with(|| {
+                order.push(name);
+                (Vec::new(), Vec::new())
+            });
+            if entry.0.is_empty() {
+                entry.0.push(line);
+            }
+            continue;
+        }
+        let Some(name) = current else { continue };
+        let Some(entry) = families.get_mut(name) else {
+            continue;
+        };
+        if line.starts_with('#') {
+            // `# TYPE` / `# UNIT`: the first family's stand.
+            if entry.0.len() < 3 && !entry.0.contains(&line) && entry.1.is_empty() {
+                entry.0.push(line);
+            }
+        } else if !line.is_empty() {
+            entry.1.push(line);
+        }
+    }
+    let mut out = String::with_capacity(text.len());
+    for name in order {
+        let (head, series) = &families[name];
+        for line in head.iter().chain(series) {
+            out.push_str(line);
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_family_written_twice_is_written_once_with_every_series() {
+        let text = "# HELP a_x Nodes.\n# TYPE a_x gauge\na_x 1\n# HELP a_y Bytes.\n# TYPE a_y gauge\na_y 2\n\
+                    # HELP a_x Nodes.\n# TYPE a_x gauge\na_x{model=\"m\"} 3\n";
+        assert_eq!(
+            super::merge_families(text),
+            "# HELP a_x Nodes.\n# TYPE a_x gauge\na_x 1\na_x{model=\"m\"} 3\n# HELP a_y Bytes.\n# TYPE a_y gauge\na_y 2\n"
+        );
+    }
+}

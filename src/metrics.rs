@@ -29,11 +29,22 @@ pub trait BeforeScrape: Send + Sync {
     fn before_scrape(&self);
 }
 
+/// A part that writes families as text at each scrape, after the registry's: what it
+/// can only read as text (each pool's policy views, written per pool through a
+/// registry of its own and labelled by the pool's model). A family it writes that
+/// another writer wrote too is merged into one ([`crate::exposition::merge_families`]).
+pub trait ScrapeText: Send + Sync {
+    /// Appends Prometheus text families to `out`, names with the [`PREFIX`]. Runs on
+    /// the scraping request's task: keep it short and never block.
+    fn write(&self, out: &mut String);
+}
+
 /// The process's one registry: filled by the parts as `app` builds them, then shared
 /// (read-only) with `/metrics`.
 pub struct Metrics {
     registry: Registry,
     before: Vec<Arc<dyn BeforeScrape>>,
+    texts: Vec<Arc<dyn ScrapeText>>,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -56,6 +67,7 @@ impl Metrics {
         Metrics {
             registry: Registry::with_prefix(PREFIX),
             before: Vec::new(),
+            texts: Vec::new(),
         }
     }
 
@@ -83,13 +95,18 @@ impl Metrics {
         self.registry.register_collector(collector);
     }
 
+    /// Has `text` write its families at each scrape, after the registry's.
+    pub fn register_text(&mut self, text: Arc<dyn ScrapeText>) {
+        self.texts.push(text);
+    }
+
     /// Has `hook` called before each scrape, in the order hooks were added.
     pub fn before_scrape(&mut self, hook: Arc<dyn BeforeScrape>) {
         self.before.push(hook);
     }
 
     /// Prometheus text exposition of every registered family, after the
-    /// [`BeforeScrape`] hooks ran.
+    /// [`BeforeScrape`] hooks ran, then the [`ScrapeText`] writers' (each family once).
     pub fn encode(&self) -> String {
         for hook in &self.before {
             hook.before_scrape();
@@ -97,7 +114,13 @@ impl Metrics {
         let mut out = String::with_capacity(16 * 1024);
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::prometheus_text::encode(&mut out, &self.registry);
-        out
+        if self.texts.is_empty() {
+            return out;
+        }
+        for t in &self.texts {
+            t.write(&mut out);
+        }
+        crate::exposition::merge_families(&out)
     }
 }
 

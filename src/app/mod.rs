@@ -96,8 +96,8 @@ pub fn spawn_on(
     };
     let admin_addr = admin.as_ref().map(|l| l.local_addr()).transpose()?;
     let grace = config.server.shutdown_grace;
-    let parts = Parts::build(&config);
     let (trigger, shutdown) = shutdown::channel();
+    let parts = Parts::build(&config, &shutdown);
     spawn_upkeep(&config, &parts, &shutdown);
     let service = Arc::new(Service {
         admin: Arc::new(Admin::new(
@@ -159,7 +159,8 @@ pub fn spawn_on(
 
 /// The long-lived tasks that keep the parts current, each watching `shutdown`: health
 /// probes, idle upstream connections, engine signals, discovery, the fleet's channel and
-/// the policy's own upkeep.
+/// the workers' model lists (each pool's policy's own upkeep starts with the pool,
+/// [`Parts::build`]).
 fn spawn_upkeep(config: &Config, parts: &Parts, shutdown: &Shutdown) {
     let pool = || Arc::clone(parts.pools.workers());
     tokio::spawn(health::run(
@@ -210,12 +211,15 @@ fn spawn_upkeep(config: &Config, parts: &Parts, shutdown: &Shutdown) {
     if let Some(fleet) = &parts.fleet {
         tokio::spawn(Arc::clone(fleet).run(shutdown.clone()));
     }
-    // Each pool's policy's own upkeep: tree eviction, KV-event consumers.
-    for p in parts.pools.iter() {
-        if let Some(task) = p.policy().background(pool(), shutdown.clone()) {
-            tokio::spawn(task);
-        }
-    }
+    // What each worker serves: its GET /v1/models, on join and every refresh; a pool
+    // made for a model seen for the first time starts its policy's upkeep then.
+    tokio::spawn(crate::pools::refresh::run(
+        Arc::clone(&parts.pools),
+        config.models.refresh_every(config.health.interval),
+        config.health.timeout,
+        parts.upstream.clone(),
+        shutdown.clone(),
+    ));
 }
 
 /// The binary's main loop: bind, serve, reload on SIGHUP, drain on SIGTERM/SIGINT

@@ -10,11 +10,12 @@ use crate::cache::ResponseCache;
 use crate::config::Config;
 use crate::fleet::Fleet;
 use crate::metrics::Metrics;
-use crate::policy::{self, Routes};
+use crate::policy::{self, Policy, Routes};
 use crate::pools::Pools;
 use crate::pools::pool::Pool;
 use crate::proxy::metrics::RequestMetrics;
 use crate::reload::ReloadMetrics;
+use crate::shutdown::Shutdown;
 use crate::trace::export::Exporter;
 use crate::upstream::Upstream;
 
@@ -43,11 +44,24 @@ pub struct Parts {
 
 impl Parts {
     /// The parts for a validated config: workers start healthy with nothing in flight,
-    /// the policy's state empty. A part that cannot start (the fleet, the response
-    /// cache, the exporter) is logged and left off.
-    pub fn build(config: &Config) -> Parts {
+    /// the policies' state empty. A part that cannot start (the fleet, the response
+    /// cache, the exporter) is logged and left off. Each pool's policy's own upkeep
+    /// (tree eviction, KV-event consumers) starts when the pool is made, now or when
+    /// its model appears, and stops on `shutdown`.
+    pub fn build(config: &Config, shutdown: &Shutdown) -> Parts {
         let pool = Arc::new(Pool::new(&config.workers, &config.circuit_breaker));
-        let policy::Routing { policy, fleet, .. } = policy::build(config, &pool);
+        let shared = policy::Shared::new(config, &pool);
+        let fleet = shared.fleet.clone();
+        let pools = Pools::new(Arc::clone(&pool), &config.models, {
+            let (config, pool, shutdown) = (config.clone(), Arc::clone(&pool), shutdown.clone());
+            move |model: &str| -> Arc<dyn Policy> {
+                let (policy, _) = policy::build_pool(&config, model, &pool, &shared);
+                if let Some(task) = policy.background(Arc::clone(&pool), shutdown.clone()) {
+                    tokio::spawn(task);
+                }
+                policy
+            }
+        });
         let upstream = Upstream::new(&config.proxy);
         let cache = response_cache(config, &upstream);
         let export = config.tracing.otlp_endpoint.as_ref().and_then(|url| {
@@ -57,16 +71,16 @@ impl Parts {
                 .ok()
                 .map(Arc::new)
         });
-        let pools = Arc::new(Pools::single(Arc::clone(&pool), policy));
         let mut metrics = Metrics::new();
-        let requests =
-            RequestMetrics::register(&mut metrics, &pool, pools.route(None).policy().name());
+        let default_policy = pools.table().everyone().pool.policy().name();
+        let requests = RequestMetrics::register(&mut metrics, &pool, default_policy);
         let reloads = ReloadMetrics::register(&mut metrics);
-        for view in pools.iter().flat_map(|p| p.policy().views()) {
-            if let Some(c) = view.collector(&pool) {
-                metrics.register(c);
-            }
-        }
+        // Every pool's policy's views' families, read from the table at each scrape
+        // (pools made later included), and the table's own.
+        metrics.register_text(Arc::new(policy::view::PoolViews(Arc::clone(&pools))));
+        metrics.register(Box::new(crate::pools::metrics::TableMetrics(Arc::clone(
+            &pools,
+        ))));
         metrics.register(Box::new(crate::pools::pool::metrics::PoolMetrics::new(
             Arc::clone(&pool),
         )));

@@ -73,7 +73,7 @@ impl Section for CacheConfig {
     const KEY: &'static str = "cache";
 }
 
-#[derive(Debug, Default, Deserialize)]
+#[derive(Debug, Default, Clone, Deserialize)]
 #[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 pub(super) struct RawCache {
     threshold: Option<f64>,
@@ -93,17 +93,52 @@ pub(super) struct RawCache {
 
 impl RawCache {
     pub(super) fn validate(self, ck: &Checker<'_>) -> Result<CacheConfig, ConfigError> {
+        self.validate_at(ck, "cache")
+    }
+
+    /// These keys, and `base`'s where these leave one out (a model's `cache:` over the
+    /// top-level one, `models.overrides.<name>.cache`).
+    pub(super) fn over(self, base: &RawCache) -> RawCache {
+        let b = base.clone();
+        RawCache {
+            threshold: self.threshold.or(b.threshold),
+            match_abs_threshold: self.match_abs_threshold.or(b.match_abs_threshold),
+            balance_abs_threshold: self.balance_abs_threshold.or(b.balance_abs_threshold),
+            balance_rel_threshold: self.balance_rel_threshold.or(b.balance_rel_threshold),
+            max_prompt_bytes: self.max_prompt_bytes.or(b.max_prompt_bytes),
+            max_tree_size: self.max_tree_size.or(b.max_tree_size),
+            max_tree_bytes: self.max_tree_bytes.or(b.max_tree_bytes),
+            eviction_interval_secs: self.eviction_interval_secs.or(b.eviction_interval_secs),
+            daily_cleanup_hour_utc: self.daily_cleanup_hour_utc.or(b.daily_cleanup_hour_utc),
+            engine_block_tokens: self.engine_block_tokens.or(b.engine_block_tokens),
+            drift_floor: self.drift_floor.or(b.drift_floor),
+            drift_secs: self.drift_secs.or(b.drift_secs),
+            learn_evictions: self.learn_evictions.or(b.learn_evictions),
+        }
+    }
+
+    /// As [`RawCache::validate`], the section being at `at` (refusals name its keys
+    /// below it).
+    pub(super) fn validate_at(
+        self,
+        ck: &Checker<'_>,
+        at: &str,
+    ) -> Result<CacheConfig, ConfigError> {
         let d = CacheConfig::default();
         let threshold = self.threshold.unwrap_or(d.threshold);
         if !(0.0..=1.0).contains(&threshold) {
-            return Err(ck.bad("cache.threshold", threshold, "is out of range [0, 1]"));
+            return Err(ck.bad(
+                &format!("{at}.threshold"),
+                threshold,
+                "is out of range [0, 1]",
+            ));
         }
         let balance_rel_threshold = self
             .balance_rel_threshold
             .unwrap_or(d.balance_rel_threshold);
         if !balance_rel_threshold.is_finite() || balance_rel_threshold < 1.0 {
             return Err(ck.bad(
-                "cache.balance_rel_threshold",
+                &format!("{at}.balance_rel_threshold"),
                 balance_rel_threshold,
                 "is out of range (≥ 1)",
             ));
@@ -111,19 +146,23 @@ impl RawCache {
         let max_prompt_bytes = self.max_prompt_bytes.unwrap_or(d.max_prompt_bytes as u64);
         if !(1..=(16 << 20)).contains(&max_prompt_bytes) {
             return Err(ck.bad(
-                "cache.max_prompt_bytes",
+                &format!("{at}.max_prompt_bytes"),
                 max_prompt_bytes,
                 "is out of range (bytes, 1 to 16 MiB)",
             ));
         }
         let max_tree_size = self.max_tree_size.unwrap_or(d.max_tree_size as u64);
         if max_tree_size == 0 {
-            return Err(ck.bad("cache.max_tree_size", 0, "is out of range (nodes, ≥ 1)"));
+            return Err(ck.bad(
+                &format!("{at}.max_tree_size"),
+                0,
+                "is out of range (nodes, ≥ 1)",
+            ));
         }
         let max_tree_bytes = self.max_tree_bytes.unwrap_or(d.max_tree_bytes);
         if max_tree_bytes < max_prompt_bytes {
             return Err(ck.bad(
-                "cache.max_tree_bytes",
+                &format!("{at}.max_tree_bytes"),
                 max_tree_bytes,
                 format!(
                     "is out of range (bytes of routing text, at least one prompt: \
@@ -132,7 +171,7 @@ impl RawCache {
             ));
         }
         let eviction = ck.secs(
-            "cache.eviction_interval_secs",
+            &format!("{at}.eviction_interval_secs"),
             self.eviction_interval_secs,
             d.eviction_interval.map_or(0.0, |t| t.as_secs_f64()),
             Some("off"),
@@ -143,7 +182,7 @@ impl RawCache {
             Some(h @ 0..=23) => Some(h as u8),
             Some(h) => {
                 return Err(ck.bad(
-                    "cache.daily_cleanup_hour_utc",
+                    &format!("{at}.daily_cleanup_hour_utc"),
                     h,
                     "is out of range (0–23, or -1 for off)",
                 ));
@@ -154,7 +193,7 @@ impl RawCache {
             .unwrap_or(d.engine_block_tokens as u64);
         if !(1..=4096).contains(&engine_block_tokens) {
             return Err(ck.bad(
-                "cache.engine_block_tokens",
+                &format!("{at}.engine_block_tokens"),
                 engine_block_tokens,
                 "is out of range (tokens, 1 to 4096; the engines' --block-size)",
             ));
@@ -162,7 +201,7 @@ impl RawCache {
         let drift_floor = self.drift_floor.unwrap_or(d.drift_floor);
         if !(0.0..=1.0).contains(&drift_floor) {
             return Err(ck.bad(
-                "cache.drift_floor",
+                &format!("{at}.drift_floor"),
                 drift_floor,
                 "is out of range (a ratio of delivered to predicted tokens, 0 to 1; 0 = never warn)",
             ));
@@ -184,7 +223,7 @@ impl RawCache {
             engine_block_tokens: engine_block_tokens as usize,
             drift_floor,
             drift_for: ck.secs(
-                "cache.drift_secs",
+                &format!("{at}.drift_secs"),
                 self.drift_secs,
                 d.drift_for.as_secs_f64(),
                 None,

@@ -34,6 +34,7 @@ mod health;
 mod kv_events;
 mod lmcache;
 mod log;
+mod models;
 mod passthrough;
 mod policy;
 mod precise;
@@ -61,6 +62,7 @@ pub use health::HealthConfig;
 pub use kv_events::{KvEventsConfig, MAX_DP_SIZE};
 pub use lmcache::LmcacheConfig;
 pub use log::{LogColor, LogConfig, LogFormat};
+pub use models::{AliasTarget, MAX_MODEL_NAME_BYTES, ModelOverride, ModelsConfig};
 pub use passthrough::{Passthrough, Verdict as PassthroughVerdict};
 pub use policy::PolicyKind;
 pub use precise::{ContentFormat, DEFAULT_MAX_TOKENIZE_BYTES, PreciseConfig, TokenizerSetting};
@@ -102,6 +104,8 @@ pub struct Config {
     pub state: StateConfig,
     pub discovery: DiscoveryConfig,
     pub tracing: TracingConfig,
+    /// Several models behind one router (`models:`).
+    pub models: ModelsConfig,
 }
 
 // Raw (serde) schema of the whole file: every section's raw form, each key optional so
@@ -141,6 +145,8 @@ struct RawConfig {
     discovery: Option<Value>,
     #[serde(default)]
     tracing: trace::RawTracing,
+    #[serde(default)]
+    models: models::RawModels,
 }
 
 impl RawConfig {
@@ -153,6 +159,7 @@ impl RawConfig {
         let discovery = DiscoveryConfig::validate(self.discovery, ck)?;
         let discovers = discovery != DiscoveryConfig::Static;
         let workers = workers::validate(self.workers, require_workers, discovers, ck)?;
+        let raw_cache = self.cache.clone();
         let cache = self.cache.validate(ck)?;
         let health = self.health.validate(ck)?;
         let circuit_breaker = self.circuit_breaker.validate(ck)?;
@@ -184,6 +191,7 @@ impl RawConfig {
             state: self.state.validate(ck)?,
             discovery,
             tracing: self.tracing.validate(ck)?,
+            models: self.models.validate(ck, &raw_cache, policy)?,
         })
     }
 }
@@ -345,6 +353,7 @@ impl Config {
             changed(&a.state, &b.state),
             changed(&a.discovery, &b.discovery),
             changed(&a.tracing, &b.tracing),
+            changed(&a.models, &b.models),
         ]
         .into_iter()
         .flatten()

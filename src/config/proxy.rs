@@ -48,7 +48,8 @@ pub struct ProxyConfig {
     /// `allow` (default), or an HTTP status with which requests carrying remote media
     /// URLs are refused.
     pub remote_media_url_policy: RemoteMediaPolicy,
-    /// How long a `/v1/models` answer is reused (default 600 s; 0 = never cached).
+    /// `proxy.models_cache_secs`: no effect (`GET /v1/models` is the fleet's list, built
+    /// from the workers' lists); accepted so that older files still load.
     pub models_cache: Duration,
     /// Bearer token sent to every worker (requests and health probes) unless the worker
     /// sets its own; it replaces the client's `Authorization`.

@@ -10,6 +10,7 @@ use serde::Deserialize;
 use super::check::{Checker, ConfigError, named};
 use super::kv_events::{KvEventsConfig, RawKvEvents};
 use super::lmcache::{LmcacheConfig, RawLmcache};
+use super::models::MAX_MODEL_NAME_BYTES;
 use super::secret::Secret;
 use super::source;
 use super::worker_url::WorkerUrl;
@@ -38,6 +39,9 @@ pub struct WorkerConfig {
     pub kv_events: Option<KvEventsConfig>,
     /// Its LMCache occupancy signal (`lmcache_aware`).
     pub lmcache: Option<LmcacheConfig>,
+    /// The served names it answers (`models`), pinned: its `GET /v1/models` is then
+    /// never read. `None` = read from the worker.
+    pub models: Option<Vec<String>>,
 }
 
 /// `workers[i].role`.
@@ -138,6 +142,7 @@ struct RawWorker {
     api_key: Option<String>,
     kv_events: Option<RawKvEvents>,
     lmcache: Option<RawLmcache>,
+    models: Option<Vec<String>>,
 }
 
 impl RawWorker {
@@ -153,6 +158,7 @@ impl RawWorker {
             api_key: None,
             kv_events: None,
             lmcache: None,
+            models: None,
         }
     }
 
@@ -204,8 +210,37 @@ impl RawWorker {
                 .map_err(|m| ("api_key", m))?,
             kv_events,
             lmcache,
+            models: self.models.map(pinned_models).transpose()?,
         })
     }
+}
+
+/// `workers[i].models`: one name or more, each a model name ([`MAX_MODEL_NAME_BYTES`]),
+/// repeats dropped.
+fn pinned_models(names: Vec<String>) -> Result<Vec<String>, (&'static str, String)> {
+    if names.is_empty() {
+        return Err((
+            "models",
+            "is empty: list the served names, or leave it out to read the worker's GET /v1/models"
+                .into(),
+        ));
+    }
+    let mut out: Vec<String> = Vec::with_capacity(names.len());
+    for n in names {
+        if n.is_empty() || n.len() > MAX_MODEL_NAME_BYTES || n.chars().any(char::is_control) {
+            return Err((
+                "models",
+                format!(
+                    "`{}` is not a model name (1 to {MAX_MODEL_NAME_BYTES} bytes, no control characters)",
+                    n.escape_debug()
+                ),
+            ));
+        }
+        if !out.contains(&n) {
+            out.push(n);
+        }
+    }
+    Ok(out)
 }
 
 /// Reads `workers:`: URLs normalised, an entry repeated with the same URL and name

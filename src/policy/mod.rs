@@ -67,6 +67,9 @@ use crate::tree::SharedTree;
 /// The routing table the proxy routes with: each pool's policy (see [`crate::pools`]).
 pub type Routes = crate::pools::Pools<Arc<dyn Policy>>;
 
+/// One version of [`Routes`]' table.
+pub type RoutesTable = crate::pools::Table<Arc<dyn Policy>>;
+
 /// A boxed future, for the few async hooks of the seam.
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -373,28 +376,91 @@ pub struct Routing {
     pub tree: Option<Arc<SharedTree>>,
 }
 
+/// What every pool's policy shares, built once: the session layer's memory (sessions
+/// and stored responses belong to the router, whatever the model), the fleet its
+/// memory is shared through (`state.redis_url`), and precise mode's KV-event state
+/// (the engines' events, one feed per worker).
+pub struct Shared {
+    memory: Arc<session::Memory>,
+    /// Routing state shared with the other router replicas; `app` runs its connection.
+    pub fleet: Option<Arc<Fleet>>,
+    precise: Option<Arc<crate::precise::Precise>>,
+    /// Whether a precise policy already feeds `precise` (the first one made does).
+    fed: std::sync::atomic::AtomicBool,
+}
+
+impl Shared {
+    /// The shared parts for `config`, the fleet registered with `pool` for membership.
+    pub fn new(config: &Config, pool: &Arc<Pool>) -> Shared {
+        let memory = session::Memory::new(&config.session);
+        let fleet = config.state.redis_url.as_ref().and_then(|_| {
+            let sink = Arc::clone(&memory) as Arc<dyn crate::fleet::BindingSink>;
+            Fleet::new(&config.state, Arc::clone(pool), sink)
+                .inspect_err(|e| tracing::error!(error = %e, "state sharing off: it cannot start"))
+                .ok()
+        });
+        let precise = (config.policy == PolicyKind::PreciseCacheAware)
+            .then(|| Arc::new(crate::precise::Precise::new(&config.precise)));
+        Shared {
+            memory,
+            fleet,
+            precise,
+            fed: Default::default(),
+        }
+    }
+}
+
 /// The policy `config.policy` names, with its state, registered with `pool` for
 /// membership events, and the fleet its memory is shared through when `state.redis_url`
 /// is set (built first, handed to the parts that use it: nothing is wired in later).
-/// The one place that matches on [`PolicyKind`].
+/// One pool's worth ([`build_pool`] for [`crate::pools::DEFAULT_POOL`]).
 pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
-    let memory = session::Memory::new(&config.session);
-    let fleet = config.state.redis_url.as_ref().and_then(|_| {
-        let sink = Arc::clone(&memory) as Arc<dyn crate::fleet::BindingSink>;
-        Fleet::new(&config.state, Arc::clone(pool), sink)
-            .inspect_err(|e| tracing::error!(error = %e, "state sharing off: it cannot start"))
-            .ok()
-    });
-    let shared = fleet.as_ref();
+    let shared = Shared::new(config, pool);
+    let (policy, tree) = build_pool(config, crate::pools::DEFAULT_POOL, pool, &shared);
+    Routing {
+        policy,
+        fleet: shared.fleet,
+        tree,
+    }
+}
+
+/// The policy of the pool `model` (a served name, or [`crate::pools::DEFAULT_POOL`]):
+/// `models.overrides.<model>`'s policy and cache settings over the top-level ones,
+/// inside the session layer over `shared`'s memory; registered with `pool` for
+/// membership events. Also the tree it routes on, when it keeps one. The one place
+/// that matches on [`PolicyKind`].
+pub fn build_pool(
+    config: &Config,
+    model: &str,
+    pool: &Arc<Pool>,
+    shared: &Shared,
+) -> (Arc<dyn Policy>, Option<Arc<SharedTree>>) {
+    let over = config.models.overrides.get(model);
+    let config: std::borrow::Cow<'_, Config> = match over {
+        None => std::borrow::Cow::Borrowed(config),
+        Some(o) => {
+            let mut c = config.clone();
+            c.policy = o.policy.unwrap_or(c.policy);
+            c.cache = o.cache.clone().unwrap_or(c.cache);
+            std::borrow::Cow::Owned(c)
+        }
+    };
+    let shared_fleet = shared.fleet.as_ref();
     let mut tree = None;
     let policy: Arc<dyn Policy> = match config.policy {
         PolicyKind::CacheAware => {
-            let p = CacheAware::new(&config.cache, shared);
+            let p = CacheAware::new(&config.cache, shared_fleet);
             tree = Some(Arc::clone(p.shared_tree()));
             Arc::new(p)
         }
         PolicyKind::PreciseCacheAware => {
-            let p = precise::PreciseCacheAware::new(config);
+            let p = match &shared.precise {
+                Some(state) => {
+                    let feeds = !shared.fed.swap(true, std::sync::atomic::Ordering::Relaxed);
+                    precise::PreciseCacheAware::sharing(&config, Arc::clone(state), feeds)
+                }
+                None => precise::PreciseCacheAware::new(&config),
+            };
             tree = Some(Arc::clone(p.shared_tree()));
             Arc::new(p)
         }
@@ -407,7 +473,7 @@ pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
         )),
         PolicyKind::PrefixHash => Arc::new(prefix_hash::PrefixHash::new(&config.prefix_hash)),
         PolicyKind::CostAware => {
-            let p = cost_aware::CostAware::new(config, shared);
+            let p = cost_aware::CostAware::new(&config, shared_fleet);
             tree = Some(Arc::clone(p.shared_tree()));
             Arc::new(p)
         }
@@ -418,15 +484,11 @@ pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
         policy,
         &config.session,
         CacheParams::from(&config.cache),
-        memory,
-        fleet.clone(),
+        Arc::clone(&shared.memory),
+        shared.fleet.clone(),
     ));
     pool.listen(Arc::clone(&policy) as Arc<dyn PoolListener>);
-    Routing {
-        policy,
-        fleet,
-        tree,
-    }
+    (policy, tree)
 }
 
 /// Shared test inputs for the pick functions.

@@ -46,3 +46,31 @@ pub fn put(fields: &mut Fields, key: &str, value: impl Serialize) {
         fields.insert(key.to_string(), v);
     }
 }
+
+/// Every pool's policy's views' metric families, read from the routing table at each
+/// scrape (pools made since start included): the default pool's unlabelled (as a
+/// router with one pool writes them), each model's pool's labelled `model="<its
+/// name>"`. The registry merges a family several pools write into one.
+pub struct PoolViews(pub Arc<super::Routes>);
+
+impl crate::metrics::ScrapeText for PoolViews {
+    fn write(&self, out: &mut String) {
+        let table = self.0.table();
+        let mut registry =
+            prometheus_client::registry::Registry::with_prefix(crate::metrics::PREFIX);
+        for (i, p) in table.pools().enumerate() {
+            let r = if i == 0 {
+                &mut registry
+            } else {
+                registry.sub_registry_with_label(("model".into(), p.name().to_string().into()))
+            };
+            for view in p.policy().views() {
+                if let Some(c) = view.collector(self.0.workers()) {
+                    r.register_collector(c);
+                }
+            }
+        }
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::prometheus_text::encode(out, &registry);
+    }
+}

@@ -1,25 +1,46 @@
 //! The routing table: the pools a request can route in, and which one it does.
 //!
-//! A **pool** ([`ModelPool`]) is the workers that serve one model and what chooses among
-//! them: its policy, with its own routing memory. Every pool draws on one membership of
-//! workers, the [`Pool`] in [`pool`] (health, breaker, in-flight load): a worker that
-//! serves two models belongs to both pools, and its in-flight count, `max_load`, health
-//! and breaker are one, because it is one engine.
+//! A **pool** ([`ModelPool`]) is what routes the requests for one model: its policy,
+//! with its own routing memory. Every pool draws on one membership of workers, the
+//! [`Pool`] in [`pool`] (health, breaker, in-flight load): a worker that serves two
+//! models belongs to both pools, and its in-flight count, `max_load`, health and
+//! breaker are one, because it is one engine.
 //!
-//! Today one pool, `default`, serves every model; [`Pools::route`] is the one place a
-//! request's model chooses its pool, so routing by model adds entries to this table
-//! (and prefill/decode pools a kind of entry) without changing its callers.
+//! What each worker serves is its model list ([`pool::models`]: read from its
+//! `GET /v1/models`, or pinned). A base model's served names that share a `root` on a
+//! worker are one model (vLLM's `--served-model-name a b`), with one pool named by the
+//! first; an adapter routes in its parent's pool, on the workers that list it. A worker
+//! whose list is unknown serves any model: it is in every pool, and a model that no
+//! list names goes to those workers, in the pool named [`DEFAULT_POOL`], which also
+//! takes what names no model where no model can be chosen (other paths, WebSockets,
+//! calls on a stored response) over every worker.
+//!
+//! The [`Table`] is one immutable version of all that (which workers each served name
+//! routes to, each with its pool), swapped atomically when the membership or a worker's
+//! list changes; a request loads it once ([`Pools::table`]). [`Table::route`] is the one
+//! place a request's model chooses its pool and workers. Pools appear as models appear
+//! in the lists (their policies made by the function `app` gives, so their upkeep and
+//! metrics follow) and stay while the router runs: a model that comes back finds its
+//! routing memory.
 //!
 //! The table is generic over what routes in a pool (`P`, the proxy's policy) so that it
 //! sits below `policy`: policies depend on the membership, never on the table.
 
+pub mod metrics;
 pub mod pool;
+pub mod refresh;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 
-use self::pool::Pool;
+use arc_swap::ArcSwap;
 
-/// Name of the pool that serves any model (in logs and views).
+use self::pool::{Pool, PoolListener, Worker, WorkerSet};
+use crate::config::ModelsConfig;
+
+/// Name of the pool of the workers that serve any model, and of requests that name no
+/// model where none can be chosen (in logs and views).
 pub const DEFAULT_POOL: &str = "default";
 
 /// One pool: its name and what routes in it. See the module docs.
@@ -29,7 +50,7 @@ pub struct ModelPool<P> {
 }
 
 impl<P> ModelPool<P> {
-    /// The pool's name ([`DEFAULT_POOL`] for the pool that serves any model).
+    /// The pool's name: its model's (first served) name, or [`DEFAULT_POOL`].
     pub fn name(&self) -> &Arc<str> {
         &self.name
     }
@@ -40,23 +61,318 @@ impl<P> ModelPool<P> {
     }
 }
 
+/// Where the requests for one served name go.
+struct Target {
+    /// Index into [`Table::pools`].
+    pool: usize,
+    /// The workers that list it, and those that serve any model.
+    set: Arc<WorkerSet>,
+    /// The name as listed.
+    name: Arc<str>,
+    /// Requests routed as this name (`/metrics`).
+    requests: Arc<AtomicU64>,
+}
+
+/// Public names (`models.aliases`) and the default (`models.default`).
+struct Names {
+    default: Option<Arc<str>>,
+    aliases: HashMap<Arc<str>, Alias>,
+}
+
+/// One alias's targets and where its sequence of choices stands.
+struct Alias {
+    targets: Vec<(Arc<str>, f64)>,
+    ticket: AtomicU64,
+}
+
+/// Fractional part of the golden ratio: the `n`-th choice of an alias sits at
+/// `frac(n · φ⁻¹)` of the targets' weight, which spreads every run of requests over the
+/// targets in their weights' proportion (off by a few requests, not by a random walk).
+const GOLDEN: f64 = 0.618_033_988_749_894_9;
+
+impl Alias {
+    /// The next target among those `served` says are served; `None` when none is.
+    fn choose(&self, served: impl Fn(&str) -> bool) -> Option<&Arc<str>> {
+        let live: Vec<&(Arc<str>, f64)> = self.targets.iter().filter(|(t, _)| served(t)).collect();
+        let total: f64 = live.iter().map(|(_, w)| w).sum();
+        // Relaxed: a counter, nothing is published through it.
+        let n = self.ticket.fetch_add(1, Ordering::Relaxed);
+        let mut at = (n as f64 * GOLDEN).fract() * total;
+        for (t, w) in &live {
+            if at < *w {
+                return Some(t);
+            }
+            at -= w;
+        }
+        live.last().map(|(t, _)| t)
+    }
+}
+
+/// Why a request has no pool.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RouteError {
+    /// No worker serves this model, and none serves any.
+    UnknownModel(String),
+    /// The request names no model, and the fleet serves several (its choices, the
+    /// served models' and the aliases' names).
+    NoModel { choices: Vec<Arc<str>> },
+}
+
+/// Where one request routes: a pool and its workers.
+pub struct Routed<'t, P> {
+    pub pool: &'t ModelPool<P>,
+    /// The workers it may go to (a worker in several pools is the same `Worker`).
+    pub set: &'t Arc<WorkerSet>,
+    /// The served name the forwarded body must carry, when it is not what the request
+    /// wrote: an alias's target, or the model chosen for a request that named none.
+    pub rewrite: Option<&'t Arc<str>>,
+    /// The served name it routes as, when a worker listed it or config names it (the
+    /// only names that label metrics); `None` for workers that serve any model.
+    pub model: Option<&'t Arc<str>>,
+}
+
+/// One version of the routing table. See the module docs.
+pub struct Table<P> {
+    /// Every worker, as the membership had it when this table was built.
+    set: Arc<WorkerSet>,
+    /// Every pool made so far, [`DEFAULT_POOL`] first.
+    pools: Vec<Arc<ModelPool<P>>>,
+    /// Served name -> where it goes.
+    routes: HashMap<Arc<str>, Target>,
+    /// The workers that serve any model, when there are.
+    any: Option<Arc<WorkerSet>>,
+    /// The listed base models (their pools' names), in the workers' order.
+    bases: Vec<Arc<str>>,
+    names: Arc<Names>,
+}
+
+impl<P> Table<P> {
+    /// Every worker once.
+    pub fn set(&self) -> &Arc<WorkerSet> {
+        &self.set
+    }
+
+    /// Every pool, [`DEFAULT_POOL`] first, then in the order their models appeared.
+    pub fn pools(&self) -> impl Iterator<Item = &ModelPool<P>> {
+        self.pools.iter().map(|p| &**p)
+    }
+
+    /// The workers that serve any model (their list is unknown), when there are.
+    pub fn any(&self) -> Option<&Arc<WorkerSet>> {
+        self.any.as_ref()
+    }
+
+    /// Every served name a worker lists now, with its pool and its workers (those that
+    /// serve any model included), by name.
+    pub fn models(&self) -> Vec<(&Arc<str>, &ModelPool<P>, &Arc<WorkerSet>)> {
+        let mut out: Vec<_> = self
+            .routes
+            .values()
+            .map(|t| (&t.name, &*self.pools[t.pool], &t.set))
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(b.0));
+        out
+    }
+
+    /// Where what names no model goes when none can be chosen (other paths, WebSockets,
+    /// calls on a stored response): [`DEFAULT_POOL`], every worker.
+    pub fn everyone(&self) -> Routed<'_, P> {
+        Routed {
+            pool: &self.pools[0],
+            set: &self.set,
+            rewrite: None,
+            model: None,
+        }
+    }
+
+    /// Where a request for `model` (`None`: it names none) routes. See the module docs
+    /// and `docs/src/concepts/models.md` for the rules.
+    pub fn route(&self, model: Option<&str>) -> Result<Routed<'_, P>, RouteError> {
+        let Some(model) = model else {
+            if let Some(d) = &self.names.default {
+                return self.named(d, Some(d));
+            }
+            return match self.bases.as_slice() {
+                [] => Ok(self.everyone()),
+                [only] => self.named(only, Some(only)),
+                several => {
+                    let mut choices = several.to_vec();
+                    choices.extend(self.names.aliases.keys().cloned());
+                    choices.sort();
+                    Err(RouteError::NoModel { choices })
+                }
+            };
+        };
+        self.named(model, None)
+    }
+
+    /// A request for `model`; `written`: the request named none, and this is the name
+    /// chosen for it (the served name is then always written into it).
+    fn named<'t>(
+        &'t self,
+        model: &str,
+        written: Option<&'t Arc<str>>,
+    ) -> Result<Routed<'t, P>, RouteError> {
+        let served = |name: &str| self.any.is_some() || self.routes.contains_key(name);
+        let chosen = match self.names.aliases.get(model) {
+            Some(alias) => Some(
+                alias
+                    .choose(served)
+                    .ok_or_else(|| RouteError::UnknownModel(model.to_string()))?,
+            ),
+            None => None,
+        };
+        let name: &str = chosen.map_or(model, |c| c);
+        // What the forwarded body must say: an alias's target (when it is another
+        // name), or what was chosen for a request that named none.
+        let carry = match chosen {
+            Some(c) if written.is_some() || **c != *model => Some(c),
+            Some(_) => None,
+            None => written,
+        };
+        if let Some(t) = self.routes.get(name) {
+            t.requests.fetch_add(1, Ordering::Relaxed);
+            return Ok(Routed {
+                pool: &self.pools[t.pool],
+                set: &t.set,
+                rewrite: carry.map(|_| &t.name),
+                model: Some(&t.name),
+            });
+        }
+        match &self.any {
+            Some(any) => Ok(Routed {
+                pool: &self.pools[0],
+                set: any,
+                rewrite: carry,
+                model: None,
+            }),
+            None => Err(RouteError::UnknownModel(model.to_string())),
+        }
+    }
+}
+
 /// The routing table over one membership of workers. See the module docs.
 pub struct Pools<P> {
     workers: Arc<Pool>,
-    /// Never empty: the first entry serves any model.
-    pools: Box<[ModelPool<P>]>,
+    table: ArcSwap<Table<P>>,
+    /// Every pool made so far, [`DEFAULT_POOL`] first.
+    made: Mutex<Vec<Arc<ModelPool<P>>>>,
+    /// Makes the policy of a new pool, by the pool's name.
+    make: Box<dyn Fn(&str) -> P + Send + Sync>,
+    names: Arc<Names>,
+    /// Serialises table builds (membership changes, the list reads).
+    building: Mutex<()>,
+    /// Serialises the making of pools (one per name).
+    making: Mutex<()>,
+    /// Told when the membership changed (a worker joined: its list is to be read).
+    changed: tokio::sync::Notify,
+    /// Requests per known model name (`/metrics`): the names workers listed and config
+    /// writes, never a client's.
+    requests: Mutex<HashMap<Arc<str>, Arc<AtomicU64>>>,
+    /// Requests for a model no worker serves (404).
+    not_found: AtomicU64,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<P: Send + Sync + 'static> Pools<P> {
+    /// The table over `workers`: [`DEFAULT_POOL`] and a pool for each model the workers
+    /// are pinned to, each with the policy `make` makes for its name. `make` is also
+    /// called for each model that appears later ([`Pools::update`]). The table hears
+    /// the membership's changes.
+    pub fn new(
+        workers: Arc<Pool>,
+        models: &ModelsConfig,
+        make: impl Fn(&str) -> P + Send + Sync + 'static,
+    ) -> Arc<Self> {
+        let default = Arc::new(ModelPool {
+            name: Arc::from(DEFAULT_POOL),
+            policy: make(DEFAULT_POOL),
+        });
+        let names = Arc::new(Names {
+            default: models.default.as_deref().map(Arc::from),
+            aliases: models
+                .aliases
+                .iter()
+                .map(|(public, targets)| {
+                    let targets = targets
+                        .iter()
+                        .map(|t| (Arc::from(t.model.as_str()), t.weight))
+                        .collect();
+                    let alias = Alias {
+                        targets,
+                        ticket: AtomicU64::new(0),
+                    };
+                    (Arc::from(public.as_str()), alias)
+                })
+                .collect(),
+        });
+        let requests = Mutex::new(
+            models
+                .names()
+                .map(|n| (Arc::from(n), Arc::default()))
+                .collect(),
+        );
+        let (first, _) = build(workers.set(), vec![Arc::clone(&default)], &names, &requests);
+        let pools = Arc::new(Pools {
+            table: ArcSwap::from_pointee(first),
+            made: Mutex::new(vec![default]),
+            workers: Arc::clone(&workers),
+            make: Box::new(make),
+            names,
+            building: Mutex::new(()),
+            making: Mutex::new(()),
+            changed: tokio::sync::Notify::new(),
+            requests,
+            not_found: AtomicU64::new(0),
+        });
+        workers.listen(Arc::clone(&pools) as Arc<dyn PoolListener>);
+        pools.update();
+        pools
+    }
+
+    /// Rebuilds the table from the membership and every worker's list, first making
+    /// the pools of models seen for the first time (the list reads call it after a
+    /// change).
+    pub fn update(&self) {
+        let _one = lock(&self.making);
+        let missing = self.rebuild(self.workers.set());
+        if missing.is_empty() {
+            return;
+        }
+        // Made outside the build lock: a policy registers with the membership, whose
+        // change handlers wait on that lock.
+        let made: Vec<Arc<ModelPool<P>>> = missing
+            .into_iter()
+            .map(|name| {
+                tracing::info!(model = %name, "a pool for a new model");
+                Arc::new(ModelPool {
+                    policy: (self.make)(&name),
+                    name,
+                })
+            })
+            .collect();
+        lock(&self.made).extend(made);
+        self.rebuild(self.workers.set());
+    }
+
+    /// Builds and stores the table for `set` with the pools made so far; returns the
+    /// names of the pools it lacks.
+    fn rebuild(&self, set: Arc<WorkerSet>) -> Vec<Arc<str>> {
+        let _one = lock(&self.building);
+        let made = lock(&self.made).clone();
+        let (table, missing) = build(set, made, &self.names, &self.requests);
+        self.table.store(Arc::new(table));
+        missing
+    }
 }
 
 impl<P> Pools<P> {
-    /// A table with one pool, [`DEFAULT_POOL`], that serves every model over `workers`.
-    pub fn single(workers: Arc<Pool>, policy: P) -> Self {
-        Pools {
-            workers,
-            pools: Box::new([ModelPool {
-                name: Arc::from(DEFAULT_POOL),
-                policy,
-            }]),
-        }
+    /// The current table (one atomic load): a request keeps it for all its attempts.
+    pub fn table(&self) -> Arc<Table<P>> {
+        self.table.load_full()
     }
 
     /// Every worker, once (what health checks, discovery and reloads change).
@@ -64,31 +380,154 @@ impl<P> Pools<P> {
         &self.workers
     }
 
-    /// The pool a request for `model` (`None`: the request names none) routes in.
-    pub fn route(&self, _model: Option<&str>) -> &ModelPool<P> {
-        &self.pools[0]
+    /// Notified when the membership changed: the list reads look at the new workers.
+    pub fn membership_changed(&self) -> &tokio::sync::Notify {
+        &self.changed
     }
 
-    /// Every pool, the default first.
-    pub fn iter(&self) -> impl Iterator<Item = &ModelPool<P>> {
-        self.pools.iter()
+    /// Counts a request for a model no worker serves.
+    pub fn not_found(&self) {
+        self.not_found.fetch_add(1, Ordering::Relaxed);
     }
+
+    /// Requests per known model name, by name, and those for unknown models.
+    pub fn request_counts(&self) -> (Vec<(Arc<str>, u64)>, u64) {
+        let mut per: Vec<(Arc<str>, u64)> = lock(&self.requests)
+            .iter()
+            .map(|(n, c)| (Arc::clone(n), c.load(Ordering::Relaxed)))
+            .collect();
+        per.sort();
+        (per, self.not_found.load(Ordering::Relaxed))
+    }
+}
+
+impl<P: Send + Sync + 'static> PoolListener for Pools<P> {
+    fn set_changed(&self, set: &Arc<WorkerSet>) {
+        // Under the membership's lock: no pool is made here (the list reads make the
+        // new ones when they wake).
+        self.rebuild(Arc::clone(set));
+        self.changed.notify_one();
+    }
+}
+
+/// The members of one served name: workers by their index in the set.
+#[derive(Default)]
+struct Members {
+    pool: Option<Arc<str>>,
+    workers: Vec<usize>,
+}
+
+/// Which pool each served name of `set`'s lists belongs to, and who lists it; the
+/// workers that serve any model; the base models' pools in order. See the module docs.
+fn survey(set: &WorkerSet) -> (HashMap<Arc<str>, Members>, Vec<usize>, Vec<Arc<str>>) {
+    let mut names: HashMap<Arc<str>, Members> = HashMap::new();
+    let mut any = Vec::new();
+    let mut bases: Vec<Arc<str>> = Vec::new();
+    for (i, w) in set.workers().iter().enumerate() {
+        let served = w.served();
+        if served.serves_any() {
+            any.push(i);
+            continue;
+        }
+        let pinned = served.source == pool::models::ListSource::Pinned;
+        // root -> pool, on this worker: its served names of one model share a root.
+        let mut by_root: HashMap<&str, Arc<str>> = HashMap::new();
+        for m in served.models.iter().filter(|m| !m.is_adapter()) {
+            let root = m.root.as_deref().filter(|_| !pinned);
+            let pool = root
+                .and_then(|r| by_root.get(r).cloned())
+                .or_else(|| names.get(&m.id).and_then(|n| n.pool.clone()))
+                .unwrap_or_else(|| Arc::clone(&m.id));
+            if let Some(r) = root {
+                by_root.entry(r).or_insert_with(|| Arc::clone(&pool));
+            }
+            if !bases.contains(&pool) {
+                bases.push(Arc::clone(&pool));
+            }
+            let n = names.entry(Arc::clone(&m.id)).or_default();
+            n.pool.get_or_insert(pool);
+            n.workers.push(i);
+        }
+        for m in served.models.iter() {
+            let Some(parent) = &m.parent else { continue };
+            let pool = names
+                .get(parent)
+                .and_then(|n| n.pool.clone())
+                .unwrap_or_else(|| Arc::clone(parent));
+            let n = names.entry(Arc::clone(&m.id)).or_default();
+            n.pool.get_or_insert(pool);
+            n.workers.push(i);
+        }
+    }
+    (names, any, bases)
+}
+
+/// The table for `set` with the pools `made`; and the pools' names it lacks (models
+/// whose requests meanwhile go as an unknown model's).
+fn build<P>(
+    set: Arc<WorkerSet>,
+    made: Vec<Arc<ModelPool<P>>>,
+    names: &Arc<Names>,
+    requests: &Mutex<HashMap<Arc<str>, Arc<AtomicU64>>>,
+) -> (Table<P>, Vec<Arc<str>>) {
+    let (served, any, bases) = survey(&set);
+    let index: HashMap<&str, usize> = made
+        .iter()
+        .enumerate()
+        .map(|(i, p)| (&*p.name, i))
+        .collect();
+    // One set per distinct membership: names with the same workers share it (and so
+    // whatever a policy derives from a set).
+    let mut sets: HashMap<Vec<usize>, Arc<WorkerSet>> = HashMap::new();
+    sets.insert((0..set.workers().len()).collect(), Arc::clone(&set));
+    let mut set_of = |mut members: Vec<usize>| -> Arc<WorkerSet> {
+        members.sort_unstable();
+        members.dedup();
+        Arc::clone(sets.entry(members).or_insert_with_key(|m| {
+            Arc::new(WorkerSet::new(
+                m.iter()
+                    .map(|&i| Arc::clone(&set.workers()[i]))
+                    .collect::<Vec<Arc<Worker>>>(),
+            ))
+        }))
+    };
+    let mut missing: Vec<Arc<str>> = Vec::new();
+    let mut routes = HashMap::with_capacity(served.len());
+    let mut counters = lock(requests);
+    for (name, m) in served {
+        let pool = m.pool.unwrap_or_else(|| Arc::clone(&name));
+        let Some(&i) = index.get(&*pool) else {
+            if !missing.contains(&pool) {
+                missing.push(pool);
+            }
+            continue;
+        };
+        let mut members = m.workers;
+        members.extend_from_slice(&any);
+        let target = Target {
+            pool: i,
+            set: set_of(members),
+            requests: Arc::clone(counters.entry(Arc::clone(&name)).or_default()),
+            name: Arc::clone(&name),
+        };
+        routes.insert(name, target);
+    }
+    drop(counters);
+    let any = (!any.is_empty()).then(|| set_of(any));
+    let bases = bases
+        .into_iter()
+        .filter(|b| index.contains_key(&**b))
+        .collect();
+    let table = Table {
+        set,
+        pools: made,
+        routes,
+        any,
+        bases,
+        names: Arc::clone(names),
+    };
+    (table, missing)
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn one_pool_serves_every_model_and_shares_the_workers() {
-        let workers = Arc::new(Pool::new(&[], &Default::default()));
-        let pools = Pools::single(Arc::clone(&workers), 7u8);
-        for model in [None, Some("llama"), Some("")] {
-            let p = pools.route(model);
-            assert_eq!(&**p.name(), DEFAULT_POOL);
-            assert_eq!(*p.policy(), 7);
-        }
-        assert_eq!(pools.iter().count(), 1);
-        assert!(Arc::ptr_eq(pools.workers(), &workers));
-    }
-}
+mod tests;

@@ -14,6 +14,8 @@ use super::{Content, PromptBuilder, Text, append_content};
 #[derive(Deserialize)]
 struct MessagesBody<'a> {
     #[serde(borrow, default)]
+    model: Option<&'a serde_json::value::RawValue>,
+    #[serde(borrow, default)]
     system: Option<Content<'a>>,
     #[serde(borrow)]
     messages: Vec<Message<'a>>,
@@ -36,6 +38,7 @@ pub fn messages(body: &[u8], b: &mut PromptBuilder) -> bool {
     let Ok(req) = serde_json::from_slice::<MessagesBody<'_>>(body) else {
         return false;
     };
+    b.model(req.model, body);
     super::tools(req.tools, b);
     if let Some(system) = &req.system {
         b.role("system");

@@ -14,6 +14,7 @@
 
 pub mod anthropic;
 pub mod chunks;
+pub mod model;
 pub mod openai;
 
 use std::borrow::Cow;
@@ -95,6 +96,8 @@ pub struct RouteContext<'a> {
     /// nothing was cut. Equal for prompts whose kept text is equal, at no extra hashing
     /// (the digest's chunker is read at the cut).
     pub cut_digest: Option<u64>,
+    /// Where the body's `model` string is (read in the same parse), when it has one.
+    pub model: Option<model::ModelField>,
 }
 
 /// Reads the routing context of `body` for `endpoint`. `max_prompt_bytes` bounds the
@@ -129,6 +132,7 @@ pub fn raw_body(body: &[u8], max_prompt_bytes: usize) -> RouteContext<'_> {
         source: Source::RawBody,
         continues: None,
         cut_digest,
+        model: model::of_any_object(body),
     }
 }
 
@@ -141,6 +145,7 @@ pub struct PromptBuilder {
     hasher: Chunker,
     continues: Option<u64>,
     cut_digest: Option<u64>,
+    model: Option<model::ModelField>,
 }
 
 impl PromptBuilder {
@@ -161,7 +166,13 @@ impl PromptBuilder {
             hasher: Chunker::new(cap, expect),
             continues: None,
             cut_digest: None,
+            model: None,
         }
+    }
+
+    /// Notes the body's `model` (`raw`, borrowed from `body` by the endpoint's parse).
+    pub fn model(&mut self, raw: Option<&RawValue>, body: &[u8]) {
+        self.model = model::ModelField::of(raw, body);
     }
 
     /// Reads the digest at the cut, once: called when the text is full and more comes.
@@ -250,6 +261,7 @@ impl PromptBuilder {
             source: Source::Extracted,
             continues: self.continues,
             cut_digest: self.cut_digest,
+            model: self.model,
         }
     }
 }
@@ -594,6 +606,7 @@ mod tests {
                 source: self.source,
                 continues: self.continues,
                 cut_digest: self.cut_digest,
+                model: self.model,
             }
         }
     }

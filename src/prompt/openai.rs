@@ -14,6 +14,8 @@ use super::{Content, PromptBuilder, Text, append_content};
 
 #[derive(Deserialize)]
 struct ChatBody<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
     #[serde(borrow)]
     messages: Vec<ChatMessage<'a>>,
     /// Kept unparsed: its bytes are the routing text (`prompt::tools`).
@@ -54,6 +56,7 @@ pub fn chat(body: &[u8], b: &mut PromptBuilder) -> bool {
     let Ok(req) = serde_json::from_slice::<ChatBody<'_>>(body) else {
         return false;
     };
+    b.model(req.model, body);
     super::tools(req.tools, b);
     for m in &req.messages {
         b.role(m.role.as_deref().unwrap_or("user"));
@@ -87,6 +90,8 @@ fn json_text(raw: &RawValue, b: &mut PromptBuilder) {
 
 #[derive(Deserialize)]
 struct CompletionBody<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
     #[serde(borrow)]
     prompt: &'a RawValue,
 }
@@ -107,6 +112,7 @@ pub fn completions(body: &[u8], b: &mut PromptBuilder) -> bool {
     let Ok(req) = serde_json::from_slice::<CompletionBody<'_>>(body) else {
         return false;
     };
+    b.model(req.model, body);
     let Ok(prompt) = serde_json::from_str::<Prompt<'_>>(req.prompt.get()) else {
         return false;
     };
@@ -144,6 +150,8 @@ fn token_ids(ids: &[u64], b: &mut PromptBuilder) {
 
 #[derive(Deserialize)]
 struct ResponsesBody<'a> {
+    #[serde(borrow, default)]
+    model: Option<&'a RawValue>,
     #[serde(borrow, default)]
     instructions: Option<Text<'a>>,
     /// A string (one user message) or an array of items.
@@ -195,6 +203,7 @@ pub fn responses(body: &[u8], b: &mut PromptBuilder) -> bool {
     let Ok(req) = serde_json::from_slice::<ResponsesBody<'_>>(body) else {
         return false;
     };
+    b.model(req.model, body);
     if let Some(prev) = req
         .previous_response_id
         .as_deref()

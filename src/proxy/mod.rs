@@ -44,8 +44,7 @@ pub use serve::Call;
 
 use crate::cache::ResponseCache;
 use crate::config::Config;
-use crate::policy::{Policy, Routes};
-use crate::pools::ModelPool;
+use crate::policy::{Routes, RoutesTable};
 use crate::pools::pool::WorkerSet;
 use crate::trace::export::Exporter;
 use crate::upstream::Upstream;
@@ -102,8 +101,9 @@ impl Router {
         self.pools.workers().set()
     }
 
-    /// The pool a request for `model` routes in (`None`: it names none).
-    fn pool_for(&self, model: Option<&str>) -> &ModelPool<Arc<dyn Policy>> {
-        self.pools.route(model)
+    /// The routing table now (one atomic load): a request keeps it for all its
+    /// attempts, and routes in the pool [`crate::pools::Table::route`] gives.
+    fn table(&self) -> Arc<RoutesTable> {
+        self.pools.table()
     }
 }

@@ -1,6 +1,12 @@
-//! `GET /v1/models`: proxied to a usable worker, the answer cached per worker set.
+//! `GET /v1/models`: the fleet's list, the union of what the usable workers list (one
+//! entry per id, the first worker's, adapters with their `parent`) and the aliases
+//! whose targets are in it, built from the lists as last read (`pools::refresh`), so a
+//! model that leaves a worker's list leaves this one with the next read. 503 when no
+//! worker is usable. Where no usable worker's list could be read (backends without
+//! `/v1/models`, a fleet just started), the request is forwarded to one, as a router
+//! without lists would.
 
-use std::time::Instant;
+use std::collections::HashSet;
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
@@ -12,75 +18,80 @@ use super::access_log::RequestEnd;
 use super::forward::Route;
 use super::{ProxyBody, Router};
 use crate::error::ProxyError;
-use crate::pools::pool::CachedAnswer as Cached;
+use crate::pools::pool::breaker::State;
 
-/// Largest `/v1/models` answer that is cached, in bytes.
-const MAX_CACHED_BYTES: usize = 4 << 20;
-
-/// Why a worker's `/v1/models` answer could not be cached and passed on.
-#[derive(Debug, thiserror::Error)]
-enum ListError {
-    #[error("reading /v1/models")]
-    Read(#[source] crate::error::BoxError),
-    #[error("/v1/models answer is over {MAX_CACHED_BYTES} bytes")]
-    TooLarge,
-}
-
-/// Serves `/v1/models` from the cache, or forwards it like any request (least-loaded
-/// usable worker, retries) and caches a 200 answer for `proxy.models_cache_secs`.
+/// Answers `GET /v1/models`; see the module docs.
 pub(super) async fn get(
     router: &Router,
     req: Request<Incoming>,
     end: &mut RequestEnd<'_>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let set = router.worker_set();
-    let ttl = router.config.proxy.models_cache;
-    if let Some(c) = set.models.fresh(ttl) {
-        if !set.workers().iter().any(|w| w.is_healthy()) {
-            return Err(ProxyError::NoWorker("no worker is healthy"));
-        }
-        return Ok(build(StatusCode::OK, c.content_type, c.body));
+    let table = router.table();
+    let now = crate::pools::pool::now();
+    let usable: Vec<_> = table
+        .set()
+        .workers()
+        .iter()
+        .filter(|w| w.is_healthy() && w.breaker_state(now) != State::Open)
+        .collect();
+    if usable.is_empty() {
+        return Err(ProxyError::NoWorker("no worker is healthy"));
     }
-    let (parts, _) = req.into_parts();
-    let route = Route::without_prompt(end.id, router.pool_for(None));
-    let resp = router
-        .forward(&set, parts, Bytes::new(), &route, &mut end.waiting_on)
-        .await?;
-    if resp.status() != StatusCode::OK || ttl.is_zero() {
-        return Ok(resp);
-    }
-    let (parts, mut body) = resp.into_parts();
-    // Collected by hand: `Limited` over a boxed-error body trips rustc's higher-ranked
-    // Send check (rust-lang/rust#102211).
-    let mut buf = bytes::BytesMut::new();
-    while let Some(frame) = body.frame().await {
-        let frame = frame.map_err(|e| ProxyError::Upstream(Box::new(ListError::Read(e))))?;
-        if let Some(data) = frame.data_ref() {
-            if buf.len() + data.len() > MAX_CACHED_BYTES {
-                return Err(ProxyError::Upstream(Box::new(ListError::TooLarge)));
+    let mut seen: HashSet<&str> = HashSet::new();
+    let mut cards: Vec<String> = Vec::new();
+    let lists: Vec<_> = usable.iter().map(|w| w.served()).collect();
+    for served in lists.iter().filter(|s| !s.serves_any()) {
+        for m in served.models.iter() {
+            if seen.insert(&m.id) {
+                cards.push(m.card.get().to_string());
             }
-            buf.extend_from_slice(data);
         }
     }
-    let body = buf.freeze();
-    let content_type = parts.headers.get(header::CONTENT_TYPE).cloned();
-    set.models.store(Cached {
-        at: Instant::now(),
-        content_type: content_type.clone(),
-        body: body.clone(),
-    });
-    Ok(build(parts.status, content_type, body))
-}
-
-fn build(
-    status: StatusCode,
-    content_type: Option<HeaderValue>,
-    body: Bytes,
-) -> Response<ProxyBody> {
-    let mut resp = Response::new(Full::new(body).map_err(|never| match never {}).boxed());
-    *resp.status_mut() = status;
-    if let Some(ct) = content_type {
-        resp.headers_mut().insert(header::CONTENT_TYPE, ct);
+    if cards.is_empty() {
+        // No usable worker's list is known: one of them answers.
+        let (parts, _) = req.into_parts();
+        let route = Route::without_prompt(end.id, table.everyone().pool);
+        return router
+            .forward(
+                table.set(),
+                parts,
+                Bytes::new(),
+                &route,
+                &mut end.waiting_on,
+            )
+            .await;
     }
-    resp
+    for (public, targets) in &router.config.models.aliases {
+        if !seen.contains(public.as_str())
+            && targets.iter().any(|t| seen.contains(t.model.as_str()))
+        {
+            let card = serde_json::json!({
+                "id": public,
+                "object": "model",
+                "owned_by": "cache-aware-router",
+                "root": targets[0].model,
+            });
+            cards.push(card.to_string());
+        }
+    }
+    let mut body = String::with_capacity(cards.iter().map(|c| c.len() + 1).sum::<usize>() + 32);
+    body.push_str(r#"{"object":"list","data":["#);
+    for (i, c) in cards.iter().enumerate() {
+        if i > 0 {
+            body.push(',');
+        }
+        body.push_str(c);
+    }
+    body.push_str("]}");
+    let mut resp = Response::new(
+        Full::new(Bytes::from(body))
+            .map_err(|never| match never {})
+            .boxed(),
+    );
+    *resp.status_mut() = StatusCode::OK;
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    Ok(resp)
 }

@@ -17,6 +17,7 @@ use crate::cache::{self, Lookup};
 use crate::config::{PassthroughVerdict, RemoteMediaPolicy};
 use crate::error::ProxyError;
 use crate::policy::{self, Prepared, RequestParts, RouteRequest};
+use crate::pools::RouteError;
 use crate::prompt::{self, Endpoint};
 use crate::trace::TraceContext;
 
@@ -130,8 +131,9 @@ impl Router {
             ));
         }
         // A call on a stored response goes where the response is.
+        let table = self.table();
         if endpoint.is_none() && responses::response_id_in_path(parts.uri.path()).is_some() {
-            let route = Route::without_prompt(id, self.pool_for(None));
+            let route = Route::without_prompt(id, table.everyone().pool);
             return self
                 .to_response_holder(parts, body, &route, &mut end.waiting_on)
                 .await;
@@ -156,20 +158,34 @@ impl Router {
         let started = Instant::now();
         let mut ctx =
             endpoint.map(|e| prompt::extract(e, &body, self.config.cache.max_prompt_bytes));
+        // The request's model chooses its pool and workers (other paths: any worker).
+        let field = ctx.as_ref().and_then(|c| c.model.as_ref());
+        let routed = match endpoint {
+            Some(_) => {
+                let name = field.and_then(|f| f.name(&body));
+                table.route(name.as_deref()).map_err(|e| self.unrouted(e))?
+            }
+            None => table.everyone(),
+        };
+        // The served name the workers know, when it is not what the client wrote.
+        let forwarded = match routed.rewrite {
+            Some(served) => prompt::model::with_model(&body, field, served),
+            None => body.clone(),
+        };
         // The policy's own preparation (precise mode: token ids), once, before the
         // worker set is read: it may wait for the blocking pool.
-        let pool = self.pool_for(None);
+        let pool = routed.pool;
         let prepared = match pool.policy().prepare(RequestParts {
             headers: &parts.headers,
             endpoint,
-            body: &body,
+            body: &forwarded,
         }) {
             Some(work) => work.await,
             None => Prepared::Nothing,
         };
         // Read whether or not session affinity is on: `consistent_hash` hashes it too.
         let session = policy::session::session_key(&self.config.session, &parts.headers, &body);
-        let set = self.worker_set();
+        let set = routed.set;
         // The chunk hashes extraction computed with the digest, moved to the request:
         // a shared-state pick matches by them and the publish of what was served
         // takes them.
@@ -190,12 +206,35 @@ impl Router {
             started,
             cache: pending,
         };
-        self.forward(&set, parts, body.clone(), &route, &mut end.waiting_on)
+        self.forward(set, parts, forwarded, &route, &mut end.waiting_on)
             .await
+    }
+
+    /// Why a request has no pool, as the client is told: a model no worker serves is
+    /// counted (without its name: a client's string never labels a metric).
+    fn unrouted(&self, e: RouteError) -> ProxyError {
+        match e {
+            RouteError::UnknownModel(model) => {
+                self.pools.not_found();
+                ProxyError::ModelNotFound {
+                    model: shown_path(&model),
+                }
+            }
+            RouteError::NoModel { choices } => {
+                let mut shown: Vec<String> =
+                    choices.iter().take(20).map(|c| format!("`{c}`")).collect();
+                if choices.len() > shown.len() {
+                    shown.push(format!("and {} more", choices.len() - shown.len()));
+                }
+                ProxyError::ModelRequired {
+                    choices: shown.join(", "),
+                }
+            }
+        }
     }
 }
 
-/// A client's path as quoted back in an error: at most 100 characters.
+/// A client's path (or model) as quoted back in an error: at most 100 characters.
 fn shown_path(path: &str) -> String {
     match path.char_indices().nth(100) {
         Some((i, _)) => format!("{}…", &path[..i]),

@@ -70,7 +70,8 @@ impl Router {
             .unwrap_or(HeaderValue::from_static("websocket"));
         let client_side = hyper::upgrade::on(&mut req);
         let (parts, _) = req.into_parts();
-        let route = Route::without_prompt(end.id, self.pool_for(None));
+        let table = self.table();
+        let route = Route::without_prompt(end.id, table.everyone().pool);
         let base = RequestTemplate::new(parts, route.id.request_id, &route.id.trace);
         let set = self.worker_set();
         let deadline = route.id.arrived + self.config.proxy.request_timeout;

@@ -38,6 +38,9 @@ use crate::tree::SharedTree;
 pub struct PreciseCacheAware {
     precise: Arc<Precise>,
     fallback: CacheAware,
+    /// Whether this instance runs the KV-event consumers and the parity check: one
+    /// state serves every model's pool, and only one instance feeds it.
+    feeds: bool,
 }
 
 impl PreciseCacheAware {
@@ -47,9 +50,16 @@ impl PreciseCacheAware {
     }
 
     pub fn new(config: &Config) -> Self {
+        Self::sharing(config, Arc::new(Precise::new(&config.precise)), true)
+    }
+
+    /// A policy over the KV-event state `precise`, which another instance may already
+    /// feed (`feeds` false: this one runs only its tree's upkeep).
+    pub fn sharing(config: &Config, precise: Arc<Precise>, feeds: bool) -> Self {
         PreciseCacheAware {
-            precise: Arc::new(Precise::new(&config.precise)),
+            precise,
             fallback: CacheAware::new(&config.cache, None),
+            feeds,
         }
     }
 
@@ -266,7 +276,10 @@ impl Policy for PreciseCacheAware {
 
     fn views(&self) -> Vec<Arc<dyn super::View>> {
         let mut views = self.fallback.views();
-        views.insert(0, Arc::new(view::PreciseView(Arc::clone(&self.precise))));
+        // The one state's view, once (with the instance that feeds it).
+        if self.feeds {
+            views.insert(0, Arc::new(view::PreciseView(Arc::clone(&self.precise))));
+        }
         views
     }
 
@@ -274,6 +287,9 @@ impl Policy for PreciseCacheAware {
         let evict = self
             .fallback
             .background(Arc::clone(&pool), shutdown.clone());
+        if !self.feeds {
+            return evict;
+        }
         let parity = crate::precise::parity::run(Arc::clone(&self.precise), shutdown.clone());
         let supervise = supervise::run(Arc::clone(&self.precise), pool, shutdown);
         let precise = futures_util::future::join(supervise, parity);
@@ -315,6 +331,7 @@ mod tests {
         PreciseCacheAware {
             precise: Arc::new(Precise::new(precise)),
             fallback: CacheAware::new(&cache, None),
+            feeds: true,
         }
     }
 

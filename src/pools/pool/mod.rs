@@ -19,6 +19,7 @@ pub mod hits;
 pub mod keep_alive;
 mod load;
 pub mod metrics;
+pub mod models;
 pub mod prefill;
 mod set;
 pub mod signals;
@@ -32,7 +33,7 @@ use arc_swap::ArcSwap;
 pub use fetch::{Fetch, Target};
 pub(crate) use load::now;
 pub use load::{InFlightGuard, PrefillTicket};
-pub use set::{CachedAnswer, ModelsCache, WorkerSet};
+pub use set::WorkerSet;
 pub use worker::{ProbeRun, Worker};
 
 use crate::config::{BreakerConfig, WorkerConfig};
@@ -49,6 +50,8 @@ pub trait PoolListener: Send + Sync {
     /// `worker` was marked unhealthy: its engine's KV cache is presumed lost (it may
     /// restart before it returns).
     fn worker_down(&self, _worker: &Worker) {}
+    /// The membership changed: `set` is the new one, stored before this call.
+    fn set_changed(&self, _set: &Arc<WorkerSet>) {}
 }
 
 /// The pool: the current [`WorkerSet`] and the one path that changes it.
@@ -203,11 +206,15 @@ impl Pool {
             .filter(|w| !kept.contains(w.key()))
             .cloned()
             .collect();
-        self.set.store(Arc::new(WorkerSet::new(next)));
+        let set = Arc::new(WorkerSet::new(next));
+        self.set.store(Arc::clone(&set));
         if joined {
             self.joined.notify_one();
         }
         self.leave(ids, &gone);
+        for l in self.listeners().iter() {
+            l.set_changed(&set);
+        }
     }
 
     /// Adds one worker (admin API). Errors when a worker with that key is in the pool.

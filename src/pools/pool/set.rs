@@ -1,11 +1,7 @@
 //! [`WorkerSet`]: one immutable version of the pool.
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
-
-use bytes::Bytes;
-use http::HeaderValue;
 
 use super::{Worker, WorkerId};
 
@@ -20,9 +16,6 @@ pub struct WorkerSet {
     round_robin: AtomicUsize,
     /// Distinct per set built in this process (policies cache what they derive from a set).
     generation: u64,
-    /// The cached `/v1/models` answer of this set (a membership change makes a new set,
-    /// and so drops it: another pool may serve other models).
-    pub models: ModelsCache,
 }
 
 const NONE: u32 = u32::MAX;
@@ -46,7 +39,6 @@ impl WorkerSet {
             slots,
             round_robin: AtomicUsize::new(0),
             generation: NEXT_GENERATION.fetch_add(1, Ordering::Relaxed),
-            models: ModelsCache::default(),
         }
     }
 
@@ -87,31 +79,5 @@ impl WorkerSet {
     /// first good probe, so readiness tells the truth).
     pub fn healthy_count(&self) -> usize {
         self.workers.iter().filter(|w| w.is_known_healthy()).count()
-    }
-}
-
-/// The last successful `/v1/models` answer of one worker set.
-#[derive(Debug, Default)]
-pub struct ModelsCache {
-    entry: Mutex<Option<CachedAnswer>>,
-}
-
-/// A cached answer: when it was stored, its content type and body.
-#[derive(Debug, Clone)]
-pub struct CachedAnswer {
-    pub at: Instant,
-    pub content_type: Option<HeaderValue>,
-    pub body: Bytes,
-}
-
-impl ModelsCache {
-    /// The answer if it is younger than `ttl`.
-    pub fn fresh(&self, ttl: Duration) -> Option<CachedAnswer> {
-        let entry = self.entry.lock().unwrap_or_else(|e| e.into_inner());
-        entry.as_ref().filter(|c| c.at.elapsed() < ttl).cloned()
-    }
-
-    pub fn store(&self, c: CachedAnswer) {
-        *self.entry.lock().unwrap_or_else(|e| e.into_inner()) = Some(c);
     }
 }

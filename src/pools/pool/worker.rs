@@ -72,6 +72,8 @@ pub struct Worker {
     hits: super::hits::HitStats,
     /// Its idle keep-alive connections (`proxy.pool_idle_timeout_secs`).
     keep_alive: super::keep_alive::KeepAlive,
+    /// What it serves (`super::models`): pinned, or its list as last read.
+    served: arc_swap::ArcSwap<super::models::Served>,
 }
 
 /// Consecutive health-probe results of one worker.
@@ -92,7 +94,9 @@ impl Worker {
             .as_ref()
             .map(|k| Feed::ranks(&config.url, k, now()))
             .unwrap_or_default();
+        let served = super::models::Served::initial(config.models.as_deref());
         Worker {
+            served: arc_swap::ArcSwap::from_pointee(served),
             id,
             max_load: config.max_load.map_or(0, |m| m.get()),
             load_penalty: config.load_penalty,
@@ -126,6 +130,16 @@ impl Worker {
     /// What its answers said of the router's prefix memory (see `pool::hits`).
     pub fn hits(&self) -> &super::hits::HitStats {
         &self.hits
+    }
+
+    /// What it serves, as last learned (one atomic load; see `pool::models`).
+    pub fn served(&self) -> Arc<super::models::Served> {
+        self.served.load_full()
+    }
+
+    /// Stores what it serves (the model-list reads).
+    pub fn set_served(&self, served: super::models::Served) {
+        self.served.store(Arc::new(served));
     }
 
     /// Its idle keep-alive connections, which the proxy takes and returns.
@@ -352,6 +366,7 @@ pub(crate) fn for_test(max_load: Option<usize>, breaker: &BreakerConfig) -> Work
             lmcache: None,
             name: None,
             role: Default::default(),
+            models: None,
         },
         breaker,
     )

@@ -1,0 +1,264 @@
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use bytes::Bytes;
+
+use super::pool::models::{Served, after_read};
+use super::*;
+use crate::config::{AliasTarget, WorkerConfig};
+
+/// A worker's port (its identity in these tests).
+fn port(w: &Worker) -> u16 {
+    w.url()
+        .authority()
+        .rsplit(':')
+        .next()
+        .and_then(|p| p.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A worker entry on a closed port; `pinned` its `models`.
+fn worker(port: u16, pinned: Option<&[&str]>) -> WorkerConfig {
+    let models = pinned.map_or(String::new(), |m| format!(r#","models":{m:?}"#));
+    let json = format!(r#"{{"url":"http://127.0.0.1:{port}"{models}}}"#);
+    WorkerConfig::from_json(json.as_bytes()).unwrap()
+}
+
+/// A vLLM-shaped list: `(id, root, parent)`.
+fn list(entries: &[(&str, &str, Option<&str>)]) -> Served {
+    let data: Vec<serde_json::Value> = entries
+        .iter()
+        .map(|(id, root, parent)| serde_json::json!({"id": id, "object": "model", "root": root, "parent": parent}))
+        .collect();
+    let body = serde_json::json!({"object": "list", "data": data}).to_string();
+    after_read(
+        &Served::initial(None),
+        Ok((http::StatusCode::OK, Bytes::from(body))),
+    )
+}
+
+/// A table over `workers`, each pool's policy its name (and how many were made).
+fn table(
+    workers: &[WorkerConfig],
+    models: &ModelsConfig,
+) -> (Arc<Pools<Arc<str>>>, Arc<AtomicUsize>) {
+    let pool = Arc::new(Pool::new(workers, &Default::default()));
+    let made = Arc::new(AtomicUsize::new(0));
+    let counted = Arc::clone(&made);
+    let pools = Pools::new(pool, models, move |name: &str| {
+        counted.fetch_add(1, Ordering::Relaxed);
+        Arc::from(name)
+    });
+    (pools, made)
+}
+
+/// Keys of the workers `model` routes to, and its pool's name.
+fn routes(pools: &Pools<Arc<str>>, model: Option<&str>) -> Result<(String, Vec<u16>), RouteError> {
+    let t = pools.table();
+    let r = t.route(model)?;
+    let ports = r.set.workers().iter().map(|w| port(w)).collect();
+    Ok((r.pool.policy().to_string(), ports))
+}
+
+#[test]
+fn without_lists_one_pool_serves_every_model_over_every_worker() {
+    let (pools, made) = table(
+        &[worker(1, None), worker(2, None)],
+        &ModelsConfig::default(),
+    );
+    for model in [None, Some("llama"), Some("")] {
+        assert_eq!(
+            routes(&pools, model).unwrap(),
+            (DEFAULT_POOL.to_string(), vec![1, 2])
+        );
+    }
+    assert_eq!(made.load(Ordering::Relaxed), 1, "the default pool only");
+    let t = pools.table();
+    assert!(
+        Arc::ptr_eq(t.route(Some("x")).unwrap().set, t.set()),
+        "the one set, shared"
+    );
+}
+
+#[test]
+fn each_model_routes_in_its_own_pool_and_a_shared_worker_is_one_engine() {
+    let (pools, made) = table(
+        &[
+            worker(1, Some(&["a"])),
+            worker(2, Some(&["a", "b"])),
+            worker(3, Some(&["b"])),
+        ],
+        &ModelsConfig::default(),
+    );
+    assert_eq!(routes(&pools, Some("a")).unwrap(), ("a".into(), vec![1, 2]));
+    assert_eq!(routes(&pools, Some("b")).unwrap(), ("b".into(), vec![2, 3]));
+    assert_eq!(made.load(Ordering::Relaxed), 3, "default, a, b");
+    let t = pools.table();
+    let (a, b) = (t.route(Some("a")).unwrap(), t.route(Some("b")).unwrap());
+    let shared = |s: &WorkerSet| Arc::clone(s.workers().iter().find(|w| port(w) == 2).unwrap());
+    assert!(
+        Arc::ptr_eq(&shared(a.set), &shared(b.set)),
+        "one Worker: one in-flight count"
+    );
+    assert_eq!(
+        routes(&pools, Some("c")).unwrap_err(),
+        RouteError::UnknownModel("c".into()),
+        "never another model's worker"
+    );
+    match routes(&pools, None).unwrap_err() {
+        RouteError::NoModel { choices } => assert_eq!(choices, [Arc::from("a"), Arc::from("b")]),
+        e => panic!("{e:?}"),
+    }
+}
+
+#[test]
+fn aliases_of_one_root_share_a_pool_and_adapters_route_in_their_parents_on_their_workers() {
+    let (pools, _) = table(
+        &[worker(1, None), worker(2, None)],
+        &ModelsConfig::default(),
+    );
+    let set = pools.workers().set();
+    set.workers()[0].set_served(list(&[
+        ("llama", "/m", None),
+        ("l3", "/m", None),
+        ("sql", "/a/sql", Some("llama")),
+    ]));
+    set.workers()[1].set_served(list(&[("l3", "/m", None)]));
+    pools.update();
+    assert_eq!(
+        routes(&pools, Some("llama")).unwrap(),
+        ("llama".into(), vec![1])
+    );
+    assert_eq!(
+        routes(&pools, Some("l3")).unwrap(),
+        ("llama".into(), vec![1, 2])
+    );
+    assert_eq!(
+        routes(&pools, Some("sql")).unwrap(),
+        ("llama".into(), vec![1])
+    );
+    assert_eq!(
+        routes(&pools, None).unwrap(),
+        ("llama".into(), vec![1]),
+        "the fleet's only model"
+    );
+    assert_eq!(
+        pools.table().route(None).unwrap().rewrite.map(|n| &**n),
+        Some("llama")
+    );
+    assert_eq!(pools.table().pools().count(), 2, "default and llama");
+}
+
+#[test]
+fn a_worker_whose_list_is_unknown_is_in_every_pool_and_takes_unlisted_models() {
+    let (pools, _) = table(
+        &[worker(1, Some(&["a"])), worker(2, None)],
+        &ModelsConfig::default(),
+    );
+    assert_eq!(routes(&pools, Some("a")).unwrap(), ("a".into(), vec![1, 2]));
+    assert_eq!(
+        routes(&pools, Some("zzz")).unwrap(),
+        (DEFAULT_POOL.into(), vec![2])
+    );
+    let set = pools.workers().set();
+    set.workers()[1].set_served(list(&[("b", "/b", None)]));
+    pools.update();
+    assert_eq!(
+        routes(&pools, Some("a")).unwrap(),
+        ("a".into(), vec![1]),
+        "it listed: now only its own"
+    );
+    assert!(routes(&pools, Some("zzz")).is_err());
+}
+
+#[test]
+fn a_membership_change_rebuilds_the_table_at_once() {
+    let (pools, _) = table(&[worker(1, Some(&["a"]))], &ModelsConfig::default());
+    pools
+        .workers()
+        .replace(&[worker(1, Some(&["a"])), worker(2, Some(&["a"]))]);
+    assert_eq!(
+        routes(&pools, Some("a")).unwrap().1,
+        vec![1, 2],
+        "no list read needed"
+    );
+    pools.workers().replace(&[worker(2, Some(&["a"]))]);
+    assert_eq!(
+        routes(&pools, Some("a")).unwrap().1,
+        vec![2],
+        "a worker that left gets nothing"
+    );
+    // A model only the list reads make a pool for: unknown until they run.
+    pools
+        .workers()
+        .replace(&[worker(2, Some(&["a"])), worker(3, Some(&["new"]))]);
+    assert!(routes(&pools, Some("new")).is_err());
+    pools.update();
+    assert_eq!(
+        routes(&pools, Some("new")).unwrap(),
+        ("new".into(), vec![3])
+    );
+}
+
+#[test]
+fn an_alias_splits_by_weight_and_the_body_carries_the_target() {
+    let mut models = ModelsConfig::default();
+    models.aliases.insert(
+        "chat".into(),
+        vec![
+            AliasTarget {
+                model: "a".into(),
+                weight: 90.0,
+            },
+            AliasTarget {
+                model: "b".into(),
+                weight: 10.0,
+            },
+        ],
+    );
+    models.aliases.insert(
+        "gone".into(),
+        vec![AliasTarget {
+            model: "c".into(),
+            weight: 1.0,
+        }],
+    );
+    let (pools, _) = table(&[worker(1, Some(&["a"])), worker(2, Some(&["b"]))], &models);
+    let t = pools.table();
+    let mut to_a = 0;
+    for _ in 0..1000 {
+        let r = t.route(Some("chat")).unwrap();
+        let name = r.rewrite.expect("the served name is written").to_string();
+        to_a += (name == "a") as usize;
+        assert_eq!(&*name, &**r.pool.policy());
+    }
+    assert!(
+        (870..=930).contains(&to_a),
+        "{to_a} of 1000 to the 90 % target"
+    );
+    assert!(
+        t.route(Some("a")).unwrap().rewrite.is_none(),
+        "a served name as written"
+    );
+    assert!(matches!(
+        t.route(Some("gone")),
+        Err(RouteError::UnknownModel(_))
+    ));
+    let (counts, _) = pools.request_counts();
+    assert!(
+        counts.iter().any(|(n, c)| &**n == "a" && *c > 800),
+        "{counts:?}"
+    );
+}
+
+#[test]
+fn a_default_model_takes_requests_that_name_none() {
+    let models = ModelsConfig {
+        default: Some("b".into()),
+        ..Default::default()
+    };
+    let (pools, _) = table(&[worker(1, Some(&["a"])), worker(2, Some(&["b"]))], &models);
+    let t = pools.table();
+    let r = t.route(None).unwrap();
+    assert_eq!(&**r.pool.policy(), "b");
+    assert_eq!(r.rewrite.map(|n| &**n), Some("b"));
+}
