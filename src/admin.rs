@@ -205,10 +205,10 @@ fn pool_view(
             member[i] |= set.get(w.id()).is_some();
         }
     };
-    if std::sync::Arc::ptr_eq(pool.name(), table.everyone().pool.name()) {
-        if let Some(any) = table.any() {
-            mark(any);
-        }
+    if std::sync::Arc::ptr_eq(pool.name(), table.everyone().pool.name())
+        && let Some(any) = table.any()
+    {
+        mark(any);
     }
     for (name, p, set) in table.models() {
         if std::sync::Arc::ptr_eq(p.name(), pool.name()) {

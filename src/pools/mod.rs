@@ -188,6 +188,10 @@ impl<P> Table<P> {
     /// Where a request for `model` (`None`: it names none) routes. See the module docs
     /// and `docs/src/concepts/models.md` for the rules.
     pub fn route(&self, model: Option<&str>) -> Result<Routed<'_, P>, RouteError> {
+        if self.set.workers().is_empty() {
+            // No worker at all: nothing is known of any model (503, not 404).
+            return Ok(self.everyone());
+        }
         let Some(model) = model else {
             if let Some(d) = &self.names.default {
                 return self.named(d, Some(d));
@@ -417,9 +421,19 @@ struct Members {
     workers: Vec<usize>,
 }
 
+/// What the workers' lists say, before pools are matched to it.
+struct Survey {
+    /// Each served name's pool and the workers that list it.
+    names: HashMap<Arc<str>, Members>,
+    /// The workers that serve any model (their index in the set).
+    any: Vec<usize>,
+    /// The base models' pools, in the workers' order.
+    bases: Vec<Arc<str>>,
+}
+
 /// Which pool each served name of `set`'s lists belongs to, and who lists it; the
 /// workers that serve any model; the base models' pools in order. See the module docs.
-fn survey(set: &WorkerSet) -> (HashMap<Arc<str>, Members>, Vec<usize>, Vec<Arc<str>>) {
+fn survey(set: &WorkerSet) -> Survey {
     let mut names: HashMap<Arc<str>, Members> = HashMap::new();
     let mut any = Vec::new();
     let mut bases: Vec<Arc<str>> = Vec::new();
@@ -459,18 +473,22 @@ fn survey(set: &WorkerSet) -> (HashMap<Arc<str>, Members>, Vec<usize>, Vec<Arc<s
             n.workers.push(i);
         }
     }
-    (names, any, bases)
+    Survey { names, any, bases }
 }
 
 /// The table for `set` with the pools `made`; and the pools' names it lacks (models
-/// whose requests meanwhile go as an unknown model's).
+/// whose requests meanwhile route in the default pool, on their own workers).
 fn build<P>(
     set: Arc<WorkerSet>,
     made: Vec<Arc<ModelPool<P>>>,
     names: &Arc<Names>,
     requests: &Mutex<HashMap<Arc<str>, Arc<AtomicU64>>>,
 ) -> (Table<P>, Vec<Arc<str>>) {
-    let (served, any, bases) = survey(&set);
+    let Survey {
+        names: served,
+        any,
+        bases,
+    } = survey(&set);
     let index: HashMap<&str, usize> = made
         .iter()
         .enumerate()
@@ -496,12 +514,14 @@ fn build<P>(
     let mut counters = lock(requests);
     for (name, m) in served {
         let pool = m.pool.unwrap_or_else(|| Arc::clone(&name));
-        let Some(&i) = index.get(&*pool) else {
+        // A model whose pool is not made yet routes in the default pool meanwhile (on
+        // its own workers): a listed model is never unknown.
+        let i = index.get(&*pool).copied().unwrap_or_else(|| {
             if !missing.contains(&pool) {
-                missing.push(pool);
+                missing.push(Arc::clone(&pool));
             }
-            continue;
-        };
+            0
+        });
         let mut members = m.workers;
         members.extend_from_slice(&any);
         let target = Target {

@@ -187,11 +187,15 @@ fn a_membership_change_rebuilds_the_table_at_once() {
         vec![2],
         "a worker that left gets nothing"
     );
-    // A model only the list reads make a pool for: unknown until they run.
+    // A model only the list reads make a pool for: until they run, it routes in the
+    // default pool, on its own workers.
     pools
         .workers()
         .replace(&[worker(2, Some(&["a"])), worker(3, Some(&["new"]))]);
-    assert!(routes(&pools, Some("new")).is_err());
+    assert_eq!(
+        routes(&pools, Some("new")).unwrap(),
+        (DEFAULT_POOL.into(), vec![3])
+    );
     pools.update();
     assert_eq!(
         routes(&pools, Some("new")).unwrap(),

@@ -162,22 +162,21 @@ async fn reload_keeps_the_in_flight_count_of_a_surviving_worker() {
 // C22
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_after_a_reload_come_from_the_new_worker_list() {
-    fn serving(model: &'static str) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
-        move |req| {
-            if req.target == "/v1/models" {
-                Reply::json(
-                    200,
-                    &format!(r#"{{"object":"list","data":[{{"id":"{model}","object":"model"}}]}}"#),
-                )
-            } else if req.body_str().contains(&format!(r#""model":"{model}""#)) {
-                Reply::ok()
-            } else {
-                Reply::json(404, r#"{"error":{"message":"model not found","code":404}}"#)
-            }
-        }
+    async fn serving(model: &'static str) -> FakeWorker {
+        FakeWorker::builder()
+            .serving(&[model])
+            .reply(move |req| {
+                if req.body_str().contains(&format!(r#""model":"{model}""#)) {
+                    Reply::ok()
+                } else {
+                    Reply::json(404, r#"{"error":{"message":"model not found","code":404}}"#)
+                }
+            })
+            .start()
+            .await
     }
-    let a = FakeWorker::start_with(serving("m-old")).await;
-    let b = FakeWorker::start_with(serving("m-new")).await;
+    let a = serving("m-old").await;
+    let b = serving("m-new").await;
     let router = start_router(&yaml_for(&[&a], "")).await;
     let old = get(router.addr, "/v1/models").await;
     assert!(old.text().contains("m-old"), "{}", old.text());

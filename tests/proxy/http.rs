@@ -417,24 +417,14 @@ async fn oversized_or_malformed_request_ids_are_replaced() {
 // C23
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn backend_api_key_replaces_the_clients_key_on_requests_and_health_probes() {
-    fn serve(req: &Recorded) -> Reply {
-        if req.target == "/v1/models" {
-            Reply::json(
-                200,
-                r#"{"object":"list","data":[{"id":"m","object":"model"}]}"#,
-            )
-        } else {
-            Reply::ok()
-        }
-    }
     let a = FakeWorker::builder()
         .require_bearer("backend-key-1")
-        .reply(serve)
+        .serving(&["m"])
         .start()
         .await;
     let b = FakeWorker::builder()
         .require_bearer("worker-key-2")
-        .reply(serve)
+        .serving(&["m"])
         .start()
         .await;
     let yaml = format!(
@@ -471,7 +461,8 @@ async fn backend_api_key_replaces_the_clients_key_on_requests_and_health_probes(
             );
         }
     }
-    // Probes carry the key too: the workers stay healthy through several intervals.
+    // Probes and model-list reads carry the key too: the workers stay healthy through
+    // several intervals, and their lists are read.
     wait_until("health probes", Duration::from_secs(2), || async {
         a.probes().len() >= 4 && b.probes().len() >= 4
     })
@@ -481,6 +472,11 @@ async fn backend_api_key_replaces_the_clients_key_on_requests_and_health_probes(
             w.probes().iter().all(|p| p.authorized),
             "{:?}",
             w.probes()[0].headers
+        );
+        assert!(
+            !w.model_reads().is_empty() && w.model_reads().iter().all(|p| p.authorized),
+            "{:?}",
+            w.model_reads()
         );
     }
     let workers = get(router.addr, "/workers").await;
@@ -652,8 +648,9 @@ async fn pool_idle_timeout_below_the_workers_keep_alive_avoids_stale_connections
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn probes_and_requests_share_one_kept_connection_and_an_empty_answer_returns_it() {
-    // 204s with no body, a JSON answer, then the health probe's connection: all one
-    // socket, used one request after another.
+    // 204s with no body, a JSON answer, then the health probe's connection (and the
+    // model-list read's, made at the same moment): no new socket, each used one request
+    // after another.
     let w = FakeWorker::builder()
         .reply(|req| {
             if req.body_str().contains("empty") {
@@ -665,10 +662,14 @@ async fn probes_and_requests_share_one_kept_connection_and_an_empty_answer_retur
         .start()
         .await;
     let router = start_router(&yaml_for(&[&w], "")).await;
-    wait_until("the first health probe", STEP_TIMEOUT, || async {
-        !w.probes().is_empty()
-    })
+    wait_until(
+        "the first health probe and list read",
+        STEP_TIMEOUT,
+        || async { !w.probes().is_empty() && !w.model_reads().is_empty() },
+    )
     .await;
+    let background = w.connections();
+    assert!(background <= 2, "{background}");
     for (i, text) in ["empty", "full", "empty", "empty", "full"]
         .iter()
         .enumerate()
@@ -679,7 +680,7 @@ async fn probes_and_requests_share_one_kept_connection_and_an_empty_answer_retur
     assert_eq!(w.requests().len(), 5);
     assert_eq!(
         w.connections(),
-        1,
+        background,
         "the probe's connection carried every request after it"
     );
     router.shutdown().await;

@@ -9,6 +9,7 @@ mod common;
 mod cost;
 mod extraction;
 mod hits;
+mod models;
 mod policies;
 mod simulate;
 

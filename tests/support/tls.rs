@@ -26,6 +26,8 @@ pub struct TlsWorker {
     /// Requests answered (health probes and others), and TLS handshakes that failed.
     pub requests: Arc<AtomicU64>,
     pub probes: Arc<AtomicU64>,
+    /// The router's model-list reads (`GET /v1/models`), counted apart.
+    pub model_reads: Arc<AtomicU64>,
     pub failed_handshakes: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
@@ -56,25 +58,28 @@ impl TlsWorker {
         let addr = listener.local_addr().expect("address");
         let requests = Arc::new(AtomicU64::new(0));
         let probes = Arc::new(AtomicU64::new(0));
+        let model_reads = Arc::new(AtomicU64::new(0));
         let failed_handshakes = Arc::new(AtomicU64::new(0));
-        let (r, p, f) = (
+        let (r, p, m, f) = (
             Arc::clone(&requests),
             Arc::clone(&probes),
+            Arc::clone(&model_reads),
             Arc::clone(&failed_handshakes),
         );
         let task = tokio::spawn(async move {
             while let Ok((tcp, _)) = listener.accept().await {
-                let (acceptor, r, p, f) = (acceptor.clone(), r.clone(), p.clone(), f.clone());
+                let (acceptor, r, p, m, f) =
+                    (acceptor.clone(), r.clone(), p.clone(), m.clone(), f.clone());
                 tokio::spawn(async move {
                     let Ok(tls) = acceptor.accept(tcp).await else {
                         f.fetch_add(1, Ordering::SeqCst);
                         return;
                     };
                     let svc = service_fn(move |req: Request<hyper::body::Incoming>| {
-                        let counter = if req.uri().path() == "/health" {
-                            &p
-                        } else {
-                            &r
+                        let counter = match req.uri().path() {
+                            "/health" => &p,
+                            "/v1/models" => &m,
+                            _ => &r,
                         };
                         counter.fetch_add(1, Ordering::SeqCst);
                         async {
@@ -99,6 +104,7 @@ impl TlsWorker {
             cert_pem,
             requests,
             probes,
+            model_reads,
             failed_handshakes,
             task,
         }

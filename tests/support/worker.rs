@@ -225,6 +225,13 @@ pub type Written = (Instant, Vec<u8>);
 struct State {
     handler: Handler,
     health: Handler,
+    /// Answers `GET …/v1/models` (the router's list reads, and clients' requests it
+    /// forwards); `listing`, when set, first.
+    models: Handler,
+    /// The model list it answers now (see [`FakeWorker::serve_models`]).
+    listing: Mutex<Option<String>>,
+    /// `GET …/v1/models` requests, kept apart from `requests`.
+    model_reads: Mutex<Vec<Recorded>>,
     idle_close: Option<Duration>,
     stale_after: Option<Duration>,
     stale_reset: bool,
@@ -244,6 +251,8 @@ struct State {
 pub struct FakeWorkerBuilder {
     handler: Handler,
     health: Handler,
+    models: Handler,
+    listing: Option<String>,
     idle_close: Option<Duration>,
     stale_after: Option<Duration>,
     stale_reset: bool,
@@ -263,6 +272,20 @@ impl FakeWorkerBuilder {
     /// instead of 200.
     pub fn health(mut self, f: impl Fn(&Recorded) -> Reply + Send + Sync + 'static) -> Self {
         self.health = Arc::new(f);
+        self
+    }
+
+    /// Answers `GET …/v1/models` with `f(request)` instead of [`Reply::ok`] (an answer
+    /// that is no model list: the router then treats the worker as serving any model).
+    pub fn models(mut self, f: impl Fn(&Recorded) -> Reply + Send + Sync + 'static) -> Self {
+        self.models = Arc::new(f);
+        self
+    }
+
+    /// Lists these served names (and adapters) at `GET /v1/models`, as vLLM does: see
+    /// [`model_list`].
+    pub fn serving(mut self, models: &[&str]) -> Self {
+        self.listing = Some(model_list(models));
         self
     }
 
@@ -318,6 +341,9 @@ impl FakeWorkerBuilder {
         let state = Arc::new(State {
             handler: self.handler,
             health: self.health,
+            models: self.models,
+            listing: Mutex::new(self.listing),
+            model_reads: Mutex::new(Vec::new()),
             idle_close: self.idle_close,
             stale_after: self.stale_after,
             stale_reset: self.stale_reset,
@@ -354,6 +380,8 @@ impl FakeWorker {
         FakeWorkerBuilder {
             handler: Arc::new(|_| Reply::ok()),
             health: Arc::new(|_| Reply::json(200, r#"{"status":"ok"}"#)),
+            models: Arc::new(|_| Reply::ok()),
+            listing: None,
             idle_close: None,
             stale_after: None,
             stale_reset: false,
@@ -394,6 +422,34 @@ impl FakeWorker {
     /// Health probes received so far.
     pub fn probes(&self) -> Vec<Recorded> {
         self.state.probes.lock().unwrap().clone()
+    }
+
+    /// `GET …/v1/models` requests received so far (the router's list reads).
+    pub fn model_reads(&self) -> Vec<Recorded> {
+        self.state.model_reads.lock().unwrap().clone()
+    }
+
+    /// From now on lists these names at `GET /v1/models` (see [`model_list`]); `None`:
+    /// answers as the builder said.
+    pub fn serve_models(&self, models: Option<&[&str]>) {
+        *self.state.listing.lock().unwrap() = models.map(model_list);
+    }
+
+    /// Waits until at least `n` model-list reads were received.
+    pub async fn wait_for_model_reads(&self, n: usize) {
+        within(
+            &format!("mock worker {} to receive {n} model-list reads", self.addr),
+            async {
+                loop {
+                    let notified = self.state.changed.notified();
+                    if self.model_reads().len() >= n {
+                        return;
+                    }
+                    notified.await;
+                }
+            },
+        )
+        .await
     }
 
     pub fn count(&self) -> usize {
@@ -561,16 +617,19 @@ async fn serve_conn(state: Arc<State>, stream: TcpStream, conn: u64) {
         };
         let client_close = header_in(&headers, "connection")
             .is_some_and(|v| v.to_ascii_lowercase().contains("close"));
-        let is_probe =
-            method == "GET" && target.split('?').next().unwrap_or("").ends_with("/health");
+        let path = target.split('?').next().unwrap_or("");
+        let is_probe = method == "GET" && path.ends_with("/health");
+        let is_list = method == "GET" && path.ends_with("/v1/models");
         let index;
         let reply = {
             let mut reqs = if is_probe {
                 state.probes.lock().unwrap()
+            } else if is_list {
+                state.model_reads.lock().unwrap()
             } else {
                 state.requests.lock().unwrap()
             };
-            index = (!is_probe).then_some(reqs.len());
+            index = (!is_probe && !is_list).then_some(reqs.len());
             let rec = Recorded {
                 index: index.unwrap_or(reqs.len()),
                 conn,
@@ -582,8 +641,14 @@ async fn serve_conn(state: Arc<State>, stream: TcpStream, conn: u64) {
                 authorized,
                 at: Instant::now(),
             };
+            let listing = state.listing.lock().unwrap().clone();
             let reply = if authorized && is_probe {
                 (state.health)(&rec)
+            } else if authorized && is_list {
+                match listing {
+                    Some(body) => Reply::json(200, &body),
+                    None => (state.models)(&rec),
+                }
             } else if authorized {
                 (state.handler)(&rec)
             } else {
@@ -717,6 +782,27 @@ async fn write_steps(
         }
     }
     Ok(())
+}
+
+/// A `GET /v1/models` answer as vLLM gives it: one entry per name, each its own model
+/// (`root` = its name) unless written `alias=base` (a second served name of `base`:
+/// the same `root`), or `adapter@base` (a LoRA adapter of `base`: `parent`).
+pub fn model_list(models: &[&str]) -> String {
+    let data: Vec<serde_json::Value> = models
+        .iter()
+        .map(|m| {
+            let (id, root, parent) = if let Some((a, base)) = m.split_once('@') {
+                (a, format!("/adapters/{a}"), Some(base))
+            } else if let Some((a, base)) = m.split_once('=') {
+                (a, format!("/models/{base}"), None)
+            } else {
+                (*m, format!("/models/{m}"), None)
+            };
+            serde_json::json!({"id": id, "object": "model", "created": 1, "owned_by": "vllm",
+                "root": root, "parent": parent, "max_model_len": 4096})
+        })
+        .collect();
+    serde_json::json!({"object": "list", "data": data}).to_string()
 }
 
 /// Two workers on one port, as discovery finds a Deployment's pods: `a` on 127.0.0.2
