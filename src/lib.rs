@@ -39,10 +39,13 @@
 //!              state and sessions around any policy); precise (KV-event policy);
 //!              view: what a policy's memory shows (/workers fields, its metric
 //!              families, POST /cache/clear), one interface for every policy
-//! pools        the routing table: the pools a request can route in (one per model to
-//!              come; today `default`, any model), each with what routes in it, over
-//!              one membership of workers (a worker in two pools is one engine)
+//! pools        the routing table: one pool per model (and `default`: models no list
+//!              names, requests that name none), each with its policy, over one
+//!              membership of workers (a worker in two pools is one engine); which
+//!              workers a request's model goes to; refresh: each worker's GET
+//!              /v1/models read on join and every models.refresh_secs; metrics
 //!   pool       workers, stable ids, membership, health, breaker, in-flight guards,
+//!              models (what each worker serves, read lock-free),
 //!              fetch (how tasks reach a worker), pending prefill and the learned
 //!              prefill rate, each worker's signal slots and idle connections;
 //!              metrics: the pool's scrape-time families
@@ -57,10 +60,12 @@
 //! tree         RadixTree (owned by cache_aware) + eviction task
 //! precise      KV-event state: events, sequence, index, feed, consumer
 //! tokenize     request token ids as vLLM computes them (chat_template)
-//! prompt       request body -> RouteContext (routing text, length, digest)
+//! prompt       request body -> RouteContext (routing text, length, digest, where
+//!              its `model` is; model: that string replaced in place)
 //! metrics      the registry (prometheus-client) and its naming rules, imports no part:
 //!              each part registers its own families and scrape-time collectors
-//!              (exposition: how) and may ask to run before each scrape (BeforeScrape)
+//!              (exposition: how), may ask to run before each scrape (BeforeScrape)
+//!              or write text families after the registry's (ScrapeText)
 //! admin        GET /health, /workers, /metrics; the admin API (its own parts: Admin)
 //! exposition   how a part writes its scrape-time families (imports no part)
 //! reload       SIGHUP: re-read files, replace the pool's workers; reloads_total
@@ -92,9 +97,11 @@
 //! 1. Read the body up to `server.max_body_bytes` (413) within `server.body_timeout_secs`
 //!    (408).
 //! 2. The response cache, when on: a hit is answered here (no pick). Else
-//!    `prompt::extract` the routing text for the endpoint; the policy's `prepare`
-//!    (precise mode: token ids).
-//! 3. Load the current `WorkerSet` once; mark the usable candidates; `Policy::pick`.
+//!    `prompt::extract` the routing text for the endpoint (and where its `model` is).
+//! 3. Load the routing table once: the request's `model` (read in step 2's parse) chooses
+//!    its pool and workers (`Table::route`: 404 for a model no worker serves); the
+//!    pool's policy's `prepare` (precise mode: token ids); mark the usable candidates;
+//!    `Policy::pick`.
 //! 4. Take an `InFlightGuard`, forward, return the upstream body in a `GuardedBody` so
 //!    the guard lives exactly as long as the stream; `Policy::observe` the outcome.
 //! 5. Retry on another worker on connection errors, timeouts before headers and
