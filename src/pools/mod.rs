@@ -332,7 +332,7 @@ impl<P: Send + Sync + 'static> Pools<P> {
             requests,
             not_found: AtomicU64::new(0),
         });
-        workers.listen(Arc::clone(&pools) as Arc<dyn PoolListener>);
+        workers.listen(Arc::new(Listener(Arc::downgrade(&pools))));
         pools.update();
         pools
     }
@@ -405,12 +405,19 @@ impl<P> Pools<P> {
     }
 }
 
-impl<P: Send + Sync + 'static> PoolListener for Pools<P> {
+/// The table's ear on the membership; weak, so that the membership (which the table
+/// holds) does not keep the table alive.
+struct Listener<P>(std::sync::Weak<Pools<P>>);
+
+impl<P: Send + Sync + 'static> PoolListener for Listener<P> {
     fn set_changed(&self, set: &Arc<WorkerSet>) {
+        let Some(pools) = self.0.upgrade() else {
+            return;
+        };
         // Under the membership's lock: no pool is made here (the list reads make the
         // new ones when they wake).
-        self.rebuild(Arc::clone(set));
-        self.changed.notify_one();
+        pools.rebuild(Arc::clone(set));
+        pools.changed.notify_one();
     }
 }
 

@@ -162,7 +162,8 @@ impl Router {
         let field = ctx.as_ref().and_then(|c| c.model.as_ref());
         let routed = match endpoint {
             Some(_) => {
-                let name = field.and_then(|f| f.name(&body));
+                // An empty `model` names none (vLLM runs such a request on its base).
+                let name = field.and_then(|f| f.name(&body)).filter(|n| !n.is_empty());
                 table.route(name.as_deref()).map_err(|e| self.unrouted(e))?
             }
             None => table.everyone(),
