@@ -49,8 +49,9 @@ pub fn put(fields: &mut Fields, key: &str, value: impl Serialize) {
 
 /// Every pool's policy's views' metric families, read from the routing table at each
 /// scrape (pools made since start included): the default pool's unlabelled (as a
-/// router with one pool writes them), each model's pool's labelled `model="<its
-/// name>"`. The registry merges a family several pools write into one.
+/// router with one pool writes them; the first model's pool shares its policy), each
+/// other model's pool's labelled `model="<its name>"`. The registry merges a family
+/// several pools write into one.
 pub struct PoolViews(pub Arc<super::Routes>);
 
 impl crate::metrics::ScrapeText for PoolViews {
@@ -58,7 +59,13 @@ impl crate::metrics::ScrapeText for PoolViews {
         let table = self.0.table();
         let mut registry =
             prometheus_client::registry::Registry::with_prefix(crate::metrics::PREFIX);
+        let mut written: Vec<&Arc<dyn super::Policy>> = Vec::new();
         for (i, p) in table.pools().enumerate() {
+            // A policy two pools share (the default's and the first model's) once.
+            if written.iter().any(|w| Arc::ptr_eq(w, p.policy())) {
+                continue;
+            }
+            written.push(p.policy());
             let r = if i == 0 {
                 &mut registry
             } else {

@@ -268,6 +268,8 @@ pub struct Pools<P> {
     building: Mutex<()>,
     /// Serialises the making of pools (one per name).
     making: Mutex<()>,
+    /// The models `models.overrides` names (their pools are always made afresh).
+    overridden: std::collections::HashSet<Arc<str>>,
     /// Told when the membership changed (a worker joined: its list is to be read).
     changed: tokio::sync::Notify,
     /// Requests per known model name (`/metrics`): the names workers listed and config
@@ -281,7 +283,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-impl<P: Send + Sync + 'static> Pools<P> {
+impl<P: Clone + Send + Sync + 'static> Pools<P> {
     /// The table over `workers`: [`DEFAULT_POOL`] and a pool for each model the workers
     /// are pinned to, each with the policy `make` makes for its name. `make` is also
     /// called for each model that appears later ([`Pools::update`]). The table hears
@@ -328,6 +330,11 @@ impl<P: Send + Sync + 'static> Pools<P> {
             names,
             building: Mutex::new(()),
             making: Mutex::new(()),
+            overridden: models
+                .overrides
+                .keys()
+                .map(|k| Arc::from(k.as_str()))
+                .collect(),
             changed: tokio::sync::Notify::new(),
             requests,
             not_found: AtomicU64::new(0),
@@ -340,22 +347,34 @@ impl<P: Send + Sync + 'static> Pools<P> {
     /// Rebuilds the table from the membership and every worker's list, first making
     /// the pools of models seen for the first time (the list reads call it after a
     /// change).
+    ///
+    /// The first model's pool (unless `models.overrides` names it) shares the default
+    /// pool's policy, memory and all: until the first lists are read every request
+    /// routes in the default pool, and what it learned then is, in a fleet of one
+    /// model, that model's (which so routes as it did without lists).
     pub fn update(&self) {
         let _one = lock(&self.making);
         let missing = self.rebuild(self.workers.set());
         if missing.is_empty() {
             return;
         }
+        let adopter = missing
+            .iter()
+            .find(|n| !self.overridden.contains(*n))
+            .filter(|_| lock(&self.made).len() == 1)
+            .cloned();
         // Made outside the build lock: a policy registers with the membership, whose
         // change handlers wait on that lock.
         let made: Vec<Arc<ModelPool<P>>> = missing
             .into_iter()
             .map(|name| {
                 tracing::info!(model = %name, "a pool for a new model");
-                Arc::new(ModelPool {
-                    policy: (self.make)(&name),
-                    name,
-                })
+                let policy = if adopter.as_ref() == Some(&name) {
+                    lock(&self.made)[0].policy.clone()
+                } else {
+                    (self.make)(&name)
+                };
+                Arc::new(ModelPool { policy, name })
             })
             .collect();
         lock(&self.made).extend(made);
@@ -409,7 +428,7 @@ impl<P> Pools<P> {
 /// holds) does not keep the table alive.
 struct Listener<P>(std::sync::Weak<Pools<P>>);
 
-impl<P: Send + Sync + 'static> PoolListener for Listener<P> {
+impl<P: Clone + Send + Sync + 'static> PoolListener for Listener<P> {
     fn set_changed(&self, set: &Arc<WorkerSet>) {
         let Some(pools) = self.0.upgrade() else {
             return;
@@ -484,7 +503,8 @@ fn survey(set: &WorkerSet) -> Survey {
 }
 
 /// The table for `set` with the pools `made`; and the pools' names it lacks (models
-/// whose requests meanwhile route in the default pool, on their own workers).
+/// whose requests meanwhile route in the default pool, on their own workers), in the
+/// workers' order.
 fn build<P>(
     set: Arc<WorkerSet>,
     made: Vec<Arc<ModelPool<P>>>,
@@ -540,6 +560,8 @@ fn build<P>(
         routes.insert(name, target);
     }
     drop(counters);
+    // In the workers' order (the first model is the first listed).
+    missing.sort_by_key(|m| bases.iter().position(|b| b == m).unwrap_or(usize::MAX));
     let any = (!any.is_empty()).then(|| set_of(any));
     let bases = bases
         .into_iter()

@@ -17,7 +17,7 @@ use crate::shutdown::Shutdown;
 
 /// Reads the lists every `every` (each read within `timeout`) and those of workers that
 /// join at once, until shutdown.
-pub async fn run<P: Send + Sync + 'static, F: Fetch>(
+pub async fn run<P: Clone + Send + Sync + 'static, F: Fetch>(
     pools: Arc<Pools<P>>,
     every: Duration,
     timeout: Duration,
@@ -39,7 +39,7 @@ pub async fn run<P: Send + Sync + 'static, F: Fetch>(
 /// Reads every worker's list (only those never read when `joined`), then rebuilds the
 /// table if one changed (always after a membership change: a pinned worker may bring a
 /// model without a pool).
-async fn read_round<P: Send + Sync + 'static, F: Fetch>(
+async fn read_round<P: Clone + Send + Sync + 'static, F: Fetch>(
     pools: &Pools<P>,
     fetch: &F,
     timeout: Duration,

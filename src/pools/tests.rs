@@ -56,7 +56,7 @@ fn routes(pools: &Pools<Arc<str>>, model: Option<&str>) -> Result<(String, Vec<u
     let t = pools.table();
     let r = t.route(model)?;
     let ports = r.set.workers().iter().map(|w| port(w)).collect();
-    Ok((r.pool.policy().to_string(), ports))
+    Ok((r.pool.name().to_string(), ports))
 }
 
 #[test]
@@ -91,7 +91,7 @@ fn each_model_routes_in_its_own_pool_and_a_shared_worker_is_one_engine() {
     );
     assert_eq!(routes(&pools, Some("a")).unwrap(), ("a".into(), vec![1, 2]));
     assert_eq!(routes(&pools, Some("b")).unwrap(), ("b".into(), vec![2, 3]));
-    assert_eq!(made.load(Ordering::Relaxed), 3, "default, a, b");
+    assert_eq!(made.load(Ordering::Relaxed), 2, "default (a shares it), b");
     let t = pools.table();
     let (a, b) = (t.route(Some("a")).unwrap(), t.route(Some("b")).unwrap());
     let shared = |s: &WorkerSet| Arc::clone(s.workers().iter().find(|w| port(w) == 2).unwrap());
@@ -233,7 +233,7 @@ fn an_alias_splits_by_weight_and_the_body_carries_the_target() {
         let r = t.route(Some("chat")).unwrap();
         let name = r.rewrite.expect("the served name is written").to_string();
         to_a += (name == "a") as usize;
-        assert_eq!(&*name, &**r.pool.policy());
+        assert_eq!(&*name, &**r.pool.name());
     }
     assert!(
         (870..=930).contains(&to_a),
@@ -263,6 +263,38 @@ fn a_default_model_takes_requests_that_name_none() {
     let (pools, _) = table(&[worker(1, Some(&["a"])), worker(2, Some(&["b"]))], &models);
     let t = pools.table();
     let r = t.route(None).unwrap();
-    assert_eq!(&**r.pool.policy(), "b");
+    assert_eq!(&**r.pool.name(), "b");
     assert_eq!(r.rewrite.map(|n| &**n), Some("b"));
+}
+
+#[test]
+fn the_first_model_shares_what_the_default_pool_learned_before_the_lists_were_read() {
+    let mut models = ModelsConfig::default();
+    models.overrides.insert(
+        "a".into(),
+        crate::config::ModelOverride {
+            policy: None,
+            cache: None,
+        },
+    );
+    let (pools, made) = table(
+        &[worker(1, None), worker(2, None), worker(3, None)],
+        &models,
+    );
+    let before = Arc::clone(pools.table().everyone().pool.policy());
+    let set = pools.workers().set();
+    set.workers()[0].set_served(list(&[("a", "/a", None)]));
+    set.workers()[1].set_served(list(&[("b", "/b", None)]));
+    set.workers()[2].set_served(list(&[("c", "/c", None)]));
+    pools.update();
+    let t = pools.table();
+    let policy = |m| Arc::clone(t.route(Some(m)).unwrap().pool.policy());
+    assert_eq!(&*policy("a"), "a", "an override: made afresh");
+    assert!(
+        Arc::ptr_eq(&policy("b"), &before),
+        "the first other model shares it"
+    );
+    assert!(Arc::ptr_eq(t.everyone().pool.policy(), &before));
+    assert_eq!(&*policy("c"), "c");
+    assert_eq!(made.load(Ordering::Relaxed), 3, "default, a, c");
 }
