@@ -71,6 +71,8 @@ struct Target {
     name: Arc<str>,
     /// Requests routed as this name (`/metrics`).
     requests: Arc<AtomicU64>,
+    /// Whether it is a LoRA adapter (listed with a parent).
+    adapter: bool,
 }
 
 /// Public names (`models.aliases`) and the default (`models.default`).
@@ -129,6 +131,9 @@ pub struct Routed<'t, P> {
     /// The served name it routes as, when a worker listed it or config names it (the
     /// only names that label metrics); `None` for workers that serve any model.
     pub model: Option<&'t Arc<str>>,
+    /// The LoRA adapter it names, when the served name is one (it routes in its base
+    /// model's pool): what an adapter-aware routing key adds (issue 40, item 4).
+    pub adapter: Option<&'t Arc<str>>,
 }
 
 /// One version of the routing table. See the module docs.
@@ -182,6 +187,7 @@ impl<P> Table<P> {
             set: &self.set,
             rewrite: None,
             model: None,
+            adapter: None,
         }
     }
 
@@ -241,6 +247,7 @@ impl<P> Table<P> {
                 set: &t.set,
                 rewrite: carry.map(|_| &t.name),
                 model: Some(&t.name),
+                adapter: t.adapter.then_some(&t.name),
             });
         }
         match &self.any {
@@ -249,6 +256,7 @@ impl<P> Table<P> {
                 set: any,
                 rewrite: carry,
                 model: None,
+                adapter: None,
             }),
             None => Err(RouteError::UnknownModel(model.to_string())),
         }
@@ -445,6 +453,8 @@ impl<P: Clone + Send + Sync + 'static> PoolListener for Listener<P> {
 struct Members {
     pool: Option<Arc<str>>,
     workers: Vec<usize>,
+    /// Listed as an adapter (with a parent).
+    adapter: bool,
 }
 
 /// What the workers' lists say, before pools are matched to it.
@@ -497,6 +507,7 @@ fn survey(set: &WorkerSet) -> Survey {
             let n = names.entry(Arc::clone(&m.id)).or_default();
             n.pool.get_or_insert(pool);
             n.workers.push(i);
+            n.adapter = true;
         }
     }
     Survey { names, any, bases }
@@ -556,6 +567,7 @@ fn build<P>(
             set: set_of(members),
             requests: Arc::clone(counters.entry(Arc::clone(&name)).or_default()),
             name: Arc::clone(&name),
+            adapter: m.adapter,
         };
         routes.insert(name, target);
     }

@@ -133,6 +133,17 @@ fn aliases_of_one_root_share_a_pool_and_adapters_route_in_their_parents_on_their
         ("llama".into(), vec![1, 2])
     );
     assert_eq!(
+        pools
+            .table()
+            .route(Some("sql"))
+            .unwrap()
+            .adapter
+            .map(|a| &**a),
+        Some("sql"),
+        "an adapter, for the routing key"
+    );
+    assert!(pools.table().route(Some("l3")).unwrap().adapter.is_none());
+    assert_eq!(
         routes(&pools, Some("sql")).unwrap(),
         ("llama".into(), vec![1])
     );
