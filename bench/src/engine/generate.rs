@@ -1,0 +1,315 @@
+//! The generation endpoints (`/v1/chat/completions`, `/v1/completions`,
+//! `/v1/messages`): validate, admit, prefill, then decode into one JSON answer or a
+//! stream of SSE chunks (Anthropic events on `/v1/messages`).
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use bytes::Bytes;
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::header::{CONTENT_TYPE, HeaderValue};
+use hyper::{Request, Response, StatusCode};
+use serde_json::{Value, json};
+use tokio::sync::mpsc;
+use tokio::time::Instant;
+
+use super::http::{ChannelBody, error_response, json_response};
+use super::physics::{Prefilled, PromptWork, wait_until};
+use super::shapes::{Shape, anthropic_error, anthropic_usage, output_word, work_usage};
+use super::template::{anthropic_to_chat, chat_template, completion_prompts};
+use super::{Endpoint, Engine, RespBody, Usage, Waiting, block_hashes};
+
+/// A generation request after validation.
+#[derive(Debug, Clone, PartialEq)]
+struct SimRequest {
+    endpoint: Endpoint,
+    /// Prompt texts (one for chat; completions may batch several).
+    prompts: Vec<String>,
+    /// Tokens to generate per prompt (already capped).
+    max_tokens: u64,
+    stream: bool,
+    include_usage: bool,
+}
+
+impl Engine {
+    /// The 429 of a request [`Self::admit`] turned away: `Retry-After` and the
+    /// endpoint's error shape.
+    fn too_busy(&self, endpoint: Endpoint) -> Response<RespBody> {
+        let cfg = &self.inner.cfg;
+        let msg = format!(
+            "{} requests are already waiting (max_waiting {}); retry after {} s",
+            self.inner.counters.waiting.load(Ordering::Relaxed),
+            cfg.max_waiting,
+            cfg.retry_after_secs
+        );
+        let mut resp = match endpoint {
+            Endpoint::Messages => anthropic_error(StatusCode::TOO_MANY_REQUESTS, &msg),
+            _ => error_response(StatusCode::TOO_MANY_REQUESTS, &msg, "rate_limit_error"),
+        };
+        resp.headers_mut().insert(
+            hyper::header::RETRY_AFTER,
+            HeaderValue::from(cfg.retry_after_secs),
+        );
+        resp
+    }
+
+    pub(super) async fn generate(
+        &self,
+        endpoint: Endpoint,
+        req: Request<Incoming>,
+    ) -> Response<RespBody> {
+        let arrival = Instant::now();
+        // Anthropic clients get Anthropic's error shape.
+        let fail = |status: StatusCode, msg: &str| match endpoint {
+            Endpoint::Messages => anthropic_error(status, msg),
+            _ => error_response(status, msg, "invalid_request_error"),
+        };
+        let body = match self.read_body(req).await {
+            Ok(body) => body,
+            Err((status, msg)) => return fail(status, &msg),
+        };
+        let sim = match parse_request(endpoint, &body, self.inner.cfg.max_output_tokens) {
+            Ok(sim) => sim,
+            Err(msg) => return fail(StatusCode::BAD_REQUEST, &msg),
+        };
+        let Some(waiting) = self.admit() else {
+            return self.too_busy(endpoint);
+        };
+        let work: Vec<PromptWork> = sim
+            .prompts
+            .iter()
+            .map(|p| {
+                let (n_tokens, hashes) =
+                    block_hashes(p.split_whitespace(), self.inner.cfg.block_size);
+                PromptWork { n_tokens, hashes }
+            })
+            .collect();
+        let id_num = self.inner.counters.next_id.fetch_add(1, Ordering::Relaxed);
+        let prefix = match endpoint {
+            Endpoint::Chat => "chatcmpl-",
+            Endpoint::Completions => "cmpl-",
+            Endpoint::Messages => "msg_",
+        };
+        let shape = Shape {
+            endpoint,
+            id: format!("{prefix}{}-{id_num}", self.inner.cfg.name),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            model: self.inner.cfg.model.clone(),
+        };
+        if sim.stream {
+            let (tx, rx) = mpsc::channel(64);
+            let engine = self.clone();
+            tokio::spawn(async move {
+                tokio::select! {
+                    () = engine.stream(&shape, &sim, &work, arrival, waiting, &tx) => {}
+                    () = tx.closed() => {}
+                }
+            });
+            let mut resp = Response::new(ChannelBody { rx }.boxed());
+            resp.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream; charset=utf-8"),
+            );
+            resp
+        } else {
+            let (pre, _running) = self.prefill(&work, arrival, waiting).await;
+            let n = sim.max_tokens;
+            let decode = self.inner.cfg.itl.as_secs_f64() * n.saturating_sub(1) as f64;
+            let last = pre.end + self.scaled_secs(decode);
+            wait_until(last).await;
+            self.finish(&work, n);
+            json_response(StatusCode::OK, &shape.full_response(&work, &pre.cached, n))
+        }
+    }
+
+    /// Streams one request's SSE chunks into `tx`; returns early when the client
+    /// has gone (send fails).
+    async fn stream(
+        &self,
+        shape: &Shape,
+        sim: &SimRequest,
+        work: &[PromptWork],
+        arrival: Instant,
+        waiting: Waiting,
+        tx: &mpsc::Sender<Bytes>,
+    ) {
+        let (pre, _running) = self.prefill(work, arrival, waiting).await;
+        let itl = self.scaled_secs(self.inner.cfg.itl.as_secs_f64());
+        let n = sim.max_tokens;
+        if shape.endpoint == Endpoint::Messages {
+            return self.stream_messages(shape, work, &pre, n, itl, tx).await;
+        }
+        if shape.endpoint == Endpoint::Chat {
+            for i in 0..work.len() {
+                if tx.send(shape.role_chunk(i)).await.is_err() {
+                    return;
+                }
+            }
+        }
+        let mut due = pre.end;
+        for k in 0..n {
+            wait_until(due).await;
+            let last = k + 1 == n;
+            for i in 0..work.len() {
+                if tx.send(shape.token_chunk(i, k, last)).await.is_err() {
+                    return;
+                }
+            }
+            due += itl;
+        }
+        self.finish(work, n);
+        if sim.include_usage {
+            let _ = tx
+                .send(shape.usage_chunk(&work_usage(work, &pre.cached, n)))
+                .await;
+        }
+        let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
+    }
+}
+
+impl Engine {
+    /// The Anthropic event stream after prefill: `message_start`,
+    /// `content_block_start`, one `content_block_delta` (`text_delta`) per token on
+    /// the decode clock, `content_block_stop`, `message_delta` (stop reason and
+    /// usage), `message_stop`. Returns early when the client has gone.
+    async fn stream_messages(
+        &self,
+        shape: &Shape,
+        work: &[PromptWork],
+        pre: &Prefilled,
+        n: u64,
+        itl: Duration,
+        tx: &mpsc::Sender<Bytes>,
+    ) {
+        let usage = work_usage(work, &pre.cached, n);
+        let head = [
+            shape.message_start(&Usage {
+                completion_tokens: 0,
+                ..usage
+            }),
+            Shape::event(
+                "content_block_start",
+                &json!({"type": "content_block_start", "index": 0,
+                        "content_block": {"type": "text", "text": ""}}),
+            ),
+        ];
+        for ev in head {
+            if tx.send(ev).await.is_err() {
+                return;
+            }
+        }
+        let mut due = pre.end;
+        for k in 0..n {
+            wait_until(due).await;
+            let delta = Shape::event(
+                "content_block_delta",
+                &json!({"type": "content_block_delta", "index": 0,
+                        "delta": {"type": "text_delta", "text": format!(" {}", output_word(k))}}),
+            );
+            if tx.send(delta).await.is_err() {
+                return;
+            }
+            due += itl;
+        }
+        self.finish(work, n);
+        let tail = [
+            Shape::event(
+                "content_block_stop",
+                &json!({"type": "content_block_stop", "index": 0}),
+            ),
+            Shape::event(
+                "message_delta",
+                &json!({"type": "message_delta",
+                        "delta": {"stop_reason": "max_tokens", "stop_sequence": null},
+                        "usage": anthropic_usage(&usage)}),
+            ),
+            Shape::event("message_stop", &json!({"type": "message_stop"})),
+        ];
+        for ev in tail {
+            if tx.send(ev).await.is_err() {
+                return;
+            }
+        }
+    }
+}
+
+/// Validates a generation body and extracts what the simulation needs. The error
+/// is the message of a 400 response.
+fn parse_request(endpoint: Endpoint, body: &[u8], max_output: u64) -> Result<SimRequest, String> {
+    let v: Value =
+        serde_json::from_slice(body).map_err(|e| format!("body is not valid JSON: {e}"))?;
+    let obj = v.as_object().ok_or("request body must be a JSON object")?;
+    let prompts = match endpoint {
+        Endpoint::Chat => vec![chat_template(obj.get("messages"))?],
+        Endpoint::Completions => completion_prompts(obj.get("prompt"))?,
+        Endpoint::Messages => vec![chat_template(Some(&anthropic_to_chat(obj)?))?],
+    };
+    let present = |k: &str| obj.get(k).filter(|v| !v.is_null());
+    let max_tokens = match present("max_completion_tokens").or_else(|| present("max_tokens")) {
+        // Anthropic requires max_tokens.
+        None if endpoint == Endpoint::Messages => return Err("max_tokens is required".into()),
+        None => 16,
+        Some(v) => v
+            .as_u64()
+            .filter(|&n| n >= 1)
+            .ok_or("max_tokens must be an integer >= 1")?,
+    };
+    let stream = match present("stream") {
+        None => false,
+        Some(Value::Bool(b)) => *b,
+        Some(_) => return Err("stream must be a boolean".into()),
+    };
+    let include_usage = present("stream_options")
+        .and_then(|o| o.get("include_usage"))
+        .and_then(Value::as_bool)
+        .unwrap_or(false);
+    Ok(SimRequest {
+        endpoint,
+        prompts,
+        max_tokens: max_tokens.min(max_output.max(1)),
+        stream,
+        include_usage,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bad_requests_are_rejected_with_messages() {
+        let bad: [(Endpoint, &str); 8] = [
+            (Endpoint::Chat, "not json"),
+            (Endpoint::Chat, "[]"),
+            (Endpoint::Chat, r#"{"messages": []}"#),
+            (Endpoint::Chat, r#"{"messages": [{"content": "x"}]}"#),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": 5}]}"#,
+            ),
+            (
+                Endpoint::Chat,
+                r#"{"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}"#,
+            ),
+            (Endpoint::Completions, r#"{"prompt": 42}"#),
+            (Endpoint::Completions, r#"{"prompt": ""}"#),
+        ];
+        for (ep, body) in bad {
+            assert!(parse_request(ep, body.as_bytes(), 100).is_err(), "{body}");
+        }
+        let ok = parse_request(
+            Endpoint::Completions,
+            br#"{"prompt": [[1,2],[3]], "max_tokens": 500, "stream": true}"#,
+            100,
+        )
+        .unwrap();
+        assert_eq!(ok.prompts, ["1 2", "3"]);
+        assert_eq!(
+            (ok.max_tokens, ok.stream, ok.include_usage),
+            (100, true, false)
+        );
+    }
+}

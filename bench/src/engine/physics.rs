@@ -1,0 +1,188 @@
+//! The queueing model: admission (`max_waiting`), the prefill queue under each
+//! [`Physics`], the prefix-cache lookup that sets a prefill's cost, and simulated
+//! time scaled to wall time. Never spins the CPU: every wait is a tokio timer.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use tokio::time::Instant;
+
+use super::{Engine, GaugeGuard, Physics, Waiting};
+
+/// A prompt reduced to what the simulation needs.
+#[derive(Debug)]
+pub(super) struct PromptWork {
+    pub(super) n_tokens: usize,
+    pub(super) hashes: Vec<u64>,
+}
+
+/// Outcome of prefill: when it ends (nominal), cached tokens per prompt.
+pub(super) struct Prefilled {
+    pub(super) end: Instant,
+    pub(super) cached: Vec<u64>,
+}
+
+impl Engine {
+    /// `secs` of simulated time as wall time: × `time_factor`, capped at one day
+    /// so no timer or `Instant` arithmetic can overflow.
+    pub(super) fn scaled_secs(&self, secs: f64) -> Duration {
+        let wall = (secs * self.inner.cfg.time_factor).clamp(0.0, 86_400.0);
+        Duration::try_from_secs_f64(wall).unwrap_or(Duration::ZERO)
+    }
+
+    /// Admits one request to the prefill queue (`waiting` + 1, peak updated), or
+    /// `None` when `max_waiting` requests already wait (counted as rejected).
+    pub(super) fn admit(&self) -> Option<Waiting> {
+        let c = &self.inner.counters;
+        let max = self.inner.cfg.max_waiting as u64;
+        let before = c
+            .waiting
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |w| {
+                (max == 0 || w < max).then_some(w + 1)
+            });
+        match before {
+            Ok(w) => {
+                c.waiting_peak.fetch_max(w + 1, Ordering::Relaxed);
+                Some(Waiting(self.inner.clone()))
+            }
+            Err(_) => {
+                c.rejected.fetch_add(1, Ordering::Relaxed);
+                None
+            }
+        }
+    }
+
+    /// Queues for the prefill slot (counted in `waiting` by the admitted
+    /// `waiting` until the slot is held), looks the prompts up in the cache and
+    /// waits out the prefill. The returned guard keeps the request counted as
+    /// running.
+    pub(super) async fn prefill(
+        &self,
+        work: &[PromptWork],
+        arrival: Instant,
+        waiting: Waiting,
+    ) -> (Prefilled, GaugeGuard<'_>) {
+        let c = &self.inner.counters;
+        let physics = self.inner.cfg.prefill_physics;
+        if physics != Physics::Serial {
+            return self.prefill_in_slot(work, waiting).await;
+        }
+        let mut last_end = self.inner.prefill.lock().await;
+        drop(waiting);
+        let running = GaugeGuard::new(&c.running);
+        let cost = self.look_up(work);
+        // A single-server FIFO queue: start when both the request and the server
+        // are there. Using nominal times keeps timer overshoot from accumulating.
+        let start = arrival.max(*last_end);
+        let end = start + cost.0;
+        *last_end = end;
+        wait_until(end).await;
+        drop(last_end);
+        (
+            Prefilled {
+                end,
+                cached: cost.1,
+            },
+            running,
+        )
+    }
+
+    /// The parallel and shared physics: waits for one of the prefill slots (FIFO),
+    /// then prefills at full speed or at its share of it.
+    async fn prefill_in_slot(
+        &self,
+        work: &[PromptWork],
+        waiting: Waiting,
+    ) -> (Prefilled, GaugeGuard<'_>) {
+        let c = &self.inner.counters;
+        // Never closed: the engine owns it.
+        let slot = self.inner.slots.acquire().await.ok();
+        drop(waiting);
+        let running = GaugeGuard::new(&c.running);
+        let (cost, cached) = self.look_up(work);
+        let end = if self.inner.cfg.prefill_physics == Physics::Shared {
+            self.inner.shared.run(cost).await
+        } else {
+            let end = Instant::now() + cost;
+            wait_until(end).await;
+            end
+        };
+        drop(slot);
+        (Prefilled { end, cached }, running)
+    }
+
+    /// Looks the prompts up in the cache (inserting them), counts them, and returns the
+    /// prefill's duration at full speed and the cached tokens per prompt.
+    fn look_up(&self, work: &[PromptWork]) -> (Duration, Vec<u64>) {
+        let c = &self.inner.counters;
+        let cached: Vec<u64> = {
+            let mut cache = self.lock_cache();
+            work.iter()
+                .map(|p| cache.lookup_and_insert(&p.hashes, p.n_tokens) as u64)
+                .collect()
+        };
+        let total: u64 = work.iter().map(|p| p.n_tokens as u64).sum();
+        let hits: u64 = cached.iter().sum();
+        c.prompt_tokens.fetch_add(total, Ordering::Relaxed);
+        c.cache_queries.fetch_add(total, Ordering::Relaxed);
+        c.cache_hits.fetch_add(hits, Ordering::Relaxed);
+        let cfg = &self.inner.cfg;
+        let uncached = total.saturating_sub(hits) as f64;
+        let cost = self.scaled_secs(
+            cfg.ttft_base.as_secs_f64() + cfg.prefill_per_token.as_secs_f64() * uncached,
+        );
+        (cost, cached)
+    }
+
+    pub(super) fn finish(&self, work: &[PromptWork], n: u64) {
+        let c = &self.inner.counters;
+        c.generation_tokens
+            .fetch_add(n * work.len() as u64, Ordering::Relaxed);
+        c.requests_finished.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+/// Sleeps until `deadline`, or not at all when it has passed. tokio's timer
+/// rounds deadlines up to the next millisecond tick, so sleeping until "now" would
+/// cost up to a millisecond per call: at `time_factor` 0 that would turn an instant
+/// answer into a ~1 ms one, and make the prefill lock (held across the sleep) a
+/// one-request-per-tick queue.
+pub(super) async fn wait_until(deadline: Instant) {
+    if deadline > Instant::now() {
+        tokio::time::sleep_until(deadline).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::EngineConfig;
+
+    #[test]
+    fn admission_stops_at_max_waiting_and_tracks_the_peak() {
+        let e = Engine::new(EngineConfig {
+            max_waiting: 2,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let a = e.admit().expect("first admitted");
+        let b = e.admit().expect("second admitted");
+        assert!(e.admit().is_none(), "third finds 2 waiting");
+        let s = e.stats();
+        assert_eq!((s.waiting, s.waiting_peak, s.rejected), (2, 2, 1));
+        drop(a);
+        let c = e.admit().expect("room again");
+        drop((b, c));
+        let s = e.stats();
+        assert_eq!((s.waiting, s.waiting_peak, s.rejected), (0, 2, 1));
+        // 0 = unbounded.
+        let u = Engine::new(EngineConfig::default()).unwrap();
+        let held: Vec<_> = (0..100).map(|_| u.admit().unwrap()).collect();
+        assert_eq!(u.stats().waiting_peak, 100);
+        drop(held);
+        assert!(
+            u.metrics_text()
+                .contains("sim:num_requests_waiting_peak{engine=\"0\",model_name=\"m\"} 100\n")
+        );
+    }
+}
