@@ -807,6 +807,60 @@ impl Disturbance {
     }
 }
 
+/// Runs a benchmark binary's work on a multi-threaded tokio runtime
+/// (`worker_threads` of them; 0: one per CPU) until it ends. Ctrl-C drops it instead
+/// (the children it started are kill-on-drop) and exits 130. Messages start with
+/// `name`.
+pub fn run_interruptible(
+    name: &str,
+    worker_threads: usize,
+    work: impl std::future::Future<Output = std::process::ExitCode>,
+) -> std::process::ExitCode {
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    rt.enable_all();
+    if worker_threads > 0 {
+        rt.worker_threads(worker_threads);
+    }
+    let rt = match rt.build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("{name}: cannot start the runtime: {e}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(async {
+        tokio::select! {
+            code = work => code,
+            _ = tokio::signal::ctrl_c() => {
+                eprintln!("{name}: interrupted");
+                std::process::ExitCode::from(130)
+            }
+        }
+    })
+}
+
+/// This machine in the words a report starts with: `machine: nproc N, CPU MODEL,
+/// X.X GiB RAM, Linux RELEASE` (from /proc; `unknown` or 0 where unreadable).
+pub fn machine_summary() -> String {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let cpuinfo = read("/proc/cpuinfo");
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")
+                .map(|v| v.trim_start_matches([' ', '\t', ':']))
+        })
+        .unwrap_or("unknown")
+        .to_string();
+    let mem = parse_status_kib(&read("/proc/meminfo"), "MemTotal").unwrap_or(0);
+    let nproc = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!(
+        "machine: nproc {nproc}, {model}, {:.1} GiB RAM, Linux {}",
+        mem as f64 / (1024.0 * 1024.0),
+        read("/proc/sys/kernel/osrelease").trim()
+    )
+}
+
 /// `getconf CLK_TCK` (the unit of `/proc/<pid>/stat` times), 100 if unavailable.
 pub fn clock_ticks_per_sec() -> u64 {
     std::process::Command::new("getconf")

@@ -177,26 +177,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // 512 client connections plus the routers' own: raise the soft fd limit.
     let _ = rlimit::increase_nofile_limit(u64::MAX);
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
-        Ok(rt) => rt,
-        Err(e) => {
-            eprintln!("peer-overhead: cannot start the runtime: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
-    // Ctrl-C drops the run, whose children are kill-on-drop.
-    rt.block_on(async {
-        tokio::select! {
-            code = run(cli) => code,
-            _ = tokio::signal::ctrl_c() => {
-                eprintln!("peer-overhead: interrupted");
-                ExitCode::from(130)
-            }
-        }
-    })
+    procs::run_interruptible("peer-overhead", 0, run(cli))
 }
 
 async fn run(cli: Cli) -> ExitCode {
@@ -252,23 +233,9 @@ struct RouterRun {
 }
 
 fn machine_facts() -> String {
-    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-    let cpuinfo = read("/proc/cpuinfo");
-    let model = cpuinfo
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("model name")
-                .map(|v| v.trim_start_matches([' ', '\t', ':']))
-        })
-        .unwrap_or("unknown")
-        .to_string();
-    let mem = procs::parse_status_kib(&read("/proc/meminfo"), "MemTotal").unwrap_or(0);
-    let nproc = std::thread::available_parallelism().map_or(0, |n| n.get());
     format!(
-        "machine: nproc {nproc}, {model}, {:.1} GiB RAM, Linux {}; load generator, routers and \
-         engines on the same machine over 127.0.0.1",
-        mem as f64 / (1024.0 * 1024.0),
-        read("/proc/sys/kernel/osrelease").trim()
+        "{}; load generator, routers and engines on the same machine over 127.0.0.1",
+        procs::machine_summary()
     )
 }
 
