@@ -535,6 +535,21 @@ fn report(
     runs: &[RouterRun],
     took: Duration,
 ) -> String {
+    let mut t = intro(ctx, took);
+    for &mode in &ctx.cli.modes {
+        t.push_str(&mode_table(cells, mode));
+    }
+    t.push_str(&compact(&ctx.cli, cells));
+    t.push_str(&best_table(ctx, cells, runs));
+    t.push_str(&how_ran(runs));
+    t.push('\n');
+    t.push_str(&targets(cells, runs));
+    t.push_str(&against_nginx(cells, ratios));
+    t
+}
+
+/// How the cells were measured: bodies, timings, policy, log levels, rounds.
+fn intro(ctx: &Ctx, took: Duration) -> String {
     let mut t = String::new();
     let cli = &ctx.cli;
     let _ = writeln!(
@@ -575,64 +590,75 @@ fn report(
             cli.rounds
         );
     }
-    for &mode in &cli.modes {
-        let stream = mode == Mode::Stream;
-        let _ = writeln!(
+    t
+}
+
+/// Every cell of one mode: direct and through the router, added latency, requests/s,
+/// router CPU and RSS.
+fn mode_table(cells: &[Cell], mode: Mode) -> String {
+    let mut t = String::new();
+    let stream = mode == Mode::Stream;
+    let _ = writeln!(
+        t,
+        "### {}\n",
+        if stream {
+            "Streamed (latency to the end of the stream; TTFB to the first body byte)"
+        } else {
+            "Non-streamed"
+        }
+    );
+    t.push_str(
+        "| router | engines | c | direct p50 / p99 | via router p50 / p99 | **added p50 / p99** |",
+    );
+    if stream {
+        t.push_str(" added TTFB p50 / p99 |");
+    }
+    t.push_str(" req/s via router (direct) | router CPU µs/req | router RSS | errors |\n| --- | ---: | ---: | ---: | ---: | ---: |");
+    if stream {
+        t.push_str(" ---: |");
+    }
+    t.push_str(" ---: | ---: | ---: | ---: |\n");
+    for cell in cells.iter().filter(|c| c.mode == mode) {
+        let (d, v) = (cell.direct.latency_us(), cell.via.latency_us());
+        let _ = write!(
             t,
-            "### {}\n",
-            if stream {
-                "Streamed (latency to the end of the stream; TTFB to the first body byte)"
-            } else {
-                "Non-streamed"
-            }
+            "| {} | {} | {} | {:.0} / {:.0} | {:.0} / {:.0} | **{:+.0} / {:+.0}** |",
+            cell.router.name(),
+            cell.engines,
+            cell.c,
+            d.p50,
+            d.p99,
+            v.p50,
+            v.p99,
+            cell.added(|p| p.p50, false),
+            cell.added(|p| p.p99, false),
         );
-        t.push_str("| router | engines | c | direct p50 / p99 | via router p50 / p99 | **added p50 / p99** |");
         if stream {
-            t.push_str(" added TTFB p50 / p99 |");
-        }
-        t.push_str(" req/s via router (direct) | router CPU µs/req | router RSS | errors |\n| --- | ---: | ---: | ---: | ---: | ---: |");
-        if stream {
-            t.push_str(" ---: |");
-        }
-        t.push_str(" ---: | ---: | ---: | ---: |\n");
-        for cell in cells.iter().filter(|c| c.mode == mode) {
-            let (d, v) = (cell.direct.latency_us(), cell.via.latency_us());
             let _ = write!(
                 t,
-                "| {} | {} | {} | {:.0} / {:.0} | {:.0} / {:.0} | **{:+.0} / {:+.0}** |",
-                cell.router.name(),
-                cell.engines,
-                cell.c,
-                d.p50,
-                d.p99,
-                v.p50,
-                v.p99,
-                cell.added(|p| p.p50, false),
-                cell.added(|p| p.p99, false),
-            );
-            if stream {
-                let _ = write!(
-                    t,
-                    " {:+.0} / {:+.0} |",
-                    cell.added(|p| p.p50, true),
-                    cell.added(|p| p.p99, true)
-                );
-            }
-            let _ = writeln!(
-                t,
-                " {:.0} ({:.0}) | {:.0} | {} | {} / {} |",
-                cell.via.req_per_s(),
-                cell.direct.req_per_s(),
-                cell.router_cpu_us_per_req,
-                mib(cell.router_rss_kib),
-                cell.direct.errors,
-                cell.via.errors
+                " {:+.0} / {:+.0} |",
+                cell.added(|p| p.p50, true),
+                cell.added(|p| p.p99, true)
             );
         }
-        t.push('\n');
+        let _ = writeln!(
+            t,
+            " {:.0} ({:.0}) | {:.0} | {} | {} / {} |",
+            cell.via.req_per_s(),
+            cell.direct.req_per_s(),
+            cell.router_cpu_us_per_req,
+            mib(cell.router_rss_kib),
+            cell.direct.errors,
+            cell.via.errors
+        );
     }
-    t.push_str(&compact(cli, cells));
-    // Peak requests/s per router and engine count.
+    t.push('\n');
+    t
+}
+
+/// Most requests/s through each router (best cell), its memory and CPU in all.
+fn best_table(ctx: &Ctx, cells: &[Cell], runs: &[RouterRun]) -> String {
+    let mut t = String::new();
     t.push_str(
         "### Most requests/s through each router (best cell), and its memory\n\n\
          | router | engines | max req/s non-streamed (at c) | max req/s streamed (at c) | router RSS idle / peak | router CPU s in all | other processes' CPU meanwhile |\n\
@@ -671,6 +697,12 @@ fn report(
             r.other.map_or("–".into(), |o| o.to_string()),
         );
     }
+    t
+}
+
+/// One line per router and engine count: how it was started.
+fn how_ran(runs: &[RouterRun]) -> String {
+    let mut t = String::new();
     t.push_str("\nHow each router ran:\n\n");
     let mut seen = Vec::new();
     for r in runs {
@@ -687,9 +719,6 @@ fn report(
             r.how
         );
     }
-    t.push('\n');
-    t.push_str(&targets(cells, runs));
-    t.push_str(&against_nginx(cells, ratios));
     t
 }
 
