@@ -31,7 +31,7 @@ use hyper_util::rt::TokioExecutor;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::sync::Semaphore;
-use tokio::task::JoinSet;
+use tokio::task::{JoinHandle, JoinSet};
 use tokio::time::Instant;
 
 use crate::engine::{ENGINE_HEADER, Usage};
@@ -185,109 +185,46 @@ pub async fn run(
     if !cfg.time_scale.is_finite() || cfg.time_scale < 0.0 {
         return Err(ReplayError::TimeScale(cfg.time_scale));
     }
-    let targets: Vec<(String, Uri)> = cfg
-        .urls
-        .iter()
-        .map(|u| {
-            let base = u.trim_end_matches('/').to_string();
-            format!("{base}/v1/chat/completions")
-                .parse::<Uri>()
-                .map(|uri| (base, uri))
-                .map_err(|e| ReplayError::BadUrl {
-                    url: u.clone(),
-                    reason: e.to_string(),
-                })
-        })
-        .collect::<Result<_, _>>()?;
+    let targets = chat_targets(&cfg.urls)?;
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);
-    let client: HttpClient = Client::builder(TokioExecutor::new())
-        .pool_idle_timeout(Duration::from_secs(30))
-        .build(connector);
+    let shared = Shared {
+        client: Client::builder(TokioExecutor::new())
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build(connector),
+        start: Instant::now(),
+        timeout: cfg.request_timeout,
+        done: Arc::new(AtomicUsize::new(0)),
+        failed: Arc::new(AtomicUsize::new(0)),
+    };
     let sem = Arc::new(Semaphore::new(cfg.concurrency.max(1)));
-    let done = Arc::new(AtomicUsize::new(0));
-    let failed = Arc::new(AtomicUsize::new(0));
     let first_ts = requests.iter().map(|r| r.timestamp_ms).min().unwrap_or(0);
-    let start = Instant::now();
-    let progress = cfg.progress_every.map(|every| {
-        let (done, failed, total) = (done.clone(), failed.clone(), requests.len());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval_at(start + every, every);
-            loop {
-                tick.tick().await;
-                eprintln!(
-                    "  {:>5.0} s: {} of {total} done, {} failed",
-                    start.elapsed().as_secs_f64(),
-                    done.load(Ordering::Relaxed),
-                    failed.load(Ordering::Relaxed)
-                );
-            }
-        })
-    });
+    let progress = cfg
+        .progress_every
+        .map(|every| spawn_progress(&shared, every, requests.len()));
     let mut tasks = JoinSet::new();
     for (i, req) in requests.iter().enumerate() {
         let offset_s = req.timestamp_ms.saturating_sub(first_ts) as f64 / 1000.0 * cfg.time_scale;
         let scheduled = Duration::try_from_secs_f64(offset_s).unwrap_or(Duration::ZERO);
-        tokio::time::sleep_until(start + scheduled).await;
+        tokio::time::sleep_until(shared.start + scheduled).await;
         // Closed only when dropped, which happens after this loop.
         let Ok(permit) = sem.clone().acquire_owned().await else {
             break;
         };
-        let (base, uri) = targets[i % targets.len()].clone();
-        let fallback =
-            (cfg.failover && targets.len() > 1).then(|| targets[(i + 1) % targets.len()].clone());
-        let client = client.clone();
-        let req = req.clone();
-        let timeout = cfg.request_timeout;
-        let (done, failed) = (done.clone(), failed.clone());
+        let job = Job {
+            req: req.clone(),
+            target: targets[i % targets.len()].clone(),
+            fallback: (cfg.failover && targets.len() > 1)
+                .then(|| targets[(i + 1) % targets.len()].clone()),
+            scheduled,
+        };
+        let shared = shared.clone();
         tasks.spawn(async move {
-            let sent = start.elapsed();
-            let mut r = RequestResult {
-                index: req.index,
-                timestamp_ms: req.timestamp_ms,
-                url: base,
-                scheduled_ms: ms(scheduled),
-                sent_ms: ms(sent),
-                status: None,
-                error: None,
-                engine: None,
-                ttft_ms: None,
-                latency_ms: 0.0,
-                input_length: req.input_length,
-                max_tokens: req.max_tokens,
-                prompt_tokens: None,
-                cached_tokens: None,
-                completion_tokens: None,
-                content_chunks: 0,
-                retried: false,
-            };
-            let t0 = Instant::now();
-            let attempts = async {
-                let first = send_one(&client, uri, req.body.clone(), t0, &mut r).await;
-                match (first, fallback) {
-                    (Err(e), Some((base, uri))) if broke_in_transit(&r, &e) => {
-                        r.url = base;
-                        r.retried = true;
-                        r.status = None;
-                        r.engine = None;
-                        r.ttft_ms = None;
-                        r.content_chunks = 0;
-                        send_one(&client, uri, req.body, t0, &mut r).await
-                    }
-                    (first, _) => first,
-                }
-            };
-            let outcome = tokio::time::timeout(timeout, attempts).await;
-            r.error = match outcome {
-                Ok(Ok(())) => None,
-                Ok(Err(e)) => Some(e),
-                Err(_) => Some(format!("timed out after {} s", timeout.as_secs_f64())),
-            };
-            r.latency_ms = ms(t0.elapsed());
+            let r = replay_one(&shared, job).await;
             drop(permit);
-            done.fetch_add(1, Ordering::Relaxed);
+            shared.done.fetch_add(1, Ordering::Relaxed);
             if r.error.is_some() {
-                failed.fetch_add(1, Ordering::Relaxed);
+                shared.failed.fetch_add(1, Ordering::Relaxed);
             }
             r
         });
@@ -303,6 +240,116 @@ pub async fn run(
     }
     results.sort_by_key(|r| r.index);
     Ok(results)
+}
+
+/// Each base URL (no trailing slash) with its chat completions URI.
+fn chat_targets(urls: &[String]) -> Result<Vec<(String, Uri)>, ReplayError> {
+    urls.iter()
+        .map(|u| {
+            let base = u.trim_end_matches('/').to_string();
+            format!("{base}/v1/chat/completions")
+                .parse::<Uri>()
+                .map(|uri| (base, uri))
+                .map_err(|e| ReplayError::BadUrl {
+                    url: u.clone(),
+                    reason: e.to_string(),
+                })
+        })
+        .collect()
+}
+
+/// What every request of a replay shares: the client, the start, the per-request
+/// limit and the progress counters.
+#[derive(Clone)]
+struct Shared {
+    client: HttpClient,
+    start: Instant,
+    timeout: Duration,
+    done: Arc<AtomicUsize>,
+    failed: Arc<AtomicUsize>,
+}
+
+/// One request to send: its base URL and URI, the next one's when it may fail over,
+/// and when the schedule said to send it (from the start).
+struct Job {
+    req: PreparedRequest,
+    target: (String, Uri),
+    fallback: Option<(String, Uri)>,
+    scheduled: Duration,
+}
+
+/// Prints a progress line to stderr every `every` until aborted.
+fn spawn_progress(shared: &Shared, every: Duration, total: usize) -> JoinHandle<()> {
+    let (done, failed, start) = (shared.done.clone(), shared.failed.clone(), shared.start);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval_at(start + every, every);
+        loop {
+            tick.tick().await;
+            eprintln!(
+                "  {:>5.0} s: {} of {total} done, {} failed",
+                start.elapsed().as_secs_f64(),
+                done.load(Ordering::Relaxed),
+                failed.load(Ordering::Relaxed)
+            );
+        }
+    })
+}
+
+/// Sends `job` (once more to its fallback when the first attempt broke in transit)
+/// within the per-request limit, and records what happened.
+async fn replay_one(shared: &Shared, job: Job) -> RequestResult {
+    let Job {
+        req,
+        target: (base, uri),
+        fallback,
+        scheduled,
+    } = job;
+    let client = &shared.client;
+    let timeout = shared.timeout;
+    let sent = shared.start.elapsed();
+    let mut r = RequestResult {
+        index: req.index,
+        timestamp_ms: req.timestamp_ms,
+        url: base,
+        scheduled_ms: ms(scheduled),
+        sent_ms: ms(sent),
+        status: None,
+        error: None,
+        engine: None,
+        ttft_ms: None,
+        latency_ms: 0.0,
+        input_length: req.input_length,
+        max_tokens: req.max_tokens,
+        prompt_tokens: None,
+        cached_tokens: None,
+        completion_tokens: None,
+        content_chunks: 0,
+        retried: false,
+    };
+    let t0 = Instant::now();
+    let attempts = async {
+        let first = send_one(client, uri, req.body.clone(), t0, &mut r).await;
+        match (first, fallback) {
+            (Err(e), Some((base, uri))) if broke_in_transit(&r, &e) => {
+                r.url = base;
+                r.retried = true;
+                r.status = None;
+                r.engine = None;
+                r.ttft_ms = None;
+                r.content_chunks = 0;
+                send_one(client, uri, req.body, t0, &mut r).await
+            }
+            (first, _) => first,
+        }
+    };
+    let outcome = tokio::time::timeout(timeout, attempts).await;
+    r.error = match outcome {
+        Ok(Ok(())) => None,
+        Ok(Err(e)) => Some(e),
+        Err(_) => Some(format!("timed out after {} s", timeout.as_secs_f64())),
+    };
+    r.latency_ms = ms(t0.elapsed());
+    r
 }
 
 /// Whether a failed attempt never got an answer from a live server: no response head,
