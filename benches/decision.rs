@@ -114,6 +114,35 @@ impl Lane {
     }
 }
 
+impl Lane {
+    /// Prints the lane's decisions (`decisions` on bodies of `body_len` bytes) and
+    /// percentiles; its name, pick + observe and decision (p50, p99).
+    fn report(&mut self, decisions: usize, body_len: usize) -> Totals {
+        println!(
+            "\n{}: {} decisions on {} KiB chat bodies ({} cache hits, {:.2} minor page \
+             faults per decision)",
+            self.name,
+            decisions,
+            body_len / 1024,
+            self.hits,
+            self.faults as f64 / decisions as f64,
+        );
+        if self.name == "cache_aware" {
+            report("extract (JSON -> routing text)", &mut self.extract_t);
+        }
+        let pick = report("pick + observe", &mut self.pick_t);
+        let total = report("decision (extract + pick + observe)", &mut self.total_t);
+        if self.faults > 0 && !self.clean_t.is_empty() {
+            report("  decisions that took no fault", &mut self.clean_t);
+        }
+        if !self.hit_t.is_empty() && !self.miss_t.is_empty() {
+            report("  cache hits", &mut self.hit_t);
+            report("  the others (a new leaf)", &mut self.miss_t);
+        }
+        (self.name, pick, total)
+    }
+}
+
 /// `cache_aware` with sharing on: its own pool and policy, its tree shared with a
 /// fleet whose index is filled with another replica's prefix records, batched as the
 /// publisher batches them.
@@ -197,50 +226,79 @@ impl Sharing {
     }
 }
 
-fn main() {
-    let mut nodes_target = 1_000_000usize;
-    let mut decisions = 4000usize;
-    let mut publisher = true;
-    let mut growing = false;
-    let mut args = std::env::args().skip(1);
-    while let Some(a) = args.next() {
-        match a.as_str() {
-            "--nodes" => {
-                nodes_target = args
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(nodes_target)
+/// The command line (`cargo bench --bench decision -- ...`).
+struct Args {
+    /// `--nodes N`: the tree's size after the fill.
+    nodes_target: usize,
+    /// `--decisions N`: requests timed per lane.
+    decisions: usize,
+    /// The fleets' publisher and subscriber run (`--no-publisher`: the request path
+    /// alone).
+    publisher: bool,
+    /// `--growing`: the tree grows without bound (no eviction): every new prompt's leaf
+    /// lands in memory never touched before, as while a router's tree first fills.
+    growing: bool,
+}
+
+impl Args {
+    fn parse() -> Self {
+        let mut a = Args {
+            nodes_target: 1_000_000,
+            decisions: 4000,
+            publisher: true,
+            growing: false,
+        };
+        let mut args = std::env::args().skip(1);
+        while let Some(arg) = args.next() {
+            match arg.as_str() {
+                "--nodes" => {
+                    a.nodes_target = args
+                        .next()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(a.nodes_target)
+                }
+                "--decisions" => {
+                    a.decisions = args
+                        .next()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(a.decisions)
+                }
+                "--no-publisher" => a.publisher = false,
+                "--growing" => a.growing = true,
+                _ => {} // cargo bench passes --bench
             }
-            "--decisions" => {
-                decisions = args
-                    .next()
-                    .and_then(|v| v.parse().ok())
-                    .unwrap_or(decisions)
-            }
-            // The fleets' publisher and subscriber not started (the request path alone).
-            "--no-publisher" => publisher = false,
-            // The tree grows without bound (no eviction): every new prompt's leaf lands
-            // in memory never touched before, as while a router's tree first fills.
-            "--growing" => growing = true,
-            _ => {} // cargo bench passes --bench
         }
+        a
     }
+}
+
+/// Workers of every config.
+const WORKERS: u32 = 4;
+
+/// A config of [`WORKERS`] workers with `policy` and `extra` YAML; its tree never
+/// evicts on its own (the bench holds it at its size, see `Upkeep`).
+fn config_with(policy: &str, extra: &str) -> Config {
+    let yaml = format!(
+        "policy: {policy}\n{extra}cache:\n  max_tree_size: 4000000000\n  eviction_interval_secs: 0\nworkers:\n{}",
+        (0..WORKERS)
+            .map(|w| format!("  - url: http://10.0.0.{w}:8000\n"))
+            .collect::<String>()
+    );
+    Config::from_sources([(std::path::Path::new("bench.yaml"), yaml.as_str())]).expect("config")
+}
+
+fn config(policy: &str) -> Config {
+    config_with(policy, "")
+}
+
+fn main() {
+    let args = Args::parse();
     let mut rng = StdRng::seed_from_u64(42);
-    let workers = 4u32;
-    let config_with = |policy: &str, extra: &str| {
-        let yaml = format!(
-            "policy: {policy}\n{extra}cache:\n  max_tree_size: 4000000000\n  eviction_interval_secs: 0\nworkers:\n{}",
-            (0..workers)
-                .map(|w| format!("  - url: http://10.0.0.{w}:8000\n"))
-                .collect::<String>()
-        );
-        Config::from_sources([(std::path::Path::new("bench.yaml"), yaml.as_str())]).expect("config")
-    };
-    let config = |policy: &str| config_with(policy, "");
 
     // 1. Fill cache_aware's tree: 200 shared system prompts (2 KiB), conversations
     //    branching off them, each insert adding a split and a leaf.
     let cfg = config("cache_aware");
+    let max_prompt_bytes = cfg.cache.max_prompt_bytes;
     let pool = Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
     let cache_aware = policy::build(&cfg, &pool);
     let ca_tree = Arc::clone(cache_aware.tree.as_ref().expect("cache_aware keeps a tree"));
@@ -252,67 +310,23 @@ fn main() {
     let mut every = Sharing::new(&fleet_cfg, "cache_aware, sharing on, every prompt");
     let mut fill_only = Sharing::new(&fleet_cfg, "cache_aware, sharing on, fill only");
     let systems: Vec<String> = (0..200).map(|_| words(&mut rng, 2048)).collect();
-    let fill = Instant::now();
-    let mut i = 0u64;
-    // Held at its cap: first the earlier 32 KiB requests the run's passes evict (see
-    // `seam::history`; in this tree only, not in the fleets' indexes).
-    let earlier = if growing {
-        0
-    } else {
-        decisions + Upkeep::SLACK
-    };
-    {
-        let mut tree = ca_tree.lock();
-        history(
-            &mut tree,
-            &systems,
-            earlier,
-            32 * 1024,
-            workers,
-            cfg.cache.max_prompt_bytes,
-            &mut rng,
-        );
-        while tree.node_count() < nodes_target {
-            let sys = &systems[rng.random_range(0..systems.len())];
-            let text = format!(
-                "system: {sys}\nuser: conversation {i}{}",
-                words(&mut rng, 120)
-            );
-            tree.insert(text.as_bytes(), WorkerId((i % workers as u64) as u32));
-            for s in [&mut every, &mut fill_only] {
-                s.add(text.as_bytes(), (i % workers as u64) as usize);
-            }
-            i += 1;
-        }
-        println!(
-            "tree: {} nodes, {:.1} MiB of edges, from {} earlier 32 KiB requests and {} \
-             conversations in {:.1} s",
-            tree.node_count(),
-            tree.total_bytes() as f64 / (1 << 20) as f64,
-            earlier,
-            i,
-            (fill.elapsed() - every.took - fill_only.took).as_secs_f64()
-        );
-    }
+    fill(
+        &ca_tree,
+        &systems,
+        &args,
+        max_prompt_bytes,
+        [&mut every, &mut fill_only],
+        &mut rng,
+    );
 
     // 2. Requests: 32 KiB prompts; half repeat an earlier request (hits), half are new.
-    let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(decisions);
-    for n in 0..decisions {
-        if n > 0 && rng.random_bool(0.5) {
-            let j = rng.random_range(0..n);
-            bodies.push(bodies[j].clone());
-        } else {
-            let sys = &systems[rng.random_range(0..systems.len())];
-            bodies.push(chat_body(sys, &words(&mut rng, 30 * 1024)));
-        }
-    }
-
+    let bodies = requests(&systems, args.decisions, &mut rng);
     // "every prompt": the other replica also served every distinct request (each on
     // some worker).
     let mut seen = std::collections::HashSet::new();
     for (n, body) in bodies.iter().enumerate() {
         if seen.insert(body.as_slice()) {
-            let ctx = extract(Endpoint::ChatCompletions, body, cfg.cache.max_prompt_bytes);
+            let ctx = extract(Endpoint::ChatCompletions, body, max_prompt_bytes);
             every.add(&ctx.text, n);
         }
     }
@@ -321,28 +335,7 @@ fn main() {
         every.ready(&tree);
         fill_only.ready(&tree);
     }
-    // The fleets' publisher and subscriber run as in the router, on a thread of their own
-    // (the publisher hashes what the request path queued; its Redis is a closed port).
-    let (stop, shutdown) = cache_aware_router::shutdown::channel();
-    let fleets = [Arc::clone(&every.fleet), Arc::clone(&fill_only.fleet)];
-    let background = std::thread::spawn(move || {
-        if !publisher {
-            return;
-        }
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("runtime");
-        rt.block_on(async move {
-            let tasks: Vec<_> = fleets
-                .into_iter()
-                .map(|f| tokio::spawn(f.run(shutdown.clone())))
-                .collect();
-            for t in tasks {
-                let _ = t.await;
-            }
-        });
-    });
+    let (stop, background) = start_fleets(args.publisher, [&every, &fill_only]);
 
     // cost_aware walks the same tree (a copy: its own).
     let cost_cfg = config("cost_aware");
@@ -356,7 +349,6 @@ fn main() {
 
     // 3. Every policy through the seam, as the proxy calls it; cache_aware with sharing
     //    off and on interleaved, request by request, the order alternating.
-    let max_prompt_bytes = cfg.cache.max_prompt_bytes;
     let mut cases: Vec<Vec<Lane>> = vec![
         vec![
             Lane::new("cache_aware", pool.set(), cache_aware),
@@ -376,11 +368,133 @@ fn main() {
         let p = Arc::new(Pool::new(&cfg.workers, &cfg.circuit_breaker));
         cases.push(vec![Lane::new(name, p.set(), policy::build(&cfg, &p))]);
     }
+    let (totals, paired) = time_cases(&mut cases, &bodies, &args, max_prompt_bytes);
+    sharing_against_off(&totals, &paired, [&every, &fill_only]);
+
+    stop.shutdown();
+    let _ = background.join();
+
+    // 4. The remote lookup alone, on the same bodies (a pass of its own).
+    remote_lookup([&every, &fill_only], &bodies, max_prompt_bytes);
+}
+
+/// Fills `tree` to `args.nodes_target` nodes: first the earlier 32 KiB requests the
+/// run's passes evict (unless `--growing`; see `seam::history`; in this tree only, not
+/// in the fleets' indexes), then conversations off the `systems` prompts, each also
+/// added to the `fleets`' indexes as another replica's.
+fn fill(
+    tree: &SharedTree,
+    systems: &[String],
+    args: &Args,
+    max_prompt_bytes: usize,
+    fleets: [&mut Sharing; 2],
+    rng: &mut StdRng,
+) {
+    let started = Instant::now();
+    let mut i = 0u64;
+    let earlier = if args.growing {
+        0
+    } else {
+        args.decisions + Upkeep::SLACK
+    };
+    let mut tree = tree.lock();
+    history(
+        &mut tree,
+        systems,
+        earlier,
+        32 * 1024,
+        WORKERS,
+        max_prompt_bytes,
+        rng,
+    );
+    let [every, fill_only] = fleets;
+    while tree.node_count() < args.nodes_target {
+        let sys = &systems[rng.random_range(0..systems.len())];
+        let text = format!("system: {sys}\nuser: conversation {i}{}", words(rng, 120));
+        tree.insert(text.as_bytes(), WorkerId((i % WORKERS as u64) as u32));
+        for s in [&mut *every, &mut *fill_only] {
+            s.add(text.as_bytes(), (i % WORKERS as u64) as usize);
+        }
+        i += 1;
+    }
+    println!(
+        "tree: {} nodes, {:.1} MiB of edges, from {} earlier 32 KiB requests and {} \
+         conversations in {:.1} s",
+        tree.node_count(),
+        tree.total_bytes() as f64 / (1 << 20) as f64,
+        earlier,
+        i,
+        (started.elapsed() - every.took - fill_only.took).as_secs_f64()
+    );
+}
+
+/// `n` chat bodies of 32 KiB prompts; half repeat an earlier request (hits), half
+/// are new.
+fn requests(systems: &[String], n: usize, rng: &mut StdRng) -> Vec<Vec<u8>> {
+    let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(n);
+    for k in 0..n {
+        if k > 0 && rng.random_bool(0.5) {
+            let j = rng.random_range(0..k);
+            bodies.push(bodies[j].clone());
+        } else {
+            let sys = &systems[rng.random_range(0..systems.len())];
+            bodies.push(chat_body(sys, &words(rng, 30 * 1024)));
+        }
+    }
+    bodies
+}
+
+/// The fleets' publisher and subscriber as in the router, on a thread of their own
+/// (the publisher hashes what the request path queued; its Redis is a closed port);
+/// nothing with `--no-publisher`. Stopped by the returned shutdown.
+fn start_fleets(
+    publisher: bool,
+    fleets: [&Sharing; 2],
+) -> (
+    cache_aware_router::shutdown::Trigger,
+    std::thread::JoinHandle<()>,
+) {
+    let (stop, shutdown) = cache_aware_router::shutdown::channel();
+    let fleets = fleets.map(|s| Arc::clone(&s.fleet));
+    let background = std::thread::spawn(move || {
+        if !publisher {
+            return;
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .expect("runtime");
+        rt.block_on(async move {
+            let tasks: Vec<_> = fleets
+                .into_iter()
+                .map(|f| tokio::spawn(f.run(shutdown.clone())))
+                .collect();
+            for t in tasks {
+                let _ = t.await;
+            }
+        });
+    });
+    (stop, background)
+}
+
+/// Pick + observe and decision (p50, p99) in µs of one lane.
+type Totals = (&'static str, (f64, f64), (f64, f64));
+
+/// Times every lane of every case on `bodies` (a case's lanes interleaved request by
+/// request, the order rotating), holding each tree at its cap (unless `--growing`),
+/// and prints each lane's percentiles. Each lane's totals, and per lane after a case's
+/// first the per-request difference against it.
+fn time_cases(
+    cases: &mut [Vec<Lane>],
+    bodies: &[Vec<u8>],
+    args: &Args,
+    max_prompt_bytes: usize,
+) -> (Vec<Totals>, Vec<String>) {
     // At the cap (the default): each tree is held near its size after the fill (see
     // `Upkeep`); `--growing` lets it grow.
-    let upkeep = Upkeep::new(nodes_target);
+    let upkeep = Upkeep::new(args.nodes_target);
     let evict = |lanes: &[Lane]| {
-        if growing {
+        if args.growing {
             return;
         }
         for lane in lanes {
@@ -391,7 +505,7 @@ fn main() {
     };
     println!(
         "\ntree upkeep: {}",
-        if growing {
+        if args.growing {
             "none, the trees grow (--growing)".to_string()
         } else {
             format!(
@@ -404,7 +518,7 @@ fn main() {
     );
     let mut totals = Vec::new();
     let mut paired = Vec::new();
-    for lanes in &mut cases {
+    for lanes in cases.iter_mut() {
         for (n, body) in bodies.iter().enumerate() {
             if n % Upkeep::EVERY == 0 {
                 evict(lanes);
@@ -414,55 +528,41 @@ fn main() {
                 lanes[(n + j) % k].decide(body, max_prompt_bytes);
             }
         }
-        // Same request, adjacent in time: the per-request difference against the first
-        // lane (sharing off) is robust where a lane's p50 is not (half the requests
-        // insert a new 30 KiB leaf and half do not, so the p50 sits between two modes).
-        for lane in &lanes[1..] {
-            let mut d: Vec<f64> = lane
-                .total_t
-                .iter()
-                .zip(&lanes[0].total_t)
-                .map(|(on, off)| (on.as_secs_f64() - off.as_secs_f64()) * 1e6)
-                .collect();
-            d.sort_by(f64::total_cmp);
-            let mean = |t: &[Duration]| {
-                t.iter().map(Duration::as_secs_f64).sum::<f64>() * 1e6 / t.len() as f64
-            };
-            paired.push(format!(
-                "{} vs off, per request: median difference {:+.1} µs; mean decision {:.1} vs \
-                 {:.1} µs ({:+.1} %)",
-                lane.name,
-                d[d.len() / 2],
-                mean(&lane.total_t),
-                mean(&lanes[0].total_t),
-                100.0 * (mean(&lane.total_t) / mean(&lanes[0].total_t) - 1.0),
-            ));
-        }
+        paired.extend(lanes[1..].iter().map(|lane| paired_line(lane, &lanes[0])));
         for lane in lanes.iter_mut() {
-            println!(
-                "\n{}: {} decisions on {} KiB chat bodies ({} cache hits, {:.2} minor page \
-                 faults per decision)",
-                lane.name,
-                decisions,
-                bodies[0].len() / 1024,
-                lane.hits,
-                lane.faults as f64 / decisions as f64,
-            );
-            if lane.name == "cache_aware" {
-                report("extract (JSON -> routing text)", &mut lane.extract_t);
-            }
-            let pick = report("pick + observe", &mut lane.pick_t);
-            let total = report("decision (extract + pick + observe)", &mut lane.total_t);
-            if lane.faults > 0 && !lane.clean_t.is_empty() {
-                report("  decisions that took no fault", &mut lane.clean_t);
-            }
-            if !lane.hit_t.is_empty() && !lane.miss_t.is_empty() {
-                report("  cache hits", &mut lane.hit_t);
-                report("  the others (a new leaf)", &mut lane.miss_t);
-            }
-            totals.push((lane.name, pick, total));
+            totals.push(lane.report(args.decisions, bodies[0].len()));
         }
     }
+    (totals, paired)
+}
+
+/// Same request, adjacent in time: the per-request difference against the first lane
+/// (sharing off) is robust where a lane's p50 is not (half the requests insert a new
+/// 30 KiB leaf and half do not, so the p50 sits between two modes).
+fn paired_line(lane: &Lane, off: &Lane) -> String {
+    let mut d: Vec<f64> = lane
+        .total_t
+        .iter()
+        .zip(&off.total_t)
+        .map(|(on, off)| (on.as_secs_f64() - off.as_secs_f64()) * 1e6)
+        .collect();
+    d.sort_by(f64::total_cmp);
+    let mean =
+        |t: &[Duration]| t.iter().map(Duration::as_secs_f64).sum::<f64>() * 1e6 / t.len() as f64;
+    format!(
+        "{} vs off, per request: median difference {:+.1} µs; mean decision {:.1} vs \
+         {:.1} µs ({:+.1} %)",
+        lane.name,
+        d[d.len() / 2],
+        mean(&lane.total_t),
+        mean(&off.total_t),
+        100.0 * (mean(&lane.total_t) / mean(&off.total_t) - 1.0),
+    )
+}
+
+/// cache_aware with sharing on against off: the paired lines, then each sharing lane's
+/// percentiles against off's and the records its publisher dropped.
+fn sharing_against_off(totals: &[Totals], paired: &[String], fleets: [&Sharing; 2]) {
     let find = |name: &str| totals.iter().find(|t| t.0 == name).copied();
     // "p50 ON vs OFF µs (+x %), p99 ON vs OFF µs (+y %)"
     let vs = |on: (f64, f64), off: (f64, f64)| {
@@ -477,37 +577,44 @@ fn main() {
             pct(off.1, on.1)
         )
     };
-    if let Some(off) = find("cache_aware") {
-        println!();
-        for line in &paired {
-            println!("{line}");
-        }
-        for s in [&every, &fill_only] {
-            let Some(on) = find(s.name) else { continue };
-            println!(
-                "{} vs off (same run, interleaved): pick + observe {}; decision {}; records \
-                 dropped (publisher queue full): {}",
-                s.name,
-                vs(on.1, off.1),
-                vs(on.2, off.2),
-                s.fleet
-                    .counts
-                    .dropped
-                    .load(std::sync::atomic::Ordering::Relaxed),
-            );
-        }
+    let Some(off) = find("cache_aware") else {
+        return;
+    };
+    println!();
+    for line in paired {
+        println!("{line}");
     }
+    for s in fleets {
+        let Some(on) = find(s.name) else { continue };
+        println!(
+            "{} vs off (same run, interleaved): pick + observe {}; decision {}; records \
+             dropped (publisher queue full): {}",
+            s.name,
+            vs(on.1, off.1),
+            vs(on.2, off.2),
+            s.fleet
+                .counts
+                .dropped
+                .load(std::sync::atomic::Ordering::Relaxed),
+        );
+    }
+}
 
-    stop.shutdown();
-    let _ = background.join();
-
-    // 4. The remote lookup alone, on the same bodies (a pass of its own).
-    let all: WorkerMask = every.pool.set().workers().iter().map(|w| w.id()).collect();
-    for s in [&every, &fill_only] {
-        let mut hash_t = Vec::with_capacity(decisions);
-        let mut walk_t = Vec::with_capacity(decisions);
+/// Times the remote lookup alone (`Fleet::longest_prefix`) on each fleet's index, and
+/// beside it the chunk hashes it walks (computed inside extract).
+fn remote_lookup(fleets: [&Sharing; 2], bodies: &[Vec<u8>], max_prompt_bytes: usize) {
+    let all: WorkerMask = fleets[0]
+        .pool
+        .set()
+        .workers()
+        .iter()
+        .map(|w| w.id())
+        .collect();
+    for s in fleets {
+        let mut hash_t = Vec::with_capacity(bodies.len());
+        let mut walk_t = Vec::with_capacity(bodies.len());
         let mut matched = 0usize;
-        for body in &bodies {
+        for body in bodies {
             let ctx = extract(Endpoint::ChatCompletions, body, max_prompt_bytes);
             // The hashes come with extraction (its digest pass); timed here alone.
             let memo = ChainMemo::from(ctx.chain.clone());
