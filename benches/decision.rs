@@ -42,8 +42,8 @@ use rand::{Rng, SeedableRng};
 mod common;
 #[path = "common/seam.rs"]
 mod seam;
-use common::{chat_body, words};
-use seam::{Upkeep, decide, history, report};
+use common::words;
+use seam::{Upkeep, decide, history, report, requests};
 
 /// One policy measured through the seam.
 struct Lane {
@@ -320,7 +320,7 @@ fn main() {
     );
 
     // 2. Requests: 32 KiB prompts; half repeat an earlier request (hits), half are new.
-    let bodies = requests(&systems, args.decisions, &mut rng);
+    let bodies = requests(&systems, args.decisions, 30 * 1024, &mut rng);
     // "every prompt": the other replica also served every distinct request (each on
     // some worker).
     let mut seen = std::collections::HashSet::new();
@@ -426,22 +426,6 @@ fn fill(
         i,
         (started.elapsed() - every.took - fill_only.took).as_secs_f64()
     );
-}
-
-/// `n` chat bodies of 32 KiB prompts; half repeat an earlier request (hits), half
-/// are new.
-fn requests(systems: &[String], n: usize, rng: &mut StdRng) -> Vec<Vec<u8>> {
-    let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(n);
-    for k in 0..n {
-        if k > 0 && rng.random_bool(0.5) {
-            let j = rng.random_range(0..k);
-            bodies.push(bodies[j].clone());
-        } else {
-            let sys = &systems[rng.random_range(0..systems.len())];
-            bodies.push(chat_body(sys, &words(rng, 30 * 1024)));
-        }
-    }
-    bodies
 }
 
 /// The fleets' publisher and subscriber as in the router, on a thread of their own

@@ -31,8 +31,8 @@ use rand::{Rng, SeedableRng};
 mod common;
 #[path = "common/seam.rs"]
 mod seam;
-use common::{chat_body, words};
-use seam::{Upkeep, decide, history, percentile, report};
+use common::words;
+use seam::{Upkeep, decide, history, percentile, report, requests};
 
 fn config(workers: usize, nodes: usize) -> Config {
     let yaml = format!(
@@ -104,17 +104,7 @@ fn fixture(workers: usize, nodes: usize, rng: &mut StdRng) -> Fixture {
 
 /// Chat bodies of `bytes` (about): half repeat an earlier one.
 fn bodies(f: &Fixture, n: usize, bytes: usize, rng: &mut StdRng) -> Vec<Vec<u8>> {
-    let mut out: Vec<Vec<u8>> = Vec::with_capacity(n);
-    for k in 0..n {
-        if k > 0 && rng.random_bool(0.5) {
-            let j = rng.random_range(0..k);
-            out.push(out[j].clone());
-        } else {
-            let sys = &f.systems[rng.random_range(0..f.systems.len())];
-            out.push(chat_body(sys, &words(rng, bytes.saturating_sub(2048))));
-        }
-    }
-    out
+    requests(&f.systems, n, bytes.saturating_sub(2048), rng)
 }
 
 fn decisions(f: &Fixture, upkeep: &Upkeep, bodies: &[Vec<u8>], label: &str) {

@@ -1,6 +1,6 @@
-//! A decision through the policy seam as the proxy makes it, trees held at their size
-//! between timed decisions, and percentile reports (the `decision` and `pool_scale`
-//! benches).
+//! A decision through the policy seam as the proxy makes it, the requests it decides
+//! on, trees held at their size between timed decisions, and percentile reports (the
+//! `decision` and `pool_scale` benches).
 
 use std::time::{Duration, Instant};
 
@@ -100,6 +100,22 @@ pub fn history(
         let ctx = extract(Endpoint::ChatCompletions, &body, max_prompt_bytes);
         tree.insert(&ctx.text, WorkerId(i as u32 % workers));
     }
+}
+
+/// `n` chat bodies over the `systems` prompts, each with about `user_bytes` of user
+/// text; past the first, half repeat an earlier body (hits), half are new.
+pub fn requests(systems: &[String], n: usize, user_bytes: usize, rng: &mut StdRng) -> Vec<Vec<u8>> {
+    let mut bodies: Vec<Vec<u8>> = Vec::with_capacity(n);
+    for k in 0..n {
+        if k > 0 && rng.random_bool(0.5) {
+            let j = rng.random_range(0..k);
+            bodies.push(bodies[j].clone());
+        } else {
+            let sys = &systems[rng.random_range(0..systems.len())];
+            bodies.push(chat_body(sys, &words(rng, user_bytes)));
+        }
+    }
+    bodies
 }
 
 /// What one decision took.
