@@ -1,0 +1,226 @@
+//! What a running router or engine says over HTTP: our router's routing decisions
+//! and fleet traffic, whether the fleet is connected, whether engines answer the
+//! render endpoint.
+
+use std::time::Duration;
+
+use bytes::Bytes;
+
+use crate::procs::ProcError;
+
+/// Our router's `routing_decisions_total` by reason and the bytes its tree aged out,
+/// from `GET /metrics` (`cache_hit 1200, hit_overloaded 40, miss 760, tree aged out
+/// 0.0 MB`), then its `GET /workers` prefix
+/// token summary when it has one (`available 9.1M, predicted 7.9M (0.87), delivered
+/// 5.2M (0.66)`); `None` if unreadable.
+pub async fn routing_decisions(router_url: &str) -> Option<String> {
+    let decisions = decision_counts(router_url).await?;
+    let Some(hits) = get_body(&format!("{router_url}/workers"))
+        .await
+        .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+        .and_then(|v| v.get("hits").cloned())
+    else {
+        return Some(decisions);
+    };
+    let n = |k: &str| hits[k].as_f64().unwrap_or(0.0);
+    let m = |x: f64| format!("{:.2}M", x / 1e6);
+    let share = |k: &str| hits[k].as_f64().map_or("-".into(), |x| format!("{x:.2}"));
+    Some(format!(
+        "{decisions}; prefix tokens available {}, predicted {} ({}), delivered {} ({})",
+        m(n("available_tokens")),
+        m(n("predicted_tokens")),
+        share("routed_share"),
+        m(n("delivered_tokens")),
+        share("delivered_share"),
+    ))
+}
+
+async fn decision_counts(router_url: &str) -> Option<String> {
+    let body = get_body(&format!("{router_url}/metrics")).await?;
+    let text = String::from_utf8_lossy(&body);
+    // What the tree's learning removed (`cache.learn_evictions`), beside the decisions.
+    let aged = text.lines().find_map(|l| {
+        l.strip_prefix("cache_aware_router_tree_aged_out_bytes_total ")
+            .and_then(|v| v.trim().parse::<f64>().ok())
+    });
+    let mut parts: Vec<String> = text
+        .lines()
+        .filter_map(|l| {
+            let rest = l.strip_prefix("cache_aware_router_routing_decisions_total{")?;
+            let (labels, value) = rest.split_once("} ")?;
+            let reason = labels
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("reason=\""))?
+                .trim_end_matches('"');
+            Some(format!("{reason} {}", value.trim()))
+        })
+        .collect();
+    if let (false, Some(bytes)) = (parts.is_empty(), aged) {
+        parts.push(format!("tree aged out {:.1} MB", bytes / 1e6));
+    }
+    (!parts.is_empty()).then(|| parts.join(", "))
+}
+
+/// The body of `GET url` when it answers 2xx within 5 s.
+async fn get_body(url: &str) -> Option<Bytes> {
+    use http_body_util::{BodyExt, Empty};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::TokioExecutor;
+    let uri: hyper::Uri = url.parse().ok()?;
+    let client: Client<HttpConnector, Empty<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let call = async {
+        let resp = client.get(uri).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        resp.into_body().collect().await.ok().map(|b| b.to_bytes())
+    };
+    tokio::time::timeout(Duration::from_secs(5), call)
+        .await
+        .ok()?
+}
+
+/// Whether the engine at `engine_url` answers vLLM's render endpoint
+/// (`POST /v1/chat/completions/render` with `token_ids`), which vllm-router's
+/// `cache_aware` policy calls on every worker for every request to get the token
+/// ids it matches on; without it vllm-router routes without a prefix match.
+/// A short phrase for reports.
+pub async fn render_status(engine_url: &str) -> String {
+    use http_body_util::{BodyExt, Full};
+    use hyper_util::client::legacy::Client;
+    use hyper_util::client::legacy::connect::HttpConnector;
+    use hyper_util::rt::TokioExecutor;
+    let Ok(uri) = format!("{engine_url}/v1/chat/completions/render").parse::<hyper::Uri>() else {
+        return "render endpoint: bad engine URL".into();
+    };
+    let client: Client<HttpConnector, Full<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let body =
+        Bytes::from_static(br#"{"model":"m","messages":[{"role":"user","content":"a b c"}]}"#);
+    let Ok(req) = hyper::Request::post(uri)
+        .header(hyper::header::CONTENT_TYPE, "application/json")
+        .body(Full::new(body))
+    else {
+        return "render endpoint: cannot build the request".into();
+    };
+    let call = async {
+        let resp = client.request(req).await.map_err(|e| e.to_string())?;
+        let status = resp.status();
+        let bytes = resp
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
+        Ok::<_, String>((status, bytes))
+    };
+    match tokio::time::timeout(Duration::from_secs(5), call).await {
+        Ok(Ok((status, bytes))) if status.is_success() => {
+            let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or_default();
+            if v["token_ids"].as_array().is_some_and(|a| !a.is_empty()) {
+                "engines answer POST /v1/chat/completions/render with token_ids".into()
+            } else {
+                "engines answer POST /v1/chat/completions/render WITHOUT token_ids: \
+                 vllm-router's cache_aware cannot match prefixes"
+                    .into()
+            }
+        }
+        Ok(Ok((status, _))) => format!(
+            "engines answer POST /v1/chat/completions/render with {status}: \
+             vllm-router's cache_aware cannot match prefixes"
+        ),
+        Ok(Err(e)) => format!("render probe failed: {e}"),
+        Err(_) => "render probe took over 5 s".into(),
+    }
+}
+
+/// The fleet counters of one replica (`GET /workers` → `fleet`), or their sum over
+/// replicas.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct FleetTraffic {
+    /// Redis `PUBLISH`es made.
+    pub messages_out: u64,
+    /// Bytes in them.
+    pub bytes_out: u64,
+    /// Messages received from the other replicas.
+    pub messages_in: u64,
+    /// Bytes in them.
+    pub bytes_in: u64,
+    /// Prefix records dropped because the publisher fell behind.
+    pub dropped: u64,
+    /// Chunk hashes held from the other replicas (at the end; summed over replicas).
+    pub remote_records: u64,
+}
+
+impl FleetTraffic {
+    /// Reads `GET /workers` of our router at `router_url`; `None` if it has no fleet
+    /// or does not answer.
+    pub async fn read(router_url: &str) -> Option<FleetTraffic> {
+        let body = get_body(&format!("{router_url}/workers")).await?;
+        let v: serde_json::Value = serde_json::from_slice(&body).ok()?;
+        let f = v.get("fleet")?;
+        let n = |k: &str| f[k].as_u64().unwrap_or(0);
+        Some(FleetTraffic {
+            messages_out: n("messages_out"),
+            bytes_out: n("bytes_out"),
+            messages_in: n("messages_in"),
+            bytes_in: n("bytes_in"),
+            dropped: n("dropped"),
+            remote_records: n("remote_records"),
+        })
+    }
+
+    /// The counters' growth from `before` to `self` (`remote_records` is `self`'s).
+    pub fn since(self, before: FleetTraffic) -> FleetTraffic {
+        FleetTraffic {
+            messages_out: self.messages_out.saturating_sub(before.messages_out),
+            bytes_out: self.bytes_out.saturating_sub(before.bytes_out),
+            messages_in: self.messages_in.saturating_sub(before.messages_in),
+            bytes_in: self.bytes_in.saturating_sub(before.bytes_in),
+            dropped: self.dropped.saturating_sub(before.dropped),
+            remote_records: self.remote_records,
+        }
+    }
+
+    /// Field by field sum.
+    pub fn plus(self, o: FleetTraffic) -> FleetTraffic {
+        FleetTraffic {
+            messages_out: self.messages_out + o.messages_out,
+            bytes_out: self.bytes_out + o.bytes_out,
+            messages_in: self.messages_in + o.messages_in,
+            bytes_in: self.bytes_in + o.bytes_in,
+            dropped: self.dropped + o.dropped,
+            remote_records: self.remote_records + o.remote_records,
+        }
+    }
+}
+
+/// Waits until every router in `urls` says in `GET /workers` that it is subscribed to
+/// the fleet channel (a message published before a replica subscribes never reaches it).
+pub(super) async fn wait_fleet_connected(
+    urls: &[String],
+    timeout: Duration,
+) -> Result<(), ProcError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    for url in urls {
+        loop {
+            let body = get_body(&format!("{url}/workers")).await;
+            let connected = body
+                .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+                .and_then(|v| v["fleet"]["connected"].as_bool())
+                .unwrap_or(false);
+            if connected {
+                break;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(ProcError::NotReady(format!(
+                    "{url} not subscribed to the fleet channel within {timeout:?}"
+                )));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    Ok(())
+}
