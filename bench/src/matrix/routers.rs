@@ -300,49 +300,7 @@ pub async fn start_any_router(
 ) -> Result<StartedRouter, ProcError> {
     let dir = ScratchDir::new("router", &format!("{}-{policy}-{port}", kind.name()))?;
     let (spec, how) = match kind {
-        RouterKind::Ours => {
-            procs::require_binary(
-                router_bin,
-                "cache-aware-router",
-                "build it with `cargo build --release --workspace` or pass --router-bin",
-            )?;
-            let (policy, variant) = policy_variant(policy).map_err(ProcError::NotReady)?;
-            let mut yaml = router_config(policy, port, workers);
-            // A `log:` entry of `extra_yaml` replaces the default one.
-            if extra_yaml.lines().any(|l| l.starts_with("log:")) {
-                yaml = yaml.replace(DEFAULT_LOG_YAML, "");
-            }
-            yaml.push_str(extra_yaml);
-            let config_path = dir.path().join("config.yaml");
-            std::fs::write(&config_path, &yaml)
-                .map_err(io_err(format!("write {}", config_path.display())))?;
-            let mut args = vec!["-c".into(), config_path.display().to_string()];
-            // The variant's keys as a second, layered config file (merged key by key).
-            if !variant.is_empty() {
-                let path = dir.path().join("variant.yaml");
-                std::fs::write(&path, &variant)
-                    .map_err(io_err(format!("write {}", path.display())))?;
-                args.extend(["-c".into(), path.display().to_string()]);
-                yaml.push_str("--- layered on it ---\n");
-                yaml.push_str(&variant);
-            }
-            let spec = RouterCommand {
-                name: kind.name().into(),
-                program: router_bin.to_path_buf(),
-                args,
-                env: Vec::new(),
-                context: format!("--- its config ---\n{yaml}"),
-                term_tree: false,
-            };
-            let how = format!(
-                "`{} -c config.yaml` with config `{}`",
-                router_bin.display(),
-                yaml.trim_end()
-                    .replace("\n  - url: ", " ")
-                    .replace('\n', "; ")
-            );
-            (spec, how)
-        }
+        RouterKind::Ours => ours_command(policy, router_bin, workers, port, extra_yaml, &dir)?,
         RouterKind::Peer(peer) => {
             let bin = peers.bin(peer);
             procs::require_binary(
@@ -354,46 +312,7 @@ pub async fn start_any_router(
             let how = format!("`{}`", spec.display_line());
             (spec, how)
         }
-        RouterKind::Nginx => {
-            procs::require_binary(
-                &peers.nginx_bin,
-                "nginx",
-                "install the Debian package (`apt-get install nginx`) or pass --nginx-bin",
-            )?;
-            let conf = nginx_config(port, workers, dir.path(), peers.nginx_access_log);
-            let conf_path = dir.path().join("nginx.conf");
-            std::fs::write(&conf_path, &conf)
-                .map_err(io_err(format!("write {}", conf_path.display())))?;
-            let spec = RouterCommand {
-                name: kind.name().into(),
-                program: peers.nginx_bin.clone(),
-                // `-e stderr`: the error log from the start, before the config is
-                // read (else the compiled-in /var/log/nginx/error.log).
-                args: vec![
-                    "-p".into(),
-                    dir.path().display().to_string(),
-                    "-e".into(),
-                    "stderr".into(),
-                    "-c".into(),
-                    conf_path.display().to_string(),
-                ],
-                env: Vec::new(),
-                context: format!("--- its config ---\n{conf}"),
-                term_tree: true,
-            };
-            let how = format!(
-                "`{} -p DIR -e stderr -c DIR/nginx.conf` (master + workers), \
-                 nginx.conf: `{}`",
-                peers.nginx_bin.display(),
-                conf.lines()
-                    .map(str::trim)
-                    .filter(|l| !l.is_empty() && !l.contains("_temp_path"))
-                    .collect::<Vec<_>>()
-                    .join(" ")
-                    .replace(&dir.path().display().to_string(), "DIR")
-            );
-            (spec, how)
-        }
+        RouterKind::Nginx => nginx_command(peers, workers, port, &dir)?,
     };
     let url = start_router_command(
         &spec,
@@ -408,6 +327,106 @@ pub async fn start_any_router(
         ProcError::NotReady(format!("{} exited right after starting", kind.name()))
     })?;
     Ok(StartedRouter { url, pid, how, dir })
+}
+
+/// Ours: [`router_config`] plus `extra_yaml` (a `log:` line there replaces the default
+/// one) in `dir`, and a policy's variant keys as a second, layered config file; the
+/// command and how it was run.
+fn ours_command(
+    policy: &str,
+    router_bin: &Path,
+    workers: &[String],
+    port: u16,
+    extra_yaml: &str,
+    dir: &ScratchDir,
+) -> Result<(RouterCommand, String), ProcError> {
+    procs::require_binary(
+        router_bin,
+        "cache-aware-router",
+        "build it with `cargo build --release --workspace` or pass --router-bin",
+    )?;
+    let (policy, variant) = policy_variant(policy).map_err(ProcError::NotReady)?;
+    let mut yaml = router_config(policy, port, workers);
+    // A `log:` entry of `extra_yaml` replaces the default one.
+    if extra_yaml.lines().any(|l| l.starts_with("log:")) {
+        yaml = yaml.replace(DEFAULT_LOG_YAML, "");
+    }
+    yaml.push_str(extra_yaml);
+    let config_path = dir.path().join("config.yaml");
+    std::fs::write(&config_path, &yaml)
+        .map_err(io_err(format!("write {}", config_path.display())))?;
+    let mut args = vec!["-c".into(), config_path.display().to_string()];
+    // The variant's keys as a second, layered config file (merged key by key).
+    if !variant.is_empty() {
+        let path = dir.path().join("variant.yaml");
+        std::fs::write(&path, &variant).map_err(io_err(format!("write {}", path.display())))?;
+        args.extend(["-c".into(), path.display().to_string()]);
+        yaml.push_str("--- layered on it ---\n");
+        yaml.push_str(&variant);
+    }
+    let spec = RouterCommand {
+        name: RouterKind::Ours.name().into(),
+        program: router_bin.to_path_buf(),
+        args,
+        env: Vec::new(),
+        context: format!("--- its config ---\n{yaml}"),
+        term_tree: false,
+    };
+    let how = format!(
+        "`{} -c config.yaml` with config `{}`",
+        router_bin.display(),
+        yaml.trim_end()
+            .replace("\n  - url: ", " ")
+            .replace('\n', "; ")
+    );
+    Ok((spec, how))
+}
+
+/// nginx: [`nginx_config`] in `dir`, stopped with SIGTERM to its master and workers;
+/// the command and how it was run.
+fn nginx_command(
+    peers: &PeerSetup,
+    workers: &[String],
+    port: u16,
+    dir: &ScratchDir,
+) -> Result<(RouterCommand, String), ProcError> {
+    procs::require_binary(
+        &peers.nginx_bin,
+        "nginx",
+        "install the Debian package (`apt-get install nginx`) or pass --nginx-bin",
+    )?;
+    let conf = nginx_config(port, workers, dir.path(), peers.nginx_access_log);
+    let conf_path = dir.path().join("nginx.conf");
+    std::fs::write(&conf_path, &conf).map_err(io_err(format!("write {}", conf_path.display())))?;
+    let spec = RouterCommand {
+        name: RouterKind::Nginx.name().into(),
+        program: peers.nginx_bin.clone(),
+        // `-e stderr`: the error log from the start, before the config is
+        // read (else the compiled-in /var/log/nginx/error.log).
+        args: vec![
+            "-p".into(),
+            dir.path().display().to_string(),
+            "-e".into(),
+            "stderr".into(),
+            "-c".into(),
+            conf_path.display().to_string(),
+        ],
+        env: Vec::new(),
+        context: format!("--- its config ---\n{conf}"),
+        term_tree: true,
+    };
+    let how = format!(
+        "`{} -p DIR -e stderr -c DIR/nginx.conf` (master + workers), \
+         nginx.conf: `{}`",
+        peers.nginx_bin.display(),
+        conf.lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty() && !l.contains("_temp_path"))
+            .collect::<Vec<_>>()
+            .join(" ")
+            .replace(&dir.path().display().to_string(), "DIR")
+    );
+    Ok((spec, how))
 }
 
 /// Splits one of our contenders' policy value, `POLICY[+SECTION.KEY=VALUE]...`

@@ -149,145 +149,24 @@ async fn run_contender_inner(
         "build it with `cargo build --release -p bench` or pass --engine-bin",
     )?;
     let label = contender.label();
-    let (names, engine) = if *contender == Contender::Ideal {
-        let engine = EngineParams {
-            kv_blocks: cfg.ideal_kv_blocks,
-            time_factor: cfg.ideal_time_factor,
-            ..cfg.engine.clone()
-        };
-        (vec!["ideal".to_string()], engine)
-    } else {
-        (engine_names(cfg.engines), cfg.engine.clone())
-    };
-    let mut urls = Vec::with_capacity(names.len());
-    for (i, name) in names.iter().enumerate() {
-        let port = cfg.base_port.map_or(0, |b| b.saturating_add(1 + i as u16));
-        urls.push(
-            start_engine(
-                &cfg.engine_bin,
-                &engine,
-                name,
-                port,
-                cfg.startup_timeout,
-                procs,
-            )
-            .await?,
-        );
-    }
-    let engines_how = format!(
-        "{} engine{} × {} KV blocks, time factor {}",
-        names.len(),
-        if names.len() == 1 { "" } else { "s" },
-        engine.kv_blocks,
-        engine.time_factor
-    );
+    let engines = start_engines(cfg, contender, procs).await?;
     let replicas = match contender {
         Contender::Replicas(r) => Some(r),
         _ => None,
     };
-    let mut routers: Vec<StartedRouter> = Vec::new();
-    let mut redis = None;
-    // Lives as long as the row's redis-server (its working directory and log).
-    let mut _redis_dir = None;
-    if let Some((kind, policy)) = contender.router() {
-        let mut extra = cfg.router_extra_yaml.clone();
-        if replicas.is_some_and(|r| r.shared) {
-            let dir = ScratchDir::new("redis", "trace-matrix")?;
-            let port = procs::start_redis(&cfg.redis_bin, &dir, cfg.startup_timeout, procs).await?;
-            let url = format!("redis://127.0.0.1:{port}/");
-            _redis_dir = Some(dir);
-            let _ = writeln!(
-                extra,
-                "state: {{ redis_url: \"{url}\", namespace: trace-matrix }}"
-            );
-            redis = Some(url);
-        }
-        for k in 0..contender.routers() {
-            let port = match cfg.base_port {
-                Some(p) if k == 0 => p,
-                _ => free_port()?,
-            };
-            let r = start_any_router(
-                kind,
-                policy,
-                &cfg.router_bin,
-                &cfg.peers,
-                &urls,
-                port,
-                &extra,
-                &cfg.engine.model,
-                cfg.startup_timeout,
-                procs,
-            )
-            .await?;
-            routers.push(r);
-        }
-    }
-    let router_urls: Vec<String> = routers.iter().map(|r| r.url.clone()).collect();
-    if redis.is_some() {
-        wait_fleet_connected(&router_urls, cfg.startup_timeout).await?;
-    }
-    let targets = if routers.is_empty() {
-        urls.clone()
+    let routers = start_routers(cfg, contender, &engines.urls, procs).await?;
+    let targets = if routers.started.is_empty() {
+        engines.urls.clone()
     } else {
-        router_urls.clone()
+        routers.urls.clone()
     };
-    let router = routers.first();
+    let router = routers.started.first();
     // With `kill`: the last replica (the last child started) goes when the middle
     // request is due.
-    let first_ts = requests.iter().map(|r| r.timestamp_ms).min().unwrap_or(0);
-    let kill_at = replicas.filter(|r| r.kill_one).map(|_| {
-        let mid = &requests[requests.len() / 2];
-        let offset_s = mid.timestamp_ms.saturating_sub(first_ts) as f64 / 1000.0 * cfg.time_scale;
-        (
-            mid.index,
-            Duration::try_from_secs_f64(offset_s).unwrap_or(Duration::ZERO),
-        )
-    });
-    let mut how = match router {
-        Some(r) if matches!(contender, Contender::Peer(Peer::Vllm, _)) => {
-            format!(
-                "{}; {engines_how}; {}",
-                r.how,
-                render_status(&urls[0]).await
-            )
-        }
-        Some(r) => format!("{}; {engines_how}", r.how),
-        None if *contender == Contender::Ideal => {
-            format!("no router, every request to the one engine; {engines_how}")
-        }
-        None => format!("no router, client round robin; {engines_how}"),
-    };
-    if let Some(r) = replicas {
-        how = format!(
-            "{} replicas of our router on ports {}, request i sent to replica i mod {}{}{}; \
-             each {how}; router CPU and RSS are replica 1's",
-            r.n,
-            router_urls
-                .iter()
-                .map(|u| u.rsplit(':').next().unwrap_or(""))
-                .collect::<Vec<_>>()
-                .join(", "),
-            r.n,
-            match &redis {
-                Some(u) => format!(
-                    ", sharing state through `redis-server --save \"\" --appendonly no` at {u}"
-                ),
-                None => ", each with its own state".into(),
-            },
-            match kill_at {
-                Some((i, at)) => format!(
-                    "; replica {} killed (SIGKILL) when request {i} of {} was due ({:.1} s in), \
-                     and the client sends a request that finds it gone, or whose stream it cuts, \
-                     once more to the next replica",
-                    r.n,
-                    requests.len(),
-                    at.as_secs_f64()
-                ),
-                None => String::new(),
-            }
-        );
-    }
+    let kill_at = replicas
+        .filter(|r| r.kill_one)
+        .map(|_| kill_time(requests, cfg.time_scale));
+    let how = describe(contender, &engines, &routers, kill_at, requests.len()).await;
     let replay_cfg = ReplayConfig {
         urls: targets,
         time_scale: cfg.time_scale,
@@ -297,14 +176,14 @@ async fn run_contender_inner(
         failover: kill_at.is_some(),
     };
     let mut fleet_before = Vec::new();
-    if redis.is_some() {
-        for u in &router_urls {
+    if routers.redis.is_some() {
+        for u in &routers.urls {
             fleet_before.push(FleetTraffic::read(u).await.unwrap_or_default());
         }
     }
     let before = router.map(|r| procs::tree_usage(r.pid).unwrap_or_default());
     let watch = procs::Disturbance::start(procs.iter().filter_map(ChildProc::pid).collect());
-    let victim = match (kill_at, router_urls.last()) {
+    let victim = match (kill_at, routers.urls.last()) {
         (Some((_, at)), Some(url)) => procs.pop().map(|p| (p, at, url.clone())),
         _ => None,
     };
@@ -319,33 +198,12 @@ async fn run_contender_inner(
         p.stop().await;
         Some(last)
     };
-    let sampler = QueueSampler::start(&names, &urls, QUEUE_SAMPLE_EVERY);
+    let sampler = QueueSampler::start(&engines.names, &engines.urls, QUEUE_SAMPLE_EVERY);
     let (results, killed) = tokio::join!(replay::run(requests, &replay_cfg), kill);
     let results = results?;
     let queue = sampler.finish().await;
     let other_cpu = watch.finish();
-    let ours = matches!(contender.router(), Some((RouterKind::Ours, _)));
-    let mut decisions = Vec::new();
-    let mut fleet = (!fleet_before.is_empty()).then(FleetTraffic::default);
-    for (k, r) in routers.iter().enumerate() {
-        let gone = killed.as_ref().filter(|_| k + 1 == routers.len());
-        if ours {
-            let d = match gone {
-                Some((_, d)) => d
-                    .clone()
-                    .map(|d| format!("{d} (read before it was killed)")),
-                None => routing_decisions(&r.url).await,
-            };
-            decisions.push(d.unwrap_or_else(|| "unreadable".into()));
-        }
-        if let (Some(total), Some(b)) = (fleet.as_mut(), fleet_before.get(k)) {
-            let after = match gone {
-                Some((f, _)) => *f,
-                None => FleetTraffic::read(&r.url).await,
-            };
-            *total = total.plus(after.unwrap_or_default().since(*b));
-        }
-    }
+    let (decisions, fleet) = read_routers(contender, &routers.started, killed, &fleet_before).await;
     let usage = match (router, before) {
         (Some(r), Some(b)) => {
             let a = procs::tree_usage(r.pid).unwrap_or_default();
@@ -374,7 +232,7 @@ async fn run_contender_inner(
     if let Some(out) = &cfg.out_dir {
         write_results(out, &label, &results)?;
     }
-    let mut summary = summarize(&results, &names);
+    let mut summary = summarize(&results, &engines.names);
     summary.queue = Some(queue);
     if summary.errors > 0
         && let Some(r) = router
@@ -394,6 +252,228 @@ async fn run_contender_inner(
             .filter_map(|r| r.ttft_ms)
             .collect(),
     })
+}
+
+/// A contender's engines, started.
+struct Engines {
+    /// Their names (`e0`, `e1`, ... or `ideal`) and base URLs, in order.
+    names: Vec<String>,
+    urls: Vec<String>,
+    /// How many, with what cache and time factor, for the report.
+    how: String,
+}
+
+/// Starts the engines of `contender`: `cfg.engines` of them, or for `ideal` one whose
+/// cache holds the whole slice.
+async fn start_engines(
+    cfg: &MatrixConfig,
+    contender: &Contender,
+    procs: &mut Vec<ChildProc>,
+) -> Result<Engines, MatrixError> {
+    let (names, engine) = if *contender == Contender::Ideal {
+        let engine = EngineParams {
+            kv_blocks: cfg.ideal_kv_blocks,
+            time_factor: cfg.ideal_time_factor,
+            ..cfg.engine.clone()
+        };
+        (vec!["ideal".to_string()], engine)
+    } else {
+        (engine_names(cfg.engines), cfg.engine.clone())
+    };
+    let mut urls = Vec::with_capacity(names.len());
+    for (i, name) in names.iter().enumerate() {
+        let port = cfg.base_port.map_or(0, |b| b.saturating_add(1 + i as u16));
+        urls.push(
+            start_engine(
+                &cfg.engine_bin,
+                &engine,
+                name,
+                port,
+                cfg.startup_timeout,
+                procs,
+            )
+            .await?,
+        );
+    }
+    let how = format!(
+        "{} engine{} × {} KV blocks, time factor {}",
+        names.len(),
+        if names.len() == 1 { "" } else { "s" },
+        engine.kv_blocks,
+        engine.time_factor
+    );
+    Ok(Engines { names, urls, how })
+}
+
+/// A contender's routers, started (none for `direct` and `ideal`).
+struct Routers {
+    started: Vec<StartedRouter>,
+    /// Their base URLs, in order.
+    urls: Vec<String>,
+    /// The Redis the replicas share (`None`: they share nothing).
+    redis: Option<String>,
+    /// Lives as long as the row's redis-server (its working directory and log).
+    _redis_dir: Option<ScratchDir>,
+}
+
+/// Starts the router(s) of `contender` in front of `workers` (and, for replicas that
+/// share state, a Redis first), and waits until sharing replicas are subscribed.
+async fn start_routers(
+    cfg: &MatrixConfig,
+    contender: &Contender,
+    workers: &[String],
+    procs: &mut Vec<ChildProc>,
+) -> Result<Routers, MatrixError> {
+    let mut routers: Vec<StartedRouter> = Vec::new();
+    let mut redis = None;
+    let mut _redis_dir = None;
+    if let Some((kind, policy)) = contender.router() {
+        let mut extra = cfg.router_extra_yaml.clone();
+        if matches!(contender, Contender::Replicas(r) if r.shared) {
+            let dir = ScratchDir::new("redis", "trace-matrix")?;
+            let port = procs::start_redis(&cfg.redis_bin, &dir, cfg.startup_timeout, procs).await?;
+            let url = format!("redis://127.0.0.1:{port}/");
+            _redis_dir = Some(dir);
+            let _ = writeln!(
+                extra,
+                "state: {{ redis_url: \"{url}\", namespace: trace-matrix }}"
+            );
+            redis = Some(url);
+        }
+        for k in 0..contender.routers() {
+            let port = match cfg.base_port {
+                Some(p) if k == 0 => p,
+                _ => free_port()?,
+            };
+            let r = start_any_router(
+                kind,
+                policy,
+                &cfg.router_bin,
+                &cfg.peers,
+                workers,
+                port,
+                &extra,
+                &cfg.engine.model,
+                cfg.startup_timeout,
+                procs,
+            )
+            .await?;
+            routers.push(r);
+        }
+    }
+    let urls: Vec<String> = routers.iter().map(|r| r.url.clone()).collect();
+    if redis.is_some() {
+        wait_fleet_connected(&urls, cfg.startup_timeout).await?;
+    }
+    Ok(Routers {
+        started: routers,
+        urls,
+        redis,
+        _redis_dir,
+    })
+}
+
+/// The middle request of the replay: its index and when it is due from the start.
+fn kill_time(requests: &[PreparedRequest], time_scale: f64) -> (usize, Duration) {
+    let first_ts = requests.iter().map(|r| r.timestamp_ms).min().unwrap_or(0);
+    let mid = &requests[requests.len() / 2];
+    let offset_s = mid.timestamp_ms.saturating_sub(first_ts) as f64 / 1000.0 * time_scale;
+    (
+        mid.index,
+        Duration::try_from_secs_f64(offset_s).unwrap_or(Duration::ZERO),
+    )
+}
+
+/// How the contender runs, for the report: its router's command (and for vllm-router
+/// whether the engines answer the render endpoint), the engines, and for replicas
+/// their ports, what they share and which one is killed when (`kill_at`).
+async fn describe(
+    contender: &Contender,
+    engines: &Engines,
+    routers: &Routers,
+    kill_at: Option<(usize, Duration)>,
+    requests: usize,
+) -> String {
+    let engines_how = &engines.how;
+    let mut how = match routers.started.first() {
+        Some(r) if matches!(contender, Contender::Peer(Peer::Vllm, _)) => {
+            format!(
+                "{}; {engines_how}; {}",
+                r.how,
+                render_status(&engines.urls[0]).await
+            )
+        }
+        Some(r) => format!("{}; {engines_how}", r.how),
+        None if *contender == Contender::Ideal => {
+            format!("no router, every request to the one engine; {engines_how}")
+        }
+        None => format!("no router, client round robin; {engines_how}"),
+    };
+    if let Contender::Replicas(r) = contender {
+        how = format!(
+            "{} replicas of our router on ports {}, request i sent to replica i mod {}{}{}; \
+             each {how}; router CPU and RSS are replica 1's",
+            r.n,
+            routers
+                .urls
+                .iter()
+                .map(|u| u.rsplit(':').next().unwrap_or(""))
+                .collect::<Vec<_>>()
+                .join(", "),
+            r.n,
+            match &routers.redis {
+                Some(u) => format!(
+                    ", sharing state through `redis-server --save \"\" --appendonly no` at {u}"
+                ),
+                None => ", each with its own state".into(),
+            },
+            match kill_at {
+                Some((i, at)) => format!(
+                    "; replica {} killed (SIGKILL) when request {i} of {requests} was due \
+                     ({:.1} s in), and the client sends a request that finds it gone, or whose \
+                     stream it cuts, once more to the next replica",
+                    r.n,
+                    at.as_secs_f64()
+                ),
+                None => String::new(),
+            }
+        );
+    }
+    how
+}
+
+/// After the replay: our routers' routing decisions, and the fleet traffic summed over
+/// the replicas since `fleet_before` (`None` when they share nothing). What the killed
+/// replica (the last) said just before it went is in `killed`.
+async fn read_routers(
+    contender: &Contender,
+    routers: &[StartedRouter],
+    killed: Option<(Option<FleetTraffic>, Option<String>)>,
+    fleet_before: &[FleetTraffic],
+) -> (Vec<String>, Option<FleetTraffic>) {
+    let ours = matches!(contender.router(), Some((RouterKind::Ours, _)));
+    let mut decisions = Vec::new();
+    let mut fleet = (!fleet_before.is_empty()).then(FleetTraffic::default);
+    for (k, r) in routers.iter().enumerate() {
+        let gone = killed.as_ref().filter(|_| k + 1 == routers.len());
+        if ours {
+            let d = match gone {
+                Some((_, d)) => d
+                    .clone()
+                    .map(|d| format!("{d} (read before it was killed)")),
+                None => routing_decisions(&r.url).await,
+            };
+            decisions.push(d.unwrap_or_else(|| "unreadable".into()));
+        }
+        if let (Some(total), Some(b)) = (fleet.as_mut(), fleet_before.get(k)) {
+            let after = match gone {
+                Some((f, _)) => *f,
+                None => FleetTraffic::read(&r.url).await,
+            };
+            *total = total.plus(after.unwrap_or_default().since(*b));
+        }
+    }
+    (decisions, fleet)
 }
 
 /// Writes one JSON line per request to `dir/<label>.jsonl`.
