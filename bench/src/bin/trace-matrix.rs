@@ -12,13 +12,13 @@
 //! the comparison against them.
 
 use bench::procs::secs;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use bench::engine::{MetricsFlavor, Physics};
 use bench::matrix::{self, Contender, EngineParams, MatrixConfig, MatrixError, PeerSetup};
-use bench::prompts::read_trace;
+use bench::prompts::{TraceRecord, read_trace};
 use bench::replay;
 use clap::Parser;
 use tokio::sync::watch;
@@ -222,6 +222,51 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     if records.is_empty() {
         return Err(format!("{} holds no requests", trace.display()));
     }
+    let contenders = contenders(&cli)?;
+    if cli.engines == 0 {
+        return Err("--engines must be at least 1".into());
+    }
+    if !cli.load.is_finite() || cli.load <= 0.0 {
+        return Err(format!(
+            "--load must be a finite number > 0, got {}",
+            cli.load
+        ));
+    }
+    // The engines run at the base speed; only arrivals speed up with --load.
+    let time_factor = cli.time_factor.unwrap_or(cli.time_scale);
+    let time_scale = cli.time_scale / cli.load;
+    let prompt_tokens: u64 = records.iter().map(|r| r.input_tokens()).sum();
+    let cfg = matrix_config(&cli, &records, prompt_tokens, time_factor, time_scale)?;
+    let requests = replay::prepare(&records, &cli.model, cli.max_output_tokens, 0);
+    let params = params_line(
+        &cli,
+        &trace,
+        &records,
+        prompt_tokens,
+        time_factor,
+        time_scale,
+    );
+    eprintln!("{params}");
+    let Some((rows, mut failed)) = run_all(&cfg, &contenders, &requests, &interrupted).await else {
+        return Ok(ExitCode::from(130));
+    };
+    failed |= report(
+        &cli,
+        &cfg,
+        &contenders,
+        &rows,
+        (&params, &trace, records.len(), time_factor),
+    );
+    Ok(if failed {
+        ExitCode::FAILURE
+    } else {
+        ExitCode::SUCCESS
+    })
+}
+
+/// The contenders of `--policies` (each once, in order), then `direct` with
+/// `--direct`.
+fn contenders(cli: &Cli) -> Result<Vec<Contender>, String> {
     let mut contenders: Vec<Contender> = Vec::new();
     for p in cli
         .policies
@@ -240,18 +285,20 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     if contenders.is_empty() {
         return Err("no contender: give --policies and/or --direct".into());
     }
-    if cli.engines == 0 {
-        return Err("--engines must be at least 1".into());
-    }
-    if !cli.load.is_finite() || cli.load <= 0.0 {
-        return Err(format!(
-            "--load must be a finite number > 0, got {}",
-            cli.load
-        ));
-    }
-    // The engines run at the base speed; only arrivals speed up with --load.
-    let time_factor = cli.time_factor.unwrap_or(cli.time_scale);
-    let time_scale = cli.time_scale / cli.load;
+    Ok(contenders)
+}
+
+/// What every contender runs with: the binaries, the engines' settings (at
+/// `time_factor`), the replay's (at `time_scale`), the peers, the `ideal` engine (its
+/// cache sized from `prompt_tokens` unless `--ideal-kv-blocks`), our router's extra
+/// YAML.
+fn matrix_config(
+    cli: &Cli,
+    records: &[TraceRecord],
+    prompt_tokens: u64,
+    time_factor: f64,
+    time_scale: f64,
+) -> Result<MatrixConfig, String> {
     let mut peers = PeerSetup::from_venv(
         &cli.peer_venv,
         (cli.peer_log_level != "default").then(|| cli.peer_log_level.clone()),
@@ -262,7 +309,6 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     if let Some(b) = &cli.vllm_bin {
         peers.vllm_bin = b.clone();
     }
-    let prompt_tokens: u64 = records.iter().map(|r| r.input_tokens()).sum();
     // Every full block of every prompt, plus the chat template's few tokens per
     // request: the ideal engine never evicts.
     let ideal_kv_blocks = if cli.ideal_kv_blocks > 0 {
@@ -270,7 +316,7 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     } else {
         (prompt_tokens as usize + 64 * records.len()) / cli.block_size.max(1) + 1024
     };
-    let cfg = MatrixConfig {
+    Ok(MatrixConfig {
         engine_bin: cli
             .engine_bin
             .clone()
@@ -322,14 +368,24 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
             }
             y
         },
-    };
-    let requests = replay::prepare(&records, &cli.model, cli.max_output_tokens, 0);
+    })
+}
+
+/// The run's parameters in two lines (printed before the runs and above the table).
+fn params_line(
+    cli: &Cli,
+    trace: &Path,
+    records: &[TraceRecord],
+    prompt_tokens: u64,
+    time_factor: f64,
+    time_scale: f64,
+) -> String {
     let span_s = records
         .last()
         .map_or(0, |r| r.timestamp)
         .saturating_sub(records[0].timestamp) as f64
         / 1000.0;
-    let params = format!(
+    format!(
         "trace {} (first {} lines, {} prompt tokens, span {:.0} s) × time scale {} (load {}) = {:.0} s per contender\n\
          {} engines × {} KV blocks of {} tokens ({:.2} M tokens each); prefill {} ms + {} µs/token ({}), \
          ITL {} ms, all × time factor {}; output tokens min(trace, {}); concurrency cap {}{}",
@@ -369,11 +425,20 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         } else {
             String::new()
         },
-    );
-    eprintln!("{params}");
+    )
+}
+
+/// Runs every contender in turn: its row, and whether any failed or saw errors;
+/// `None` when interrupted.
+async fn run_all(
+    cfg: &MatrixConfig,
+    contenders: &[Contender],
+    requests: &[replay::PreparedRequest],
+    interrupted: &watch::Receiver<bool>,
+) -> Option<(Vec<Row>, bool)> {
     let mut rows = Vec::new();
     let mut failed = false;
-    for c in &contenders {
+    for c in contenders {
         let label = c.label();
         eprintln!(
             "== {label}: starting {}{}",
@@ -395,9 +460,9 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
                 std::future::pending::<()>().await;
             }
         };
-        let row = matrix::run_contender_measured(&cfg, c, &requests, interrupt).await;
+        let row = matrix::run_contender_measured(cfg, c, requests, interrupt).await;
         if matches!(row, Err(MatrixError::Interrupted)) {
-            return Ok(ExitCode::from(130));
+            return None;
         }
         let row = row.map_err(|e| e.to_string());
         match &row {
@@ -416,15 +481,28 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         }
         rows.push((label, row));
     }
+    Some((rows, failed))
+}
+
+/// Prints the table, the picture's path, the notes under it, the replicas' table and
+/// how each contender ran; true when the picture could not be written.
+fn report(
+    cli: &Cli,
+    cfg: &MatrixConfig,
+    contenders: &[Contender],
+    rows: &[Row],
+    (params, trace, requests, time_factor): (&str, &Path, usize, f64),
+) -> bool {
     println!("{params}\n");
-    println!("{}", matrix::render_table(&rows));
+    let mut failed = false;
+    println!("{}", matrix::render_table(rows));
     let svg_path = cli.svg.clone().unwrap_or_else(|| {
         cli.out_dir
             .clone()
             .unwrap_or_default()
             .join("trace-matrix.svg")
     });
-    match write_picture(&svg_path, &rows, &trace, records.len(), &cli, time_factor) {
+    match write_picture(&svg_path, rows, trace, requests, cli, time_factor) {
         Ok(()) => println!(
             "picture (TTFT distribution and hit rate): {}\n",
             svg_path.display()
@@ -450,10 +528,7 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         .iter()
         .any(|c| matches!(c, Contender::Replicas(_)))
     {
-        println!(
-            "\nRouter replicas:\n\n{}",
-            matrix::render_fleet_table(&rows)
-        );
+        println!("\nRouter replicas:\n\n{}", matrix::render_fleet_table(rows));
         println!(
             "failed = requests that got no complete answer, after the client's one retry; \
              retried = requests whose first attempt found the replica gone (connection \
@@ -465,7 +540,7 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
              requests replayed. They include the in-flight shares every replica publishes \
              each 100 ms whether or not it routes."
         );
-        let checks = matrix::check_fleet(&rows, &contenders);
+        let checks = matrix::check_fleet(rows, contenders);
         if !checks.is_empty() {
             println!("\nTargets (shared state):\n\n{checks}");
         }
@@ -479,7 +554,7 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         );
     }
     println!("\nHow each contender ran:\n");
-    for (c, (label, row)) in contenders.iter().zip(&rows) {
+    for (c, (label, row)) in contenders.iter().zip(rows) {
         match row {
             Ok(run) => {
                 println!("- {label}: {}", run.how);
@@ -499,17 +574,16 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         }
     }
     if contenders.iter().any(|c| matches!(c, Contender::Peer(..))) {
-        let targets = matrix::check_targets(&rows, "cache_aware");
+        let targets = matrix::check_targets(rows, "cache_aware");
         if !targets.is_empty() {
             println!("\nTargets (our cache_aware):\n\n{targets}");
         }
     }
-    Ok(if failed {
-        ExitCode::FAILURE
-    } else {
-        ExitCode::SUCCESS
-    })
+    failed
 }
+
+/// One row of the table: the contender's label and its run, or why it failed.
+type Row = (String, Result<matrix::ContenderRun, String>);
 
 /// The picture beside the table, written to `path`.
 fn write_picture(
