@@ -128,7 +128,12 @@ impl Env {
                 ..CacheRow::default()
             });
         };
-        let (u0, c0) = (usage(r.proc.pid), cache_counters(&r.admin).await?);
+        // A router with the cache off has no response-cache families to read.
+        let counters = async || match t.expect {
+            Some(_) => cache_counters(&r.admin).await,
+            None => Ok(CacheCounters::default()),
+        };
+        let (u0, c0) = (usage(r.proc.pid), counters().await?);
         let res = load::run(spec).await;
         let u1 = usage(r.proc.pid);
         // Misses are stored after their body ended: wait for the last ones, so the next
@@ -137,7 +142,7 @@ impl Env {
             let offered = c0.stored + c0.not_stored + res.samples.len() as u64;
             wait_stores(&r.admin, offered, Duration::from_secs(5)).await?
         } else {
-            cache_counters(&r.admin).await?
+            counters().await?
         };
         Ok(CacheRow {
             res,
