@@ -836,8 +836,11 @@ async fn a_frozen_redis_costs_about_one_request_a_second_and_hits_resume_with_th
         .map(|s| s.value)
         .sum();
     assert!(fleet_errors >= 1.0, "fleet errors counted: {fleet_errors}");
+    // They read no Redis: one that waited on it would take the freeze (3 s) or a Redis
+    // call's bound (250 ms at least); 200 ms leaves room for a busy machine's scheduling
+    // (134 ms seen with the suite beside four compiles).
     assert!(
-        admin_slowest < Duration::from_millis(100),
+        admin_slowest < Duration::from_millis(200),
         "/health, /workers, /metrics took up to {admin_slowest:?}"
     );
     assert!(rss_growth < 20 << 20, "RSS grew by {rss_growth} bytes");
