@@ -65,7 +65,10 @@ pub use log::{LogColor, LogConfig, LogFormat};
 pub use models::{AliasTarget, MAX_MODEL_NAME_BYTES, ModelOverride, ModelsConfig};
 pub use passthrough::{Passthrough, Verdict as PassthroughVerdict};
 pub use policy::PolicyKind;
-pub use precise::{ContentFormat, DEFAULT_MAX_TOKENIZE_BYTES, PreciseConfig, TokenizerSetting};
+pub use precise::{
+    ContentFormat, DEFAULT_MAX_TOKENIZE_BYTES, DEFAULT_TIER_LOAD_TOKENS_PER_SEC, MAX_TIERS,
+    PreciseConfig, TierWeights, TokenizerSetting,
+};
 pub use prefix_hash::PrefixHashConfig;
 pub use proxy::{ProxyConfig, QueueConfig, RemoteMediaPolicy};
 pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticConfig};

@@ -4,6 +4,7 @@
 //! (`tokenize::PromptTokenizer::from_config`), and a file it cannot use is refused in
 //! the config's words, at the key and line that named it ([`KeySite`]).
 
+use std::collections::BTreeMap;
 use std::num::NonZeroUsize;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -36,6 +37,63 @@ pub struct PreciseConfig {
     /// its last checked answers is scored by the tree until the share is back (see
     /// [`crate::precise::parity`]).
     pub parity_floor: f64,
+    /// `precise.tier_weights`: how much a block held in each KV tier (the events'
+    /// `medium`) is worth against a GPU block.
+    pub tier_weights: TierWeights,
+    /// `precise.tier_load_tokens_per_sec`: tokens per second an engine loads from a
+    /// host tier (CPU, storage) into GPU memory; `cost_aware` prices a host-tier hit at
+    /// this rate instead of as free (default 100,000).
+    pub tier_load_tokens_per_sec: f64,
+}
+
+/// `precise.tier_weights`, merged over the defaults (GPU 1.0, CPU 0.8, STORAGE 0.5): the
+/// tiers' names (upper case, as vLLM's `medium`) and weights (0 to 1), heaviest first,
+/// ties by name. At most [`MAX_TIERS`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct TierWeights(Vec<(String, f64)>);
+
+/// Most tiers `precise.tier_weights` may name, defaults included.
+pub const MAX_TIERS: usize = 8;
+
+/// Tiers and weights when `precise.tier_weights` names none: llm-d's GPU and CPU weights,
+/// and storage half a GPU block (a read from local NVMe is some 5× slower than from
+/// host memory).
+pub const DEFAULT_TIER_WEIGHTS: [(&str, f64); 3] = [("GPU", 1.0), ("CPU", 0.8), ("STORAGE", 0.5)];
+
+/// Default of `precise.tier_load_tokens_per_sec`: about what a PCIe 4.0 ×16 link (some
+/// 25 GB/s) moves for a model with 256 KiB of KV per token (a 70B-class model at 16 bits;
+/// a smaller model loads more tokens per second, a slower link fewer).
+pub const DEFAULT_TIER_LOAD_TOKENS_PER_SEC: f64 = 100_000.0;
+
+impl TierWeights {
+    /// `overrides` (name, weight) merged over [`DEFAULT_TIER_WEIGHTS`]; names compare
+    /// case-insensitively and are kept upper case.
+    pub fn new<'a>(overrides: impl IntoIterator<Item = (&'a str, f64)>) -> Self {
+        let mut tiers: Vec<(String, f64)> = DEFAULT_TIER_WEIGHTS
+            .iter()
+            .map(|(n, w)| (n.to_string(), *w))
+            .collect();
+        for (name, weight) in overrides {
+            let name = name.to_ascii_uppercase();
+            match tiers.iter_mut().find(|(n, _)| *n == name) {
+                Some(t) => t.1 = weight,
+                None => tiers.push((name, weight)),
+            }
+        }
+        tiers.sort_by(|a, b| b.1.total_cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        TierWeights(tiers)
+    }
+
+    /// The tiers, heaviest first: (name, weight).
+    pub fn tiers(&self) -> &[(String, f64)] {
+        &self.0
+    }
+}
+
+impl Default for TierWeights {
+    fn default() -> Self {
+        TierWeights::new([])
+    }
 }
 
 /// `precise.tokenizer` (+ `chat_template`, `chat_template_content_format`,
@@ -109,6 +167,8 @@ impl Default for PreciseConfig {
             speculative_ttl: Duration::from_secs(2),
             tokenizer: None,
             parity_floor: 0.5,
+            tier_weights: TierWeights::default(),
+            tier_load_tokens_per_sec: DEFAULT_TIER_LOAD_TOKENS_PER_SEC,
         }
     }
 }
@@ -129,6 +189,8 @@ pub(super) struct RawPrecise {
     chat_template_content_format: Option<ContentFormat>,
     max_tokenize_bytes: Option<u64>,
     parity_floor: Option<f64>,
+    tier_weights: Option<BTreeMap<String, f64>>,
+    tier_load_tokens_per_sec: Option<f64>,
 }
 
 impl RawPrecise {
@@ -161,6 +223,17 @@ impl RawPrecise {
                 "is out of range (a share of checked answers whose blocks the engine confirmed, 0 to 1; 0 = never fall back)",
             ));
         }
+        let tier_weights = self.tier_weights(ck)?;
+        let load = self
+            .tier_load_tokens_per_sec
+            .unwrap_or(d.tier_load_tokens_per_sec);
+        if !(load.is_finite() && load > 0.0 && load <= 1e9) {
+            return Err(ck.bad(
+                "precise.tier_load_tokens_per_sec",
+                load,
+                "is out of range (tokens per second, above 0 and at most 1e9)",
+            ));
+        }
         Ok(PreciseConfig {
             block_size: block_size as usize,
             max_blocks,
@@ -178,7 +251,58 @@ impl RawPrecise {
             )?,
             tokenizer,
             parity_floor,
+            tier_weights,
+            tier_load_tokens_per_sec: load,
         })
+    }
+
+    /// `precise.tier_weights`: each a weight from 0 to 1 under a name of letters, digits,
+    /// `_` or `-`, named once (case aside), at most [`MAX_TIERS`] with the defaults.
+    fn tier_weights(&self, ck: &Checker<'_>) -> Result<TierWeights, ConfigError> {
+        let Some(given) = &self.tier_weights else {
+            return Ok(TierWeights::default());
+        };
+        let mut seen: Vec<String> = Vec::new();
+        for (name, weight) in given {
+            let key = format!("precise.tier_weights.{name}");
+            let upper = name.to_ascii_uppercase();
+            if name.is_empty()
+                || name.len() > 32
+                || !name
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+            {
+                return Err(ck.err(
+                    "precise.tier_weights",
+                    format!("`{name}` is not a tier name (the engines' `medium`, e.g. GPU, CPU, STORAGE: letters, digits, `_` or `-`, at most 32)"),
+                ));
+            }
+            if seen.contains(&upper) {
+                return Err(ck.err(
+                    &key,
+                    format!("names tier {upper} twice (names compare without case)"),
+                ));
+            }
+            seen.push(upper);
+            if !(0.0..=1.0).contains(weight) {
+                return Err(ck.bad(
+                    &key,
+                    weight,
+                    "is out of range (a block's worth against a GPU block, 0 to 1; 0 = not credited)",
+                ));
+            }
+        }
+        let weights = TierWeights::new(given.iter().map(|(n, w)| (n.as_str(), *w)));
+        if weights.tiers().len() > MAX_TIERS {
+            return Err(ck.err(
+                "precise.tier_weights",
+                format!(
+                    "names {} tiers with the defaults (GPU, CPU, STORAGE); at most {MAX_TIERS}",
+                    weights.tiers().len()
+                ),
+            ));
+        }
+        Ok(weights)
     }
 
     /// `precise.tokenizer` and the keys that go with it (the files are not read here).
@@ -295,6 +419,82 @@ mod tests {
             t.chat_template_at.refuse("does not render").to_string(),
             "over.yaml:3: `precise.chat_template`: does not render"
         );
+    }
+
+    #[test]
+    fn tier_weights_merge_over_the_defaults_and_are_checked_where_written() {
+        let c = load(&[("a.yaml", ONE)]).unwrap();
+        let names = |w: &TierWeights| {
+            w.tiers()
+                .iter()
+                .map(|(n, w)| format!("{n}={w}"))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            names(&c.precise.tier_weights),
+            ["GPU=1", "CPU=0.8", "STORAGE=0.5"]
+        );
+        assert_eq!(c.precise.tier_load_tokens_per_sec, 100_000.0);
+        let doc =
+            "precise:\n  tier_weights: {cpu: 0.9, DISK: 0.25}\n  tier_load_tokens_per_sec: 25000\n";
+        let c = load(&[("a.yaml", ONE), ("b.yaml", doc)]).unwrap();
+        assert_eq!(
+            names(&c.precise.tier_weights),
+            ["GPU=1", "CPU=0.9", "STORAGE=0.5", "DISK=0.25"]
+        );
+        assert_eq!(c.precise.tier_load_tokens_per_sec, 25_000.0);
+        for (bad, key, says) in [
+            (
+                "  tier_weights:\n    CPU: 1.5\n",
+                "precise.tier_weights.CPU",
+                "`1.5` is out of range",
+            ),
+            (
+                "  tier_weights: {CPU: -1}\n",
+                "precise.tier_weights.CPU",
+                "0 to 1",
+            ),
+            (
+                "  tier_weights: {cpu: 0.5, CPU: 0.6}\n",
+                "precise.tier_weights",
+                "twice",
+            ),
+            (
+                "  tier_weights: {\"C P U\": 0.5}\n",
+                "precise.tier_weights",
+                "not a tier name",
+            ),
+            (
+                "  tier_weights: {A: 0, B: 0, C: 0, D: 0, E: 0, F: 0}\n",
+                "precise.tier_weights",
+                "at most 8",
+            ),
+            (
+                "  tier_load_tokens_per_sec: 0\n",
+                "precise.tier_load_tokens_per_sec",
+                "tokens per second",
+            ),
+            (
+                "  tier_load_tokens_per_sec: .inf\n",
+                "precise.tier_load_tokens_per_sec",
+                "tokens per second",
+            ),
+        ] {
+            let e = err(&[("a.yaml", ONE), ("b.yaml", &format!("precise:\n{bad}"))]);
+            assert!(
+                e.contains("b.yaml") && e.contains(key) && e.contains(says),
+                "{bad:?} gave {e}"
+            );
+        }
+        // The line of the weight itself.
+        let e = err(&[
+            ("a.yaml", ONE),
+            (
+                "b.yaml",
+                "precise:\n  tier_weights:\n    GPU: 1\n    CPU: 2\n",
+            ),
+        ]);
+        assert!(e.contains("b.yaml:4"), "{e}");
     }
 
     #[test]

@@ -49,6 +49,14 @@
 //! recently used first), and counts the match up to that length. A conversation's next
 //! turn so counts the whole previous turn as cached, as the engine does.
 //!
+//! With workers that have `kv_events` (precise mode's KV-event index, [`EventIndex`]),
+//! a request whose token ids are known is priced on what each engine reports holding
+//! instead, for every worker whose feed is live (the others on the tree): `own(w)` is
+//! exact, and the blocks `w` holds only in a host tier (CPU, storage) are not free: they
+//! add their transfer, `host(w) / precise.tier_load_tokens_per_sec` seconds, to
+//! `cost(w)` (the load does not hold up the engine's other requests, so it adds to no
+//! queue). The answer then splits its tokens by tier as in precise mode.
+//!
 //! Reasons: [`Reason::CacheHit`] when the chosen worker holds the longest usable match
 //! (at least one block), [`Reason::HitOverloaded`] when another usable worker held more
 //! of the prompt (a diverted hit: its queue cost more than the recompute), otherwise
@@ -62,6 +70,8 @@ use rand::{Rng, RngCore};
 
 use super::cache_aware::CacheAware;
 use super::matches::Matches;
+use super::precise::EventIndex;
+use super::precise::event_index::{Best, Runs, rank_for};
 use super::select::{BlockScale, eviction_evidence, tie_rank, usable};
 use super::{BoxFuture, Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::Config;
@@ -84,6 +94,11 @@ pub struct CostAware {
     engine_metrics: bool,
     stale: Duration,
     beyond: Mutex<Beyond>,
+    /// Precise mode's KV-event index, when workers have `kv_events` (see the module
+    /// docs).
+    events: Option<EventIndex>,
+    /// `precise.tier_load_tokens_per_sec`: tokens per second a host-tier hit loads at.
+    load_rate: f64,
 }
 
 impl CostAware {
@@ -140,8 +155,26 @@ impl CostAware {
         self.tree.shared_tree()
     }
 
-    /// The policy for `config`, its tree shared through `fleet` when given.
-    pub fn new(config: &Config, fleet: Option<&Arc<crate::fleet::Fleet>>) -> Self {
+    /// The policy for `config` (tests), with a KV-event index of its own when workers
+    /// have `kv_events`.
+    #[cfg(test)]
+    fn new(config: &Config, fleet: Option<&Arc<crate::fleet::Fleet>>) -> Self {
+        let events = config
+            .workers
+            .iter()
+            .any(|w| w.kv_events.is_some())
+            .then(|| EventIndex::new(&config.precise));
+        Self::with_events(config, fleet, events)
+    }
+
+    /// The policy for `config`, its tree shared through `fleet` when given, priced on
+    /// `events`, a KV-event index (one state serves every model's pool, see
+    /// [`EventIndex::sharing`]), when there is one.
+    pub fn with_events(
+        config: &Config,
+        fleet: Option<&Arc<crate::fleet::Fleet>>,
+        events: Option<EventIndex>,
+    ) -> Self {
         CostAware {
             tree: CacheAware::new(&config.cache, fleet),
             block_tokens: config.cache.engine_block_tokens.max(1),
@@ -150,6 +183,8 @@ impl CostAware {
             beyond: Mutex::new(lru::LruCache::new(
                 std::num::NonZeroUsize::new(BEYOND_CUT_ENTRIES).expect("non-zero"),
             )),
+            events,
+            load_rate: config.precise.tier_load_tokens_per_sec,
         }
     }
 
@@ -181,38 +216,76 @@ struct Cost {
     behind: f64,
     /// Its own prefill time, s.
     own_s: f64,
+    /// Priced on the KV-event index (exact tokens), not on the tree.
+    exact: bool,
+}
+
+/// A worker's prompt as priced: its tokens, the prefix it holds (whole blocks, never
+/// the last token) and of that the part held only in a host tier, loaded at a cost.
+#[derive(Debug, Clone, Copy)]
+struct Held {
+    prompt_tokens: f64,
+    matched_tokens: f64,
+    host_tokens: f64,
+    exact: bool,
+}
+
+impl Held {
+    /// From the tree: the worker's match and the prompt in bytes of routing text,
+    /// at its learned tokens per byte, in whole `block`-token blocks.
+    fn estimated(
+        rate: &PrefillRate,
+        matched_bytes: usize,
+        prompt_bytes: usize,
+        block: usize,
+    ) -> Held {
+        let prompt_tokens = (prompt_bytes as f64 * rate.tokens_per_byte).max(1.0);
+        let matched = BlockScale {
+            tokens_per_byte: rate.tokens_per_byte,
+            block_tokens: block,
+        }
+        .tokens(matched_bytes) as f64;
+        Held::capped(prompt_tokens, matched, 0.0, block, false)
+    }
+
+    /// From the KV-event index: the worker's best rank's run of `block`-token blocks.
+    fn reported(best: &Best, prompt_tokens: usize, block: usize, gpu_tier: usize) -> Held {
+        let matched = (best.run.blocks * block) as f64;
+        let host = (best.run.host_blocks(gpu_tier) * block) as f64;
+        Held::capped((prompt_tokens as f64).max(1.0), matched, host, block, true)
+    }
+
+    /// The last prompt token is always recomputed: the match stops a block short of it.
+    fn capped(prompt_tokens: f64, matched: f64, host: f64, block: usize, exact: bool) -> Held {
+        let block = block as f64;
+        let matched_tokens = matched
+            .min(((prompt_tokens - 1.0) / block).floor() * block)
+            .max(0.0);
+        Held {
+            prompt_tokens,
+            matched_tokens,
+            host_tokens: host.min(matched_tokens),
+            exact,
+        }
+    }
 }
 
 impl CostAware {
-    fn cost(
-        &self,
-        w: &Worker,
-        matched_bytes: usize,
-        prompt_bytes: usize,
-        now: std::time::Instant,
-        fleet: Option<PrefillRate>,
-    ) -> Cost {
-        let prefill = w.prefill();
-        let rate = match (prefill.rate(), fleet) {
+    /// `w`'s learned prefill rate, or the pool's (`fleet`) while it has not learned one.
+    fn rate(w: &Worker, fleet: Option<PrefillRate>) -> PrefillRate {
+        match (w.prefill().rate(), fleet) {
             // Not learned yet: as fast as the pool's learned workers, not the prior.
             (r, Some(f)) if r.samples < MIN_SAMPLES => PrefillRate {
                 tokens_per_byte: r.tokens_per_byte,
                 ..f
             },
             (r, _) => r,
-        };
-        let prompt_tokens = (prompt_bytes as f64 * rate.tokens_per_byte).max(1.0);
-        let block = self.block_tokens as f64;
-        let matched_tokens = BlockScale {
-            tokens_per_byte: rate.tokens_per_byte,
-            block_tokens: self.block_tokens,
         }
-        .tokens(matched_bytes) as f64;
-        // The last prompt token is always recomputed.
-        let matched_tokens = matched_tokens
-            .min(((prompt_tokens - 1.0) / block).floor() * block)
-            .max(0.0);
-        let own = prompt_tokens - matched_tokens;
+    }
+
+    fn cost(&self, w: &Worker, rate: PrefillRate, held: Held, now: std::time::Instant) -> Cost {
+        let prefill = w.prefill();
+        let own = held.prompt_tokens - held.matched_tokens;
         let (pending_requests, _) = prefill.pending();
         let router_queue = prefill.queue_s(now, &rate);
         let engine_queue = if self.engine_metrics {
@@ -231,15 +304,53 @@ impl CostAware {
         // Both views assume prefills one after another: what this engine really makes a
         // request wait behind them is learned (the queue factor, `pool::prefill`).
         let queue = router_queue.max(engine_queue) * rate.queue_factor;
+        // A host-tier hit is read into GPU memory first: this request waits for it.
+        let load = held.host_tokens / self.load_rate;
         Cost {
-            seconds: queue + rate.cost_s(1.0, own),
+            seconds: queue + rate.cost_s(1.0, own) + load,
             queued: pending_requests > 0 || queue > 0.0,
             behind: pending_requests as f64 * rate.queue_factor,
             own_s: own * rate.secs_per_token,
             tokens_per_byte: rate.tokens_per_byte,
-            matched_tokens: matched_tokens as u64,
+            matched_tokens: held.matched_tokens as u64,
             own_tokens: own.round() as u64,
+            exact: held.exact,
         }
+    }
+
+    /// Each usable candidate's cost: on the KV-event index where `runs` scored it, else
+    /// on the tree's `matches`.
+    fn costs<'c>(
+        &self,
+        set: &WorkerSet,
+        candidates: &'c [Candidate],
+        (matches, prompt_bytes): (&Matches, usize),
+        runs: Option<&Runs<'_>>,
+        now: std::time::Instant,
+    ) -> Vec<(usize, &'c Candidate, Cost)> {
+        let fleet = fleet_rate(set, candidates);
+        let index_block = self
+            .events
+            .as_ref()
+            .map_or(1, |e| e.precise().config().block_size);
+        candidates
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| c.usable)
+            .filter_map(|(i, c)| {
+                let w = set.get(c.id)?;
+                let rate = Self::rate(w, fleet);
+                let reported = runs.and_then(|r| Some((r.best.get(i)?.as_ref()?, r)));
+                let held = match reported {
+                    Some((best, r)) => Held::reported(best, r.tokens, index_block, r.gpu_tier),
+                    None => {
+                        let matched = if c.cache_aware { matches.get(c.id) } else { 0 };
+                        Held::estimated(&rate, matched, prompt_bytes, self.block_tokens)
+                    }
+                };
+                Some((i, c, self.cost(w, rate, held, now)))
+            })
+            .collect()
     }
 }
 
@@ -266,6 +377,51 @@ fn fleet_rate(set: &WorkerSet, candidates: &[Candidate]) -> Option<PrefillRate> 
     })
 }
 
+/// The least cost of `costs` (candidate index, candidate, cost). When no worker is
+/// idle, recompute on one worker delays the requests that queue behind it there as
+/// much as it delays this one, so the work a worker would add beyond the least any
+/// worker needs is charged once per request queued there (see the module docs). Ties
+/// are stable by the request's key `tie`, else uniformly at random.
+fn choose<'c>(
+    costs: Vec<(usize, &'c Candidate, Cost)>,
+    tie: Option<u64>,
+    rng: &mut dyn RngCore,
+) -> Option<(usize, &'c Candidate, Cost)> {
+    let everywhere_queued = costs.iter().all(|(_, _, c)| c.queued);
+    let least_own_s = costs
+        .iter()
+        .map(|(_, _, c)| c.own_s)
+        .fold(f64::MAX, f64::min);
+    let mut best: Option<(usize, &Candidate, Cost, u64)> = None;
+    let mut ties = 0u32;
+    for (i, c, mut cost) in costs {
+        if everywhere_queued {
+            cost.seconds += (cost.own_s - least_own_s) * cost.behind.max(1.0);
+        }
+        let rank = tie.map_or(0, |k| tie_rank(k, c));
+        match &best {
+            Some((_, _, b, _)) if cost.seconds > b.seconds + 1e-9 => {}
+            Some((_, _, b, held)) if cost.seconds >= b.seconds - 1e-9 => {
+                let take = match tie {
+                    Some(_) => rank > *held,
+                    None => {
+                        ties += 1;
+                        rng.random_range(0..ties) == 0
+                    }
+                };
+                if take {
+                    best = Some((i, c, cost, rank));
+                }
+            }
+            _ => {
+                best = Some((i, c, cost, rank));
+                ties = 1;
+            }
+        }
+    }
+    best.map(|(i, c, cost, _)| (i, c, cost))
+}
+
 impl PoolListener for CostAware {
     fn worker_left(&self, worker: &Worker) {
         self.tree.worker_left(worker);
@@ -275,12 +431,23 @@ impl PoolListener for CostAware {
     fn worker_down(&self, worker: &Worker) {
         self.tree.worker_down(worker);
         self.forget(worker.id());
+        if let Some(e) = &self.events {
+            e.worker_down(worker);
+        }
     }
 }
 
 impl Policy for CostAware {
     fn name(&self) -> &'static str {
         "cost_aware"
+    }
+
+    /// Keys the prompt for the KV-event index, when workers have `kv_events`.
+    fn prepare<'a>(
+        &'a self,
+        req: super::RequestParts<'a>,
+    ) -> Option<BoxFuture<'a, super::Prepared>> {
+        self.events.as_ref().map(|e| e.prepare(req))
     }
 
     fn pick(
@@ -296,57 +463,49 @@ impl Policy for CostAware {
             .map_or(text.len(), |c| c.total_len.max(c.text.len()));
         let (matches, clock) = self.matches(req, candidates, prompt_bytes);
         let now = crate::clock::now();
-        let fleet = fleet_rate(set, candidates);
-        let costs: Vec<(&Candidate, Cost)> = usable(candidates)
-            .filter_map(|c| {
-                let w = set.get(c.id)?;
-                let matched = if c.cache_aware { matches.get(c.id) } else { 0 };
-                Some((c, self.cost(w, matched, prompt_bytes, now, fleet)))
-            })
-            .collect();
-        // No worker idle: recompute on one worker delays the requests that queue behind
-        // it there as much as it delays this one, so the work a worker would add beyond
-        // the least any worker needs is charged once per request queued there (see the
-        // module docs).
-        let everywhere_queued = costs.iter().all(|(_, c)| c.queued);
-        let least_own_s = costs.iter().map(|(_, c)| c.own_s).fold(f64::MAX, f64::min);
+        let feeds = self
+            .events
+            .as_ref()
+            .map(|_| EventIndex::feeds(set, candidates));
+        let runs = match (&self.events, &feeds) {
+            (Some(e), Some(feeds)) => {
+                let runs = e.runs(req, candidates, feeds, now);
+                match &runs {
+                    Ok(r) => e.precise().count_precise(r.source),
+                    Err(why) => e.precise().count_fallback(*why),
+                }
+                runs.ok()
+            }
+            _ => None,
+        };
+        let costs = self.costs(
+            set,
+            candidates,
+            (&matches, prompt_bytes),
+            runs.as_ref(),
+            now,
+        );
         let most_tokens = costs
             .iter()
-            .map(|(_, c)| c.matched_tokens)
+            .map(|(_, _, c)| c.matched_tokens)
             .max()
             .unwrap_or(0);
-        let mut best: Option<(&Candidate, Cost, u64)> = None;
-        let mut ties = 0u32;
-        for (c, mut cost) in costs {
-            if everywhere_queued {
-                cost.seconds += (cost.own_s - least_own_s) * cost.behind.max(1.0);
-            }
-            let rank = req.tie.map_or(0, |k| tie_rank(k, c));
-            match &best {
-                Some((_, b, _)) if cost.seconds > b.seconds + 1e-9 => {}
-                Some((_, b, held)) if cost.seconds >= b.seconds - 1e-9 => {
-                    // A tie: stable by the request's key, else uniformly at random.
-                    let take = match req.tie {
-                        Some(_) => rank > *held,
-                        None => {
-                            ties += 1;
-                            rng.random_range(0..ties) == 0
-                        }
-                    };
-                    if take {
-                        best = Some((c, cost, rank));
-                    }
-                }
-                _ => {
-                    best = Some((c, cost, rank));
-                    ties = 1;
-                }
-            }
-        }
-        let Some((c, cost, _)) = best else {
+        let longest_reported = runs.as_ref().map_or(0, |r| {
+            let block = self
+                .events
+                .as_ref()
+                .map_or(0, |e| e.precise().config().block_size);
+            r.best
+                .iter()
+                .flatten()
+                .map(|b| b.run.blocks * block)
+                .max()
+                .unwrap_or(0)
+        });
+        let Some((i, c, cost)) = choose(costs, req.tie, rng) else {
             return Pick::load_only(None, text.len());
         };
-        let reason = if text.is_empty() {
+        let reason = if text.is_empty() && !cost.exact {
             Reason::EmptyText
         } else if cost.matched_tokens > 0 && cost.matched_tokens == most_tokens {
             Reason::CacheHit
@@ -361,30 +520,51 @@ impl Policy for CostAware {
             block_tokens: self.block_tokens,
         };
         let matched = cost.matched_tokens as usize;
-        Pick {
+        let text_len = match &runs {
+            Some(r) if cost.exact => r.tokens,
+            _ => scale.text_tokens(text.len()),
+        };
+        let mut pick = Pick {
             worker: Some(c.id),
             reason,
             matched,
-            available: scale.tokens(matches.longest()).max(matched),
-            text_len: scale.text_tokens(text.len()),
+            available: scale
+                .tokens(matches.longest())
+                .max(longest_reported.min(text_len))
+                .max(matched),
+            text_len,
             unit: MatchUnit::Tokens,
             dp_rank: None,
             cache_aware: c.cache_aware,
             prefill_tokens: cost.own_tokens,
-            stamp: if reason == Reason::CacheHit {
+            stamp: if reason == Reason::CacheHit && !cost.exact {
                 let in_flight = candidates.iter().map(|c| c.load).sum();
                 eviction_evidence(matches.stamp(c.id), clock, in_flight)
             } else {
                 0
             },
+        };
+        if let (Some(r), Some(feeds), Some(e)) = (&runs, &feeds, &self.events) {
+            if cost.exact {
+                let stale = e.precise().config().stale;
+                pick.dp_rank = rank_for(feeds[i], r.best[i].as_ref(), now, stale, rng);
+            }
+            r.note(cost.exact.then_some(i), &pick);
         }
+        if let Some(feeds) = &feeds {
+            EventIndex::routed(&pick, candidates, feeds, now);
+        }
+        pick
     }
 
-    fn observe(&self, req: &RouteRequest<'_>, pick: &Pick, _: &Worker, outcome: Outcome) {
+    fn observe(&self, req: &RouteRequest<'_>, pick: &Pick, worker: &Worker, outcome: Outcome) {
         if outcome != Outcome::Served {
             return;
         }
         self.tree.record_served(req, pick);
+        if let Some(e) = &self.events {
+            e.speculate(req, pick, worker);
+        }
         let Some(ctx) = req.ctx else { return };
         if let (Some(w), true, Some(key)) = (pick.worker, pick.cache_aware, ctx.cut_digest) {
             let mut beyond = self.beyond();
@@ -396,17 +576,30 @@ impl Policy for CostAware {
         }
     }
 
-    /// Learns from the engines as `cache_aware` does (the same tree).
+    /// Learns from the engines as `cache_aware` does (the same tree), and as precise
+    /// mode does with the KV-event index (token parity, tokens by tier).
     fn answered(&self, worker: &Worker, answer: &super::Answer<'_>) {
         self.tree.learn(worker, answer);
+        if let Some(e) = &self.events {
+            e.answered(worker, answer);
+        }
     }
 
     fn views(&self) -> Vec<Arc<dyn super::View>> {
-        self.tree.views()
+        let mut views = self.tree.views();
+        if let Some(v) = self.events.as_ref().and_then(EventIndex::view) {
+            views.insert(0, v);
+        }
+        views
     }
 
     fn background(&self, pool: Arc<Pool>, shutdown: Shutdown) -> Option<BoxFuture<'static, ()>> {
-        self.tree.background(pool, shutdown)
+        let tree = self.tree.background(Arc::clone(&pool), shutdown.clone());
+        let events = self
+            .events
+            .as_ref()
+            .and_then(|e| e.background(pool, shutdown));
+        super::precise::both(tree, events)
     }
 }
 
@@ -533,7 +726,7 @@ mod tests {
                 predicted_tokens: again.matched as u64,
                 delivered_tokens: 0,
             }),
-            prepared: None,
+            ..Default::default()
         };
         // A worker that has delivered what was predicted: one short answer is noise.
         let (predicted, floor, never) = (again.matched as u64, 0.5, std::time::Duration::MAX);
@@ -567,6 +760,93 @@ mod tests {
             (p.worker, p.reason, p.stamp),
             (first.worker, Reason::CacheHit, 0)
         );
+    }
+
+    /// With workers that have `kv_events`, a prompt whose tokens are known is priced on
+    /// the blocks the engines report: on the GPU they are free, in a host tier they
+    /// cost their transfer at `precise.tier_load_tokens_per_sec`.
+    #[test]
+    fn a_host_tier_hit_costs_its_transfer() {
+        use crate::precise::TokenSource;
+        use crate::precise::events::{BlockRemoved, BlockStored, Event};
+        let tokens: Vec<u32> = (1..=66).collect();
+        let gpu_store = Event::Stored(BlockStored {
+            block_hashes: (0..16).collect(),
+            parent_block_hash: None,
+            token_ids: tokens[..64].to_vec(),
+            block_size: 4,
+            lora: None,
+            medium: Some("GPU".into()),
+            extra_keys: Vec::new(),
+            group_idx: None,
+            kind: None,
+        });
+        let cpu_copy = Event::Stored(BlockStored {
+            token_ids: Vec::new(),
+            block_size: 0,
+            medium: Some("CPU".into()),
+            ..match &gpu_store {
+                Event::Stored(e) => e.clone(),
+                _ => unreachable!(),
+            }
+        });
+        let gpu_evicts = Event::Removed(BlockRemoved {
+            block_hashes: (0..16).collect(),
+            medium: Some("GPU".into()),
+            group_idx: None,
+        });
+        // 64 tokens on worker 0; recomputing them takes 6.4 ms at the prior rate.
+        for (rate, on_cpu, want) in [(1_000, true, 1), (1_000_000, true, 0), (1_000, false, 0)] {
+            let yaml = format!(
+                "policy: cost_aware\nengine_metrics: {{enabled: false}}\nprecise:\n  block_size: 4\n  tier_load_tokens_per_sec: {rate}\nworkers:\n  - url: http://a:1\n    kv_events: {{endpoint: \"tcp://127.0.0.1:5557\"}}\n  - url: http://b:1\n    kv_events: {{endpoint: \"tcp://127.0.0.1:5558\"}}\n"
+            );
+            let config = Config::from_sources([(std::path::Path::new("t.yaml"), yaml.as_str())])
+                .expect("config");
+            let pool = Pool::new(&config.workers, &config.circuit_breaker);
+            let policy = CostAware::new(&config, None);
+            let set = pool.set();
+            set.workers()
+                .iter()
+                .flat_map(|w| w.feeds())
+                .for_each(|f| f.set_connected(true));
+            let precise = policy
+                .events
+                .as_ref()
+                .expect("kv_events: the index")
+                .precise();
+            let source = set.workers()[0].feeds()[0].source();
+            precise.index().apply(source, &gpu_store);
+            if on_cpu {
+                precise.index().apply(source, &cpu_copy);
+                precise.index().apply(source, &gpu_evicts);
+            }
+            let req = RouteRequest {
+                prepared: crate::policy::Prepared::Blocks(precise.keyed(
+                    &tokens,
+                    TokenSource::Header,
+                    None,
+                    None,
+                )),
+                ..Default::default()
+            };
+            let pick = policy.pick(&req, &set, &cands(&set), &mut StdRng::seed_from_u64(1));
+            let case = format!("{rate} tokens/s, on the CPU: {on_cpu}");
+            assert_eq!(pick.worker.map(|w| w.0), Some(want), "{case}");
+            assert_eq!((pick.available, pick.text_len), (64, 66), "{case}");
+            if want == 0 {
+                assert_eq!(
+                    (pick.matched, pick.reason),
+                    (64, Reason::CacheHit),
+                    "{case}"
+                );
+            } else {
+                assert_eq!(pick.reason, Reason::HitOverloaded, "{case}");
+            }
+            assert!(
+                precise.decisions().contains(&("precise", "x_token_ids", 1)),
+                "{case}"
+            );
+        }
     }
 
     #[test]

@@ -247,6 +247,9 @@ pub struct Answer<'a> {
     /// What the policy's [`Policy::prepare`] worked out for the request, when it
     /// keyed its blocks (precise mode's token-parity check reads it).
     pub prepared: Option<&'a Prepared>,
+    /// Prompt tokens the engine reported cached for it (the *delivered* prefix), when
+    /// it reported them (precise mode splits them by KV tier).
+    pub delivered_tokens: Option<u64>,
 }
 
 /// A prediction the engine did not bear out: the pick ([`Pick::stamp`] `stamp`)
@@ -385,7 +388,7 @@ pub struct Shared {
     /// Routing state shared with the other router replicas; `app` runs its connection.
     pub fleet: Option<Arc<Fleet>>,
     precise: Option<Arc<crate::precise::Precise>>,
-    /// Whether a precise policy already feeds `precise` (the first one made does).
+    /// Whether a policy already feeds `precise` (the first one made with it does).
     fed: std::sync::atomic::AtomicBool,
 }
 
@@ -399,14 +402,26 @@ impl Shared {
                 .inspect_err(|e| tracing::error!(error = %e, "state sharing off: it cannot start"))
                 .ok()
         });
-        let precise = (config.policy == PolicyKind::PreciseCacheAware)
-            .then(|| Arc::new(crate::precise::Precise::new(&config.precise)));
+        // `cost_aware` reads it too when workers have `kv_events`.
+        let precise = (config.policy == PolicyKind::PreciseCacheAware
+            || config.workers.iter().any(|w| w.kv_events.is_some()))
+        .then(|| Arc::new(crate::precise::Precise::new(&config.precise)));
         Shared {
             memory,
             fleet,
             precise,
             fed: Default::default(),
         }
+    }
+}
+
+impl Shared {
+    /// The KV-event state as a policy's index: the first policy to ask feeds it (runs
+    /// its consumers, shows its view); `None` when there is none.
+    fn events(&self) -> Option<precise::EventIndex> {
+        let state = self.precise.as_ref()?;
+        let feeds = !self.fed.swap(true, std::sync::atomic::Ordering::Relaxed);
+        Some(precise::EventIndex::sharing(Arc::clone(state), feeds))
     }
 }
 
@@ -454,11 +469,8 @@ pub fn build_pool(
             Arc::new(p)
         }
         PolicyKind::PreciseCacheAware => {
-            let p = match &shared.precise {
-                Some(state) => {
-                    let feeds = !shared.fed.swap(true, std::sync::atomic::Ordering::Relaxed);
-                    precise::PreciseCacheAware::sharing(&config, Arc::clone(state), feeds)
-                }
+            let p = match shared.events() {
+                Some(events) => precise::PreciseCacheAware::sharing(&config, events),
                 None => precise::PreciseCacheAware::new(&config),
             };
             tree = Some(Arc::clone(p.shared_tree()));
@@ -473,7 +485,7 @@ pub fn build_pool(
         )),
         PolicyKind::PrefixHash => Arc::new(prefix_hash::PrefixHash::new(&config.prefix_hash)),
         PolicyKind::CostAware => {
-            let p = cost_aware::CostAware::new(&config, shared_fleet);
+            let p = cost_aware::CostAware::with_events(&config, shared_fleet, shared.events());
             tree = Some(Arc::clone(p.shared_tree()));
             Arc::new(p)
         }

@@ -406,7 +406,15 @@ impl Consumer {
         for event in &batch.events {
             let applied = self.precise.index().apply(source, event);
             match applied {
-                Applied::Stored(_) => FeedStats::inc(&stats.stored),
+                Applied::Stored { unknown, .. } => {
+                    FeedStats::inc(&stats.stored);
+                    if unknown > 0 {
+                        // Relaxed: an independent counter, read for display only.
+                        stats
+                            .unknown_hashes
+                            .fetch_add(unknown as u64, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
                 Applied::Removed(_) => FeedStats::inc(&stats.removed),
                 Applied::Cleared => FeedStats::inc(&stats.cleared),
                 Applied::Skipped(Skip::UnknownParent) => FeedStats::inc(&stats.unknown_parent),
@@ -423,9 +431,7 @@ impl Consumer {
                         );
                     }
                 }
-                Applied::Skipped(Skip::OtherTier | Skip::OtherGroup) => {
-                    FeedStats::inc(&stats.ignored)
-                }
+                Applied::Skipped(Skip::OtherGroup) => FeedStats::inc(&stats.ignored),
             }
         }
     }

@@ -51,9 +51,10 @@ pub struct BlockStored {
     /// Engine hash of the block before the first one; `None` when the run starts at
     /// token 0.
     pub parent_block_hash: Option<u64>,
-    /// Every token of those blocks: `block_hashes.len() * block_size` ids.
+    /// Every token of those blocks: `block_hashes.len() * block_size` ids; empty for a
+    /// host-tier copy announced by hash only (vLLM's CPU-offloading connector).
     pub token_ids: Vec<u32>,
-    /// Tokens per block.
+    /// Tokens per block; 0 when the event does not say (the offloading connector).
     pub block_size: usize,
     /// The adapter: `lora_name`, else `lora_id` as text; `None` for the base model.
     pub lora: Option<String>,
@@ -249,8 +250,16 @@ fn decode_stored(f: &Fields<'_, '_>) -> Option<BlockStored> {
         .iter()
         .map(|t| as_int(t).and_then(|t| u32::try_from(t).ok()))
         .collect::<Option<Vec<u32>>>()?;
-    let block_size = usize::try_from(as_int(f.get("block_size", 4)?)?).ok()?;
-    if block_size == 0 || Some(token_ids.len()) != block_hashes.len().checked_mul(block_size) {
+    // A host-tier copy from vLLM's offloading connector has no tokens and a block size
+    // of 0 (or its own, larger one): it is placed by hash, so only a run with tokens
+    // must add up.
+    let block_size = match f.get("block_size", 4) {
+        Some(v) => usize::try_from(as_int(v)?).ok()?,
+        None => 0,
+    };
+    if !token_ids.is_empty()
+        && (block_size == 0 || Some(token_ids.len()) != block_hashes.len().checked_mul(block_size))
+    {
         return None;
     }
     let lora = match opt_string(f.get("lora_name", 7))? {
@@ -624,6 +633,81 @@ mod tests {
         let salted = super::super::index::request_extra_keys(None, Some("s1"), 2);
         assert_eq!(salted, [Some(strings_digest(&["s1"])), None]);
         assert!(super::super::index::request_extra_keys(None, None, 2).is_empty());
+    }
+
+    /// vLLM's CPU-offloading connector announces its copies with the GPU blocks'
+    /// hashes (raw 32-byte digests in some versions), no tokens, no parent, and a block
+    /// size of 0 (or its own block size, in the first versions).
+    #[test]
+    fn offloading_connector_events_decode_without_tokens() {
+        let digest = |tail: u64| {
+            let mut d = vec![0xee; 24];
+            d.extend_from_slice(&tail.to_be_bytes());
+            rmpv::Value::Binary(d)
+        };
+        let current = map(vec![
+            ("type", s("BlockStored")),
+            ("block_hashes", arr(vec![digest(42), digest(43)])),
+            ("parent_block_hash", rmpv::Value::Nil),
+            ("token_ids", arr(vec![])),
+            ("block_size", 0.into()),
+            ("lora_id", rmpv::Value::Nil),
+            ("medium", s("CPU")),
+            ("lora_name", rmpv::Value::Nil),
+        ]);
+        let legacy = arr(vec![
+            s("BlockStored"),
+            arr(vec![digest(44)]),
+            rmpv::Value::Nil,
+            arr(vec![]),
+            64.into(),
+            rmpv::Value::Nil,
+            s("CPU"),
+        ]);
+        let gone = map(vec![
+            ("type", s("BlockRemoved")),
+            ("block_hashes", arr(vec![digest(42)])),
+            ("medium", s("CPU")),
+        ]);
+        let b = decode_batch(&encode(&arr(vec![
+            0.into(),
+            arr(vec![current, legacy, gone]),
+            0.into(),
+        ])))
+        .unwrap();
+        assert_eq!(b.skipped, 0);
+        let Event::Stored(e) = &b.events[0] else {
+            panic!("{b:?}")
+        };
+        assert_eq!(
+            (&e.block_hashes[..], e.token_ids.len(), e.block_size),
+            (&[42, 43][..], 0, 0)
+        );
+        assert_eq!(
+            (e.parent_block_hash, e.medium.as_deref()),
+            (None, Some("CPU"))
+        );
+        let Event::Stored(e) = &b.events[1] else {
+            panic!("{b:?}")
+        };
+        assert_eq!((&e.block_hashes[..], e.block_size), (&[44][..], 64));
+        let Event::Removed(r) = &b.events[2] else {
+            panic!("{b:?}")
+        };
+        assert_eq!(
+            (&r.block_hashes[..], r.medium.as_deref()),
+            (&[42][..], Some("CPU"))
+        );
+        // Tokens that do not fill the blocks are still refused.
+        let bad = arr(vec![
+            s("BlockStored"),
+            ints([1]),
+            rmpv::Value::Nil,
+            ints([1, 2, 3]),
+            0.into(),
+        ]);
+        let b = decode_batch(&encode(&arr(vec![0.into(), arr(vec![bad])]))).unwrap();
+        assert_eq!(b.skipped, 1);
     }
 
     #[test]

@@ -74,8 +74,11 @@ pub struct FeedStats {
     pub cleared: AtomicU64,
     /// `BlockStored` events whose parent block was unknown (not indexed).
     pub unknown_parent: AtomicU64,
-    /// Events of another tier, group or block size (not indexed).
+    /// Events of another KV-cache group or block size (not indexed).
     pub ignored: AtomicU64,
+    /// Blocks of host-tier events (no tokens) whose hash no event with tokens had
+    /// placed: not indexed.
+    pub unknown_hashes: AtomicU64,
     /// Sequence gaps seen.
     pub gaps: AtomicU64,
     /// Publisher restarts seen: sequence went back, a new publisher id, or a forward
@@ -117,6 +120,7 @@ impl FeedStats {
             cleared: n(&self.cleared),
             unknown_parent: n(&self.unknown_parent),
             ignored: n(&self.ignored),
+            unknown_hashes: n(&self.unknown_hashes),
             gaps: n(&self.gaps),
             restarts: n(&self.restarts),
             clears_gap: n(&self.clears_gap),
@@ -146,6 +150,7 @@ pub struct FeedCounts {
     pub cleared: u64,
     pub unknown_parent: u64,
     pub ignored: u64,
+    pub unknown_hashes: u64,
     pub gaps: u64,
     pub restarts: u64,
     pub clears_gap: u64,
@@ -173,6 +178,7 @@ impl std::ops::Add for FeedCounts {
             cleared: self.cleared + o.cleared,
             unknown_parent: self.unknown_parent + o.unknown_parent,
             ignored: self.ignored + o.ignored,
+            unknown_hashes: self.unknown_hashes + o.unknown_hashes,
             gaps: self.gaps + o.gaps,
             restarts: self.restarts + o.restarts,
             clears_gap: self.clears_gap + o.clears_gap,

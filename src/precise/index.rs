@@ -1,6 +1,6 @@
-//! [`BlockIndex`]: which worker holds which KV block, as the engines report it. Pure:
-//! no sockets, no clocks (time is a parameter), no locking (the owner wraps it in one
-//! `std::sync::Mutex`, never held across an `.await`).
+//! [`BlockIndex`]: which worker holds which KV block, in which tier, as the engines
+//! report it. Pure: no sockets, no clocks (time is a parameter), no locking (the owner
+//! wraps it in one `std::sync::Mutex`, never held across an `.await`).
 //!
 //! Keys are the router's own (spec `shared/docs/vllm-kv-events.md` §9, the "dual key"
 //! design): block k of a token sequence is keyed by [`chain_keys`], an xxh3 chain over
@@ -9,16 +9,29 @@
 //! seeded per process, so it is never compared across workers or with a request; it
 //! only finds, per worker, the router key of a parent block and of a removed block.
 //!
-//! Per key the index keeps the workers ("sources", one per event feed) that hold it,
-//! with a reference count per engine block (vLLM may store the same block twice, §5.4),
-//! and short-lived speculative holders (a request just routed there, §5.9). The number of
-//! keys is bounded by `max_blocks`; the least recently stored or matched key goes first.
+//! Per key the index keeps the holders ("residents": one per source, i.e. per worker
+//! and DP rank, per tier, per engine block) with a reference count (vLLM may store the
+//! same block twice, §5.4; the offloading connector re-announces shared hashes), and
+//! short-lived speculative holders (a request just routed there, §5.9). The number of
+//! keys (distinct blocks, whatever tiers hold them) is bounded by `max_blocks`; the
+//! least recently stored or matched key goes first, with every tier's holding of it.
 //!
-//! Only what a prefix lookup can use is indexed (§5.5–5.7): the GPU tier (or a nil
-//! medium) and the full-attention group (group 0 or `full_attention`); other tiers and
-//! groups are skipped and counted by the caller. A `BlockStored` whose parent block is
-//! unknown (evicted here, or stored before this router was listening, §5.2) cannot be
-//! placed in a prefix chain and is skipped.
+//! Tiers (§5.7, [`super::tiers`]): every `medium` is indexed. A removal applies to its
+//! own tier only; `AllBlocksCleared` clears the GPU tier only (§5.5); a block held in
+//! any tier of a source counts towards its match, in the heaviest tier holding it. A
+//! host-tier copy usually comes without tokens: vLLM's CPU-offloading connector sends
+//! empty `token_ids`, no parent, a block size of 0 (or its own block size) and the GPU
+//! blocks' hashes (as raw bytes in some versions, normalised by the decoder). Such an
+//! event is placed through the engine-hash → key map kept from the GPU event that had
+//! the tokens (the map lives while any tier holds the block); a hash never seen with
+//! tokens cannot be placed and is counted ([`Applied::Stored`]'s `unknown`). An event
+//! that does carry tokens (vLLM's self-describing offload events, a GPU event) is
+//! chained from its parent as usual.
+//!
+//! Only the full-attention group is indexed (§5.6): other groups are skipped and
+//! counted by the caller. A GPU `BlockStored` whose parent block is unknown (evicted
+//! here, or stored before this router was listening, §5.2) cannot be placed in a prefix
+//! chain and is skipped.
 //!
 //! Memory: `cargo bench --bench precise_index` measured 263 bytes of RSS per block
 //! with one holder, 308 with two (1 M blocks of 16 tokens, 2026-11-30): an LRU node
@@ -31,6 +44,7 @@ use lru::LruCache;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use super::events::{BlockRemoved, BlockStored, Event};
+use super::tiers::{MAX_MEDIUMS, MAX_TIERS, Medium, Run, Tiers};
 
 /// Identity of one event feed (a worker's publisher) in the index. Stable for as long as
 /// the worker keeps the same URL and `kv_events` config.
@@ -106,11 +120,13 @@ pub fn chain_keys(
 /// What applying one event did (the caller counts it).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Applied {
-    /// Blocks added (or re-counted).
-    Stored(usize),
-    /// Known blocks released; removals of blocks never seen are ignored (§5.3).
+    /// Blocks added (or re-counted); `unknown`: hashes of an event without tokens that
+    /// were never seen stored with tokens, so not placed.
+    Stored { blocks: usize, unknown: usize },
+    /// Known blocks released from the event's tier; removals of blocks that tier does
+    /// not hold are ignored (§5.3).
     Removed(usize),
-    /// Every block of the source dropped.
+    /// The source's GPU tier dropped (`AllBlocksCleared`, §5.5).
     Cleared,
     /// Nothing indexed, and why.
     Skipped(Skip),
@@ -119,13 +135,11 @@ pub enum Applied {
 /// Why an event was not indexed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Skip {
-    /// The parent block is not in the index (§5.2).
+    /// The parent block of a GPU run is not in the index (§5.2).
     UnknownParent,
-    /// A tier other than GPU (§5.7).
-    OtherTier,
     /// A KV-cache group other than full attention (§5.6).
     OtherGroup,
-    /// The event's block size differs from `precise.block_size`.
+    /// The event's tokens come in blocks of another size than `precise.block_size`.
     BlockSize(usize),
 }
 
@@ -133,8 +147,15 @@ pub enum Skip {
 struct Resident {
     source: SourceId,
     engine_hash: u64,
-    /// Times the engine stored this block without removing it.
+    /// Times the engine stored this block in this tier without removing it.
     count: u32,
+    medium: Medium,
+}
+
+impl Resident {
+    fn is(&self, source: SourceId, engine_hash: u64) -> bool {
+        self.source == source && self.engine_hash == engine_hash
+    }
 }
 
 #[derive(Debug)]
@@ -155,16 +176,38 @@ impl KeyEntry {
     fn is_empty(&self) -> bool {
         self.residents.is_empty() && self.speculative.is_empty()
     }
+
+    /// Drops `source`'s holdings of engine block `engine_hash` that `drop` selects,
+    /// taking them off `held`; true when the source still holds the block in a tier.
+    fn release(
+        &mut self,
+        source: SourceId,
+        engine_hash: u64,
+        held: &mut [u64; MAX_MEDIUMS],
+        drop: impl Fn(&Resident) -> bool,
+    ) -> bool {
+        self.residents.retain(|r| {
+            let gone = r.is(source, engine_hash) && drop(r);
+            if gone {
+                held[r.medium.index()] = held[r.medium.index()].saturating_sub(1);
+            }
+            !gone
+        });
+        self.residents.iter().any(|r| r.is(source, engine_hash))
+    }
 }
 
 #[derive(Debug, Default)]
 struct SourceBlocks {
-    /// Engine block hash -> router key, for parents and removals.
+    /// Engine block hash -> router key, for parents, removals and host-tier copies;
+    /// kept while any tier holds the block.
     engine: HashMap<u64, u64>,
     epoch: u32,
     /// The last [`RECENT_STORES`] runs the engine stored, newest last (token parity's
     /// diagnosis, [`super::parity`]).
     recent: std::collections::VecDeque<RecentStore>,
+    /// Engine blocks held, per medium.
+    held: [u64; MAX_MEDIUMS],
 }
 
 /// Runs of stored blocks remembered per source for token parity's diagnosis.
@@ -188,6 +231,7 @@ pub struct BlockIndex {
     max_blocks: usize,
     keys: LruCache<u64, KeyEntry>,
     sources: HashMap<SourceId, SourceBlocks>,
+    tiers: Tiers,
     evicted: u64,
     /// LoRA adapter names seen in events, so a request naming one as its `model` is
     /// keyed under that adapter (at most [`MAX_ADAPTERS`]).
@@ -199,13 +243,19 @@ const MAX_ADAPTERS: usize = 4096;
 
 impl BlockIndex {
     /// An empty index for blocks of `block_size` tokens, holding at most `max_blocks`
-    /// keys (nothing is allocated up front).
+    /// keys (nothing is allocated up front), with the default tiers.
     pub fn new(block_size: usize, max_blocks: usize) -> Self {
+        BlockIndex::with_tiers(block_size, max_blocks, Tiers::default())
+    }
+
+    /// [`BlockIndex::new`] with these tiers (`precise.tier_weights`).
+    pub fn with_tiers(block_size: usize, max_blocks: usize, tiers: Tiers) -> Self {
         BlockIndex {
             block_size,
             max_blocks: max_blocks.max(1),
             keys: LruCache::unbounded(),
             sources: HashMap::new(),
+            tiers,
             evicted: 0,
             adapters: HashSet::new(),
         }
@@ -226,7 +276,12 @@ impl BlockIndex {
         self.block_size
     }
 
-    /// Distinct blocks (keys) indexed, speculative ones included.
+    /// The tiers blocks are held in.
+    pub fn tiers(&self) -> &Tiers {
+        &self.tiers
+    }
+
+    /// Distinct blocks (keys) indexed, in any tier, speculative ones included.
     pub fn len(&self) -> usize {
         self.keys.len()
     }
@@ -235,9 +290,25 @@ impl BlockIndex {
         self.keys.is_empty()
     }
 
-    /// Engine blocks `source` holds according to its events.
+    /// Engine blocks `source` holds according to its events, in any tier.
     pub fn source_blocks(&self, source: SourceId) -> usize {
         self.sources.get(&source).map_or(0, |s| s.engine.len())
+    }
+
+    /// Engine blocks `source` holds per configured tier (a block in two tiers counts
+    /// in both).
+    pub fn source_tier_blocks(&self, source: SourceId) -> [u64; MAX_TIERS] {
+        let mut out = [0; MAX_TIERS];
+        if let Some(s) = self.sources.get(&source) {
+            for (m, n) in s.held.iter().enumerate() {
+                if *n > 0
+                    && let Some(slot) = out.get_mut(self.tiers.tier(Medium::from_index(m)))
+                {
+                    *slot += n;
+                }
+            }
+        }
+        out
     }
 
     /// Keys dropped to stay within `max_blocks`, since creation.
@@ -251,21 +322,23 @@ impl BlockIndex {
             Event::Stored(e) => self.store(source, e),
             Event::Removed(e) => self.remove(source, e),
             Event::AllCleared => {
-                self.clear_source(source);
+                let gpu = self.tiers.gpu();
+                self.clear_medium(source, gpu);
                 Applied::Cleared
             }
         }
     }
 
     fn store(&mut self, source: SourceId, e: &BlockStored) -> Applied {
-        if e.block_size != self.block_size {
-            return Applied::Skipped(Skip::BlockSize(e.block_size));
-        }
-        if !is_gpu(e.medium.as_deref()) {
-            return Applied::Skipped(Skip::OtherTier);
-        }
         if !is_full_attention(e.group_idx, e.kind.as_deref()) {
             return Applied::Skipped(Skip::OtherGroup);
+        }
+        let medium = self.tiers.medium(e.medium.as_deref());
+        if e.token_ids.is_empty() {
+            return self.place_by_hash(source, medium, &e.block_hashes);
+        }
+        if e.block_size != self.block_size {
+            return Applied::Skipped(Skip::BlockSize(e.block_size));
         }
         if let Some(lora) = &e.lora
             && self.adapters.len() < MAX_ADAPTERS
@@ -273,72 +346,101 @@ impl BlockIndex {
         {
             self.adapters.insert(lora.clone());
         }
+        let gpu = medium == self.tiers.gpu();
         let parent = match e.parent_block_hash {
             None => root_key(e.lora.as_deref()),
             Some(p) => match self.sources.get(&source).and_then(|s| s.engine.get(&p)) {
                 Some(k) => *k,
-                None => return Applied::Skipped(Skip::UnknownParent),
+                None if gpu => return Applied::Skipped(Skip::UnknownParent),
+                // A host-tier copy of blocks whose GPU run this router knows.
+                None => return self.place_by_hash(source, medium, &e.block_hashes),
             },
         };
         let keys = chain_keys(parent, &e.token_ids, self.block_size, &e.extra_keys);
         for (&engine_hash, &key) in e.block_hashes.iter().zip(&keys) {
-            self.hold(source, engine_hash, key);
+            self.hold(source, medium, engine_hash, key);
         }
-        let recent = &mut self.sources.entry(source).or_default().recent;
-        if recent.len() == RECENT_STORES {
-            recent.pop_front();
+        if gpu {
+            let recent = &mut self.sources.entry(source).or_default().recent;
+            if recent.len() == RECENT_STORES {
+                recent.pop_front();
+            }
+            recent.push_back(RecentStore {
+                parent: e.parent_block_hash.map(|_| parent),
+                tokens: e.token_ids[..e.token_ids.len().min(RECENT_TOKENS)].to_vec(),
+            });
         }
-        recent.push_back(RecentStore {
-            parent: e.parent_block_hash.map(|_| parent),
-            tokens: e.token_ids[..e.token_ids.len().min(RECENT_TOKENS)].to_vec(),
-        });
-        Applied::Stored(keys.len())
+        Applied::Stored {
+            blocks: keys.len(),
+            unknown: 0,
+        }
     }
 
-    /// Counts one more copy of engine block `engine_hash` (router key `key`) on `source`.
-    fn hold(&mut self, source: SourceId, engine_hash: u64, key: u64) {
+    /// Places blocks named by engine hash only (a host-tier copy without tokens) where
+    /// the source's GPU events put them.
+    fn place_by_hash(&mut self, source: SourceId, medium: Medium, hashes: &[u64]) -> Applied {
+        let (mut blocks, mut unknown) = (0, 0);
+        for &h in hashes {
+            match self.sources.get(&source).and_then(|s| s.engine.get(&h)) {
+                Some(&key) => {
+                    self.hold(source, medium, h, key);
+                    blocks += 1;
+                }
+                None => unknown += 1,
+            }
+        }
+        Applied::Stored { blocks, unknown }
+    }
+
+    /// Counts one more copy of engine block `engine_hash` (router key `key`) in
+    /// `medium` on `source`.
+    fn hold(&mut self, source: SourceId, medium: Medium, engine_hash: u64, key: u64) {
         let src = self.sources.entry(source).or_default();
         if let Some(old) = src.engine.insert(engine_hash, key)
             && old != key
+            && let Some(entry) = self.keys.peek_mut(&old)
         {
-            // The engine reused a hash for other tokens (a new process, or a collision):
-            // the old block is gone.
-            if let Some(entry) = self.keys.peek_mut(&old) {
-                entry
-                    .residents
-                    .retain(|r| !(r.source == source && r.engine_hash == engine_hash));
-                if entry.is_empty() {
-                    self.keys.pop(&old);
-                }
+            // The engine reused a hash for other tokens (a new process, or a
+            // collision): the old block is gone from every tier.
+            entry.release(source, engine_hash, &mut src.held, |_| true);
+            if entry.is_empty() {
+                self.keys.pop(&old);
             }
         }
-        let entry = match self.keys.get_mut(&key) {
-            Some(e) => e,
-            None => {
-                self.insert_key(key);
-                match self.keys.get_mut(&key) {
-                    Some(e) => e,
-                    None => return,
-                }
-            }
+        if self.keys.get_mut(&key).is_none() {
+            self.insert_key(key);
+        }
+        let Some(entry) = self.keys.get_mut(&key) else {
+            return;
         };
-        match entry
+        let new = match entry
             .residents
             .iter_mut()
-            .find(|r| r.source == source && r.engine_hash == engine_hash)
+            .find(|r| r.is(source, engine_hash) && r.medium == medium)
         {
-            Some(r) => r.count = r.count.saturating_add(1),
-            None => entry.residents.push(Resident {
-                source,
-                engine_hash,
-                count: 1,
-            }),
-        }
+            Some(r) => {
+                r.count = r.count.saturating_add(1);
+                false
+            }
+            None => {
+                entry.residents.push(Resident {
+                    source,
+                    engine_hash,
+                    count: 1,
+                    medium,
+                });
+                true
+            }
+        };
         // Confirmed by the engine: the speculation has served its purpose.
         entry.speculative.retain(|s| s.source != source);
+        if new && let Some(src) = self.sources.get_mut(&source) {
+            src.held[medium.index()] += 1;
+        }
     }
 
-    /// Adds an empty entry for `key`, evicting least recently used keys past the bound.
+    /// Adds an empty entry for `key`, evicting least recently used keys past the bound
+    /// (with every tier's holding of them).
     fn insert_key(&mut self, key: u64) {
         self.keys.push(key, KeyEntry::default());
         while self.keys.len() > self.max_blocks {
@@ -347,22 +449,23 @@ impl BlockIndex {
             };
             self.evicted += 1;
             for r in entry.residents {
-                if let Some(src) = self.sources.get_mut(&r.source)
-                    && src.engine.get(&r.engine_hash) == Some(&gone)
-                {
-                    src.engine.remove(&r.engine_hash);
+                if let Some(src) = self.sources.get_mut(&r.source) {
+                    let held = &mut src.held[r.medium.index()];
+                    *held = held.saturating_sub(1);
+                    if src.engine.get(&r.engine_hash) == Some(&gone) {
+                        src.engine.remove(&r.engine_hash);
+                    }
                 }
             }
         }
     }
 
     fn remove(&mut self, source: SourceId, e: &BlockRemoved) -> Applied {
-        if !is_gpu(e.medium.as_deref()) {
-            return Applied::Skipped(Skip::OtherTier);
-        }
         if !is_full_attention(e.group_idx, None) {
             return Applied::Skipped(Skip::OtherGroup);
         }
+        let medium = self.tiers.medium(e.medium.as_deref());
+        let gpu = medium == self.tiers.gpu();
         let Some(src) = self.sources.get_mut(&source) else {
             return Applied::Removed(0);
         };
@@ -371,27 +474,31 @@ impl BlockIndex {
             let Some(&key) = src.engine.get(engine_hash) else {
                 continue;
             };
-            removed += 1;
             let Some(entry) = self.keys.peek_mut(&key) else {
                 src.engine.remove(engine_hash);
                 continue;
             };
-            if let Some(i) = entry
+            let Some(r) = entry
                 .residents
-                .iter()
-                .position(|r| r.source == source && r.engine_hash == *engine_hash)
+                .iter_mut()
+                .find(|r| r.is(source, *engine_hash) && r.medium == medium)
+            else {
+                // Not held in this tier (another tier's copy stays).
+                continue;
+            };
+            removed += 1;
+            r.count = r.count.saturating_sub(1);
+            if r.count == 0
+                && !entry.release(source, *engine_hash, &mut src.held, |r| {
+                    r.medium == medium && r.count == 0
+                })
             {
-                let r = &mut entry.residents[i];
-                r.count = r.count.saturating_sub(1);
-                if r.count == 0 {
-                    entry.residents.swap_remove(i);
-                    src.engine.remove(engine_hash);
-                }
-            } else {
                 src.engine.remove(engine_hash);
             }
-            // The engine's word beats a guess made when routing.
-            entry.speculative.retain(|s| s.source != source);
+            if gpu {
+                // The engine's word beats a guess made when routing.
+                entry.speculative.retain(|s| s.source != source);
+            }
             if entry.is_empty() {
                 self.keys.pop(&key);
             }
@@ -399,14 +506,37 @@ impl BlockIndex {
         Applied::Removed(removed)
     }
 
-    /// Drops every block `source` holds (engine restart, sequence gap, prefix-cache
-    /// reset, worker removed) and voids its speculative entries.
+    /// Drops every block `source` holds in `medium` (`AllBlocksCleared`: the GPU tier,
+    /// §5.5) and voids its speculative entries; blocks other tiers hold stay.
+    fn clear_medium(&mut self, source: SourceId, medium: Medium) {
+        let BlockIndex { keys, sources, .. } = self;
+        let Some(src) = sources.get_mut(&source) else {
+            return;
+        };
+        src.epoch = src.epoch.wrapping_add(1);
+        src.recent.clear();
+        let SourceBlocks { engine, held, .. } = src;
+        engine.retain(|hash, key| {
+            let Some(entry) = keys.peek_mut(key) else {
+                return false;
+            };
+            let kept = entry.release(source, *hash, held, |r| r.medium == medium);
+            if entry.is_empty() {
+                keys.pop(key);
+            }
+            kept
+        });
+    }
+
+    /// Drops every block `source` holds, in every tier (engine restart, sequence gap,
+    /// worker unhealthy or removed) and voids its speculative entries.
     pub fn clear_source(&mut self, source: SourceId) {
         let Some(src) = self.sources.get_mut(&source) else {
             return;
         };
         src.epoch = src.epoch.wrapping_add(1);
         src.recent.clear();
+        src.held = [0; MAX_MEDIUMS];
         for (_, key) in src.engine.drain() {
             if let Some(entry) = self.keys.peek_mut(&key) {
                 entry.residents.retain(|r| r.source != source);
@@ -418,16 +548,27 @@ impl BlockIndex {
     }
 
     /// Counts, per source of `sources`, how many of `keys` (a request's blocks, in
-    /// order) it holds as a run from the first: real holders and speculative ones still
-    /// valid at `now`. Matched keys become most recently used.
+    /// order) it holds as a run from the first, in any tier: real holders and
+    /// speculative ones still valid at `now`. Matched keys become most recently used.
     pub fn match_prefix(&mut self, keys: &[u64], sources: &[SourceId], now: Instant) -> Vec<usize> {
-        let mut matched = vec![0; sources.len()];
+        self.match_runs(keys, sources, now)
+            .into_iter()
+            .map(|r| r.blocks)
+            .collect()
+    }
+
+    /// [`BlockIndex::match_prefix`] with each run's blocks by tier: a block counts in
+    /// the heaviest configured tier the source holds it in (a valid speculative entry
+    /// counts as the GPU's).
+    pub fn match_runs(&mut self, keys: &[u64], sources: &[SourceId], now: Instant) -> Vec<Run> {
+        let mut runs = vec![Run::default(); sources.len()];
         let mut alive: Vec<bool> = vec![true; sources.len()];
         let epochs: Vec<u32> = sources
             .iter()
             .map(|s| self.sources.get(s).map_or(0, |b| b.epoch))
             .collect();
-        for (depth, key) in keys.iter().enumerate() {
+        let gpu = self.tiers.gpu_tier();
+        for key in keys {
             let Some(entry) = self.keys.get_mut(key) else {
                 break;
             };
@@ -447,39 +588,42 @@ impl BlockIndex {
                 if !alive[j] {
                     continue;
                 }
-                let holds = entry.residents.iter().any(|r| r.source == *source)
-                    || entry
-                        .speculative
-                        .iter()
-                        .any(|s| s.source == *source && s.epoch == epochs[j]);
-                if holds {
-                    matched[j] = depth + 1;
-                    any = true;
-                } else {
-                    alive[j] = false;
+                let mut best: Option<usize> = entry
+                    .speculative
+                    .iter()
+                    .any(|s| s.source == *source && s.epoch == epochs[j])
+                    .then_some(gpu);
+                for r in entry.residents.iter().filter(|r| r.source == *source) {
+                    let t = self.tiers.tier(r.medium);
+                    if best.is_none_or(|b| self.tiers.weight(t) > self.tiers.weight(b)) {
+                        best = Some(t);
+                    }
+                }
+                match best {
+                    Some(t) => {
+                        runs[j].push(t);
+                        any = true;
+                    }
+                    None => alive[j] = false,
                 }
             }
             if !any {
                 break;
             }
         }
-        matched
+        runs
     }
 
     /// How many of `keys` (a request's blocks, in order) `source` holds as a run from
-    /// the first, by its engine's own events (speculative entries do not count). Does
-    /// not touch recency.
+    /// the first, in any tier, by its engine's own events (speculative entries do not
+    /// count). Does not touch recency.
     pub fn confirmed_run(&self, keys: &[u64], source: SourceId) -> usize {
         keys.iter()
-            .take_while(|k| {
-                self.keys
-                    .peek(k)
-                    .is_some_and(|e| e.residents.iter().any(|r| r.source == source))
-            })
+            .take_while(|k| self.confirms(**k, source))
             .count()
     }
 
-    /// Whether `source`'s engine reported holding block `key`.
+    /// Whether `source`'s engine reported holding block `key`, in any tier.
     pub fn confirms(&self, key: u64, source: SourceId) -> bool {
         self.keys
             .peek(&key)
@@ -518,11 +662,6 @@ impl BlockIndex {
             }
         }
     }
-}
-
-/// GPU tier, or a nil medium (engines before the field existed).
-fn is_gpu(medium: Option<&str>) -> bool {
-    medium.is_none_or(|m| m.eq_ignore_ascii_case("gpu"))
 }
 
 /// The group a prefix lookup uses (§5.6): the kind says full attention, or, without a
@@ -587,13 +726,25 @@ mod tests {
         // block); B stores it in one, with unrelated engine hashes.
         assert_eq!(
             idx.apply(A, &stored(&toks[..8], 100, None)),
-            Applied::Stored(2)
+            Applied::Stored {
+                blocks: 2,
+                unknown: 0
+            }
         );
         assert_eq!(
             idx.apply(A, &stored(&toks[8..], 102, Some(101))),
-            Applied::Stored(2)
+            Applied::Stored {
+                blocks: 2,
+                unknown: 0
+            }
         );
-        assert_eq!(idx.apply(B, &stored(&toks, 900, None)), Applied::Stored(4));
+        assert_eq!(
+            idx.apply(B, &stored(&toks, 900, None)),
+            Applied::Stored {
+                blocks: 4,
+                unknown: 0
+            }
+        );
         assert_eq!(idx.len(), 4);
         // A request with one partial block more: its 4 full blocks match on both.
         let mut req = toks.clone();
@@ -659,7 +810,7 @@ mod tests {
     }
 
     #[test]
-    fn other_tiers_groups_and_block_sizes_are_not_indexed() {
+    fn other_groups_and_block_sizes_are_not_indexed() {
         let toks = tokens(8, 0);
         let mut idx = BlockIndex::new(BS, 100);
         let with = |f: &dyn Fn(&mut BlockStored)| {
@@ -669,8 +820,6 @@ mod tests {
             f(&mut e);
             Event::Stored(e)
         };
-        let cpu = with(&|e| e.medium = Some("CPU".into()));
-        assert_eq!(idx.apply(A, &cpu), Applied::Skipped(Skip::OtherTier));
         let swa = with(&|e| e.kind = Some("sliding_window".into()));
         assert_eq!(idx.apply(A, &swa), Applied::Skipped(Skip::OtherGroup));
         let g1 = with(&|e| e.group_idx = Some(1));
@@ -684,7 +833,226 @@ mod tests {
             e.medium = None;
             e.group_idx = Some(0);
         });
-        assert_eq!(idx.apply(A, &nil_medium), Applied::Stored(2));
+        assert_eq!(idx.apply(A, &nil_medium), stored_n(2));
+        let g1_removed = Event::Removed(BlockRemoved {
+            block_hashes: vec![1],
+            medium: None,
+            group_idx: Some(1),
+        });
+        assert_eq!(
+            idx.apply(A, &g1_removed),
+            Applied::Skipped(Skip::OtherGroup)
+        );
+    }
+
+    fn stored_n(blocks: usize) -> Applied {
+        Applied::Stored { blocks, unknown: 0 }
+    }
+
+    /// vLLM's CPU-offloading connector's form: the GPU blocks' hashes, no tokens, no
+    /// parent, block size 0, medium `medium`.
+    fn offloaded(medium: &str, hashes: &[u64]) -> Event {
+        Event::Stored(BlockStored {
+            block_hashes: hashes.to_vec(),
+            parent_block_hash: None,
+            token_ids: Vec::new(),
+            block_size: 0,
+            lora: None,
+            medium: Some(medium.into()),
+            extra_keys: Vec::new(),
+            group_idx: None,
+            kind: None,
+        })
+    }
+
+    fn removed_from(medium: &str, hashes: &[u64]) -> Event {
+        Event::Removed(BlockRemoved {
+            block_hashes: hashes.to_vec(),
+            medium: Some(medium.into()),
+            group_idx: None,
+        })
+    }
+
+    /// Blocks of `run` per tier: GPU, CPU, STORAGE (the default tiers).
+    fn tiers_of(run: &Run) -> [u64; 3] {
+        let t = run.by_tier();
+        [t[0], t[1], t[2]]
+    }
+
+    #[test]
+    fn a_host_copy_outlives_the_gpu_eviction_until_its_own_removal() {
+        let toks = tokens(12, 0);
+        let k = keys(&toks);
+        let mut idx = BlockIndex::new(BS, 100);
+        idx.apply(A, &stored(&toks, 10, None));
+        // The offloading connector copies blocks 0 and 1 (not 2) to the CPU.
+        assert_eq!(idx.apply(A, &offloaded("CPU", &[10, 11])), stored_n(2));
+        assert_eq!(&idx.source_tier_blocks(A)[..2], [3, 2]);
+        // The GPU evicts all three: blocks 0 and 1 stay held, on the CPU.
+        assert_eq!(idx.apply(A, &removed(&[10, 11, 12])), Applied::Removed(3));
+        let run = idx.match_runs(&k, &[A], t0()).remove(0);
+        assert_eq!((run.blocks, tiers_of(&run)), (2, [0, 2, 0]));
+        assert_eq!(idx.source_blocks(A), 2);
+        // The GPU's removal of a block it no longer holds changes nothing.
+        assert_eq!(idx.apply(A, &removed(&[10])), Applied::Removed(0));
+        // The CPU's removal of block 1 ends the run after block 0; of block 0, the
+        // holding, and the hash mapping with it.
+        assert_eq!(
+            idx.apply(A, &removed_from("CPU", &[11])),
+            Applied::Removed(1)
+        );
+        assert_eq!(idx.match_prefix(&k, &[A], t0()), [1]);
+        idx.apply(A, &removed_from("CPU", &[10]));
+        assert_eq!(idx.match_prefix(&k, &[A], t0()), [0]);
+        assert_eq!((idx.source_blocks(A), idx.len()), (0, 0));
+        assert_eq!(
+            idx.apply(A, &offloaded("CPU", &[10])),
+            Applied::Stored {
+                blocks: 0,
+                unknown: 1
+            },
+            "a hash no GPU event placed cannot be placed"
+        );
+    }
+
+    #[test]
+    fn a_removal_applies_to_its_own_tier_and_the_heaviest_tier_counts() {
+        let toks = tokens(8, 0);
+        let k = keys(&toks);
+        let mut idx = BlockIndex::new(BS, 100);
+        idx.apply(A, &stored(&toks, 10, None));
+        idx.apply(A, &offloaded("CPU", &[10, 11]));
+        idx.apply(A, &offloaded("STORAGE", &[10]));
+        let run = idx.match_runs(&k, &[A], t0()).remove(0);
+        assert_eq!(tiers_of(&run), [2, 0, 0], "on the GPU first");
+        // The CPU drops both: the GPU still holds them.
+        idx.apply(A, &removed_from("CPU", &[10, 11]));
+        assert_eq!(idx.match_prefix(&k, &[A], t0()), [2]);
+        assert_eq!(&idx.source_tier_blocks(A)[..3], [2, 0, 1]);
+        // The GPU drops them: block 0 is still on storage, block 1 nowhere.
+        idx.apply(A, &removed(&[10, 11]));
+        let run = idx.match_runs(&k, &[A], t0()).remove(0);
+        assert_eq!((run.blocks, tiers_of(&run)), (1, [0, 0, 1]));
+        assert_eq!(idx.source_blocks(A), 1);
+    }
+
+    #[test]
+    fn reference_counts_are_per_source_tier_and_block() {
+        let toks = tokens(4, 0);
+        let k = keys(&toks);
+        let mut idx = BlockIndex::new(BS, 100);
+        // Rank A0 stores the block twice on the GPU and its connector announces the
+        // CPU copy twice (chunks re-announce shared hashes); rank A1 stores it once
+        // under its own hash.
+        const A1: SourceId = SourceId(3);
+        for _ in 0..2 {
+            idx.apply(A, &stored(&toks, 10, None));
+            idx.apply(A, &offloaded("CPU", &[10]));
+        }
+        idx.apply(A1, &stored(&toks, 77, None));
+        assert_eq!(idx.match_prefix(&k, &[A, A1], t0()), [1, 1]);
+        // One GPU removal on A leaves a GPU copy; the second leaves the CPU's.
+        idx.apply(A, &removed(&[10]));
+        assert_eq!(tiers_of(&idx.match_runs(&k, &[A], t0())[0]), [1, 0, 0]);
+        idx.apply(A, &removed(&[10]));
+        assert_eq!(tiers_of(&idx.match_runs(&k, &[A], t0())[0]), [0, 1, 0]);
+        idx.apply(A, &removed_from("CPU", &[10]));
+        assert_eq!(idx.match_prefix(&k, &[A, A1], t0()), [1, 1]);
+        idx.apply(A, &removed_from("CPU", &[10]));
+        assert_eq!(idx.match_prefix(&k, &[A, A1], t0()), [0, 1]);
+        // A's hash means nothing on A1: the removal there is ignored.
+        assert_eq!(idx.apply(A1, &removed(&[10])), Applied::Removed(0));
+        assert_eq!(
+            idx.apply(A1, &removed_from("CPU", &[77])),
+            Applied::Removed(0)
+        );
+        assert_eq!(idx.match_prefix(&k, &[A1], t0()), [1]);
+    }
+
+    #[test]
+    fn all_blocks_cleared_clears_the_gpu_tier_only() {
+        let toks = tokens(8, 0);
+        let k = keys(&toks);
+        let mut idx = BlockIndex::new(BS, 100);
+        idx.apply(A, &stored(&toks, 10, None));
+        idx.apply(A, &offloaded("CPU", &[10]));
+        assert_eq!(idx.apply(A, &Event::AllCleared), Applied::Cleared);
+        let run = idx.match_runs(&k, &[A], t0()).remove(0);
+        assert_eq!((run.blocks, tiers_of(&run)), (1, [0, 1, 0]));
+        // Block 0's mapping stays (the CPU holds it): its continuation can be placed.
+        assert_eq!(idx.apply(A, &stored(&toks[4..], 11, Some(10))), stored_n(1));
+        assert_eq!(idx.match_prefix(&k, &[A], t0()), [2]);
+        // A restart, a gap: every tier goes.
+        idx.clear_source(A);
+        assert_eq!((idx.len(), idx.source_blocks(A)), (0, 0));
+        assert_eq!(idx.source_tier_blocks(A), [0; MAX_TIERS]);
+    }
+
+    #[test]
+    fn a_host_event_with_tokens_is_chained_or_else_placed_by_hash() {
+        let toks = tokens(12, 0);
+        let k = keys(&toks);
+        let mut idx = BlockIndex::new(BS, 100);
+        idx.apply(A, &stored(&toks[..4], 10, None));
+        // Self-describing offload events: tokens, parent, the GPU block size.
+        let Event::Stored(mut e) = stored(&toks[4..8], 11, Some(10)) else {
+            unreachable!()
+        };
+        e.medium = Some("CPU".into());
+        assert_eq!(idx.apply(A, &Event::Stored(e.clone())), stored_n(1));
+        assert_eq!(tiers_of(&idx.match_runs(&k, &[A], t0())[0]), [1, 1, 0]);
+        // Its parent unknown: placed by hash where known (block 1), counted otherwise.
+        e.parent_block_hash = Some(999);
+        e.block_hashes = vec![11];
+        assert_eq!(idx.apply(A, &Event::Stored(e.clone())), stored_n(1));
+        e.block_hashes = vec![12];
+        assert_eq!(
+            idx.apply(A, &Event::Stored(e)),
+            Applied::Stored {
+                blocks: 0,
+                unknown: 1
+            }
+        );
+    }
+
+    #[test]
+    fn the_bound_counts_blocks_in_every_tier() {
+        let mut idx = BlockIndex::new(BS, 4);
+        let (p, q, r) = (tokens(8, 0), tokens(8, 1), tokens(8, 2));
+        idx.apply(A, &stored(&p, 10, None));
+        idx.apply(A, &offloaded("CPU", &[10, 11]));
+        // P leaves the GPU; its CPU copies keep its two keys.
+        idx.apply(A, &removed(&[10, 11]));
+        assert_eq!(idx.len(), 2);
+        idx.apply(A, &stored(&q, 20, None));
+        assert_eq!((idx.len(), idx.evicted()), (4, 0));
+        // R needs two keys: P's, least recently used, go, CPU copies and all.
+        idx.apply(A, &stored(&r, 30, None));
+        assert_eq!((idx.len(), idx.evicted()), (4, 2));
+        assert_eq!(idx.match_prefix(&keys(&p), &[A], t0()), [0]);
+        assert_eq!(&idx.source_tier_blocks(A)[..2], [4, 0]);
+        assert_eq!(idx.source_blocks(A), 4);
+        assert_eq!(
+            idx.apply(A, &removed_from("CPU", &[10])),
+            Applied::Removed(0)
+        );
+    }
+
+    #[test]
+    fn a_speculative_entry_counts_as_the_gpu_tier() {
+        let toks = tokens(8, 0);
+        let k = keys(&toks);
+        let now = t0();
+        let mut idx = BlockIndex::new(BS, 100);
+        idx.apply(A, &stored(&toks, 10, None));
+        idx.apply(A, &offloaded("CPU", &[10, 11]));
+        idx.apply(A, &removed(&[10, 11]));
+        idx.speculate(&k[..1], A, now + std::time::Duration::from_secs(2));
+        let run = idx.match_runs(&k, &[A], now).remove(0);
+        assert_eq!(run.segments, [(0, 1), (1, 1)]);
+        // The CPU's removal of block 0 leaves the speculation; block 1 is still there.
+        idx.apply(A, &removed_from("CPU", &[10]));
+        assert_eq!(idx.match_prefix(&k, &[A], now), [2]);
     }
 
     #[test]

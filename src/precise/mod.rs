@@ -5,7 +5,8 @@
 //! ```text
 //! events     ZeroMQ frames + msgpack -> Batch / Event            (pure)
 //! sequence   Sequencer: order, gaps, restarts, replay steps     (pure)
-//! index      BlockIndex: router key -> workers, LRU-bounded      (pure)
+//! index      BlockIndex: router key -> workers and tiers, LRU-bounded (pure)
+//! tiers      KV tiers (the events' medium) and their weights      (pure)
 //! feed       Feed: one publisher's state and counters (a worker has one per DP rank)
 //! consumer   one task per feed: SUB (+ DEALER for replay) -> index
 //! parity     token parity: answers' blocks looked up in the engine's own events
@@ -45,6 +46,7 @@ pub mod feed;
 pub mod index;
 pub mod parity;
 pub mod sequence;
+pub mod tiers;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -71,10 +73,57 @@ pub enum Lookup {
         tokens: usize,
         source: TokenSource,
         ids: Arc<[u32]>,
+        /// What the last precise pick for it found, by tier, for its answer's counts.
+        tiers: TierNote,
     },
     /// Precise scoring is neutral for this request.
     Fallback(Fallback),
 }
+
+/// What a precise pick found for a request, tier by tier, kept with its [`Lookup`]
+/// (clones share it) until the answer: the answer's engine usage then splits the
+/// decision's available / predicted / delivered tokens by tier
+/// ([`Precise::count_tiers`]). Empty when the request was not scored precisely.
+#[derive(Debug, Clone, Default)]
+pub struct TierNote(Arc<Mutex<Option<Noted>>>);
+
+/// One precise pick's runs (see [`TierNote`]).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Noted {
+    /// The longest run any scored worker holds, and its tokens as the pick counted them
+    /// (*available*).
+    pub available: tiers::Run,
+    pub available_tokens: u64,
+    /// The chosen worker's run and its tokens (*predicted*).
+    pub predicted: tiers::Run,
+    pub predicted_tokens: u64,
+}
+
+impl TierNote {
+    /// Keeps `noted` (the latest pick's), or forgets the last one (`None`: the pick
+    /// was not precise).
+    pub fn set(&self, noted: Option<Noted>) {
+        *self.0.lock().unwrap_or_else(|e| e.into_inner()) = noted;
+    }
+
+    /// What the latest pick noted.
+    pub fn get(&self) -> Option<Noted> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+}
+
+impl PartialEq for TierNote {
+    /// The same note (one request's), not equal contents.
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for TierNote {}
+
+/// Per tier (configured order, see [`tiers::Tiers::names`]): available, predicted and
+/// delivered prompt tokens of a worker's precisely scored answers.
+pub type TierTokens = [[u64; tiers::MAX_TIERS]; 3];
 
 /// Where a precisely scored request's token ids came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -185,6 +234,9 @@ pub struct Precise {
     precise_decisions: [AtomicU64; 3],
     /// Fallback decisions, by [`Fallback::ALL`] position.
     fallback_decisions: [AtomicU64; 8],
+    /// Per worker label: its precisely scored answers' tokens by tier
+    /// ([`Precise::count_tiers`]).
+    tier_tokens: Mutex<std::collections::HashMap<Arc<str>, TierTokens>>,
     /// Tokenizer jobs that may run at once: one per core. A job holds its permit until
     /// it ends, even when its client has gone, so CPU and memory stay bounded.
     tokenize_slots: Arc<tokio::sync::Semaphore>,
@@ -200,6 +252,10 @@ pub struct Precise {
 pub const TOKENIZE_WAIT: Duration = Duration::from_millis(50);
 /// Waiting requests per tokenizer slot beyond which a request does not queue at all.
 pub const TOKENIZE_QUEUE_PER_SLOT: usize = 64;
+
+/// Most workers whose tokens by tier are kept (a pool has far fewer; the scrape drops
+/// those that left).
+const MAX_TIER_WORKERS: usize = 4096;
 
 /// Most prompt tokens keyed per request (256k: the longest contexts served today);
 /// a longer prompt is matched on this prefix. Bounds the keying work, the index lock
@@ -230,12 +286,17 @@ impl Precise {
         }
         let slots = std::thread::available_parallelism().map_or(1, |n| n.get());
         Precise {
-            index: Mutex::new(BlockIndex::new(config.block_size, config.max_blocks.get())),
+            index: Mutex::new(BlockIndex::with_tiers(
+                config.block_size,
+                config.max_blocks.get(),
+                tiers::Tiers::new(&config.tier_weights),
+            )),
             tokenizer,
             config: config.clone(),
             parity: parity::Checks::default(),
             precise_decisions: Default::default(),
             fallback_decisions: Default::default(),
+            tier_tokens: Mutex::default(),
             tokenize_slots: Arc::new(tokio::sync::Semaphore::new(slots)),
             tokenize_queue: tokio::sync::Semaphore::new(slots * TOKENIZE_QUEUE_PER_SLOT),
         }
@@ -403,6 +464,7 @@ impl Precise {
             tokens: tokens.len(),
             source,
             ids: keyed.into(),
+            tiers: TierNote::default(),
         }
     }
 
@@ -443,6 +505,52 @@ impl Precise {
     pub fn count_fallback(&self, why: Fallback) {
         let i = Fallback::ALL.iter().position(|f| *f == why).unwrap_or(0);
         self.fallback_decisions[i].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts a precisely scored answer from `worker` whose engine reported
+    /// `delivered` prompt tokens cached: the pick's `noted` runs split its available
+    /// and predicted tokens by tier, and `delivered` is split along the predicted run
+    /// (the engine reuses a prefix: its GPU blocks, then what it loads from a host
+    /// tier); delivered tokens past that run count as the GPU's (the engine's own
+    /// cache, which the router had not heard of yet).
+    pub fn count_tiers(&self, worker: &Arc<str>, noted: &Noted, delivered: u64) {
+        let (bs, gpu) = {
+            let index = self.index();
+            (index.block_size(), index.tiers().gpu_tier())
+        };
+        let split = [
+            noted.available.split(noted.available_tokens, bs, gpu),
+            noted.predicted.split(noted.predicted_tokens, bs, gpu),
+            noted.predicted.split(delivered, bs, gpu),
+        ];
+        let mut all = self.tier_tokens.lock().unwrap_or_else(|e| e.into_inner());
+        if !all.contains_key(worker) && all.len() >= MAX_TIER_WORKERS {
+            return;
+        }
+        let counts = all.entry(Arc::clone(worker)).or_default();
+        for (kind, by_tier) in counts.iter_mut().zip(split) {
+            for (c, n) in kind.iter_mut().zip(by_tier) {
+                *c += n;
+            }
+        }
+    }
+
+    /// `worker`'s tokens by tier so far ([`Precise::count_tiers`]).
+    pub fn tier_tokens(&self, worker: &str) -> TierTokens {
+        self.tier_tokens
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(worker)
+            .copied()
+            .unwrap_or_default()
+    }
+
+    /// Forgets the tier counts of workers no longer in `keep` (labels).
+    pub fn retain_tier_tokens(&self, keep: &[&Arc<str>]) {
+        self.tier_tokens
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .retain(|w, _| keep.iter().any(|k| **k == *w));
     }
 
     /// Decisions so far: `("precise", token source, n)` and `("fallback", cause, n)`.
@@ -491,6 +599,7 @@ mod tests {
             speculative_ttl: Duration::from_secs(2),
             tokenizer: None,
             parity_floor: 0.5,
+            ..PreciseConfig::default()
         }
     }
 

@@ -116,6 +116,7 @@ impl GuardedBody {
                 && let Some(found) = tap.scanner.take().map(UsageScanner::found)
             {
                 let mut shortfall = None;
+                let mut delivered_tokens = None;
                 if let Some(u) = found.usage {
                     let cached = u.cached_tokens.unwrap_or(0);
                     tap.metrics.engine_usage(worker, u.prompt_tokens, cached);
@@ -133,6 +134,7 @@ impl GuardedBody {
                             tap.hit_numbers(g.worker(), delivered);
                         }
                         shortfall = short;
+                        delivered_tokens = delivered;
                     }
                 }
                 let keyed = matches!(
@@ -143,6 +145,7 @@ impl GuardedBody {
                     response_id: found.response_id.as_deref(),
                     shortfall,
                     prepared: keyed.then_some(&tap.prepared),
+                    delivered_tokens,
                 };
                 if let Some(w) = served_by.as_ref()
                     && (answer.response_id.is_some()

@@ -282,9 +282,9 @@ fn on_event(e: Event, flying: &mut [Option<InFlight>], policy: &dyn Policy, bloc
     }
     if shortfall.is_some() {
         let answer = Answer {
-            response_id: None,
             shortfall,
-            prepared: None,
+            delivered_tokens: delivered,
+            ..Answer::default()
         };
         policy.answered(f.guard.worker(), &answer);
     }

@@ -10,17 +10,21 @@
 //! marks its blocks as speculatively held by the serving worker (rank) until the engine's
 //! own events confirm them (`precise.speculative_ttl_secs`).
 //!
-//! Data parallelism: a worker's matched run is the longest of its live ranks', and the
+//! KV tiers: a block a worker holds in any tier (GPU, CPU, storage) counts towards its
+//! run, at its tier's weight (`precise.tier_weights`, see [`score`]).
+//!
+//! Data parallelism: a worker's matched run is the best of its live ranks', and the
 //! request names that rank (vLLM's `X-data-parallel-rank`); for a prompt no rank holds,
 //! a random live rank, so that its repeats follow it (see [`crate::precise`]).
 
+pub mod event_index;
 pub mod score;
 mod supervise;
 mod view;
 
 use std::sync::Arc;
 
-use rand::{Rng, RngCore};
+use rand::RngCore;
 
 use super::{
     Answer, BoxFuture, CacheAware, Candidate, Outcome, Pick, Policy, Prepared, RequestParts,
@@ -28,19 +32,16 @@ use super::{
 };
 use crate::config::Config;
 use crate::pools::pool::{Pool, PoolListener, Worker, WorkerSet};
-use crate::precise::feed::{self, Feed, FeedStats};
-use crate::precise::index::SourceId;
-use crate::precise::{Fallback, Lookup, Precise};
+use crate::precise::feed::Feed;
+use crate::precise::{Fallback, TokenSource};
 use crate::shutdown::Shutdown;
 use crate::tree::SharedTree;
+pub use event_index::EventIndex;
 
 /// See the module docs.
 pub struct PreciseCacheAware {
-    precise: Arc<Precise>,
+    events: EventIndex,
     fallback: CacheAware,
-    /// Whether this instance runs the KV-event consumers and the parity check: one
-    /// state serves every model's pool, and only one instance feeds it.
-    feeds: bool,
 }
 
 impl PreciseCacheAware {
@@ -50,84 +51,55 @@ impl PreciseCacheAware {
     }
 
     pub fn new(config: &Config) -> Self {
-        Self::sharing(config, Arc::new(Precise::new(&config.precise)), true)
+        Self::sharing(config, EventIndex::new(&config.precise))
     }
 
-    /// A policy over the KV-event state `precise`, which another instance may already
-    /// feed (`feeds` false: this one runs only its tree's upkeep).
-    pub fn sharing(config: &Config, precise: Arc<Precise>, feeds: bool) -> Self {
+    /// A policy over `events`, whose KV-event state one policy feeds for every model's
+    /// pool ([`EventIndex::sharing`]).
+    pub fn sharing(config: &Config, events: EventIndex) -> Self {
         PreciseCacheAware {
-            precise,
+            events,
             fallback: CacheAware::new(&config.cache, None),
-            feeds,
         }
     }
 
-    /// Scores the candidates on the index; `Err` when no feed is scorable. A
-    /// candidate's matched run is the longest of its live ranks'.
+    /// Scores the candidates on the index; `Err` when no feed is scorable, or when no
+    /// scored worker holds any of the prompt while some worker could not be scored. A
+    /// candidate's matched run is the best of its live ranks' (by its worth across
+    /// tiers). Notes the runs for the answer's counts by tier.
     fn score(
         &self,
         req: &RouteRequest<'_>,
         candidates: &[Candidate],
         feeds: &[&[Arc<Feed>]],
-        keys: &[u64],
-        tokens: usize,
         rng: &mut dyn RngCore,
-    ) -> Result<Pick, Fallback> {
+    ) -> Result<(Pick, TokenSource), Fallback> {
         let now = crate::pools::pool::now();
-        let stale = self.precise.config().stale;
-        // (candidate, source) for every live rank of every usable cache-aware candidate.
-        let scorable: Vec<(usize, SourceId)> = candidates
+        let runs = self.events.runs(req, candidates, feeds, now)?;
+        let per_candidate: Vec<Option<score::Matched>> = runs
+            .best
             .iter()
-            .zip(feeds)
-            .enumerate()
-            .filter(|(_, (c, _))| c.usable && c.cache_aware)
-            .flat_map(|(i, (_, ranks))| {
-                ranks
-                    .iter()
-                    .filter(|f| f.state(now, stale) == feed::FeedState::Live)
-                    .map(move |f| (i, f.source()))
-            })
+            .map(|b| b.as_ref().map(|b| b.matched))
             .collect();
-        if scorable.is_empty() {
-            let parity_lost = candidates.iter().zip(feeds).any(|(c, ranks)| {
-                c.usable
-                    && c.cache_aware
-                    && ranks
-                        .iter()
-                        .any(|f| f.state(now, stale) == feed::FeedState::ParityLost)
-            });
-            return Err(if parity_lost {
-                Fallback::ParityLost
-            } else {
-                Fallback::NoFreshWorker
-            });
-        }
-        let sources: Vec<SourceId> = scorable.iter().map(|(_, s)| *s).collect();
-        let matched = self.precise.index().match_prefix(keys, &sources, now);
-        let mut per_candidate: Vec<Option<usize>> = vec![None; candidates.len()];
-        // The source holding each candidate's longest run (its best rank).
-        let mut best_source: Vec<Option<SourceId>> = vec![None; candidates.len()];
-        for ((i, source), m) in scorable.iter().zip(matched) {
-            let best = per_candidate[*i].get_or_insert(0);
-            if m > *best || best_source[*i].is_none() {
-                best_source[*i] = Some(*source);
-            }
-            *best = (*best).max(m);
-        }
         let unscored = candidates
             .iter()
             .zip(&per_candidate)
             .any(|(c, m)| c.usable && c.cache_aware && m.is_none());
-        if unscored && per_candidate.iter().all(|m| m.unwrap_or(0) == 0) {
+        if unscored
+            && per_candidate
+                .iter()
+                .all(|m| m.is_none_or(|m| m.blocks == 0))
+        {
+            runs.note_none();
             return Err(Fallback::UnscoredMiss);
         }
+        let config = self.events.precise().config();
         let mut pick = score::pick_precise(
             self.fallback.params(),
             candidates,
             &per_candidate,
-            tokens,
-            self.precise.config().block_size,
+            runs.tokens,
+            config.block_size,
             req.tie,
             rng,
         );
@@ -135,31 +107,11 @@ impl PreciseCacheAware {
             .worker
             .and_then(|id| candidates.iter().position(|c| c.id == id && c.cache_aware));
         if let Some(i) = chosen {
-            // A worker of several ranks: name the rank (vLLM's `X-data-parallel-rank`)
-            // rather than leave it to the engine's balancer, which is not prefix-aware:
-            // the rank holding the longest run, or for a prompt it does not hold, a
-            // random live one (the engine balances by queue, a random pick evenly), so
-            // that its repeats, steered by the speculative entries, find it there.
-            let ranks = feeds[i];
-            let rank = if ranks.len() < 2 {
-                None
-            } else if per_candidate[i].unwrap_or(0) > 0 {
-                ranks.iter().find(|f| Some(f.source()) == best_source[i])
-            } else {
-                let live: Vec<&Arc<Feed>> = ranks
-                    .iter()
-                    .filter(|f| f.state(now, stale) == feed::FeedState::Live)
-                    .collect();
-                let from: Vec<&Arc<Feed>> = if live.is_empty() {
-                    ranks.iter().collect()
-                } else {
-                    live
-                };
-                Some(from[rng.random_range(0..from.len())])
-            };
-            pick.dp_rank = rank.map(|f| f.rank());
+            pick.dp_rank =
+                event_index::rank_for(feeds[i], runs.best[i].as_ref(), now, config.stale, rng);
         }
-        Ok(pick)
+        runs.note(chosen, &pick);
+        Ok((pick, runs.source))
     }
 }
 
@@ -173,13 +125,7 @@ impl PoolListener for PreciseCacheAware {
     /// from 0 when a replay endpoint exists) and its blocks go.
     fn worker_down(&self, worker: &Worker) {
         self.fallback.worker_down(worker);
-        for feed in worker.feeds() {
-            // Reset first: a batch applied after the clear below is then cleared again
-            // by the consumer.
-            feed.reset();
-            self.precise.index().clear_source(feed.source());
-            FeedStats::inc(&feed.stats.clears_unhealthy);
-        }
+        self.events.worker_down(worker);
     }
 }
 
@@ -189,13 +135,7 @@ impl Policy for PreciseCacheAware {
     }
 
     fn prepare<'a>(&'a self, req: RequestParts<'a>) -> Option<BoxFuture<'a, Prepared>> {
-        Some(Box::pin(async move {
-            Prepared::Blocks(
-                self.precise
-                    .lookup(req.headers, req.endpoint, req.body)
-                    .await,
-            )
-        }))
+        Some(self.events.prepare(req))
     }
 
     fn pick(
@@ -206,40 +146,19 @@ impl Policy for PreciseCacheAware {
         rng: &mut dyn RngCore,
     ) -> Pick {
         let now = crate::pools::pool::now();
-        let feeds: Vec<&[Arc<Feed>]> = candidates
-            .iter()
-            .map(|c| set.get(c.id).map_or(&[][..], |w| w.feeds()))
-            .collect();
-        let result = match &req.prepared {
-            Prepared::Blocks(Lookup::Blocks {
-                keys,
-                tokens,
-                source,
-                ..
-            }) => self
-                .score(req, candidates, &feeds, keys, *tokens, rng)
-                .map(|pick| (pick, *source)),
-            Prepared::Blocks(Lookup::Fallback(why)) => Err(*why),
-            Prepared::Nothing => Err(Fallback::NoTokens),
-        };
-        let pick = match result {
+        let feeds = EventIndex::feeds(set, candidates);
+        let precise = self.events.precise();
+        let pick = match self.score(req, candidates, &feeds, rng) {
             Ok((pick, source)) => {
-                self.precise.count_precise(source);
+                precise.count_precise(source);
                 pick
             }
             Err(why) => {
-                self.precise.count_fallback(why);
+                precise.count_fallback(why);
                 self.fallback.decide(req, set, candidates, rng)
             }
         };
-        // The ranks share the staleness clock: starting it on one starts it for all.
-        if let Some(feed) = pick
-            .worker
-            .and_then(|id| candidates.iter().position(|c| c.id == id))
-            .and_then(|i| feeds[i].first())
-        {
-            feed.note_routed(now);
-        }
+        EventIndex::routed(&pick, candidates, &feeds, now);
         pick
     }
 
@@ -248,37 +167,20 @@ impl Policy for PreciseCacheAware {
             return;
         }
         self.fallback.record_served(req, pick);
-        let ttl = self.precise.config().speculative_ttl;
-        let Prepared::Blocks(Lookup::Blocks { keys, .. }) = &req.prepared else {
-            return;
-        };
-        if pick.unit != super::MatchUnit::Tokens || !pick.cache_aware || ttl.is_zero() {
-            return;
-        }
-        let until = crate::pools::pool::now() + ttl;
-        let mut index = self.precise.index();
-        for feed in worker.feeds() {
-            if pick.dp_rank.is_none_or(|r| r == feed.rank()) {
-                index.speculate(keys, feed.source(), until);
-            }
-        }
+        self.events.speculate(req, pick, worker);
     }
 
     /// The tree learns from the answer as in `cache_aware`; an answer to a request
-    /// whose blocks were keyed is queued for its token-parity check.
+    /// whose blocks were keyed is queued for its token-parity check and counted by tier.
     fn answered(&self, worker: &Worker, answer: &Answer<'_>) {
         self.fallback.learn(worker, answer);
-        if let Some(Prepared::Blocks(Lookup::Blocks { keys, ids, .. })) = answer.prepared {
-            self.precise
-                .check_parity(worker.label(), worker.feeds(), keys, ids);
-        }
+        self.events.answered(worker, answer);
     }
 
     fn views(&self) -> Vec<Arc<dyn super::View>> {
         let mut views = self.fallback.views();
-        // The one state's view, once (with the instance that feeds it).
-        if self.feeds {
-            views.insert(0, Arc::new(view::PreciseView(Arc::clone(&self.precise))));
+        if let Some(v) = self.events.view() {
+            views.insert(0, v);
         }
         views
     }
@@ -287,22 +189,21 @@ impl Policy for PreciseCacheAware {
         let evict = self
             .fallback
             .background(Arc::clone(&pool), shutdown.clone());
-        if !self.feeds {
-            return evict;
-        }
-        let parity = crate::precise::parity::run(Arc::clone(&self.precise), shutdown.clone());
-        let supervise = supervise::run(Arc::clone(&self.precise), pool, shutdown);
-        let precise = futures_util::future::join(supervise, parity);
-        Some(Box::pin(async move {
-            match evict {
-                Some(e) => {
-                    futures_util::future::join(e, precise).await;
-                }
-                None => {
-                    precise.await;
-                }
-            }
-        }))
+        let precise = self.events.background(pool, shutdown);
+        both(evict, precise)
+    }
+}
+
+/// Both background tasks, either, or none.
+pub(crate) fn both(
+    a: Option<BoxFuture<'static, ()>>,
+    b: Option<BoxFuture<'static, ()>>,
+) -> Option<BoxFuture<'static, ()>> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(Box::pin(async move {
+            futures_util::future::join(a, b).await;
+        })),
+        (a, b) => a.or(b),
     }
 }
 
@@ -318,6 +219,7 @@ mod tests {
             speculative_ttl: std::time::Duration::from_secs(2),
             tokenizer: None,
             parity_floor: 0.5,
+            ..crate::config::PreciseConfig::default()
         }
     }
 
@@ -329,9 +231,8 @@ mod tests {
         .unwrap()
         .cache;
         PreciseCacheAware {
-            precise: Arc::new(Precise::new(precise)),
+            events: EventIndex::new(precise),
             fallback: CacheAware::new(&cache, None),
-            feeds: true,
         }
     }
 
@@ -386,7 +287,7 @@ mod tests {
             ..config()
         };
         for (pol, speculate) in [(policy(&no_spec), false), (policy(&config()), true)] {
-            let p = &pol.precise;
+            let p = pol.events.precise();
             // A served attempt, as the proxy reports it: pick, then observe.
             let serve = |lookup: &Lookup, loads: &[usize]| {
                 let req = RouteRequest {

@@ -9,7 +9,9 @@
 //!    every rank replaying or stale) scores neutral: nothing matched, no preference
 //!    either way;
 //! 3. its cost is the prompt's uncached prefill: `prompt_tokens - matched_blocks ×
-//!    block_size`; the lowest cost wins, ties to the least loaded, then at random;
+//!    block_size`, where a block held only off the GPU counts at its tier's weight
+//!    (`precise.tier_weights`: a CPU block 0.8 of a GPU block by default, since it must
+//!    be loaded first); the lowest cost wins, ties to the least loaded, then at random;
 //! 4. the same balance guard as the approximate mode: the winner's load may exceed the
 //!    least-loaded worker's by at most `balance_abs_threshold` or
 //!    `balance_rel_threshold` times, else least-loaded ([`Reason::HitOverloaded`]);
@@ -24,31 +26,52 @@ use rand::RngCore;
 use crate::policy::select::{is_overloaded, least_loaded, usable};
 use crate::policy::{CacheParams, Candidate, MatchUnit, Pick, Reason};
 
-/// Picks a worker; `matched_blocks[i]` is candidate i's matched run (`None` =
-/// neutral). `prompt_tokens` counts every token of the request, `block_size` is tokens
-/// per block.
+/// A candidate's matched run: its blocks in any tier, and their worth in GPU blocks
+/// (each block at its tier's weight, see [`crate::precise::tiers::Run::credit`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Matched {
+    pub blocks: usize,
+    pub credit: f64,
+}
+
+impl Matched {
+    /// A run of `blocks` GPU blocks.
+    pub fn gpu(blocks: usize) -> Matched {
+        Matched {
+            blocks,
+            credit: blocks as f64,
+        }
+    }
+}
+
+/// Credits closer than this are equal (sums of weights of up to 2^18 blocks).
+const CREDIT_EPSILON: f64 = 1e-6;
+
+/// Picks a worker; `matched[i]` is candidate i's matched run (`None` = neutral).
+/// `prompt_tokens` counts every token of the request, `block_size` is tokens per block.
 pub fn pick_precise(
     params: &CacheParams,
     candidates: &[Candidate],
-    matched_blocks: &[Option<usize>],
+    matched: &[Option<Matched>],
     prompt_tokens: usize,
     block_size: usize,
     tie: Option<u64>,
     rng: &mut dyn RngCore,
 ) -> Pick {
-    let matched = |i: usize| matched_blocks.get(i).copied().flatten().unwrap_or(0);
-    // Held by any cache-aware worker, usable or not.
+    let run = |i: usize| matched.get(i).copied().flatten().unwrap_or_default();
+    let tokens = |i: usize| (run(i).blocks * block_size).min(prompt_tokens);
+    // Held by any cache-aware worker, usable or not, in any tier.
     let available = candidates
         .iter()
         .enumerate()
         .filter(|(_, c)| c.cache_aware)
-        .map(|(i, _)| matched(i))
+        .map(|(i, _)| tokens(i))
         .max()
-        .map_or(0, |b| (b * block_size).min(prompt_tokens));
+        .unwrap_or(0);
     let own = |worker: Option<&Candidate>| {
         worker
             .and_then(|w| candidates.iter().position(|c| c.id == w.id))
-            .map_or(0, |i| (matched(i) * block_size).min(prompt_tokens))
+            .map_or(0, tokens)
     };
     let pick = |worker: Option<&Candidate>, reason, matched_tokens: usize| Pick {
         worker: worker.map(|c| c.id),
@@ -71,14 +94,13 @@ pub fn pick_precise(
             .enumerate()
             .filter(|(_, c)| c.usable && c.cache_aware)
     };
-    let best = scored().map(|(i, _)| matched(i)).max().unwrap_or(0);
-    if best == 0 {
+    let best = scored().map(|(i, _)| run(i).credit).fold(0.0, f64::max);
+    if best < CREDIT_EPSILON {
         return pick(Some(least), Reason::Miss, own(Some(least)));
     }
-    let matched_tokens = (best * block_size).min(prompt_tokens);
     let cached = least_loaded(
         scored()
-            .filter(|(i, _)| matched(*i) == best)
+            .filter(|(i, _)| run(*i).credit >= best - CREDIT_EPSILON)
             .map(|(_, c)| c),
         tie,
         rng,
@@ -87,7 +109,7 @@ pub fn pick_precise(
         Some(c) if is_overloaded(params, c.load, least.load) => {
             pick(Some(least), Reason::HitOverloaded, own(Some(least)))
         }
-        Some(c) => pick(Some(c), Reason::CacheHit, matched_tokens),
+        Some(c) => pick(Some(c), Reason::CacheHit, own(Some(c))),
         None => pick(Some(least), Reason::Miss, own(Some(least))),
     }
 }
@@ -101,11 +123,15 @@ mod tests {
 
     use crate::policy::fixtures::{cands, params};
 
+    fn gpu(blocks: &[Option<usize>]) -> Vec<Option<Matched>> {
+        blocks.iter().map(|b| b.map(Matched::gpu)).collect()
+    }
+
     fn pick(loads: &[usize], matched: &[Option<usize>]) -> Pick {
         pick_precise(
             &params(),
             &cands(loads),
-            matched,
+            &gpu(matched),
             100,
             16,
             None,
@@ -149,7 +175,7 @@ mod tests {
             let p = pick_precise(
                 &params(),
                 &cands(&[1, 1]),
-                &[Some(2), Some(2)],
+                &gpu(&[Some(2), Some(2)]),
                 100,
                 16,
                 None,
@@ -161,6 +187,54 @@ mod tests {
     }
 
     #[test]
+    fn a_host_tier_run_scores_at_its_weight() {
+        let cpu = |blocks: usize| {
+            Some(Matched {
+                blocks,
+                credit: blocks as f64 * 0.8,
+            })
+        };
+        let run = |loads: &[usize], m: &[Option<Matched>]| {
+            pick_precise(
+                &params(),
+                &cands(loads),
+                m,
+                100,
+                16,
+                None,
+                &mut StdRng::seed_from_u64(3),
+            )
+        };
+        // The same 4 blocks on the CPU of worker 0 and the GPU of worker 1: the GPU's,
+        // although its worker is busier.
+        let p = run(&[0, 1], &[cpu(4), Some(Matched::gpu(4))]);
+        assert_eq!(
+            (p.worker, p.reason, p.matched),
+            (Some(WorkerId(1)), Reason::CacheHit, 64)
+        );
+        // Alone, the CPU's copy is a hit, all its tokens predicted cached.
+        let p = run(&[1, 0], &[cpu(4), Some(Matched::gpu(0))]);
+        assert_eq!(
+            (p.worker, p.reason, p.matched),
+            (Some(WorkerId(0)), Reason::CacheHit, 64)
+        );
+        assert_eq!(p.available, 64);
+        // 5 CPU blocks (worth 4) against 3 GPU blocks: the CPU's.
+        let p = run(&[0, 0], &[cpu(5), Some(Matched::gpu(3))]);
+        assert_eq!((p.worker, p.matched), (Some(WorkerId(0)), 80));
+        // A tier weighted 0: held, not credited.
+        let zero = Some(Matched {
+            blocks: 4,
+            credit: 0.0,
+        });
+        let p = run(&[1, 0], &[zero, Some(Matched::gpu(0))]);
+        assert_eq!(
+            (p.worker, p.reason, p.available),
+            (Some(WorkerId(1)), Reason::Miss, 64)
+        );
+    }
+
+    #[test]
     fn unusable_and_non_cache_aware_workers_are_not_followed() {
         let mut c = cands(&[0, 0, 0]);
         c[0].usable = false;
@@ -168,7 +242,7 @@ mod tests {
         let p = pick_precise(
             &params(),
             &c,
-            &[Some(9), Some(9), Some(1)],
+            &gpu(&[Some(9), Some(9), Some(1)]),
             100,
             16,
             None,

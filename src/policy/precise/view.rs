@@ -13,8 +13,9 @@ use serde::Serialize;
 
 use crate::policy::view::{Fields, View, family, put};
 use crate::pools::pool::{Pool, WorkerSet};
-use crate::precise::Precise;
 use crate::precise::feed::{Feed, FeedCounts, FeedState};
+use crate::precise::tiers::MAX_TIERS;
+use crate::precise::{Precise, TierTokens};
 
 /// Precise mode's [`View`]: its index and the workers' feeds.
 pub struct PreciseView(pub Arc<Precise>);
@@ -23,22 +24,30 @@ impl View for PreciseView {
     fn workers(&self, set: &WorkerSet, top: &mut Fields, workers: &mut [Fields]) {
         let precise = &*self.0;
         let now = crate::pools::pool::now();
-        let (blocks, evicted, held): (usize, u64, Vec<Vec<usize>>) = {
+        let (blocks, evicted, held, names) = {
             let index = precise.index();
-            (
-                index.len(),
-                index.evicted(),
-                set.workers()
-                    .iter()
-                    .map(|w| {
-                        w.feeds()
-                            .iter()
-                            .map(|f| index.source_blocks(f.source()))
-                            .collect()
-                    })
-                    .collect(),
-            )
+            let held: Vec<Vec<Held>> = set
+                .workers()
+                .iter()
+                .map(|w| {
+                    w.feeds()
+                        .iter()
+                        .map(|f| Held {
+                            blocks: index.source_blocks(f.source()),
+                            tiers: index.source_tier_blocks(f.source()),
+                        })
+                        .collect()
+                })
+                .collect();
+            let names: Vec<String> = index.tiers().names().map(str::to_string).collect();
+            (index.len(), index.evicted(), held, names)
         };
+        let tokens: Vec<TierTokens> = set
+            .workers()
+            .iter()
+            .map(|w| precise.tier_tokens(w.label()))
+            .collect();
+        let weights = &precise.config().tier_weights;
         put(
             top,
             "precise",
@@ -47,6 +56,20 @@ impl View for PreciseView {
                 max_blocks: precise.config().max_blocks.get(),
                 blocks,
                 evicted,
+                tiers: names
+                    .iter()
+                    .enumerate()
+                    .map(|(t, name)| {
+                        let sum = |kind: usize| tokens.iter().map(|w| w[kind][t]).sum();
+                        let row = TierTotals {
+                            weight: weights.tiers().get(t).map_or(0.0, |(_, w)| *w),
+                            available: sum(0),
+                            predicted: sum(1),
+                            delivered: sum(2),
+                        };
+                        (name.clone(), row)
+                    })
+                    .collect(),
                 decisions: precise.decisions().into_iter().fold(
                     Default::default(),
                     |mut by_path: std::collections::BTreeMap<
@@ -61,14 +84,28 @@ impl View for PreciseView {
             },
         );
         let stale = precise.config().stale;
-        for ((w, fields), blocks) in set.workers().iter().zip(workers).zip(held) {
+        for (((w, fields), held), tokens) in set.workers().iter().zip(workers).zip(held).zip(tokens)
+        {
             if !w.feeds().is_empty() {
                 put(
                     fields,
                     "kv_events",
-                    worker_feed_view(w, &blocks, now, stale),
+                    worker_feed_view(w, &held, &names, now, stale),
                 );
             }
+            let by_tier: std::collections::BTreeMap<&str, TierTokenView> = names
+                .iter()
+                .enumerate()
+                .map(|(t, name)| {
+                    let row = TierTokenView {
+                        available: tokens[0][t],
+                        predicted: tokens[1][t],
+                        delivered: tokens[2][t],
+                    };
+                    (name.as_str(), row)
+                })
+                .collect();
+            put(fields, "tier_tokens", by_tier);
         }
     }
 
@@ -106,8 +143,11 @@ struct FeedView {
     last_seq: Option<u64>,
     /// Seconds since the last message; `null` before the first.
     seconds_since_event: Option<f64>,
-    /// Engine blocks the worker holds according to its events.
+    /// Engine blocks the worker holds according to its events, in any tier.
     blocks: usize,
+    /// Of those, per configured tier (`precise.tier_weights`; a block in two tiers
+    /// counts in both).
+    tier_blocks: std::collections::BTreeMap<String, u64>,
     /// messages, malformed, skipped_events, stored, removed, cleared, unknown_parent,
     /// ignored, gaps, restarts, the worker's blocks dropped by the router by cause
     /// (`clears_gap`: a gap no replay could fill, `clears_restart`,
@@ -134,29 +174,63 @@ struct FeedView {
     parity: Option<crate::precise::parity::ParityView>,
 }
 
+/// One source's holdings: engine blocks in any tier, and per configured tier.
+struct Held {
+    blocks: usize,
+    tiers: [u64; MAX_TIERS],
+}
+
+/// A tier's weight and its tokens over all workers (`/workers` `precise.tiers`).
+#[derive(Serialize)]
+struct TierTotals {
+    weight: f64,
+    available: u64,
+    predicted: u64,
+    delivered: u64,
+}
+
+/// A worker's precisely scored answers' tokens in one tier (`/workers` `tier_tokens`):
+/// see [`Precise::count_tiers`].
+#[derive(Serialize)]
+struct TierTokenView {
+    available: u64,
+    predicted: u64,
+    delivered: u64,
+}
+
 /// Precise mode's index and decisions in `/workers` (`precise`).
 #[derive(Serialize)]
 struct IndexView {
     block_size: usize,
     max_blocks: usize,
-    /// Distinct blocks indexed (speculative ones included).
+    /// Distinct blocks indexed, in any tier (speculative ones included).
     blocks: usize,
     evicted: u64,
+    /// Per configured tier: its weight, and the available / predicted / delivered
+    /// tokens of precisely scored answers, all workers together.
+    tiers: std::collections::BTreeMap<String, TierTotals>,
     /// Decisions so far by path (`precise`, `fallback`), then by token source
     /// (`x_token_ids`, `prompt_token_ids`, `tokenizer`) or fallback cause.
     decisions:
         std::collections::BTreeMap<&'static str, std::collections::BTreeMap<&'static str, u64>>,
 }
 
-/// A worker's `kv_events` view (see [`FeedView`]); `blocks` holds each rank's count.
+/// Per tier name, `counts` (in configured order).
+fn by_name(names: &[String], counts: &[u64; MAX_TIERS]) -> std::collections::BTreeMap<String, u64> {
+    names.iter().cloned().zip(counts.iter().copied()).collect()
+}
+
+/// A worker's `kv_events` view (see [`FeedView`]); `held` holds each rank's blocks,
+/// `names` the configured tiers.
 fn worker_feed_view(
     w: &crate::pools::pool::Worker,
-    blocks: &[usize],
+    held: &[Held],
+    names: &[String],
     now: std::time::Instant,
     stale: std::time::Duration,
 ) -> FeedView {
     let feeds = w.feeds();
-    let view = |f: &Feed, blocks: usize, state: FeedState| FeedView {
+    let view = |f: &Feed, held: &Held, state: FeedState| FeedView {
         rank: None,
         endpoint: f.endpoint().to_string(),
         topic: f.topic().to_string(),
@@ -165,7 +239,8 @@ fn worker_feed_view(
         connected: f.is_connected(),
         last_seq: f.last_seq(),
         seconds_since_event: f.seconds_since_message(now),
-        blocks,
+        blocks: held.blocks,
+        tier_blocks: by_name(names, &held.tiers),
         counts: f.stats.counts(),
         rank_mismatch: None,
         dp_size: None,
@@ -176,9 +251,9 @@ fn worker_feed_view(
     let states: Vec<FeedState> = feeds.iter().map(|f| f.state(now, stale)).collect();
     let mut ranks: Vec<FeedView> = feeds
         .iter()
-        .zip(blocks)
+        .zip(held)
         .zip(&states)
-        .map(|((f, b), st)| view(f, *b, *st))
+        .map(|((f, h), st)| view(f, h, *st))
         .collect();
     let parity = feeds.first().map(|f| f.parity().view());
     if ranks.len() == 1 {
@@ -210,6 +285,15 @@ fn worker_feed_view(
             .filter_map(|r| r.seconds_since_event)
             .reduce(f64::min),
         blocks: ranks.iter().map(|r| r.blocks).sum(),
+        tier_blocks: {
+            let mut sum = [0; MAX_TIERS];
+            for h in held {
+                for (s, n) in sum.iter_mut().zip(h.tiers) {
+                    *s += n;
+                }
+            }
+            by_name(names, &sum)
+        },
         counts,
         rank_mismatch: Some(counts.rank_mismatch),
         dp_size: Some(feeds.len() as u32),
@@ -249,6 +333,19 @@ struct WorkerStateLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerTierLabels {
+    worker: Arc<str>,
+    tier: Arc<str>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerTierKindLabels {
+    worker: Arc<str>,
+    tier: Arc<str>,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct DecisionLabels {
     path: &'static str,
     cause: &'static str,
@@ -280,6 +377,9 @@ struct PreciseFamilies {
     connected: Family<WorkerLabels, Gauge>,
     state: Family<WorkerStateLabels, Gauge>,
     worker_blocks: Family<WorkerLabels, Gauge>,
+    tier_blocks: Family<WorkerTierLabels, Gauge>,
+    tier_tokens: Family<WorkerTierKindLabels, Counter>,
+    unknown_hashes: Family<WorkerLabels, Counter>,
     live_ranks: Family<WorkerLabels, Gauge>,
     rank_mismatch: Family<WorkerLabels, Counter>,
     parity_checks: Family<WorkerResultLabels, Counter>,
@@ -319,6 +419,9 @@ impl PreciseMetrics {
         f.connected.clear();
         f.state.clear();
         f.worker_blocks.clear();
+        f.tier_blocks.clear();
+        f.tier_tokens.clear();
+        f.unknown_hashes.clear();
         f.live_ranks.clear();
         f.rank_mismatch.clear();
         f.parity_checks.clear();
@@ -332,24 +435,59 @@ impl PreciseMetrics {
             .filter(|w| !w.feeds().is_empty())
             .map(|w| (w.label(), w.feeds()))
             .collect();
-        let (blocks, evicted, per_worker): (usize, u64, Vec<usize>) = {
+        let (blocks, evicted, per_worker, names) = {
             let index = precise.index();
-            (
-                index.len(),
-                index.evicted(),
-                feeds
-                    .iter()
-                    .map(|(_, ranks)| {
-                        ranks
-                            .iter()
-                            .map(|feed| index.source_blocks(feed.source()))
-                            .sum()
-                    })
-                    .collect(),
-            )
+            let per_worker: Vec<(usize, [u64; MAX_TIERS])> = feeds
+                .iter()
+                .map(|(_, ranks)| {
+                    let mut tiers = [0; MAX_TIERS];
+                    for feed in ranks.iter() {
+                        for (t, n) in tiers
+                            .iter_mut()
+                            .zip(index.source_tier_blocks(feed.source()))
+                        {
+                            *t += n;
+                        }
+                    }
+                    let blocks = ranks
+                        .iter()
+                        .map(|feed| index.source_blocks(feed.source()))
+                        .sum();
+                    (blocks, tiers)
+                })
+                .collect();
+            let names: Vec<Arc<str>> = index.tiers().names().map(Arc::from).collect();
+            (index.len(), index.evicted(), per_worker, names)
         };
-        for ((label, ranks), held) in feeds.iter().zip(per_worker) {
+        for ((label, ranks), (held, tiers)) in feeds.iter().zip(per_worker) {
             worker_series(f, label, ranks, held, now, stale);
+            for (name, n) in names.iter().zip(tiers) {
+                f.tier_blocks
+                    .get_or_create(&WorkerTierLabels {
+                        worker: Arc::clone(label),
+                        tier: Arc::clone(name),
+                    })
+                    .set(n as i64);
+            }
+        }
+        let labels: Vec<&Arc<str>> = set.workers().iter().map(|w| w.label()).collect();
+        precise.retain_tier_tokens(&labels);
+        for label in labels {
+            let tokens = precise.tier_tokens(label);
+            for (kind, by_tier) in ["available", "predicted", "delivered"]
+                .into_iter()
+                .zip(tokens)
+            {
+                for (name, n) in names.iter().zip(by_tier) {
+                    f.tier_tokens
+                        .get_or_create(&WorkerTierKindLabels {
+                            worker: Arc::clone(label),
+                            tier: Arc::clone(name),
+                            kind,
+                        })
+                        .inc_by(n);
+                }
+            }
         }
         f.blocks.set(blocks as i64);
         let before = f.evicted.get();
@@ -420,6 +558,9 @@ fn worker_series(
             .inc_by(c);
     }
     f.rank_mismatch.get_or_create(&w()).inc_by(s.rank_mismatch);
+    f.unknown_hashes
+        .get_or_create(&w())
+        .inc_by(s.unknown_hashes);
     if let Some(feed) = ranks.first() {
         let parity = feed.parity();
         let (matches, mismatches) = parity.counts();
@@ -494,7 +635,7 @@ fn feed_families(enc: &mut DescriptorEncoder, f: &PreciseFamilies) -> std::fmt::
     family(
         enc,
         "kv_events",
-        "KV events per worker by kind: block_stored, block_removed, all_blocks_cleared, unknown_parent (not indexed), ignored (other tier, group or block size), skipped (unknown tag or bad field)",
+        "KV events per worker by kind: block_stored, block_removed, all_blocks_cleared, unknown_parent (not indexed), ignored (other KV-cache group or block size), skipped (unknown tag or bad field)",
         None,
         &f.events,
     )?;
@@ -563,6 +704,13 @@ fn feed_families(enc: &mut DescriptorEncoder, f: &PreciseFamilies) -> std::fmt::
     )?;
     family(
         enc,
+        "kv_event_unknown_hashes",
+        "Blocks of host-tier events without tokens (vLLM's CPU offloading) whose hash no event with tokens had placed: not indexed",
+        None,
+        &f.unknown_hashes,
+    )?;
+    family(
+        enc,
         "kv_event_rank_mismatch",
         "KV-event batches whose dp_rank was not the rank of the port they came on (workers with dp_size > 1; applied to the port's rank)",
         None,
@@ -593,6 +741,20 @@ fn index_families(enc: &mut DescriptorEncoder, f: &PreciseFamilies) -> std::fmt:
         "Engine blocks a worker holds according to its events",
         None,
         &f.worker_blocks,
+    )?;
+    family(
+        enc,
+        "precise_index_tier_blocks",
+        "Engine blocks a worker holds according to its events, per KV tier (precise.tier_weights; a medium not named there counts as the lightest tier named; a block in two tiers counts in both)",
+        None,
+        &f.tier_blocks,
+    )?;
+    family(
+        enc,
+        "precise_prefix_tokens",
+        "Prompt tokens of a worker's precisely scored answers by KV tier: available (the longest run any worker held), predicted (the chosen worker's run), delivered (the engine's cached tokens, split along the predicted run; beyond it, GPU)",
+        None,
+        &f.tier_tokens,
     )?;
     family(
         enc,
