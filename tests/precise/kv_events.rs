@@ -16,28 +16,28 @@ use tokio::sync::watch;
 use zeromq::{PubSocket, RouterSocket, Socket, SocketRecv, SocketSend, ZmqMessage};
 
 /// Tokens per block in these tests (the router's `precise.block_size`).
-const BS: usize = 4;
-const TOPIC: &str = "kv";
+pub(crate) const BS: usize = 4;
+pub(crate) const TOPIC: &str = "kv";
 
 /// How an engine encodes its events (spec §4.2).
 #[derive(Clone, Copy, Debug)]
-enum Form {
+pub(crate) enum Form {
     /// Current vLLM: tagged maps.
     Map,
     /// Legacy vLLM: tagged arrays.
     Array,
 }
 
-fn s(x: &str) -> Value {
+pub(crate) fn s(x: &str) -> Value {
     Value::from(x)
 }
 
-fn ints(v: impl IntoIterator<Item = u64>) -> Value {
+pub(crate) fn ints(v: impl IntoIterator<Item = u64>) -> Value {
     Value::Array(v.into_iter().map(Value::from).collect())
 }
 
 /// `BlockStored` for whole blocks of `tokens`, engine hashes `hashes`.
-fn stored(form: Form, hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Value {
+pub(crate) fn stored(form: Form, hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Value {
     let parent = parent.map_or(Value::Nil, Value::from);
     let toks = ints(tokens.iter().map(|t| u64::from(*t)));
     match form {
@@ -66,7 +66,7 @@ fn stored(form: Form, hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Va
     }
 }
 
-fn removed(form: Form, hashes: &[u64]) -> Value {
+pub(crate) fn removed(form: Form, hashes: &[u64]) -> Value {
     match form {
         Form::Map => Value::Map(vec![
             (s("type"), s("BlockRemoved")),
@@ -89,7 +89,7 @@ fn cleared(form: Form) -> Value {
 }
 
 /// A msgpack `KVEventBatch`: `[ts, events, dp_rank]`.
-fn batch(rank: u32, events: Vec<Value>) -> Vec<u8> {
+pub(crate) fn batch(rank: u32, events: Vec<Value>) -> Vec<u8> {
     let mut out = Vec::new();
     rmpv::encode::write_value(
         &mut out,
@@ -117,10 +117,10 @@ enum ReplayMode {
 
 /// A fake vLLM engine's event side: a PUB socket (and optionally a ROUTER replay
 /// service) on 127.0.0.1, with the engine's sequence numbering and replay buffer.
-struct FakeEngine {
+pub(crate) struct FakeEngine {
     /// The data-parallel rank its batches carry.
-    rank: u32,
-    endpoint: String,
+    pub(crate) rank: u32,
+    pub(crate) endpoint: String,
     replay_endpoint: Option<String>,
     publisher: tokio::sync::Mutex<PubSocket>,
     next_seq: Mutex<u64>,
@@ -134,7 +134,7 @@ struct FakeEngine {
 }
 
 impl FakeEngine {
-    async fn start(with_replay: bool) -> FakeEngine {
+    pub(crate) async fn start(with_replay: bool) -> FakeEngine {
         let replay = with_replay.then_some(0);
         FakeEngine::bind(0, 0, replay).await.expect("bind")
     }
@@ -142,7 +142,7 @@ impl FakeEngine {
     /// The publishers of one vLLM server with `n` data-parallel ranks: rank r on the
     /// PUB port of rank 0 plus r (spec §1), no replay. Ports come from the OS for rank 0;
     /// when one of the next is taken, all are dropped and it starts over.
-    async fn ranks(n: u32) -> Vec<FakeEngine> {
+    pub(crate) async fn ranks(n: u32) -> Vec<FakeEngine> {
         for _ in 0..50 {
             let first = FakeEngine::start(false).await;
             let base = first.port();
@@ -203,7 +203,7 @@ impl FakeEngine {
     }
 
     /// The PUB socket's port.
-    fn port(&self) -> u16 {
+    pub(crate) fn port(&self) -> u16 {
         let (_, port) = self.endpoint.rsplit_once(':').expect("tcp endpoint");
         port.parse().expect("port")
     }
@@ -217,12 +217,12 @@ impl FakeEngine {
     }
 
     /// Publishes one batch with the next sequence number.
-    async fn publish(&self, events: Vec<Value>) {
+    pub(crate) async fn publish(&self, events: Vec<Value>) {
         self.publish_as(self.rank, events).await;
     }
 
     /// Publishes one batch that says it comes from DP rank `rank`.
-    async fn publish_as(&self, rank: u32, events: Vec<Value>) {
+    pub(crate) async fn publish_as(&self, rank: u32, events: Vec<Value>) {
         let payload = batch(rank, events);
         let seq = self.take_seq(&payload);
         self.send(vec![
@@ -269,13 +269,18 @@ impl FakeEngine {
     /// Publishes empty batches until the router has received one (the ZeroMQ slow
     /// joiner loses what is sent before the subscription arrives), then waits until the
     /// feed is live (a first-contact replay, if any, done).
-    async fn sync(&self, router: &app::RunningRouter, worker: usize) {
+    pub(crate) async fn sync(&self, router: &app::RunningRouter, worker: usize) {
         self.sync_rank(router, worker, None).await;
     }
 
     /// [`FakeEngine::sync`] for rank `rank` of a worker with several DP ranks (its
     /// entry in `kv_events.ranks`), or of a one-rank worker (`None`).
-    async fn sync_rank(&self, router: &app::RunningRouter, worker: usize, rank: Option<usize>) {
+    pub(crate) async fn sync_rank(
+        &self,
+        router: &app::RunningRouter,
+        worker: usize,
+        rank: Option<usize>,
+    ) {
         let addr = router.addr;
         let start = std::time::Instant::now();
         loop {
@@ -354,7 +359,7 @@ async fn serve_replay(
 }
 
 /// Health checks too rare to matter in a test.
-const NO_HEALTH: &str = "  interval_secs: 60\n";
+pub(crate) const NO_HEALTH: &str = "  interval_secs: 60\n";
 
 /// The router's YAML: precise mode, block size [`BS`] plus the `precise:` lines in
 /// `extra` and the `health:` lines in `health` (both indented), and one worker per
@@ -377,7 +382,7 @@ fn precise_yaml(workers: &[(&FakeWorker, &FakeEngine)], extra: &str, health: &st
 }
 
 /// A prompt of `blocks` full blocks plus two tokens, distinct per `salt`.
-fn prompt(blocks: usize, salt: u32) -> Vec<u32> {
+pub(crate) fn prompt(blocks: usize, salt: u32) -> Vec<u32> {
     (0..(blocks * BS + 2) as u32)
         .map(|i| salt * 1000 + i)
         .collect()
@@ -385,7 +390,11 @@ fn prompt(blocks: usize, salt: u32) -> Vec<u32> {
 
 /// Sends a chat request whose token ids are `tokens` (the text is the same for every
 /// request, so the approximate tree cannot tell them apart); returns the worker index.
-async fn route(router: &app::RunningRouter, ws: &[&FakeWorker], tokens: &[u32]) -> usize {
+pub(crate) async fn route(
+    router: &app::RunningRouter,
+    ws: &[&FakeWorker],
+    tokens: &[u32],
+) -> usize {
     let ids: Vec<String> = tokens.iter().map(u32::to_string).collect();
     let req = Req::post("/v1/chat/completions", chat_body("the same text", false))
         .header("x-token-ids", &ids.join(","));
@@ -394,12 +403,12 @@ async fn route(router: &app::RunningRouter, ws: &[&FakeWorker], tokens: &[u32]) 
     w
 }
 
-async fn feed(router: &app::RunningRouter, worker: usize) -> serde_json::Value {
+pub(crate) async fn feed(router: &app::RunningRouter, worker: usize) -> serde_json::Value {
     get_workers(router.addr).await["workers"][worker]["kv_events"].clone()
 }
 
 /// Waits until worker `worker`'s feed satisfies `cond`.
-async fn wait_feed(
+pub(crate) async fn wait_feed(
     router: &app::RunningRouter,
     worker: usize,
     what: &str,
@@ -421,7 +430,7 @@ async fn setup(
 }
 
 /// [`setup`] with these HTTP workers and `health:` lines.
-async fn setup_with(
+pub(crate) async fn setup_with(
     ws: Vec<FakeWorker>,
     replay: bool,
     extra: &str,
@@ -453,7 +462,7 @@ async fn a_holds_three_b_one(es: &[FakeEngine], router: &app::RunningRouter, p: 
 }
 
 /// Hashes of blocks `0..n` as engine `e` numbers them (any per-engine values do).
-fn hashes(e: u64, n: usize) -> Vec<u64> {
+pub(crate) fn hashes(e: u64, n: usize) -> Vec<u64> {
     (0..n as u64).map(|i| e * 1_000_000 + i).collect()
 }
 

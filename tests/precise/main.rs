@@ -4,5 +4,6 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod kv_events;
+mod tiers;
 mod tokenizer_input;
 mod tokenizer_parity;
