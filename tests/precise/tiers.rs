@@ -359,3 +359,60 @@ async fn max_blocks_bounds_the_blocks_of_every_tier_together() {
     );
     router.shutdown().await;
 }
+
+/// `cost_aware` with `kv_events` prices a prompt whose token ids are known on the
+/// engines' blocks: a CPU copy is worth its transfer at `tier_load_tokens_per_sec`.
+/// 12 cached tokens take 1.2 ms to recompute at the prior prefill rate; loaded at
+/// 1,000 tokens/s they take 12 ms, at 1,000,000 tokens/s 12 µs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cost_aware_prices_a_cpu_hit_as_a_transfer() {
+    for (rate, want) in [(1_000_000, 0), (1_000, 1)] {
+        let ws = [
+            FakeWorker::start_with(usage_engine(Gate::new())).await,
+            FakeWorker::start_with(usage_engine(Gate::new())).await,
+        ];
+        let w: Vec<&FakeWorker> = ws.iter().collect();
+        let es = [
+            FakeEngine::start(false).await,
+            FakeEngine::start(false).await,
+        ];
+        let mut yaml = format!(
+            "policy: cost_aware\nengine_metrics: {{enabled: false}}\nprecise:\n  block_size: {BS}\n  tier_load_tokens_per_sec: {rate}\nhealth:\n{NO_HEALTH}workers:\n"
+        );
+        for (wk, e) in ws.iter().zip(&es) {
+            yaml.push_str(&format!(
+                "  - url: \"{}\"\n    kv_events:\n      endpoint: \"{}\"\n      topic: kv\n",
+                wk.url(),
+                e.endpoint
+            ));
+        }
+        let router = crate::common::start_router(&yaml).await;
+        for (i, e) in es.iter().enumerate() {
+            e.sync(&router, i).await;
+        }
+        let p = prompt(3, 61);
+        let h = hashes(1, 3);
+        es[0]
+            .publish(vec![
+                stored(Form::Map, &h, None, &p[..3 * BS]),
+                offloaded(Offload::Ints, &h, "CPU"),
+                removed(Form::Map, &h),
+            ])
+            .await;
+        wait_feed(&router, 0, "A's copies on the CPU", |f| {
+            f["tier_blocks"]["CPU"] == 3 && f["tier_blocks"]["GPU"] == 0
+        })
+        .await;
+        assert_eq!(
+            route_usage(&router, &w, &p, 3 * BS).await,
+            want,
+            "{rate} tokens/s"
+        );
+        let view = get_workers(router.addr).await;
+        assert_eq!(
+            view["precise"]["decisions"]["precise"]["x_token_ids"], 1,
+            "{view}"
+        );
+        router.shutdown().await;
+    }
+}
