@@ -35,7 +35,8 @@
 //!
 //! Memory: `cargo bench --bench precise_index` measured 263 bytes of RSS per block
 //! with one holder, 308 with two (1 M blocks of 16 tokens, 2026-11-30): an LRU node
-//! and its hash slot, the resident list, and the engine-hash map entry.
+//! and its hash slot, the resident list, and the engine-hash map entry. A host-tier copy
+//! of a block adds nothing measurable: one more resident in a list that had room.
 
 use std::collections::{HashMap, HashSet};
 use std::time::Instant;
@@ -559,7 +560,7 @@ impl BlockIndex {
 
     /// [`BlockIndex::match_prefix`] with each run's blocks by tier: a block counts in
     /// the heaviest configured tier the source holds it in (a valid speculative entry
-    /// counts as the GPU's).
+    /// counts as the GPU's; configured tiers are numbered heaviest first).
     pub fn match_runs(&mut self, keys: &[u64], sources: &[SourceId], now: Instant) -> Vec<Run> {
         let mut runs = vec![Run::default(); sources.len()];
         let mut alive: Vec<bool> = vec![true; sources.len()];
@@ -588,23 +589,25 @@ impl BlockIndex {
                 if !alive[j] {
                     continue;
                 }
-                let mut best: Option<usize> = entry
-                    .speculative
-                    .iter()
-                    .any(|s| s.source == *source && s.epoch == epochs[j])
-                    .then_some(gpu);
-                for r in entry.residents.iter().filter(|r| r.source == *source) {
-                    let t = self.tiers.tier(r.medium);
-                    if best.is_none_or(|b| self.tiers.weight(t) > self.tiers.weight(b)) {
-                        best = Some(t);
+                let mut best = usize::MAX;
+                for r in &entry.residents {
+                    if r.source == *source {
+                        best = best.min(self.tiers.tier(r.medium));
                     }
                 }
-                match best {
-                    Some(t) => {
-                        runs[j].push(t);
-                        any = true;
-                    }
-                    None => alive[j] = false,
+                if best > gpu
+                    && entry
+                        .speculative
+                        .iter()
+                        .any(|s| s.source == *source && s.epoch == epochs[j])
+                {
+                    best = gpu;
+                }
+                if best == usize::MAX {
+                    alive[j] = false;
+                } else {
+                    runs[j].push(best);
+                    any = true;
                 }
             }
             if !any {

@@ -38,9 +38,12 @@ impl Medium {
 pub struct Tiers {
     /// Configured tiers: upper-case name and weight, heaviest first.
     configured: Vec<(String, f64)>,
-    /// Every medium named so far: its upper-case name and the configured tier it is
-    /// weighted and reported as.
-    mediums: Vec<(String, u8)>,
+    /// Every medium named so far: its upper-case name.
+    mediums: Vec<String>,
+    /// Per medium, the configured tier it is weighted and reported as (the lightest
+    /// for a name the config does not know). Configured tiers are heaviest first, so
+    /// the lower of two tiers is the heavier.
+    tier_of: [u8; MAX_MEDIUMS],
     /// The GPU tier: a nil `medium` (engines before the field existed) is the GPU.
     gpu: Medium,
 }
@@ -54,15 +57,17 @@ impl Tiers {
             .take(MAX_TIERS)
             .map(|(n, w)| (n.to_ascii_uppercase(), *w))
             .collect();
-        let mediums: Vec<(String, u8)> = configured
-            .iter()
-            .enumerate()
-            .map(|(i, (n, _))| (n.clone(), i as u8))
-            .collect();
+        let mediums: Vec<String> = configured.iter().map(|(n, _)| n.clone()).collect();
+        let lightest = configured.len().saturating_sub(1) as u8;
+        let mut tier_of = [lightest; MAX_MEDIUMS];
+        for (i, t) in tier_of.iter_mut().enumerate().take(configured.len()) {
+            *t = i as u8;
+        }
         let gpu = configured.iter().position(|(n, _)| n == "GPU").unwrap_or(0);
         Tiers {
             configured,
             mediums,
+            tier_of,
             gpu: Medium(gpu as u8),
         }
     }
@@ -75,15 +80,15 @@ impl Tiers {
         if let Some(i) = self
             .mediums
             .iter()
-            .position(|(n, _)| n.eq_ignore_ascii_case(name))
+            .position(|n| n.eq_ignore_ascii_case(name))
         {
             return Medium(i as u8);
         }
         if self.mediums.len() >= MAX_MEDIUMS {
             return Medium((MAX_MEDIUMS - 1) as u8);
         }
-        let lightest = self.configured.len().saturating_sub(1) as u8;
-        self.mediums.push((name.to_ascii_uppercase(), lightest));
+        // Its tier is already the lightest (`tier_of`'s fill).
+        self.mediums.push(name.to_ascii_uppercase());
         Medium((self.mediums.len() - 1) as u8)
     }
 
@@ -92,11 +97,10 @@ impl Tiers {
         self.gpu
     }
 
-    /// The configured tier `m` counts as (an index into [`Tiers::names`]).
+    /// The configured tier `m` counts as (an index into [`Tiers::names`]; the lower of
+    /// two is the heavier).
     pub fn tier(&self, m: Medium) -> usize {
-        self.mediums
-            .get(m.index())
-            .map_or(0, |(_, t)| usize::from(*t))
+        usize::from(self.tier_of[m.index()])
     }
 
     /// The configured GPU tier's index.

@@ -199,8 +199,12 @@ impl EventIndex {
     }
 
     /// The engine may have restarted unseen: every DP rank's feed starts over (a replay
-    /// from 0 when a replay endpoint exists) and its blocks go.
+    /// from 0 when a replay endpoint exists) and its blocks go. Done by the index that
+    /// feeds the state (every pool's policy hears it), once.
     pub fn worker_down(&self, worker: &Worker) {
+        if !self.feeds {
+            return;
+        }
         for feed in worker.feeds() {
             // Reset first: a batch applied after the clear below is then cleared again
             // by the consumer.
