@@ -121,6 +121,40 @@ struct WorkerView {
     hits: HitsView,
     /// What it serves (`pools::pool::models`).
     models: ModelsView,
+    /// The LoRA adapters its engine is estimated to hold (`pools::pool::adapters`).
+    lora: LoraView,
+}
+
+/// A worker's LoRA adapters in `/workers`.
+#[derive(Serialize)]
+struct LoraView {
+    /// Adapters held at once: `workers[].max_lora`, else the engine's report, else 1.
+    slots: usize,
+    /// The adapters the router estimates it holds, most recently sent first.
+    resident: Vec<String>,
+    /// Adapter requests sent to it, by where they landed: `resident`, `free_slot`,
+    /// `evicting`.
+    placed: std::collections::BTreeMap<&'static str, u64>,
+    /// Adapters loaded onto it on demand (`adapters.load_on_demand`), and failed loads.
+    loads: u64,
+    load_failures: u64,
+}
+
+fn lora_view(w: &crate::pools::pool::Worker) -> LoraView {
+    use crate::pools::pool::adapters::Placement;
+    use std::sync::atomic::Ordering::Relaxed;
+    let r = w.adapters();
+    LoraView {
+        slots: r.slots(),
+        resident: r.resident().iter().map(|a| a.to_string()).collect(),
+        placed: Placement::ALL
+            .iter()
+            .zip(r.placed())
+            .map(|(p, n)| (p.as_str(), n))
+            .collect(),
+        loads: r.loads_ok.load(Relaxed),
+        load_failures: r.loads_failed.load(Relaxed),
+    }
 }
 
 /// A worker's model list in `/workers`.
@@ -530,6 +564,7 @@ pub fn workers(admin: &Admin) -> http::Response<ProxyBody> {
             prefill: prefill_view(w),
             hits: hits_view(w.hits()),
             models: models_view(w),
+            lora: lora_view(w),
         })
         .collect();
     let body = Workers {

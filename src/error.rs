@@ -133,6 +133,16 @@ pub enum ProxyError {
         "the request names no model and several are served: set `model` to one of {choices} (or set models.default)"
     )]
     ModelRequired { choices: String },
+    /// `adapters.load_on_demand`: the worker chosen for a LoRA adapter request did not
+    /// load it (502, once no other worker is left to try); each as shown.
+    #[error(
+        "could not load the LoRA adapter `{adapter}` onto {worker} (adapters.load_on_demand, from adapters.sources): {why}"
+    )]
+    AdapterLoad {
+        adapter: String,
+        worker: String,
+        why: String,
+    },
     /// The router's own work failed (500): `what` failed, and why.
     #[error("{what}")]
     Internal {
@@ -161,7 +171,7 @@ impl ProxyError {
             | ProxyError::QueueTimeout { .. }
             | ProxyError::QueueFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::RemoteMedia(s) => *s,
-            ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
+            ProxyError::Upstream(_) | ProxyError::AdapterLoad { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
             ProxyError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
@@ -188,6 +198,7 @@ impl ProxyError {
             ProxyError::QueueFull { .. } => "queue_full",
             ProxyError::RemoteMedia(_) => "remote_media_rejected",
             ProxyError::Upstream(_) => "upstream_error",
+            ProxyError::AdapterLoad { .. } => "adapter_load_failed",
             ProxyError::Timeout(_) => "upstream_timeout",
             ProxyError::Forbidden(_) => "admin_disabled",
             ProxyError::Unauthorized(_) => "unauthorized",
@@ -212,7 +223,9 @@ impl ProxyError {
         // The request field at fault, as OpenAI names it.
         if matches!(
             self,
-            ProxyError::ModelNotFound { .. } | ProxyError::ModelRequired { .. }
+            ProxyError::ModelNotFound { .. }
+                | ProxyError::ModelRequired { .. }
+                | ProxyError::AdapterLoad { .. }
         ) {
             body["error"]["param"] = "model".into();
         }

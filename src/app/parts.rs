@@ -52,7 +52,7 @@ impl Parts {
         let pool = Arc::new(Pool::new(&config.workers, &config.circuit_breaker));
         let shared = policy::Shared::new(config, &pool);
         let fleet = shared.fleet.clone();
-        let pools = Pools::new(Arc::clone(&pool), &config.models, {
+        let pools = Pools::with_adapters(Arc::clone(&pool), &config.models, &config.adapters, {
             let (config, pool, shutdown) = (config.clone(), Arc::clone(&pool), shutdown.clone());
             move |model: &str| -> Arc<dyn Policy> {
                 let (policy, _) = policy::build_pool(&config, model, &pool, &shared);

@@ -21,6 +21,7 @@ use std::sync::Arc;
 use serde::Deserialize;
 use serde_yaml_ng::{Mapping, Value};
 
+mod adapters;
 mod cache;
 mod check;
 mod circuit_breaker;
@@ -51,6 +52,7 @@ mod trace;
 mod worker_url;
 mod workers;
 
+pub use adapters::{AdapterSource, AdaptersConfig};
 pub use cache::CacheConfig;
 pub use check::{ConfigError, KeySite, MIN_SECS};
 pub use circuit_breaker::BreakerConfig;
@@ -109,6 +111,8 @@ pub struct Config {
     pub tracing: TracingConfig,
     /// Several models behind one router (`models:`).
     pub models: ModelsConfig,
+    /// LoRA adapters loaded on demand (`adapters:`).
+    pub adapters: AdaptersConfig,
 }
 
 // Raw (serde) schema of the whole file: every section's raw form, each key optional so
@@ -150,6 +154,8 @@ struct RawConfig {
     tracing: trace::RawTracing,
     #[serde(default)]
     models: models::RawModels,
+    #[serde(default)]
+    adapters: adapters::RawAdapters,
 }
 
 impl RawConfig {
@@ -195,6 +201,7 @@ impl RawConfig {
             discovery,
             tracing: self.tracing.validate(ck)?,
             models: self.models.validate(ck, &raw_cache, policy)?,
+            adapters: self.adapters.validate(ck)?,
         })
     }
 }
@@ -357,6 +364,7 @@ impl Config {
             changed(&a.discovery, &b.discovery),
             changed(&a.tracing, &b.tracing),
             changed(&a.models, &b.models),
+            changed(&a.adapters, &b.adapters),
         ]
         .into_iter()
         .flatten()

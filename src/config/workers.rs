@@ -42,6 +42,11 @@ pub struct WorkerConfig {
     /// The served names it answers (`models`), pinned: its `GET /v1/models` is then
     /// never read. `None` = read from the worker.
     pub models: Option<Vec<String>>,
+    /// LoRA adapters its engine holds in memory at once (`max_lora`: vLLM's
+    /// `--max-loras`, SGLang's `--max-loras-per-batch`), for the router's estimate of
+    /// which adapters it holds; `None` = what its engine's metrics report, else
+    /// [`crate::pools::pool::adapters::DEFAULT_SLOTS`].
+    pub max_lora: Option<NonZeroUsize>,
 }
 
 /// `workers[i].role`.
@@ -94,6 +99,9 @@ impl WorkerConfig {
     }
 }
 
+/// Most adapter slots `workers[].max_lora` may give a worker.
+const MAX_LORA: u64 = 4096;
+
 /// What a `workers:` entry may be, in the config's words (every error about one says it).
 const WORKER_ENTRY: &str = "a URL string or a mapping with `url:`";
 
@@ -143,6 +151,7 @@ struct RawWorker {
     kv_events: Option<RawKvEvents>,
     lmcache: Option<RawLmcache>,
     models: Option<Vec<String>>,
+    max_lora: Option<u64>,
 }
 
 impl RawWorker {
@@ -159,6 +168,7 @@ impl RawWorker {
             kv_events: None,
             lmcache: None,
             models: None,
+            max_lora: None,
         }
     }
 
@@ -176,6 +186,16 @@ impl RawWorker {
                 ));
             }
             Some(n) => NonZeroUsize::new(n as usize),
+        };
+        let max_lora = match self.max_lora {
+            None => None,
+            Some(n) if (1..=MAX_LORA).contains(&n) => NonZeroUsize::new(n as usize),
+            Some(n) => {
+                return Err((
+                    "max_lora",
+                    format!("{n} is out of range (1 to {MAX_LORA} adapters held at once)"),
+                ));
+            }
         };
         let kv_events = self.kv_events.map(RawKvEvents::validate).transpose()?;
         let lmcache = self.lmcache.map(RawLmcache::validate).transpose()?;
@@ -211,6 +231,7 @@ impl RawWorker {
             kv_events,
             lmcache,
             models: self.models.map(pinned_models).transpose()?,
+            max_lora,
         })
     }
 }

@@ -3,16 +3,21 @@
 //! candidates, the policy's pick, the in-flight slot on its worker) and
 //! [`settle_usage`] (what a complete answer's engine usage teaches the router).
 
-use super::{Candidate, Pick, Policy, RouteRequest, Shortfall};
+use std::sync::Arc;
+
+use super::select::is_overloaded;
+use super::{AdapterAsk, Candidate, Pick, Policy, RouteRequest, Shortfall};
+use crate::pools::pool::adapters::Placement;
 use crate::pools::pool::{InFlightGuard, Worker, WorkerSet};
 use crate::tree::WorkerMask;
 
 /// One decision plus the in-flight slot on the chosen worker, as every request makes
 /// it (the proxy, and `simulate` with the same policy code): candidates are the set's
 /// workers, usable when routable now and not in `tried`; fallback workers only while no
-/// primary one is usable, and workers that pushed back only while no other is. A worker
-/// that filled up between the decision and the slot is skipped and the decision re-run.
-/// `None` when no worker is usable.
+/// primary one is usable, and workers that pushed back only while no other is; for a
+/// LoRA adapter request, the workers that hold its adapter first ([`prefer_placement`]).
+/// A worker that filled up between the decision and the slot is skipped and the
+/// decision re-run. `None` when no worker is usable.
 pub fn pick_slot(
     policy: &dyn Policy,
     set: &WorkerSet,
@@ -60,6 +65,12 @@ pub fn pick_slot(
                 }
             }
         }
+        // A call continuing stored state goes where the state is, whatever it holds.
+        if let Some(a) = &req.adapter
+            && req.ctx.is_none_or(|c| c.continues.is_none())
+        {
+            prefer_placement(&mut candidates, set.workers(), a);
+        }
         let pick = policy.pick(req, set, &candidates, rng);
         let id = pick.worker?;
         let worker = set.get(id)?;
@@ -67,9 +78,48 @@ pub fn pick_slot(
         if let Some(mut guard) = InFlightGuard::try_acquire(worker)
             && guard.admit()
         {
+            if let Some(a) = &req.adapter {
+                worker.adapters().sent(&a.name);
+            }
             return Some((pick, guard));
         }
         excluded.insert(id);
+    }
+}
+
+/// An adapter request's candidates narrowed by [`Placement`]: the usable workers
+/// estimated to hold the adapter; else (none usable, or the least loaded of them
+/// overloaded against the least loaded usable worker, by `a.balance`'s margins) those
+/// and the ones with a free adapter slot; else every usable worker. The policy then
+/// picks among them as it would among any candidates (prefix affinity and its load
+/// guard included), so an adapter stays on few workers while they keep up, and spreads
+/// to more when they do not.
+pub fn prefer_placement(candidates: &mut [Candidate], workers: &[Arc<Worker>], a: &AdapterAsk) {
+    let mut least = [usize::MAX; 3];
+    let places: Vec<Placement> = candidates
+        .iter()
+        .zip(workers)
+        .map(|(c, w)| {
+            let p = w.adapters().placement(&a.name);
+            if c.usable {
+                least[p as usize] = least[p as usize].min(c.load);
+            }
+            p
+        })
+        .collect();
+    let all = least.iter().copied().min().unwrap_or(usize::MAX);
+    if all == usize::MAX {
+        return;
+    }
+    let mut upto = usize::MAX;
+    for tier in Placement::ALL {
+        upto = upto.min(least[tier as usize]);
+        if upto != usize::MAX && !is_overloaded(&a.balance, upto, all) {
+            for (c, p) in candidates.iter_mut().zip(&places) {
+                c.usable &= *p <= tier;
+            }
+            return;
+        }
     }
 }
 

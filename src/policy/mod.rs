@@ -287,6 +287,21 @@ pub struct RouteRequest<'a> {
     /// The routing text's chunk hashes once computed (routing state shared by router
     /// replicas: the pick's match and the publish of what was served use the same).
     pub chain: crate::tree::ChainMemo,
+    /// The LoRA adapter it runs under, when it names one: [`decide::pick_slot`] prefers
+    /// the workers that hold it.
+    pub adapter: Option<AdapterAsk>,
+}
+
+/// A request's LoRA adapter, as [`decide::pick_slot`] places it (see
+/// [`crate::pools::pool::adapters`]).
+#[derive(Debug, Clone)]
+pub struct AdapterAsk {
+    /// The adapter's served name.
+    pub name: Arc<str>,
+    /// The balance margins of the pool's `cache:` (`balance_abs_threshold`,
+    /// `balance_rel_threshold`): the workers that hold the adapter are preferred
+    /// unless the least loaded of them is overloaded against the pool's least loaded.
+    pub balance: CacheParams,
 }
 
 impl RouteRequest<'_> {

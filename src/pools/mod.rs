@@ -37,7 +37,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use arc_swap::ArcSwap;
 
 use self::pool::{Pool, PoolListener, Worker, WorkerSet};
-use crate::config::ModelsConfig;
+use crate::config::{AdaptersConfig, ModelsConfig};
 
 /// Name of the pool of the workers that serve any model, and of requests that name no
 /// model where none can be chosen (in logs and views).
@@ -75,10 +75,13 @@ struct Target {
     adapter: bool,
 }
 
-/// Public names (`models.aliases`) and the default (`models.default`).
+/// Public names (`models.aliases`), the default (`models.default`), and the adapters
+/// the router loads on demand (`adapters.sources` with `load_on_demand`), each with the
+/// base config names for it.
 struct Names {
     default: Option<Arc<str>>,
     aliases: HashMap<Arc<str>, Alias>,
+    loadable: Vec<(Arc<str>, Option<Arc<str>>)>,
 }
 
 /// One alias's targets and where its sequence of choices stands.
@@ -301,6 +304,18 @@ impl<P: Clone + Send + Sync + 'static> Pools<P> {
         models: &ModelsConfig,
         make: impl Fn(&str) -> P + Send + Sync + 'static,
     ) -> Arc<Self> {
+        Self::with_adapters(workers, models, &AdaptersConfig::default(), make)
+    }
+
+    /// As [`Pools::new`], with the adapters the router loads on demand (`adapters:`):
+    /// such an adapter routes to every worker of its base model, not only to those
+    /// that list it.
+    pub fn with_adapters(
+        workers: Arc<Pool>,
+        models: &ModelsConfig,
+        adapters: &AdaptersConfig,
+        make: impl Fn(&str) -> P + Send + Sync + 'static,
+    ) -> Arc<Self> {
         let default = Arc::new(ModelPool {
             name: Arc::from(DEFAULT_POOL),
             policy: make(DEFAULT_POOL),
@@ -321,6 +336,12 @@ impl<P: Clone + Send + Sync + 'static> Pools<P> {
                     };
                     (Arc::from(public.as_str()), alias)
                 })
+                .collect(),
+            loadable: adapters
+                .sources
+                .iter()
+                .filter(|_| adapters.load_on_demand)
+                .map(|(name, s)| (Arc::from(name.as_str()), s.base.as_deref().map(Arc::from)))
                 .collect(),
         });
         let requests = Mutex::new(
@@ -513,6 +534,42 @@ fn survey(set: &WorkerSet) -> Survey {
     Survey { names, any, bases }
 }
 
+/// Adds to `served` the adapters loaded on demand (`names.loadable`): each routes in
+/// its base model's pool, on the workers that list it and every worker of that base
+/// (which can load it). Its base is the one a worker lists it under, else the one its
+/// source names, else `models.default`, else the fleet's only base model; an adapter
+/// whose base is none of these routes only where it is listed.
+fn loadable_anywhere(served: &mut HashMap<Arc<str>, Members>, bases: &[Arc<str>], names: &Names) {
+    for (adapter, base) in &names.loadable {
+        let listed_pool = served
+            .get(adapter)
+            .filter(|m| m.adapter)
+            .and_then(|m| m.pool.clone());
+        let base_pool = listed_pool.or_else(|| {
+            let base = base.as_ref().or(names.default.as_ref()).or(match bases {
+                [only] => Some(only),
+                _ => None,
+            })?;
+            served
+                .get(base)
+                .filter(|m| !m.adapter)
+                .and_then(|m| m.pool.clone())
+        });
+        let Some(pool) = base_pool else { continue };
+        let base_workers: Vec<usize> = served
+            .values()
+            .filter(|m| !m.adapter && m.pool.as_ref() == Some(&pool))
+            .flat_map(|m| m.workers.iter().copied())
+            .collect();
+        let m = served.entry(Arc::clone(adapter)).or_default();
+        if m.workers.is_empty() || m.adapter {
+            m.pool.get_or_insert(pool);
+            m.workers.extend(base_workers);
+            m.adapter = true;
+        }
+    }
+}
+
 /// The table for `set` with the pools `made`; and the pools' names it lacks (models
 /// whose requests meanwhile route in the default pool, on their own workers), in the
 /// workers' order.
@@ -523,10 +580,11 @@ fn build<P>(
     requests: &Mutex<HashMap<Arc<str>, Arc<AtomicU64>>>,
 ) -> (Table<P>, Vec<Arc<str>>) {
     let Survey {
-        names: served,
+        names: mut served,
         any,
         bases,
     } = survey(&set);
+    loadable_anywhere(&mut served, &bases, names);
     let index: HashMap<&str, usize> = made
         .iter()
         .enumerate()

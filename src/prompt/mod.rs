@@ -98,6 +98,45 @@ pub struct RouteContext<'a> {
     pub cut_digest: Option<u64>,
     /// Where the body's `model` string is (read in the same parse), when it has one.
     pub model: Option<model::ModelField>,
+    /// The request's `cache_salt` (vLLM: blocks computed under another salt are never
+    /// reused), when it names one.
+    pub cache_salt: Option<Box<str>>,
+}
+
+/// Bytes [`RouteContext::scope`] puts before the routing text: a NUL and 16 hex digits.
+pub const SCOPE_BYTES: usize = 17;
+
+impl RouteContext<'_> {
+    /// Keys the routing text by what the engine keys its cache by besides the tokens:
+    /// the LoRA `adapter` the request runs under and its `cache_salt`. Engines never
+    /// reuse blocks across either (vLLM folds both into its block hashes, SGLang into
+    /// its radix keys), so neither may a prediction. The text is prefixed with
+    /// [`SCOPE_BYTES`] bytes naming the pair (shorter than any KV block, so two prompts
+    /// of one scope share no whole block through it), and the digests are mixed with
+    /// it; the chunk hashes are dropped (the shared-state lookup computes them again
+    /// from the new text). Nothing changes for a request with neither.
+    pub fn scope(&mut self, adapter: Option<&str>) {
+        let salt = self.cache_salt.as_deref();
+        if adapter.is_none() && salt.is_none() {
+            return;
+        }
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        for part in [adapter, salt] {
+            // Length-prefixed: ("ab", None) and ("a", "b") differ.
+            let bytes = part.map_or(&[][..], str::as_bytes);
+            h.update(&(part.map_or(u64::MAX, |p| p.len() as u64)).to_le_bytes());
+            h.update(bytes);
+        }
+        let key = h.digest();
+        let mut text = Vec::with_capacity(SCOPE_BYTES + self.text.len());
+        text.push(0);
+        text.extend_from_slice(format!("{key:016x}").as_bytes());
+        text.extend_from_slice(&self.text);
+        self.text = Cow::Owned(text);
+        self.digest = chunks::link(key, &self.digest.to_le_bytes());
+        self.cut_digest = self.cut_digest.map(|d| chunks::link(key, &d.to_le_bytes()));
+        self.chain.clear();
+    }
 }
 
 /// Reads the routing context of `body` for `endpoint`. `max_prompt_bytes` bounds the
@@ -133,6 +172,7 @@ pub fn raw_body(body: &[u8], max_prompt_bytes: usize) -> RouteContext<'_> {
         continues: None,
         cut_digest,
         model: model::of_any_object(body),
+        cache_salt: None,
     }
 }
 
@@ -146,6 +186,7 @@ pub struct PromptBuilder {
     continues: Option<u64>,
     cut_digest: Option<u64>,
     model: Option<model::ModelField>,
+    cache_salt: Option<Box<str>>,
 }
 
 impl PromptBuilder {
@@ -167,12 +208,22 @@ impl PromptBuilder {
             continues: None,
             cut_digest: None,
             model: None,
+            cache_salt: None,
         }
     }
 
     /// Notes the body's `model` (`raw`, borrowed from `body` by the endpoint's parse).
     pub fn model(&mut self, raw: Option<&RawValue>, body: &[u8]) {
         self.model = model::ModelField::of(raw, body);
+    }
+
+    /// Notes the body's `cache_salt` (a value borrowed by the endpoint's parse), when it
+    /// is a non-empty string.
+    pub fn cache_salt(&mut self, raw: Option<&RawValue>) {
+        self.cache_salt = raw
+            .and_then(json_str)
+            .filter(|s| !s.is_empty())
+            .map(|s| s.into_owned().into_boxed_str());
     }
 
     /// Reads the digest at the cut, once: called when the text is full and more comes.
@@ -262,6 +313,7 @@ impl PromptBuilder {
             continues: self.continues,
             cut_digest: self.cut_digest,
             model: self.model,
+            cache_salt: self.cache_salt,
         }
     }
 }
@@ -607,8 +659,55 @@ mod tests {
                 continues: self.continues,
                 cut_digest: self.cut_digest,
                 model: self.model,
+                cache_salt: self.cache_salt,
             }
         }
+    }
+
+    #[test]
+    fn the_adapter_and_the_cache_salt_scope_the_routing_text() {
+        let body = |extra: &str| {
+            format!(
+                r#"{{"model":"m",{extra}"messages":[{{"role":"user","content":"the same question"}}]}}"#
+            )
+        };
+        let plain_body = body("");
+        let plain = extract(Endpoint::ChatCompletions, plain_body.as_bytes(), 1 << 20);
+        let scoped = |adapter: Option<&str>, extra: &str| {
+            let b = body(extra);
+            let mut c =
+                extract(Endpoint::ChatCompletions, b.as_bytes(), 1 << 20).into_owned_for_test();
+            c.scope(adapter);
+            c
+        };
+        let same = scoped(None, "");
+        assert_eq!(same, plain, "neither adapter nor salt: unchanged");
+        let a = scoped(Some("sql"), "");
+        let b = scoped(Some("chat"), "");
+        let salted = scoped(None, r#""cache_salt":"tenant-1","#);
+        let both = scoped(Some("sql"), r#""cache_salt":"tenant-1","#);
+        for c in [&a, &b, &salted, &both] {
+            assert_eq!(c.text.len(), plain.text.len() + SCOPE_BYTES);
+            assert!(
+                c.text.ends_with(&plain.text),
+                "the prompt follows the scope"
+            );
+            assert!(std::str::from_utf8(&c.text).is_ok(), "still text");
+            assert!(c.chain.is_empty());
+        }
+        let texts = [&a.text, &b.text, &salted.text, &both.text];
+        for (i, x) in texts.iter().enumerate() {
+            for y in &texts[i + 1..] {
+                // Past the NUL they differ within the first hex digits.
+                let common = x.iter().zip(y.iter()).take_while(|(p, q)| p == q).count();
+                assert!(common < SCOPE_BYTES, "two scopes share the prompt's text");
+            }
+        }
+        assert_ne!(a.digest, b.digest);
+        assert_eq!(scoped(Some("sql"), "").text, a.text, "one scope, one key");
+        assert_eq!(salted.cache_salt.as_deref(), Some("tenant-1"));
+        let empty = scoped(None, r#""cache_salt":"","#);
+        assert_eq!(empty.text, plain.text, "an empty salt is none");
     }
 
     #[test]

@@ -16,6 +16,8 @@ use super::{Content, PromptBuilder, Text, append_content};
 struct ChatBody<'a> {
     #[serde(borrow, default)]
     model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    cache_salt: Option<&'a RawValue>,
     #[serde(borrow)]
     messages: Vec<ChatMessage<'a>>,
     /// Kept unparsed: its bytes are the routing text (`prompt::tools`).
@@ -57,6 +59,7 @@ pub fn chat(body: &[u8], b: &mut PromptBuilder) -> bool {
         return false;
     };
     b.model(req.model, body);
+    b.cache_salt(req.cache_salt);
     super::tools(req.tools, b);
     for m in &req.messages {
         b.role(m.role.as_deref().unwrap_or("user"));
@@ -92,6 +95,8 @@ fn json_text(raw: &RawValue, b: &mut PromptBuilder) {
 struct CompletionBody<'a> {
     #[serde(borrow, default)]
     model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    cache_salt: Option<&'a RawValue>,
     #[serde(borrow)]
     prompt: &'a RawValue,
 }
@@ -113,6 +118,7 @@ pub fn completions(body: &[u8], b: &mut PromptBuilder) -> bool {
         return false;
     };
     b.model(req.model, body);
+    b.cache_salt(req.cache_salt);
     let Ok(prompt) = serde_json::from_str::<Prompt<'_>>(req.prompt.get()) else {
         return false;
     };
@@ -152,6 +158,8 @@ fn token_ids(ids: &[u64], b: &mut PromptBuilder) {
 struct ResponsesBody<'a> {
     #[serde(borrow, default)]
     model: Option<&'a RawValue>,
+    #[serde(borrow, default)]
+    cache_salt: Option<&'a RawValue>,
     #[serde(borrow, default)]
     instructions: Option<Text<'a>>,
     /// A string (one user message) or an array of items.
@@ -204,6 +212,7 @@ pub fn responses(body: &[u8], b: &mut PromptBuilder) -> bool {
         return false;
     };
     b.model(req.model, body);
+    b.cache_salt(req.cache_salt);
     if let Some(prev) = req
         .previous_response_id
         .as_deref()

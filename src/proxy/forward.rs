@@ -91,9 +91,36 @@ impl Router {
                 worker: &worker,
                 done: false,
             };
+            // An adapter request: the adapter loaded there first when it must be, and
+            // the body in the worker's form. A failed load fails this attempt only.
+            let adapted = match self
+                .for_adapter(&worker, route, &body, retries.attempt_wait())
+                .await
+            {
+                Ok(adapted) => adapted,
+                Err((e, unreachable)) => {
+                    guard.record(if unreachable {
+                        BreakerOutcome::Failure
+                    } else {
+                        BreakerOutcome::Neutral
+                    });
+                    watch.finish(Outcome::Failed);
+                    if !retries.failed(attempt, e, &worker, route.id.request_id) {
+                        break;
+                    }
+                    continue;
+                }
+            };
             let wait = retries.attempt_wait();
             let (result, pushed_back) = self
-                .send(watch, &base, &body, route, &mut guard, wait)
+                .send(
+                    watch,
+                    &base,
+                    adapted.as_ref().unwrap_or(&body),
+                    route,
+                    &mut guard,
+                    wait,
+                )
                 .await;
             match result {
                 Ok(resp) => {
@@ -136,6 +163,33 @@ impl Router {
             self.metrics.decision(Reason::NoWorker, started.elapsed());
         }
         waited
+    }
+
+    /// What an adapter request needs on `worker` before it is sent (see
+    /// [`super::adapters`]): its adapter loaded (`adapters.load_on_demand`), within
+    /// `wait`; the body to send instead of the client's (SGLang's form), if any. `Err`:
+    /// the load failed, and whether the worker could not be reached at all.
+    async fn for_adapter(
+        &self,
+        worker: &Arc<Worker>,
+        route: &Route<'_>,
+        body: &Bytes,
+        wait: Duration,
+    ) -> Result<Option<Bytes>, (ProxyError, bool)> {
+        let Some(adapter) = &route.req.adapter else {
+            return Ok(None);
+        };
+        if let Some(source) = self.config.adapters.loadable(&adapter.name) {
+            self.loads
+                .ensure(&self.client, worker, &adapter.name, source, wait)
+                .await?;
+        }
+        Ok(super::adapters::sglang_form(
+            worker,
+            body,
+            &adapter.name,
+            route.pool.name(),
+        ))
     }
 
     /// Counts the decision of attempt `attempt` (made since `started`) and returns it as

@@ -10,6 +10,8 @@
 //! body        GuardedBody: streams the answer, owns the in-flight guard, ends the request
 //! access_log  the end of a request, in one place: outcome, access line, span
 //! models, responses, tunnel   GET /v1/models; calls on a stored response; WebSockets
+//! adapters    a LoRA adapter request on its chosen worker: the adapter loaded on
+//!             demand (once per worker and adapter at a time), SGLang's form
 //! headers, media, usage       header rules; remote media; engine usage in the answer
 //! metrics     the request path's families in `/metrics` (RequestMetrics)
 //! ```
@@ -22,6 +24,7 @@
 //! client's stream with an error, never a replay.
 
 mod access_log;
+mod adapters;
 pub mod body;
 mod forward;
 pub mod headers;
@@ -61,6 +64,8 @@ pub struct Router {
     metrics: Arc<RequestMetrics>,
     /// `response_cache:` when enabled.
     cache: Option<Arc<ResponseCache>>,
+    /// LoRA adapter loads onto workers (`adapters.load_on_demand`).
+    loads: adapters::Loads,
     /// Worker label of answers the router gave itself.
     no_worker: Arc<str>,
     /// Worker label of answers replayed from the response cache.
@@ -86,6 +91,7 @@ impl Router {
             pools,
             metrics,
             cache,
+            loads: adapters::Loads::default(),
             no_worker: Arc::from(metrics::NO_WORKER),
             cache_worker: Arc::from(metrics::CACHE_WORKER),
             config,

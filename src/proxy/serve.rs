@@ -5,6 +5,7 @@
 //! response and WebSocket handshakes take their own ways. Whatever happens, the
 //! request's end is written once ([`super::access_log`]).
 
+use std::sync::Arc;
 use std::time::Instant;
 
 use http::{Request, Response, StatusCode};
@@ -187,6 +188,16 @@ impl Router {
         // Read whether or not session affinity is on: `consistent_hash` hashes it too.
         let session = policy::session::session_key(&self.config.session, &parts.headers, &body);
         let set = routed.set;
+        // Engines never share KV blocks across adapters or cache salts: neither does
+        // the routing memory (the prompt is keyed by both), and an adapter request
+        // prefers the workers that hold its adapter.
+        if let Some(c) = ctx.as_mut() {
+            c.scope(routed.adapter.map(|a| &**a));
+        }
+        let adapter = routed.adapter.map(|name| policy::AdapterAsk {
+            name: Arc::clone(name),
+            balance: policy::CacheParams::from(self.pool_cache(pool.name())),
+        });
         // The chunk hashes extraction computed with the digest, moved to the request:
         // a shared-state pick matches by them and the publish of what was served
         // takes them.
@@ -203,12 +214,24 @@ impl Router {
                 session,
                 tie: session.or(ctx.as_ref().map(|c| c.digest)),
                 chain: chain.into(),
+                adapter,
             },
             started,
             cache: pending,
         };
         self.forward(set, parts, forwarded, &route, &mut end.waiting_on)
             .await
+    }
+
+    /// The `cache:` settings of the pool `name` (`models.overrides.<name>.cache` over
+    /// the top-level ones).
+    fn pool_cache(&self, name: &str) -> &crate::config::CacheConfig {
+        self.config
+            .models
+            .overrides
+            .get(name)
+            .and_then(|o| o.cache.as_ref())
+            .unwrap_or(&self.config.cache)
     }
 
     /// Why a request has no pool, as the client is told: a model no worker serves is

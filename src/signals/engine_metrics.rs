@@ -142,6 +142,101 @@ pub fn parse(text: &str) -> Option<Parsed> {
     })
 }
 
+/// What a page says of the engine's LoRA adapters.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct LoraReport {
+    /// Adapters with requests queued or running (vLLM's `vllm:lora_requests_info`,
+    /// the series with the latest stamp: its `running_lora_adapters` and
+    /// `waiting_lora_adapters`, comma-joined names). Activity, not residency: an idle
+    /// adapter still in memory is absent.
+    pub active: Vec<String>,
+    /// Adapters it holds at once: that series' `max_lora` (vLLM `--max-loras`), or
+    /// `sglang:lora_pool_slots_total`.
+    pub slots: Option<usize>,
+}
+
+/// Reads the engine's LoRA report from a Prometheus text page; `None` when it has none
+/// (LoRA off, or an engine that does not say). Never panics.
+pub fn lora(text: &str) -> Option<LoraReport> {
+    if !text.contains(":lora_") {
+        return None;
+    }
+    let mut latest: Option<(f64, &str)> = None;
+    let mut slots = None;
+    for line in text.lines() {
+        let line = line.trim_start();
+        if let Some(rest) = line.strip_prefix("vllm:lora_requests_info{") {
+            let Some((_, value)) = sample(line) else {
+                continue;
+            };
+            if value.is_finite() && latest.is_none_or(|(v, _)| value > v) {
+                latest = Some((value, rest));
+            }
+        } else if line.starts_with("sglang:lora_pool_slots_total")
+            && let Some((_, v)) = sample(line)
+            && v.is_finite()
+            && (1.0..=MAX_VALUE).contains(&v)
+        {
+            slots = Some(v as usize);
+        }
+    }
+    let mut report = LoraReport {
+        active: Vec::new(),
+        slots,
+    };
+    if let Some((_, labels)) = latest {
+        for (key, value) in label_pairs(labels) {
+            match key {
+                "running_lora_adapters" | "waiting_lora_adapters" => {
+                    for name in value.split(',').map(str::trim).filter(|n| !n.is_empty()) {
+                        if !report.active.iter().any(|a| a == name) {
+                            report.active.push(name.to_string());
+                        }
+                    }
+                }
+                "max_lora" => report.slots = value.parse().ok().filter(|n| *n > 0),
+                _ => {}
+            }
+        }
+    }
+    (latest.is_some() || report.slots.is_some()).then_some(report)
+}
+
+/// The `key="value"` pairs of a label set, from just after its `{` up to its `}`
+/// (escapes `\\`, `\"` and `\n` decoded); stops at anything it cannot read.
+fn label_pairs(mut rest: &str) -> Vec<(&str, String)> {
+    let mut out = Vec::new();
+    loop {
+        rest = rest.trim_start_matches([',', ' ']);
+        let Some((key, after)) = rest.split_once("=\"") else {
+            return out;
+        };
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let mut end = None;
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\\' => match chars.next() {
+                    Some((_, 'n')) => value.push('\n'),
+                    Some((_, e)) => value.push(e),
+                    None => return out,
+                },
+                '"' => {
+                    end = Some(i + 1);
+                    break;
+                }
+                c => value.push(c),
+            }
+        }
+        let Some(end) = end else { return out };
+        out.push((key.trim(), value));
+        rest = &after[end..];
+        if rest.starts_with('}') {
+            return out;
+        }
+    }
+}
+
 /// One sample line's metric name and value; `None` for comments, blank and unreadable
 /// lines. Label values may hold any character, `}` and escaped quotes included.
 fn sample(line: &str) -> Option<(&str, f64)> {
@@ -213,7 +308,12 @@ pub async fn run<F: Fetch>(
                 let counts = &worker.signals().scrapes;
                 let outcome = match got {
                     Ok((status, body)) if status.is_success() => {
-                        match std::str::from_utf8(&body).ok().and_then(parse) {
+                        let text = std::str::from_utf8(&body).ok();
+                        if let Some(l) = text.and_then(lora) {
+                            let active: Vec<&str> = l.active.iter().map(String::as_str).collect();
+                            worker.adapters().engine_reported(&active, l.slots);
+                        }
+                        match text.and_then(parse) {
                             Some(p) => {
                                 worker.signals().set_engine(p.at(crate::clock::now()));
                                 counts.ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -289,6 +389,34 @@ vllm:e2e_request_latency_seconds_bucket{le="+Inf",model_name="m"} 12
         assert_eq!((p.waiting, p.running), (5.0, 5.0));
         assert_eq!(p.kv_usage, Some(0.75));
         assert_eq!(p.prefix_hit_rate, Some(0.25));
+    }
+
+    #[test]
+    fn the_lora_report_is_the_latest_series_and_the_slots() {
+        // A vLLM 0.32 CPU scrape: one series per label set ever seen, the latest
+        // (largest stamp) current.
+        let page = r#"# TYPE vllm:lora_requests_info gauge
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="sql-lora",waiting_lora_adapters="sql-lora"} 1.7966253612834687e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="chat-lora,sql-lora",waiting_lora_adapters="chat-lora"} 1.7966253625529401e+09
+vllm:lora_requests_info{max_lora="2",running_lora_adapters="",waiting_lora_adapters=""} 1.7966253625467913e+09
+vllm:num_requests_running{model_name="m"} 1
+"#;
+        let r = lora(page).unwrap();
+        assert_eq!(r.active, ["chat-lora", "sql-lora"]);
+        assert_eq!(r.slots, Some(2));
+        let idle = page.replace("1.7966253625467913e+09", "1.8e+09");
+        assert_eq!(lora(&idle).unwrap().active, Vec::<String>::new());
+        assert_eq!(lora(VLLM), None, "no LoRA on the page");
+        let sg = "sglang:lora_pool_slots_total{model_name=\"m\"} 8\n";
+        assert_eq!(lora(sg).unwrap().slots, Some(8));
+        for garbage in [
+            "vllm:lora_requests_info{max_lora=\"x\"} 1\n",
+            "vllm:lora_requests_info{running_lora_adapters=\"a\\\"b\"} 1\n",
+            "vllm:lora_requests_info{running_lora_adapters=\"unterminated} 1\n",
+            "vllm:lora_requests_info{ 1\n",
+        ] {
+            let _ = lora(garbage);
+        }
     }
 
     #[test]

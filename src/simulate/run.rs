@@ -197,6 +197,7 @@ pub async fn replay(
             tie: Some(ctx.digest),
             // As the proxy does (it moves them; the replay keeps its contexts).
             chain: ctx.chain.clone().into(),
+            adapter: None,
         };
         let Some((pick, mut guard)) =
             pick_slot(&*policy, &set, &req, &WorkerMask::default(), &mut rng)

@@ -391,25 +391,9 @@ impl Upstream {
     ) -> Result<(http::StatusCode, Bytes), CallError> {
         let url = match target {
             crate::pools::pool::Target::Path(path) => {
-                let uri = worker.url().origin_form(path)?;
-                let build = || {
-                    let mut req = Request::new(Full::new(Bytes::new()));
-                    *req.uri_mut() = uri.clone();
-                    req.headers_mut()
-                        .insert(header::HOST, worker.url().host_header());
-                    if let Some(key) = self.key_for(worker) {
-                        req.headers_mut()
-                            .insert(header::AUTHORIZATION, key.bearer().clone());
-                    }
-                    req
-                };
-                let call = async {
-                    let resp = self.exchange(worker, build).await?;
-                    read_bounded(resp, max_bytes).await
-                };
-                return tokio::time::timeout(timeout, call)
-                    .await
-                    .map_err(|_| CallError::Timeout(timeout))?;
+                return self
+                    .call_worker(worker, Method::GET, path, None, timeout, max_bytes)
+                    .await;
             }
             crate::pools::pool::Target::Url(url) => url,
         };
@@ -423,6 +407,59 @@ impl Upstream {
         }
         *req.uri_mut() = uri;
         self.bounded(req, timeout, max_bytes).await
+    }
+
+    /// `POST` of a JSON `body` to `path` below the worker's URL, with its backend key,
+    /// on its keep-alive connections; bounded like [`Upstream::get`].
+    pub async fn post_worker_json(
+        &self,
+        worker: &Arc<Worker>,
+        path: &str,
+        body: Bytes,
+        timeout: Duration,
+        max_bytes: usize,
+    ) -> Result<(http::StatusCode, Bytes), CallError> {
+        self.call_worker(worker, Method::POST, path, Some(body), timeout, max_bytes)
+            .await
+    }
+
+    /// One call of `method` on `path` below the worker's URL (a JSON `body` when
+    /// given), with its backend key, on its connections, within `timeout` and
+    /// `max_bytes` of answer.
+    async fn call_worker(
+        &self,
+        worker: &Arc<Worker>,
+        method: Method,
+        path: &str,
+        body: Option<Bytes>,
+        timeout: Duration,
+        max_bytes: usize,
+    ) -> Result<(http::StatusCode, Bytes), CallError> {
+        let uri = worker.url().origin_form(path)?;
+        let build = || {
+            let mut req = Request::new(Full::new(body.clone().unwrap_or_default()));
+            *req.method_mut() = method.clone();
+            *req.uri_mut() = uri.clone();
+            let h = req.headers_mut();
+            h.insert(header::HOST, worker.url().host_header());
+            if body.is_some() {
+                h.insert(
+                    header::CONTENT_TYPE,
+                    HeaderValue::from_static("application/json"),
+                );
+            }
+            if let Some(key) = self.key_for(worker) {
+                h.insert(header::AUTHORIZATION, key.bearer().clone());
+            }
+            req
+        };
+        let call = async {
+            let resp = self.exchange(worker, build).await?;
+            read_bounded(resp, max_bytes).await
+        };
+        tokio::time::timeout(timeout, call)
+            .await
+            .map_err(|_| CallError::Timeout(timeout))?
     }
 
     /// `POST` of a JSON `body` to an absolute `http(s)://` URL (not a worker path), with

@@ -1,8 +1,10 @@
 //! Which worker gets a request, and what the router learns from the answer: prefix
 //! affinity, spreading and the load guard, the policy family and sessions, prompt
-//! extraction, engine-aware cost, predicted / delivered prefix tokens, and `simulate`
-//! against what `trace-matrix` measured.
+//! extraction, engine-aware cost, predicted / delivered prefix tokens, several models
+//! and LoRA adapters (their keys, residency, loads), and `simulate` against what
+//! `trace-matrix` measured.
 
+mod adapters;
 mod affinity;
 #[path = "../common/mod.rs"]
 mod common;

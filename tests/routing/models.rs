@@ -12,7 +12,7 @@ use crate::common::start_router;
 
 /// Waits until the router has read every worker's list (none is `unread`) and routes
 /// by them (each listed name is in a pool).
-async fn lists_read(addr: std::net::SocketAddr) {
+pub(crate) async fn lists_read(addr: std::net::SocketAddr) {
     wait_until(
         "every worker's model list read",
         STEP_TIMEOUT,
@@ -42,7 +42,7 @@ async fn lists_read(addr: std::net::SocketAddr) {
 }
 
 /// A chat request for `model` (`None`: no `model` member) with `text`.
-fn chat_for(model: Option<&str>, text: &str) -> Req {
+pub(crate) fn chat_for(model: Option<&str>, text: &str) -> Req {
     let mut body = serde_json::json!({"messages": [{"role": "user", "content": text}]});
     if let Some(m) = model {
         body["model"] = m.into();

@@ -117,3 +117,51 @@ pub fn sse_event(i: usize) -> String {
         r#"{{"id":"c","object":"chat.completion.chunk","choices":[{{"index":0,"delta":{{"content":"tok{i}"}}}}]}}"#
     )
 }
+
+/// Tokens per block of [`caching_engine`]'s prefix cache.
+pub const CACHE_BLOCK_TOKENS: usize = 16;
+
+/// An engine with a prefix cache keyed as vLLM keys it: blocks computed under one
+/// `model` (a LoRA adapter's name, or the base's) and one `cache_salt` are reused only
+/// by requests with the same pair. A prompt is its chat messages' contents joined, one
+/// token per 4 bytes; the cached tokens reported are the whole blocks of the longest
+/// prefix it shares with a prompt this engine served under the same pair (JSON body,
+/// `usage.prompt_tokens_details.cached_tokens`).
+pub fn caching_engine() -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
+    let served: std::sync::Mutex<Vec<(String, String)>> = Default::default();
+    move |req| {
+        let body: serde_json::Value = serde_json::from_slice(&req.body).unwrap_or_default();
+        let scope = format!("{}\u{0}{}", body["model"], body["cache_salt"]);
+        let prompt: String = body["messages"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|m| m["content"].as_str())
+            .collect::<Vec<_>>()
+            .join("\n");
+        let mut served = served.lock().unwrap();
+        let shared = served
+            .iter()
+            .filter(|(s, _)| *s == scope)
+            .map(|(_, p)| {
+                p.bytes()
+                    .zip(prompt.bytes())
+                    .take_while(|(a, b)| a == b)
+                    .count()
+            })
+            .max()
+            .unwrap_or(0);
+        served.push((scope, prompt.clone()));
+        let tokens = prompt.len() / 4;
+        let cached =
+            (shared / 4).min(tokens.saturating_sub(1)) / CACHE_BLOCK_TOKENS * CACHE_BLOCK_TOKENS;
+        Reply::json(
+            200,
+            &format!(
+                r#"{{"id":"chatcmpl-1","object":"chat.completion","model":{},"choices":[{{"index":0,"message":{{"role":"assistant","content":"ok"}},"finish_reason":"stop"}}],"usage":{}}}"#,
+                body["model"],
+                usage_json(tokens as u64, cached as u64)
+            ),
+        )
+    }
+}

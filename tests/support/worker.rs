@@ -232,6 +232,11 @@ struct State {
     listing: Mutex<Option<String>>,
     /// `GET …/v1/models` requests, kept apart from `requests`.
     model_reads: Mutex<Vec<Recorded>>,
+    /// Loads LoRA adapters at `POST …/load_lora_adapter` (see
+    /// [`FakeWorkerBuilder::lora_loads`]), each held until the gate opens.
+    lora_loads: Option<Gate>,
+    /// Those loads, kept apart from `requests`.
+    loads: Mutex<Vec<Recorded>>,
     idle_close: Option<Duration>,
     stale_after: Option<Duration>,
     stale_reset: bool,
@@ -253,6 +258,7 @@ pub struct FakeWorkerBuilder {
     health: Handler,
     models: Handler,
     listing: Option<String>,
+    lora_loads: Option<Gate>,
     idle_close: Option<Duration>,
     stale_after: Option<Duration>,
     stale_reset: bool,
@@ -262,6 +268,16 @@ pub struct FakeWorkerBuilder {
 }
 
 impl FakeWorkerBuilder {
+    /// Loads LoRA adapters as vLLM (`POST /v1/load_lora_adapter`) and SGLang
+    /// (`POST /load_lora_adapter`) do, answering once `gate` opens (open it at once for
+    /// no wait): `{"lora_name": N, "lora_path": P}` adds `N@<first listed model>` to
+    /// its model list and answers 200 (400 "already been loaded" for a name it lists;
+    /// 404 for a path containing `missing`). Loads are kept apart ([`FakeWorker::loads`]).
+    pub fn lora_loads(mut self, gate: &Gate) -> Self {
+        self.lora_loads = Some(gate.clone());
+        self
+    }
+
     /// Answers each request with `f(request)`.
     pub fn reply(mut self, f: impl Fn(&Recorded) -> Reply + Send + Sync + 'static) -> Self {
         self.handler = Arc::new(f);
@@ -286,6 +302,12 @@ impl FakeWorkerBuilder {
     /// [`model_list`].
     pub fn serving(mut self, models: &[&str]) -> Self {
         self.listing = Some(model_list(models));
+        self
+    }
+
+    /// Answers `GET /v1/models` with this list body (any shape: an SGLang one, say).
+    pub fn listing(mut self, body: &str) -> Self {
+        self.listing = Some(body.to_string());
         self
     }
 
@@ -344,6 +366,8 @@ impl FakeWorkerBuilder {
             models: self.models,
             listing: Mutex::new(self.listing),
             model_reads: Mutex::new(Vec::new()),
+            lora_loads: self.lora_loads,
+            loads: Mutex::new(Vec::new()),
             idle_close: self.idle_close,
             stale_after: self.stale_after,
             stale_reset: self.stale_reset,
@@ -382,6 +406,7 @@ impl FakeWorker {
             health: Arc::new(|_| Reply::json(200, r#"{"status":"ok"}"#)),
             models: Arc::new(|_| Reply::ok()),
             listing: None,
+            lora_loads: None,
             idle_close: None,
             stale_after: None,
             stale_reset: false,
@@ -427,6 +452,11 @@ impl FakeWorker {
     /// `GET …/v1/models` requests received so far (the router's list reads).
     pub fn model_reads(&self) -> Vec<Recorded> {
         self.state.model_reads.lock().unwrap().clone()
+    }
+
+    /// The adapter loads received so far (with [`FakeWorkerBuilder::lora_loads`]).
+    pub fn loads(&self) -> Vec<Recorded> {
+        self.state.loads.lock().unwrap().clone()
     }
 
     /// From now on lists these names at `GET /v1/models` (see [`model_list`]); `None`:
@@ -620,16 +650,20 @@ async fn serve_conn(state: Arc<State>, stream: TcpStream, conn: u64) {
         let path = target.split('?').next().unwrap_or("");
         let is_probe = method == "GET" && path.ends_with("/health");
         let is_list = method == "GET" && path.ends_with("/v1/models");
+        let is_load =
+            state.lora_loads.is_some() && method == "POST" && path.ends_with("/load_lora_adapter");
         let index;
         let reply = {
             let mut reqs = if is_probe {
                 state.probes.lock().unwrap()
             } else if is_list {
                 state.model_reads.lock().unwrap()
+            } else if is_load {
+                state.loads.lock().unwrap()
             } else {
                 state.requests.lock().unwrap()
             };
-            index = (!is_probe && !is_list).then_some(reqs.len());
+            index = (!is_probe && !is_list && !is_load).then_some(reqs.len());
             let rec = Recorded {
                 index: index.unwrap_or(reqs.len()),
                 conn,
@@ -649,6 +683,8 @@ async fn serve_conn(state: Arc<State>, stream: TcpStream, conn: u64) {
                     Some(body) => Reply::json(200, &body),
                     None => (state.models)(&rec),
                 }
+            } else if authorized && is_load {
+                load_adapter(&state, &rec)
             } else if authorized {
                 (state.handler)(&rec)
             } else {
@@ -782,6 +818,59 @@ async fn write_steps(
         }
     }
     Ok(())
+}
+
+/// A load of a LoRA adapter (see [`FakeWorkerBuilder::lora_loads`]).
+fn load_adapter(state: &State, rec: &Recorded) -> Reply {
+    let gate = state.lora_loads.clone().unwrap_or_default();
+    let asked: serde_json::Value = serde_json::from_slice(&rec.body).unwrap_or_default();
+    let (Some(name), Some(path)) = (asked["lora_name"].as_str(), asked["lora_path"].as_str())
+    else {
+        return Reply::json(
+            400,
+            r#"{"error":{"message":"lora_name and lora_path","code":400}}"#,
+        );
+    };
+    if path.contains("missing") {
+        return Reply::json(
+            404,
+            &format!(
+                r#"{{"error":{{"message":"Loading lora {name} failed: No adapter found for {path}","type":"NotFoundError","code":404}}}}"#
+            ),
+        )
+        .after_gate(&gate);
+    }
+    let mut listing = state.listing.lock().unwrap();
+    let mut list: serde_json::Value = listing
+        .as_deref()
+        .and_then(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| serde_json::json!({"object": "list", "data": []}));
+    let data = list["data"].as_array_mut().expect("a model list");
+    if data.iter().any(|m| m["id"] == name) {
+        return Reply::json(
+            400,
+            &format!(
+                r#"{{"error":{{"message":"The lora adapter '{name}' has already been loaded.","type":"InvalidUserInput","code":400}}}}"#
+            ),
+        );
+    }
+    let base = data
+        .first()
+        .and_then(|m| m["id"].as_str())
+        .unwrap_or("base")
+        .to_string();
+    let owner = data
+        .first()
+        .map_or("vllm".into(), |m| m["owned_by"].clone());
+    data.push(
+        serde_json::json!({"id": name, "object": "model", "owned_by": owner,
+        "root": path, "parent": base}),
+    );
+    *listing = Some(list.to_string());
+    Reply::status(200)
+        .header("Content-Type", "text/plain")
+        .body(format!("Success: LoRA adapter '{name}' added successfully.").into_bytes())
+        .after_gate(&gate)
 }
 
 /// A `GET /v1/models` answer as vLLM gives it: one entry per name, each its own model

@@ -33,8 +33,18 @@ struct WorkerResultLabels {
     result: &'static str,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PlacementLabels {
+    worker: Arc<str>,
+    placement: &'static str,
+}
+
 #[derive(Debug, Default)]
 struct Families {
+    lora_slots: Family<WorkerLabels, Gauge>,
+    lora_resident: Family<WorkerLabels, Gauge>,
+    lora_requests: Family<PlacementLabels, Counter>,
+    lora_loads: Family<WorkerResultLabels, Counter>,
     in_flight: Family<WorkerLabels, Gauge>,
     healthy: Family<WorkerLabels, Gauge>,
     breaker: Family<BreakerLabels, Gauge>,
@@ -169,12 +179,53 @@ impl PoolMetrics {
     }
 }
 
+impl PoolMetrics {
+    /// Each worker's LoRA adapter estimate and counts (`super::adapters`).
+    fn adapters(&self, set: &WorkerSet) {
+        use std::sync::atomic::Ordering::Relaxed;
+        let f = &self.families;
+        f.lora_slots.clear();
+        f.lora_resident.clear();
+        f.lora_requests.clear();
+        f.lora_loads.clear();
+        for w in set.workers() {
+            let worker = || Arc::clone(w.label());
+            let r = w.adapters();
+            let labels = WorkerLabels { worker: worker() };
+            f.lora_slots.get_or_create(&labels).set(r.slots() as i64);
+            f.lora_resident
+                .get_or_create(&labels)
+                .set(r.resident().len() as i64);
+            for (p, n) in super::adapters::Placement::ALL.iter().zip(r.placed()) {
+                f.lora_requests
+                    .get_or_create(&PlacementLabels {
+                        worker: worker(),
+                        placement: p.as_str(),
+                    })
+                    .inc_by(n);
+            }
+            for (result, n) in [
+                ("ok", r.loads_ok.load(Relaxed)),
+                ("failed", r.loads_failed.load(Relaxed)),
+            ] {
+                f.lora_loads
+                    .get_or_create(&WorkerResultLabels {
+                        worker: worker(),
+                        result,
+                    })
+                    .inc_by(n);
+            }
+        }
+    }
+}
+
 impl Collector for PoolMetrics {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
         let set = self.pool.set();
         let now = super::now();
         self.state(&set, now);
         self.signals(&set, now);
+        self.adapters(&set);
         let f = &self.families;
         family(
             &mut enc,
@@ -280,6 +331,34 @@ impl Collector for PoolMetrics {
             "The worker's learned fixed cost per request, seconds",
             Some(&Unit::Seconds),
             &f.prefill_base,
+        )?;
+        family(
+            &mut enc,
+            "worker_lora_slots",
+            "LoRA adapters the worker holds at once: workers[].max_lora, else its engine's report, else 1",
+            None,
+            &f.lora_slots,
+        )?;
+        family(
+            &mut enc,
+            "worker_lora_resident",
+            "LoRA adapters the router estimates the worker holds (those it sent there last, within its slots, and those its engine reports active)",
+            None,
+            &f.lora_resident,
+        )?;
+        family(
+            &mut enc,
+            "worker_lora_requests",
+            "LoRA adapter requests sent to the worker by placement: resident (it held the adapter), free_slot (a load that evicts nothing), evicting (a load that evicts another adapter)",
+            None,
+            &f.lora_requests,
+        )?;
+        family(
+            &mut enc,
+            "lora_loads",
+            "LoRA adapters loaded onto the worker on demand (adapters.load_on_demand) by result: ok, failed",
+            None,
+            &f.lora_loads,
         )?;
         Ok(())
     }

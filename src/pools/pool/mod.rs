@@ -12,6 +12,7 @@
 //! Depends on config only; the proxy, policies, health checks, reload, the admin API and
 //! the KV-event supervisor depend on it, never the other way round.
 
+pub mod adapters;
 pub mod breaker;
 mod fetch;
 pub mod health;
@@ -263,6 +264,7 @@ impl Pool {
     /// Tells the listeners that `worker` turned unhealthy (health checks call this after
     /// flipping its health).
     pub fn mark_down(&self, worker: &Worker) {
+        worker.adapters().clear();
         for l in self.listeners().iter() {
             l.worker_down(worker);
         }

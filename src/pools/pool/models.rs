@@ -64,6 +64,8 @@ pub struct ServedModel {
     /// The entry as the worker listed it (`GET /v1/models` passes it on); for a
     /// pinned name, a minimal card.
     pub card: Arc<RawValue>,
+    /// Who serves it (`owned_by`: `vllm`, `sglang`, …), as listed.
+    pub owned_by: Option<Box<str>>,
 }
 
 impl ServedModel {
@@ -117,6 +119,29 @@ impl Served {
         matches!(self.source, ListSource::Unread | ListSource::Unreadable)
     }
 
+    /// Whether it lists `name` (a base model's served name or an adapter).
+    pub fn lists(&self, name: &str) -> bool {
+        self.models.iter().any(|m| *m.id == *name)
+    }
+
+    /// Whether its list says it is SGLang (`owned_by: sglang`): it takes an adapter as
+    /// `model: "base:adapter"`, and loads one at `/load_lora_adapter`.
+    pub fn is_sglang(&self) -> bool {
+        self.models
+            .iter()
+            .any(|m| m.owned_by.as_deref() == Some("sglang"))
+    }
+
+    /// The base model's served name an adapter request for `adapter` names here: its
+    /// listed parent, else the first base model it lists.
+    pub fn base_for(&self, adapter: &str) -> Option<&Arc<str>> {
+        self.models
+            .iter()
+            .find(|m| *m.id == *adapter)
+            .and_then(|m| m.parent.as_ref())
+            .or_else(|| self.models.iter().find(|m| !m.is_adapter()).map(|m| &m.id))
+    }
+
     /// Whether it routes as `other` does: same source kind as far as routing goes and
     /// the same entries (ids, parents, roots) in the same order.
     pub fn routes_as(&self, other: &Served) -> bool {
@@ -137,6 +162,7 @@ fn pinned_card(name: &str) -> ServedModel {
         parent: None,
         root: None,
         card: Arc::from(serde_json::value::to_raw_value(&card).unwrap_or_else(|_| empty_card())),
+        owned_by: None,
     }
 }
 
@@ -155,6 +181,7 @@ struct Entry {
     id: Option<String>,
     parent: Option<String>,
     root: Option<String>,
+    owned_by: Option<String>,
 }
 
 /// The entries of a `GET /v1/models` answer; `Err` says why it is no model list.
@@ -168,6 +195,7 @@ pub fn parse_list(body: &[u8]) -> Result<Vec<ServedModel>, String> {
             id: Some(id),
             parent,
             root,
+            owned_by,
         }) = serde_json::from_str::<Entry>(raw.get())
         else {
             continue;
@@ -180,6 +208,7 @@ pub fn parse_list(body: &[u8]) -> Result<Vec<ServedModel>, String> {
             parent: parent.filter(|p| !p.is_empty()).map(Arc::from),
             root: root.map(String::into_boxed_str),
             card: Arc::from(raw.to_owned()),
+            owned_by: owned_by.map(String::into_boxed_str),
         });
     }
     Ok(out)

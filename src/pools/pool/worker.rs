@@ -74,6 +74,8 @@ pub struct Worker {
     keep_alive: super::keep_alive::KeepAlive,
     /// What it serves (`super::models`): pinned, or its list as last read.
     served: arc_swap::ArcSwap<super::models::Served>,
+    /// The LoRA adapters its engine is estimated to hold (`super::adapters`).
+    adapters: super::adapters::Residency,
 }
 
 /// Consecutive health-probe results of one worker.
@@ -97,6 +99,7 @@ impl Worker {
         let served = super::models::Served::initial(config.models.as_deref());
         Worker {
             served: arc_swap::ArcSwap::from_pointee(served),
+            adapters: super::adapters::Residency::new(config.max_lora.map(|n| n.get())),
             id,
             max_load: config.max_load.map_or(0, |m| m.get()),
             load_penalty: config.load_penalty,
@@ -135,6 +138,11 @@ impl Worker {
     /// What it serves, as last learned (one atomic load; see `pool::models`).
     pub fn served(&self) -> Arc<super::models::Served> {
         self.served.load_full()
+    }
+
+    /// The LoRA adapters its engine is estimated to hold, and its adapter counts.
+    pub fn adapters(&self) -> &super::adapters::Residency {
+        &self.adapters
     }
 
     /// Stores what it serves (the model-list reads).
@@ -367,6 +375,7 @@ pub(crate) fn for_test(max_load: Option<usize>, breaker: &BreakerConfig) -> Work
             name: None,
             role: Default::default(),
             models: None,
+            max_lora: None,
         },
         breaker,
     )
