@@ -625,3 +625,100 @@ mod tests {
         assert_eq!(back, r);
     }
 }
+
+/// The shape of [`adapter_mix`]'s workload: many LoRA adapters of one base model,
+/// each with its own system prompt and multi-turn sessions, adapter popularity
+/// skewed (adapter `k` is drawn with weight `1 / (k + 1)`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdapterMixSpec {
+    /// Requests in the workload.
+    pub requests: usize,
+    /// Timestamp of the last session's start, in ms (the first is at 0).
+    pub span_ms: u64,
+    /// Seed of the random stream.
+    pub seed: u64,
+    /// LoRA adapters (`lora-0` … `lora-{n-1}`).
+    pub adapters: usize,
+    /// Blocks of 512 tokens in each adapter's system prompt.
+    pub system_blocks: u64,
+    /// Turns per session, inclusive range.
+    pub turns: (u64, u64),
+}
+
+impl Default for AdapterMixSpec {
+    /// 2,400 requests over 10 minutes (4 req/s), 8 adapters with a 1,024-token system
+    /// prompt each, sessions of 1–4 turns.
+    fn default() -> Self {
+        Self {
+            requests: 2400,
+            span_ms: 600_000,
+            seed: 0x6c6f_7261_5f6d_6978, // "lora_mix"
+            adapters: 8,
+            system_blocks: 2,
+            turns: (1, 4),
+        }
+    }
+}
+
+/// The workload of `spec` as `(adapter, request)` pairs sorted by timestamp: each
+/// session draws its adapter, starts with that adapter's system prompt and adds 1–2
+/// new blocks per turn (turns 5–30 s apart).
+pub fn adapter_mix(spec: &AdapterMixSpec) -> Vec<(String, GeneratedRequest)> {
+    let mut rng = Draw(SplitMix64::new(spec.seed));
+    let adapters = spec.adapters.max(1);
+    let mut next_id = 0u64;
+    let mut fresh = |n: u64| -> Vec<u64> {
+        let ids = (next_id..next_id + n).collect();
+        next_id += n;
+        ids
+    };
+    let systems: Vec<Vec<u64>> = (0..adapters).map(|_| fresh(spec.system_blocks)).collect();
+    let scale: u64 = 720_720; // divisible by 1..=16
+    let weights: Vec<u64> = (0..adapters as u64)
+        .map(|k| scale / (k + 1).min(16))
+        .collect();
+    let total: u64 = weights.iter().sum();
+    let mut out = Vec::with_capacity(spec.requests);
+    let mut session = 0u32;
+    while out.len() < spec.requests {
+        let mut pick = rng.range(0, total - 1);
+        let mut which = 0;
+        while pick >= weights[which] {
+            pick -= weights[which];
+            which += 1;
+        }
+        let turns = rng
+            .range(spec.turns.0.max(1), spec.turns.1.max(spec.turns.0).max(1))
+            .min((spec.requests - out.len()) as u64);
+        let mut ts = rng.range(0, spec.span_ms);
+        let mut ids = systems[which].clone();
+        for turn in 1..=turns as u32 {
+            if turn > 1 {
+                ts += rng.range(TURN_GAP_MS.0, TURN_GAP_MS.1 / 2);
+            }
+            ids.extend(fresh(rng.range(1, 2)));
+            let request = GeneratedRequest {
+                record: synthetic_record(&mut rng, ts, ids.clone()),
+                session: Some(session),
+                turn,
+                hot: true,
+            };
+            out.push((format!("lora-{which}"), request));
+        }
+        session += 1;
+    }
+    out.sort_by_key(|(_, r)| r.record.timestamp);
+    out
+}
+
+/// One line of a request log `simulate` reads: `{"timestamp_ms", "body"}` with a chat
+/// body for `model` whose one user message is the record's prompt text, and its output
+/// length as `max_tokens`.
+pub fn request_line(model: &str, r: &TraceRecord) -> String {
+    let body = serde_json::json!({
+        "model": model,
+        "max_tokens": r.output_length,
+        "messages": [{"role": "user", "content": r.prompt(0)}],
+    });
+    serde_json::json!({"timestamp_ms": r.timestamp, "body": body}).to_string()
+}

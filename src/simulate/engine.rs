@@ -30,9 +30,23 @@ pub fn block_hashes<'a>(
     tokens: impl IntoIterator<Item = &'a str>,
     block_size: usize,
 ) -> (usize, Vec<u64>) {
+    block_hashes_under(tokens, block_size, None)
+}
+
+/// As [`block_hashes`], for a prompt run under the LoRA adapter `adapter` (`None`: the
+/// base model): the chain starts from a root of its own, so the blocks of one prompt
+/// under two adapters never match (vLLM folds the adapter's name into every hash).
+pub fn block_hashes_under<'a>(
+    tokens: impl IntoIterator<Item = &'a str>,
+    block_size: usize,
+    adapter: Option<&str>,
+) -> (usize, Vec<u64>) {
     let block_size = block_size.max(1);
     let mut hashes = Vec::new();
-    let mut hasher = Xxh3::with_seed(ROOT_HASH);
+    let root = adapter.map_or(ROOT_HASH, |a| {
+        xxhash_rust::xxh3::xxh3_64_with_seed(a.as_bytes(), ROOT_HASH)
+    });
+    let mut hasher = Xxh3::with_seed(root);
     let mut in_block = 0;
     let mut n = 0;
     for word in tokens {
@@ -143,13 +157,19 @@ pub struct Served {
     pub first_token_ms: f64,
 }
 
-/// One simulated engine: a [`PrefixCache`] behind a serialized prefill queue.
+/// One simulated engine: a [`PrefixCache`] behind a serialized prefill queue, and the
+/// LoRA adapters it holds.
 #[derive(Debug)]
 pub struct EngineModel {
     cache: PrefixCache,
     timing: Timing,
     /// When the prefill server is next free, in ms.
     free_at_ms: f64,
+    /// The adapters held, least recently used evicted first; `None`: adapters are not
+    /// modelled.
+    adapters: Option<LruCache<std::sync::Arc<str>, ()>>,
+    /// Adapters loaded so far (one per request for an adapter it did not hold).
+    loads: u64,
 }
 
 impl EngineModel {
@@ -159,7 +179,32 @@ impl EngineModel {
             cache: PrefixCache::new(kv_blocks, block_size),
             timing,
             free_at_ms: 0.0,
+            adapters: None,
+            loads: 0,
         }
+    }
+
+    /// The same engine holding at most `slots` LoRA adapters at once (vLLM's
+    /// `--max-loras`), least recently used evicted first.
+    pub fn with_adapter_slots(mut self, slots: NonZeroUsize) -> Self {
+        self.adapters = Some(LruCache::new(slots));
+        self
+    }
+
+    /// A request for `adapter` runs here: loads it unless held (evicting the least
+    /// recently used one past the slots). Returns whether it loaded.
+    pub fn use_adapter(&mut self, adapter: &std::sync::Arc<str>) -> bool {
+        let Some(held) = self.adapters.as_mut() else {
+            return false;
+        };
+        let loaded = held.put(std::sync::Arc::clone(adapter), ()).is_none();
+        self.loads += u64::from(loaded);
+        loaded
+    }
+
+    /// Adapters loaded so far.
+    pub fn adapter_loads(&self) -> u64 {
+        self.loads
     }
 
     /// Prompt tokens this engine would serve from its cache now, without changing it.
@@ -170,11 +215,23 @@ impl EngineModel {
     /// Queues a prompt of `n_tokens` tokens (full-block `hashes`) arriving at
     /// `arrival_ms`: looks it up and inserts it in the cache, and times its prefill.
     pub fn serve(&mut self, arrival_ms: f64, hashes: &[u64], n_tokens: usize) -> Served {
+        self.serve_after(arrival_ms, hashes, n_tokens, 0.0)
+    }
+
+    /// As [`EngineModel::serve`], its prefill delayed by `extra_ms` more (an adapter
+    /// load before it, say).
+    pub fn serve_after(
+        &mut self,
+        arrival_ms: f64,
+        hashes: &[u64],
+        n_tokens: usize,
+        extra_ms: f64,
+    ) -> Served {
         let cached = self.cache.lookup_and_insert(hashes, n_tokens) as u64;
         let uncached = (n_tokens as u64).saturating_sub(cached) as f64;
         let rate_per_ms = (self.timing.prefill_tokens_per_sec / 1e3).max(f64::MIN_POSITIVE);
         let start = arrival_ms.max(self.free_at_ms);
-        let end = start + self.timing.ttft_base_ms + uncached / rate_per_ms;
+        let end = start + extra_ms.max(0.0) + self.timing.ttft_base_ms + uncached / rate_per_ms;
         self.free_at_ms = end;
         Served {
             cached_tokens: cached,
@@ -229,6 +286,23 @@ mod tests {
         assert_eq!(second.prefill_start_ms, 110.0);
         assert_eq!(second.cached_tokens, 96);
         assert_eq!(second.first_token_ms, 110.0 + 10.0 + 4.0);
+    }
+
+    #[test]
+    fn adapters_key_their_blocks_and_load_into_lru_slots() {
+        let text = words(40, "w");
+        let (_, base) = block_hashes(tokenize_words(&text), 16);
+        let (_, a) = block_hashes_under(tokenize_words(&text), 16, Some("a"));
+        let (_, b) = block_hashes_under(tokenize_words(&text), 16, Some("b"));
+        assert!(base.iter().chain(&a).all(|h| !b.contains(h)));
+        assert!(base.iter().all(|h| !a.contains(h)));
+        let mut e = EngineModel::new(nz(100), nz(16), Timing::default()).with_adapter_slots(nz(2));
+        let [x, y, z] = ["x", "y", "z"].map(std::sync::Arc::<str>::from);
+        assert!(e.use_adapter(&x) && e.use_adapter(&y));
+        assert!(!e.use_adapter(&x), "held");
+        assert!(e.use_adapter(&z), "evicts y, the least recently used");
+        assert!(e.use_adapter(&y));
+        assert_eq!(e.adapter_loads(), 4);
     }
 
     #[test]

@@ -25,6 +25,9 @@ pub struct Setting {
     pub label: String,
     /// The YAML layered on the user's config (policy and cache keys).
     pub yaml: String,
+    /// Whether adapter requests prefer the workers holding their adapter (the router's
+    /// residency; only `--max-lora` runs have adapters).
+    pub residency: bool,
 }
 
 /// The grid, in table order.
@@ -32,10 +35,12 @@ pub fn settings() -> Vec<Setting> {
     let cache = |label: &str, keys: &str| Setting {
         label: format!("cache_aware {label}").trim_end().to_owned(),
         yaml: format!("policy: cache_aware\ncache: {{ {keys} }}\n"),
+        residency: true,
     };
     let plain = |p: &str| Setting {
         label: p.to_owned(),
         yaml: format!("policy: {p}\n"),
+        residency: true,
     };
     vec![
         cache("(defaults)", ""),
@@ -57,6 +62,16 @@ pub fn settings() -> Vec<Setting> {
         plain("least_load"),
         plain("round_robin"),
     ]
+}
+
+/// `cache_aware` at its defaults without the router's adapter residency: adapter
+/// requests placed by the policy alone (their prompts still keyed by adapter).
+pub fn without_residency() -> Setting {
+    Setting {
+        label: "cache_aware (defaults), no adapter residency".to_owned(),
+        yaml: "policy: cache_aware\n".to_owned(),
+        residency: false,
+    }
 }
 
 /// The recommended row's index (see the module docs); `None` for an empty grid.
@@ -84,15 +99,25 @@ pub fn recommend(rows: &[Measured]) -> Option<usize> {
 
 /// The markdown table: one row per setting, the recommended one marked.
 pub fn table(settings: &[Setting], rows: &[Measured], recommended: Option<usize>) -> String {
+    let adapters = rows.iter().any(|m| m.adapter_loads.is_some());
     let mut t = String::from(
         "| setting | available | predicted | delivered | max/mean req | peak in-flight | \
-         TTFT p50 / p99 (ms) | rejected | |\n\
-         | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n",
+         TTFT p50 / p99 (ms) | rejected |",
     );
+    t.push_str(if adapters {
+        " adapter loads/min | |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n"
+    } else {
+        " |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n"
+    });
     for (i, (s, m)) in settings.iter().zip(rows).enumerate() {
+        let loads = match m.loads_per_minute() {
+            Some(l) if adapters => format!(" {l:.1} |"),
+            _ if adapters => " - |".to_owned(),
+            _ => String::new(),
+        };
         let _ = writeln!(
             t,
-            "| {} | {:.3} | {:.3} | {:.3} | {:.2} | {} | {:.0} / {:.0} | {} | {} |",
+            "| {} | {:.3} | {:.3} | {:.3} | {:.2} | {} | {:.0} / {:.0} | {} |{loads} {} |",
             s.label,
             m.ratio(m.available_tokens),
             m.ratio(m.predicted_tokens),

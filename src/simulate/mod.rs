@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 
 use crate::config::{Config, ConfigError};
 use crate::prompt;
-use engine::{Timing, block_hashes, tokenize_words};
+use engine::{Timing, block_hashes_under, tokenize_words};
 use input::Format;
 use run::{Measured, PoolModel, Prepared};
 
@@ -84,6 +84,17 @@ pub struct SimulateArgs {
     /// Seed of the policies' random choices.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Model LoRA adapters: a request's `model` names the adapter it runs under (none:
+    /// the base model), each engine holds this many at once (loading one it does not
+    /// hold, least recently used evicted) and each worker is configured with
+    /// `max_lora` = this; the table gains adapter loads per minute and a
+    /// `cache_aware` row without the router's adapter residency. 0 = off.
+    #[arg(long, default_value_t = 0)]
+    pub max_lora: usize,
+    /// With `--max-lora`: what loading an adapter adds to the prefill of the request
+    /// that needs it, in ms (serialized with the engine's prefills).
+    #[arg(long, default_value_t = 0.0)]
+    pub adapter_load_ms: f64,
 }
 
 /// Why a simulation could not run.
@@ -143,6 +154,15 @@ impl Report {
             args.decode_ms_per_token,
             args.max_output_tokens,
         );
+        if args.max_lora > 0 {
+            out.insert_str(
+                out.len() - 1,
+                &format!(
+                    "LoRA adapters: each request's `model`; {} held per engine (LRU), a load adds {} ms to its prefill\n",
+                    args.max_lora, args.adapter_load_ms
+                ),
+            );
+        }
         out.push_str(&grid::table(&self.settings, &self.rows, self.recommended));
         out.push_str(
             "\navailable / predicted / delivered = Σ tokens ÷ Σ prompt tokens: the longest \
@@ -184,7 +204,12 @@ pub fn run(args: &SimulateArgs, show_progress: bool) -> Result<Report, SimError>
     if log.requests.is_empty() {
         return Err(SimError::Empty(args.input.clone()));
     }
-    let requests = prepare(&log.requests, args.rate, model.block_tokens.get());
+    let requests = prepare(
+        &log.requests,
+        args.rate,
+        model.block_tokens.get(),
+        args.max_lora > 0,
+    );
     let user: Vec<(PathBuf, String)> = args
         .config
         .iter()
@@ -197,10 +222,13 @@ pub fn run(args: &SimulateArgs, show_progress: bool) -> Result<Report, SimError>
                 })
         })
         .collect::<Result<_, _>>()?;
-    let settings = grid::settings();
+    let mut settings = grid::settings();
+    if args.max_lora > 0 {
+        settings.push(grid::without_residency());
+    }
     let configs = settings
         .iter()
-        .map(|s| row_config(&user, s, args.workers))
+        .map(|s| row_config(&user, s, args.workers, args.max_lora))
         .collect::<Result<Vec<_>, _>>()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -213,16 +241,18 @@ pub fn run(args: &SimulateArgs, show_progress: bool) -> Result<Report, SimError>
         .map_or(32 * 1024, |c| c.cache.max_prompt_bytes);
     let contexts: Vec<_> = requests
         .iter()
-        .map(|r| prompt::extract(r.endpoint, &r.body, max_prompt_bytes))
+        .map(|r| {
+            let mut c = prompt::extract(r.endpoint, &r.body, max_prompt_bytes);
+            c.scope(r.adapter.as_deref());
+            c
+        })
         .collect();
     let mut bar = Progress::new(show_progress, settings.len() * requests.len());
     let rows = runtime.block_on(async {
         let mut rows = Vec::with_capacity(configs.len());
         for (i, config) in configs.iter().enumerate() {
-            let m = run::replay(config, &model, &requests, &contexts, args.seed, || {
-                bar.tick()
-            })
-            .await;
+            let run = (args.seed, settings[i].residency);
+            let m = run::replay(config, &model, &requests, &contexts, run, || bar.tick()).await;
             bar.row_done(i + 1, settings.len(), &settings[i].label);
             rows.push(m);
         }
@@ -260,6 +290,7 @@ fn pool_model(args: &SimulateArgs) -> Result<PoolModel, SimError> {
     for (v, what) in [
         (args.ttft_base_ms, "--ttft-base-ms"),
         (args.decode_ms_per_token, "--decode-ms-per-token"),
+        (args.adapter_load_ms, "--adapter-load-ms"),
     ] {
         if !(v.is_finite() && v >= 0.0) {
             return Err(SimError::Setting(format!(
@@ -268,6 +299,8 @@ fn pool_model(args: &SimulateArgs) -> Result<PoolModel, SimError> {
         }
     }
     Ok(PoolModel {
+        adapter_slots: NonZeroUsize::new(args.max_lora),
+        adapter_load_ms: args.adapter_load_ms,
         workers: nz(args.workers, "--workers")?.get(),
         kv_blocks: nz(args.kv_blocks, "--kv-blocks")?,
         block_tokens: nz(args.block_tokens, "--block-tokens")?,
@@ -281,8 +314,14 @@ fn pool_model(args: &SimulateArgs) -> Result<PoolModel, SimError> {
 
 /// Arrivals from the log's timestamps (shifted so the first is 0; a request without
 /// one comes `1000 / rate` ms after the one before), sorted stably; the engine's tokens
-/// and block hashes of each whole prompt.
-fn prepare(logged: &[input::LoggedRequest], rate: f64, block_tokens: usize) -> Vec<Prepared> {
+/// and block hashes of each whole prompt (under its adapter, its `model`, when
+/// `adapters`).
+fn prepare(
+    logged: &[input::LoggedRequest],
+    rate: f64,
+    block_tokens: usize,
+    adapters: bool,
+) -> Vec<Prepared> {
     let origin = logged
         .iter()
         .filter_map(|r| r.arrival_ms)
@@ -297,8 +336,15 @@ fn prepare(logged: &[input::LoggedRequest], rate: f64, block_tokens: usize) -> V
             };
             last = arrival_ms;
             let whole = prompt::extract(r.endpoint, &r.body, usize::MAX);
+            let adapter: Option<std::sync::Arc<str>> = whole
+                .model
+                .as_ref()
+                .and_then(|f| f.name(&r.body))
+                .filter(|m| adapters && !m.is_empty())
+                .map(|m| std::sync::Arc::from(&*m));
             let text = String::from_utf8_lossy(&whole.text);
-            let (n, hashes) = block_hashes(tokenize_words(&text), block_tokens);
+            let (n, hashes) =
+                block_hashes_under(tokenize_words(&text), block_tokens, adapter.as_deref());
             Prepared {
                 endpoint: r.endpoint,
                 body: r.body.clone(),
@@ -307,6 +353,7 @@ fn prepare(logged: &[input::LoggedRequest], rate: f64, block_tokens: usize) -> V
                 hashes,
                 output_tokens: r.output_tokens,
                 duration_ms: r.duration_ms,
+                adapter,
             }
         })
         .collect();
@@ -315,11 +362,13 @@ fn prepare(logged: &[input::LoggedRequest], rate: f64, block_tokens: usize) -> V
 }
 
 /// A grid row's config: the user's files, then the row's keys, then the simulated
-/// workers (never contacted), validated as `Config::load` validates.
+/// workers (never contacted; `max_lora` each unless 0), validated as `Config::load`
+/// validates.
 fn row_config(
     user: &[(PathBuf, String)],
     setting: &grid::Setting,
     workers: usize,
+    max_lora: usize,
 ) -> Result<Config, SimError> {
     let mut overlay = setting.yaml.clone();
     overlay.push_str("workers:\n");
@@ -327,6 +376,9 @@ fn row_config(
         overlay.push_str(&format!(
             "  - url: http://engine-{i}.simulate.invalid:8000\n"
         ));
+        if max_lora > 0 {
+            overlay.push_str(&format!("    max_lora: {max_lora}\n"));
+        }
     }
     let row = Path::new("<simulate grid row>");
     let sources = user

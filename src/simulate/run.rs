@@ -42,6 +42,9 @@ pub struct Prepared {
     pub output_tokens: u64,
     /// Logged time from arrival to last byte, in ms; `None` = from the engine model.
     pub duration_ms: Option<f64>,
+    /// The LoRA adapter it runs under (its `model`, with `--max-lora`); `None`: the
+    /// base model.
+    pub adapter: Option<std::sync::Arc<str>>,
 }
 
 /// The engine pool's model.
@@ -53,6 +56,10 @@ pub struct PoolModel {
     /// Tokens per KV block.
     pub block_tokens: std::num::NonZeroUsize,
     pub timing: Timing,
+    /// LoRA adapters each engine holds at once; `None`: adapters are not modelled.
+    pub adapter_slots: Option<std::num::NonZeroUsize>,
+    /// What loading an adapter adds to the prefill of the request that needs it, ms.
+    pub adapter_load_ms: f64,
 }
 
 /// What one run measured. Token counts are engine prompt tokens.
@@ -75,6 +82,11 @@ pub struct Measured {
     pub peak_in_flight: u64,
     /// Each request's estimated TTFT (queue wait + prefill), in ms, sorted.
     pub ttft_ms: Vec<f64>,
+    /// Adapters the engines loaded (a request for one its engine did not hold), when
+    /// adapters are modelled.
+    pub adapter_loads: Option<u64>,
+    /// From the first arrival to the last, in ms.
+    pub span_ms: f64,
 }
 
 impl Measured {
@@ -85,6 +97,12 @@ impl Measured {
         } else {
             tokens as f64 / self.prompt_tokens as f64
         }
+    }
+
+    /// Adapter loads per minute of the replay's span, when adapters are modelled.
+    pub fn loads_per_minute(&self) -> Option<f64> {
+        let minutes = (self.span_ms / 60_000.0).max(1.0 / 60.0);
+        self.adapter_loads.map(|n| n as f64 / minutes)
     }
 
     /// Max ÷ mean requests per worker (1 = perfectly even; 0 with no requests).
@@ -131,13 +149,15 @@ struct InFlight {
 /// Replays `requests` (sorted by arrival) through `config`'s policy over `model`;
 /// `seed` seeds the policies' random choices; `progress` is told after each request.
 /// `contexts` are the requests' routing contexts (`prompt::extract` at the config's
-/// `max_prompt_bytes`), worked out once for every run.
+/// `max_prompt_bytes`, scoped by their adapters), worked out once for every run.
+/// `residency`: adapter requests prefer the workers that hold their adapter, as the
+/// router's decision does (off: the policy alone places them).
 pub async fn replay(
     config: &Config,
     model: &PoolModel,
     requests: &[Prepared],
     contexts: &[RouteContext<'_>],
-    seed: u64,
+    (seed, residency): (u64, bool),
     mut progress: impl FnMut(),
 ) -> Measured {
     let pool = std::sync::Arc::new(Pool::new(&config.workers, &config.circuit_breaker));
@@ -147,8 +167,15 @@ pub async fn replay(
     let policy = policy::build(&config, &pool).policy;
     let set = pool.set();
     let mut engines: Vec<EngineModel> = (0..model.workers)
-        .map(|_| EngineModel::new(model.kv_blocks, model.block_tokens, model.timing))
+        .map(|_| {
+            let e = EngineModel::new(model.kv_blocks, model.block_tokens, model.timing);
+            match model.adapter_slots {
+                Some(n) => e.with_adapter_slots(n),
+                None => e,
+            }
+        })
         .collect();
+    let balance = policy::CacheParams::from(&config.cache);
     let mut rng = StdRng::seed_from_u64(seed);
     let start = tokio::time::Instant::now();
     let mut m = Measured {
@@ -197,7 +224,14 @@ pub async fn replay(
             tie: Some(ctx.digest),
             // As the proxy does (it moves them; the replay keeps its contexts).
             chain: ctx.chain.clone().into(),
-            adapter: None,
+            adapter: r
+                .adapter
+                .as_ref()
+                .filter(|_| residency)
+                .map(|name| policy::AdapterAsk {
+                    name: std::sync::Arc::clone(name),
+                    balance,
+                }),
         };
         let Some((pick, mut guard)) =
             pick_slot(&*policy, &set, &req, &WorkerMask::default(), &mut rng)
@@ -214,7 +248,9 @@ pub async fn replay(
             .position(|w| w.id() == worker.id())
             .unwrap_or(0);
         let engine = &mut engines[position.min(model.workers - 1)];
-        let served = engine.serve(r.arrival_ms, &r.hashes, r.prompt_tokens);
+        let loaded = r.adapter.as_ref().is_some_and(|a| engine.use_adapter(a));
+        let load_ms = if loaded { model.adapter_load_ms } else { 0.0 };
+        let served = engine.serve_after(r.arrival_ms, &r.hashes, r.prompt_tokens, load_ms);
         let timing = engine.timing();
         let last_ms = match r.duration_ms {
             Some(d) => (r.arrival_ms + d).max(served.first_token_ms),
@@ -250,6 +286,13 @@ pub async fn replay(
         on_event(e, &mut flying, &*policy, block_tokens);
     }
     m.ttft_ms.sort_by(f64::total_cmp);
+    if model.adapter_slots.is_some() {
+        m.adapter_loads = Some(engines.iter().map(EngineModel::adapter_loads).sum());
+    }
+    m.span_ms = match (requests.first(), requests.last()) {
+        (Some(a), Some(b)) => b.arrival_ms - a.arrival_ms,
+        _ => 0.0,
+    };
     m
 }
 

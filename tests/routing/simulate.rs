@@ -28,6 +28,8 @@ fn args() -> SimulateArgs {
         rate: 10.0,
         config: Vec::new(),
         seed: 0,
+        max_lora: 0,
+        adapter_load_ms: 0.0,
     }
 }
 
@@ -67,4 +69,47 @@ fn cache_aware_matches_trace_matrix_and_the_recommendation_is_stable() {
         second.render(&a),
         "two runs print the same table"
     );
+}
+
+#[test]
+fn with_adapters_residency_loads_each_adapter_once_where_the_policy_alone_reloads() {
+    // 4 adapters over 4 engines of 1 slot; every prompt new (nothing to follow but
+    // the adapter), 2 requests a second.
+    let dir = std::env::temp_dir().join(format!("simulate-adapters-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("log.jsonl");
+    let mut log = String::new();
+    for i in 0..200 {
+        let body = serde_json::json!({"model": format!("lora-{}", (i * 3 + i / 4) % 4),
+            "messages": [{"role": "user", "content": format!("question {i} on a topic of its own")}]});
+        log.push_str(&serde_json::json!({"timestamp_ms": i * 500, "body": body}).to_string());
+        log.push('\n');
+    }
+    std::fs::write(&path, log).unwrap();
+    let a = SimulateArgs {
+        input: path,
+        max_lora: 1,
+        adapter_load_ms: 100.0,
+        ..args()
+    };
+    let report = simulate::run(&a, false).expect("simulate runs with adapters");
+    let row = |label: &str| {
+        let i = report
+            .settings
+            .iter()
+            .position(|s| s.label == label)
+            .unwrap_or_else(|| panic!("no row {label}"));
+        &report.rows[i]
+    };
+    let with = row("cache_aware (defaults)");
+    let without = row("cache_aware (defaults), no adapter residency");
+    assert_eq!(with.adapter_loads, Some(4), "each adapter loaded once");
+    assert!(
+        without.adapter_loads.unwrap() > 20,
+        "{:?}",
+        without.adapter_loads
+    );
+    assert!(with.loads_per_minute().unwrap() < without.loads_per_minute().unwrap());
+    assert!(report.render(&a).contains("adapter loads/min"));
+    std::fs::remove_dir_all(&dir).ok();
 }
