@@ -87,7 +87,8 @@ pub fn pick_slot(
     }
 }
 
-/// An adapter request's candidates narrowed by [`Placement`]: the usable workers
+/// An adapter request's candidates narrowed by [`Placement`] (a worker whose load of
+/// the adapter just failed only when no other is usable): the usable workers
 /// estimated to hold the adapter; else (none usable, or the least loaded of them
 /// overloaded against the least loaded usable worker, by `a.balance`'s margins) those
 /// and the ones with a free adapter slot; else every usable worker. The policy then
@@ -95,6 +96,22 @@ pub fn pick_slot(
 /// guard included), so an adapter stays on few workers while they keep up, and spreads
 /// to more when they do not.
 pub fn prefer_placement(candidates: &mut [Candidate], workers: &[Arc<Worker>], a: &AdapterAsk) {
+    // A worker that just failed to load it: only when no other is usable.
+    let now = crate::pools::pool::now();
+    let refuses = |w: &Worker| w.adapters().refuses(&a.name, now);
+    if candidates
+        .iter()
+        .zip(workers)
+        .any(|(c, w)| c.usable && refuses(w))
+        && candidates
+            .iter()
+            .zip(workers)
+            .any(|(c, w)| c.usable && !refuses(w))
+    {
+        for (c, w) in candidates.iter_mut().zip(workers) {
+            c.usable &= !refuses(w);
+        }
+    }
     let mut least = [usize::MAX; 3];
     let places: Vec<Placement> = candidates
         .iter()

@@ -118,8 +118,9 @@ impl Loads {
             }
             Err(f) => {
                 counts.loads_failed.fetch_add(1, Ordering::Relaxed);
-                // It does not hold it: the next requests for it prefer other workers.
-                counts.forget(adapter);
+                // It does not hold it, and would fail again: the next requests for it
+                // go to other workers while they can.
+                counts.refused(adapter, crate::pools::pool::now());
                 tracing::warn!(worker = %worker.url(), adapter = %adapter, error = %f.why, "LoRA adapter load failed");
                 cell.failed = Some((Instant::now(), f.clone()));
                 Err(refused(f))

@@ -288,12 +288,17 @@ async fn a_failed_load_goes_to_the_next_worker_then_ends_in_a_json_error() {
         let r = send(router.addr, &chat_for(Some("x"), &format!("q{i}"))).await;
         assert_eq!(r.status, 200, "{}", r.text());
     }
+    let tried = refuses.requests();
     assert!(
-        refuses
-            .requests()
+        tried
             .iter()
             .all(|r| r.target.ends_with("load_lora_adapter")),
         "only load attempts reached the worker that cannot load"
+    );
+    assert!(
+        tried.len() <= 1,
+        "passed over once it failed: {}",
+        tried.len()
     );
     assert_eq!(loads.count(), 6);
     assert_eq!(loads.loads().len(), 1);

@@ -15,11 +15,20 @@
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 /// Adapter slots assumed for a worker when neither config nor its engine says: vLLM's
 /// `--max-loras` default. Underestimating only weakens the preference; overestimating
 /// would send more adapters to a worker than it can hold.
 pub const DEFAULT_SLOTS: usize = 1;
+
+/// How long a worker that failed to load an adapter is passed over for it while
+/// another worker can take it (LoRA off there, runtime loading not allowed, the
+/// source unreadable from it): such a load fails the same way again.
+pub const REFUSED_FOR: Duration = Duration::from_secs(30);
+
+/// Most adapters remembered as refused per worker (the oldest go first).
+const MAX_REFUSED: usize = 64;
 
 /// Where an adapter request would land on a worker, best first.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -58,6 +67,8 @@ pub struct Residency {
     reported: AtomicUsize,
     /// Held adapters, least recently sent first.
     held: Mutex<Vec<Arc<str>>>,
+    /// Adapters whose load failed here, and when.
+    refused: Mutex<Vec<(Arc<str>, Instant)>>,
     /// Adapter requests sent here, by [`Placement`] at the time.
     placed: [AtomicU64; 3],
     /// Loads through the engine's load endpoint (`adapters.load_on_demand`) that
@@ -129,9 +140,24 @@ impl Residency {
         }
     }
 
-    /// Its engine does not hold `adapter` after all (a load of it failed).
-    pub fn forget(&self, adapter: &str) {
-        self.held().retain(|a| **a != *adapter);
+    /// A load of `adapter` failed here at `at`: it does not hold it, and is passed over
+    /// for it for [`REFUSED_FOR`] while another worker can take it.
+    pub fn refused(&self, adapter: &Arc<str>, at: Instant) {
+        self.held().retain(|a| **a != **adapter);
+        let mut refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        refused.retain(|(a, _)| **a != **adapter);
+        if refused.len() >= MAX_REFUSED {
+            refused.remove(0);
+        }
+        refused.push((Arc::clone(adapter), at));
+    }
+
+    /// Whether a load of `adapter` failed here within [`REFUSED_FOR`] before `now`.
+    pub fn refuses(&self, adapter: &str, now: Instant) -> bool {
+        let refused = self.refused.lock().unwrap_or_else(|e| e.into_inner());
+        refused
+            .iter()
+            .any(|(a, at)| **a == *adapter && now.saturating_duration_since(*at) < REFUSED_FOR)
     }
 
     /// Its engine holds nothing now (it went down, and may restart).
@@ -197,6 +223,18 @@ mod tests {
         assert_eq!(r.placed(), [1, 2, 1]);
         r.clear();
         assert_eq!(r.placement("x"), Placement::FreeSlot);
+    }
+
+    #[test]
+    fn a_refused_load_is_remembered_for_a_while() {
+        let r = Residency::new(Some(2));
+        let t0 = Instant::now();
+        r.sent(&a("x"));
+        r.refused(&a("x"), t0);
+        assert_eq!(r.placement("x"), Placement::FreeSlot, "not held");
+        assert!(r.refuses("x", t0 + REFUSED_FOR / 2));
+        assert!(!r.refuses("x", t0 + REFUSED_FOR));
+        assert!(!r.refuses("y", t0));
     }
 
     #[test]
