@@ -28,15 +28,17 @@
 //!   usage      engine token usage (and /v1/responses ids) read as bytes pass
 //!   metrics    the request path's families (requests, decisions, latencies, engine
 //!              usage, prefix numbers, admission queue), per-worker handles to them
+//!   adapters   a LoRA adapter request on its worker: loaded on demand, SGLang's form
 //!   models, responses, tunnel   GET /v1/models; calls on a stored response; WebSockets
 //! request      a client's request body, bounded in bytes, memory and time (proxy, admin)
 //! upstream     the client to workers: hyper HTTP/1.1 connections kept per worker, one
 //!              attempt; health probes and scrapes on the same connections; headers
 //!              (hop-by-hop stripping); below both proxy and cache
 //! policy       trait Policy (pick pure, observe = the only writer of routing memory),
-//!              build(); decide (the pick with its slot, the usage settlement: shared
-//!              with simulate); select; one module per policy; session (conversation
-//!              state and sessions around any policy); precise (KV-event policy);
+//!              build(); decide (the pick with its slot, an adapter's placement, the
+//!              usage settlement: shared with simulate); select; one module per
+//!              policy; session (conversation state and sessions around any policy);
+//!              precise (KV-event policy);
 //!              view: what a policy's memory shows (/workers fields, its metric
 //!              families, POST /cache/clear), one interface for every policy
 //! pools        the routing table: one pool per model (and `default`: models no list
@@ -45,7 +47,8 @@
 //!              workers a request's model goes to; refresh: each worker's GET
 //!              /v1/models read on join and every models.refresh_secs; metrics
 //!   pool       workers, stable ids, membership, health, breaker, in-flight guards,
-//!              models (what each worker serves, read lock-free),
+//!              models (what each worker serves, read lock-free), adapters (which
+//!              LoRA adapters each worker holds, as the router estimates it),
 //!              fetch (how tasks reach a worker), pending prefill and the learned
 //!              prefill rate, each worker's signal slots and idle connections;
 //!              metrics: the pool's scrape-time families
@@ -61,7 +64,8 @@
 //! precise      KV-event state: events, sequence, index, feed, consumer
 //! tokenize     request token ids as vLLM computes them (chat_template)
 //! prompt       request body -> RouteContext (routing text, length, digest, where
-//!              its `model` is; model: that string replaced in place)
+//!              its `model` is, its cache_salt; the text scoped by adapter and salt;
+//!              model: that string replaced in place)
 //! metrics      the registry (prometheus-client) and its naming rules, imports no part:
 //!              each part registers its own families and scrape-time collectors
 //!              (exposition: how), may ask to run before each scrape (BeforeScrape)

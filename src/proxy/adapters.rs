@@ -28,10 +28,16 @@ const MAX_ANSWER_BYTES: usize = 64 * 1024;
 /// Longest part of an engine's refusal quoted back, in characters.
 const MAX_QUOTED: usize = 300;
 
+/// One (worker URL, adapter).
+type Key = (Arc<str>, Arc<str>);
+
+/// What the router did about one (worker, adapter), locked for a load's whole time.
+type SharedCell = Arc<tokio::sync::Mutex<Cell>>;
+
 /// The loads in progress and done, by (worker URL, adapter). See the module docs.
 #[derive(Default)]
 pub struct Loads {
-    cells: Mutex<HashMap<(Arc<str>, Arc<str>), Arc<tokio::sync::Mutex<Cell>>>>,
+    cells: Mutex<HashMap<Key, SharedCell>>,
 }
 
 /// Why a load failed: the message, and whether the worker did not answer at all.

@@ -19,7 +19,7 @@ use std::time::Duration;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use super::engine::{EngineModel, Timing};
+use super::engine::{EngineModel, Served, Timing};
 use crate::config::Config;
 use crate::policy::decide::{pick_slot, settle_usage};
 use crate::policy::{self, Answer, Outcome, Pick, Policy, RouteRequest};
@@ -166,15 +166,7 @@ pub async fn replay(
     config.state.redis_url = None;
     let policy = policy::build(&config, &pool).policy;
     let set = pool.set();
-    let mut engines: Vec<EngineModel> = (0..model.workers)
-        .map(|_| {
-            let e = EngineModel::new(model.kv_blocks, model.block_tokens, model.timing);
-            match model.adapter_slots {
-                Some(n) => e.with_adapter_slots(n),
-                None => e,
-            }
-        })
-        .collect();
+    let mut engines = engines(model);
     let balance = policy::CacheParams::from(&config.cache);
     let mut rng = StdRng::seed_from_u64(seed);
     let start = tokio::time::Instant::now();
@@ -248,17 +240,7 @@ pub async fn replay(
             .position(|w| w.id() == worker.id())
             .unwrap_or(0);
         let engine = &mut engines[position.min(model.workers - 1)];
-        let loaded = r.adapter.as_ref().is_some_and(|a| engine.use_adapter(a));
-        let load_ms = if loaded { model.adapter_load_ms } else { 0.0 };
-        let served = engine.serve_after(r.arrival_ms, &r.hashes, r.prompt_tokens, load_ms);
-        let timing = engine.timing();
-        let last_ms = match r.duration_ms {
-            Some(d) => (r.arrival_ms + d).max(served.first_token_ms),
-            None => {
-                served.first_token_ms
-                    + timing.decode_ms_per_token * r.output_tokens.saturating_sub(1) as f64
-            }
-        };
+        let (served, last_ms) = serve_on(engine, r, model.adapter_load_ms);
         m.per_worker[position] += 1;
         m.peak_in_flight = m.peak_in_flight.max(worker.in_flight() as u64);
         m.predicted_tokens += pick.saved_tokens();
@@ -285,6 +267,46 @@ pub async fn replay(
         advance_to(e.at_ns).await;
         on_event(e, &mut flying, &*policy, block_tokens);
     }
+    finish(m, &engines, requests, model)
+}
+
+/// `r` served by `engine` (its adapter loaded first when it does not hold it, at
+/// `load_ms`): what the engine served, and when its last byte goes out (ms).
+fn serve_on(engine: &mut EngineModel, r: &Prepared, load_ms: f64) -> (Served, f64) {
+    let loaded = r.adapter.as_ref().is_some_and(|a| engine.use_adapter(a));
+    let load_ms = if loaded { load_ms } else { 0.0 };
+    let served = engine.serve_after(r.arrival_ms, &r.hashes, r.prompt_tokens, load_ms);
+    let last_ms = match r.duration_ms {
+        Some(d) => (r.arrival_ms + d).max(served.first_token_ms),
+        None => {
+            served.first_token_ms
+                + engine.timing().decode_ms_per_token * r.output_tokens.saturating_sub(1) as f64
+        }
+    };
+    (served, last_ms)
+}
+
+/// The model's engines, empty, each with its adapter slots when adapters are modelled.
+fn engines(model: &PoolModel) -> Vec<EngineModel> {
+    (0..model.workers)
+        .map(|_| {
+            let e = EngineModel::new(model.kv_blocks, model.block_tokens, model.timing);
+            match model.adapter_slots {
+                Some(n) => e.with_adapter_slots(n),
+                None => e,
+            }
+        })
+        .collect()
+}
+
+/// `m` completed at the end of a replay: TTFTs sorted, the engines' adapter loads, the
+/// arrivals' span.
+fn finish(
+    mut m: Measured,
+    engines: &[EngineModel],
+    requests: &[Prepared],
+    model: &PoolModel,
+) -> Measured {
     m.ttft_ms.sort_by(f64::total_cmp);
     if model.adapter_slots.is_some() {
         m.adapter_loads = Some(engines.iter().map(EngineModel::adapter_loads).sum());

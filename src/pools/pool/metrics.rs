@@ -217,6 +217,40 @@ impl PoolMetrics {
             }
         }
     }
+
+    /// The adapter families (filled by [`PoolMetrics::adapters`]).
+    fn encode_adapters(&self, enc: &mut DescriptorEncoder) -> std::fmt::Result {
+        let f = &self.families;
+        family(
+            enc,
+            "worker_lora_slots",
+            "LoRA adapters the worker holds at once: workers[].max_lora, else its engine's report, else 1",
+            None,
+            &f.lora_slots,
+        )?;
+        family(
+            enc,
+            "worker_lora_resident",
+            "LoRA adapters the router estimates the worker holds (those it sent there last, within its slots, and those its engine reports active)",
+            None,
+            &f.lora_resident,
+        )?;
+        family(
+            enc,
+            "worker_lora_requests",
+            "LoRA adapter requests sent to the worker by placement: resident (it held the adapter), free_slot (a load that evicts nothing), evicting (a load that evicts another adapter)",
+            None,
+            &f.lora_requests,
+        )?;
+        family(
+            enc,
+            "lora_loads",
+            "LoRA adapters loaded onto the worker on demand (adapters.load_on_demand) by result: ok, failed",
+            None,
+            &f.lora_loads,
+        )?;
+        Ok(())
+    }
 }
 
 impl Collector for PoolMetrics {
@@ -332,34 +366,6 @@ impl Collector for PoolMetrics {
             Some(&Unit::Seconds),
             &f.prefill_base,
         )?;
-        family(
-            &mut enc,
-            "worker_lora_slots",
-            "LoRA adapters the worker holds at once: workers[].max_lora, else its engine's report, else 1",
-            None,
-            &f.lora_slots,
-        )?;
-        family(
-            &mut enc,
-            "worker_lora_resident",
-            "LoRA adapters the router estimates the worker holds (those it sent there last, within its slots, and those its engine reports active)",
-            None,
-            &f.lora_resident,
-        )?;
-        family(
-            &mut enc,
-            "worker_lora_requests",
-            "LoRA adapter requests sent to the worker by placement: resident (it held the adapter), free_slot (a load that evicts nothing), evicting (a load that evicts another adapter)",
-            None,
-            &f.lora_requests,
-        )?;
-        family(
-            &mut enc,
-            "lora_loads",
-            "LoRA adapters loaded onto the worker on demand (adapters.load_on_demand) by result: ok, failed",
-            None,
-            &f.lora_loads,
-        )?;
-        Ok(())
+        self.encode_adapters(&mut enc)
     }
 }
