@@ -30,12 +30,13 @@ use rand::RngCore;
 use super::select::{
     BlockScale, CacheParams, eviction_evidence, is_overloaded, least_loaded, usable,
 };
-use super::{Answer, Candidate, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
+use super::{Answer, Candidate, Delivery, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
 use crate::pools::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
 use crate::tree::{
-    ChainMemo, MaskBuilder, PrefixMatch, RadixTree, RemotePrefixes, SharedTree, WorkerMask,
+    ChainMemo, Lookup, Mark, MaskBuilder, PrefixMatch, RadixTree, RemotePrefixes, SharedTree,
+    Verdict, WorkerMask,
 };
 
 /// The drift (delivered ÷ predicted prefix tokens, `pool::hits`) under which a worker's
@@ -43,6 +44,18 @@ use crate::tree::{
 /// router's memory of the worker is borne out, and a short answer is noise (a
 /// tokens-per-byte estimate, a prefix still being computed).
 pub const LEARN_BELOW: f64 = 0.95;
+
+/// At most one warning line a minute about records the router stopped believing.
+static DISBELIEF_LOG: crate::clock::LogEvery =
+    crate::clock::LogEvery::new(std::time::Duration::from_secs(60));
+
+/// Whether a worker's short answers may bound its records ([`CacheAware::learn`]):
+/// its engine delivers under [`LEARN_BELOW`] of what its records predict, over its
+/// last answers and over its longer run (`pool::hits::HitStats::borne_out`).
+pub fn learning_allowed(hits: &crate::pools::pool::hits::HitStats) -> bool {
+    let (window, long) = hits.borne_out();
+    window.is_some_and(|d| d < LEARN_BELOW) && long.is_some_and(|d| d < LEARN_BELOW)
+}
 
 /// The `cache_aware` policy: its tree and thresholds.
 pub struct CacheAware {
@@ -91,28 +104,73 @@ impl CacheAware {
         pick_cache_aware(&self.params, req.text(), candidates, &memory, req.tie, rng)
     }
 
-    /// Learns from an answer that delivered far less than predicted, with
-    /// `cache.learn_evictions` on: the worker's engine evicts what was last used before
-    /// the predicted prefix's end, so its records older than that go
-    /// ([`SharedTree::engine_evicted`]). Only evidence counts: the pick carried a stamp
-    /// (its match ended in a node that worker alone held, and was not recorded by a
-    /// request that may still be running, [`eviction_evidence`]) and the worker's
-    /// engine delivers measurably less than predicted overall (its drift, delivered ÷
-    /// predicted over its last answers with a predicted hit, under [`LEARN_BELOW`]):
-    /// a worker that delivers what the router predicts loses no record to a stray
-    /// short answer.
+    /// Learns from the answer to a prediction of the tree's records ([`Delivery`]),
+    /// judged against what the worker's records predicted (a policy may predict more:
+    /// `cost_aware` a cut prompt as far as the worker served it before):
+    /// - it counts in the worker's *borne-out* ratios (delivered ÷ recorded, recent and
+    ///   long: `pool::hits::HitStats::borne_out`);
+    /// - on evidence ([`Mark::evidence`]), always, what it shows of that one record
+    ///   ([`RadixTree::answered`]): a short answer counts a doubt, for that worker, at
+    ///   the node ending the first block its engine did not serve (a head shared above
+    ///   it is not blamed); one that delivered clears the counts; after
+    ///   [`crate::tree::DISBELIEVE_AFTER`] short ones in a row the router stops
+    ///   believing the worker holds that prefix (logged, naming the worker);
+    /// - with `cache.learn_evictions` on, short answers also bound the worker's records
+    ///   by what its KV cache was found to hold ([`SharedTree::engine_evicted`]: its
+    ///   records last used before the lost prefix, and a learned capacity) — only when
+    ///   the match ended in a node that worker alone held (its last use *there*), the
+    ///   worker's records are measurably not borne out ([`learning_allowed`]), and a
+    ///   second short answer within the drift window confirms the first (the horizon
+    ///   is the older of the two): a worker whose engine delivers what its records
+    ///   predict loses no record, and one short answer is one record.
     pub fn learn(&self, worker: &Worker, answer: &Answer<'_>) {
-        if !self.cache.learn_evictions {
+        let Some(d) = answer.delivery else {
+            return;
+        };
+        // The record's prediction at the worker's tokens per byte.
+        let scale = BlockScale {
+            tokens_per_byte: worker.prefill().rate().tokens_per_byte,
+            block_tokens: self.params.block_tokens,
+        };
+        let recorded = (scale.tokens(d.mark.bytes as usize) as u64).min(d.predicted_tokens);
+        worker.hits().borne(recorded, d.delivered_tokens);
+        let block = self.params.block_tokens as u64;
+        let short = Delivery::is_short(recorded, d.delivered_tokens, block);
+        // The last byte of the first block the engine did not serve.
+        let missed = if scale.tokens_per_byte > 0.0 {
+            ((d.delivered_tokens + block) as f64 / scale.tokens_per_byte) as usize
+        } else {
+            0
+        };
+        if !d.mark.evidence {
             return;
         }
-        if let Some(s) = answer.shortfall
-            && s.stamp > 0
-            && worker
-                .hits()
-                .drift_so_far()
-                .is_some_and(|d| d < LEARN_BELOW)
+        let verdict = self
+            .tree
+            .answered(worker.id(), &d.mark, short, missed.saturating_sub(1));
+        if verdict == Verdict::Disbelieved
+            && let Some(n) = DISBELIEF_LOG.due()
         {
-            self.tree.engine_evicted(worker.id(), s.stamp);
+            tracing::warn!(
+                worker = &**worker.label(),
+                records = n,
+                "worker's engine served far fewer cached tokens than the router predicted \
+                 for one prefix {} answers in a row: the router no longer predicts that \
+                 prefix there (prefix caching off on it, another model behind its URL, or \
+                 a chat template that differs?)",
+                crate::tree::DISBELIEVE_AFTER
+            );
+        }
+        if self.cache.learn_evictions
+            && short
+            && d.mark.stamp > 0
+            && learning_allowed(worker.hits())
+        {
+            // One short answer is one record (counted above); a second within the
+            // window confirms an engine that evicts what the router remembers.
+            if let Some(horizon) = worker.hits().confirm_short(d.mark.stamp) {
+                self.tree.engine_evicted(worker.id(), horizon);
+            }
         }
     }
 
@@ -274,6 +332,12 @@ impl prometheus_client::collector::Collector for TreeMetrics {
         )?;
         counter(
             &mut enc,
+            "tree_disbelieved_records",
+            "Records the router stopped believing a worker holds: its engine served far fewer cached tokens than predicted for that prefix two answers in a row (prefix caching off, another model behind the URL, a chat template that differs)",
+            self.0.disbelieved.load(Relaxed),
+        )?;
+        counter(
+            &mut enc,
             "tree_skipped_inserts",
             "Tree inserts skipped because an eviction pass was running",
             self.0.skipped_inserts.load(Relaxed),
@@ -377,12 +441,11 @@ pub fn pick_cache_aware(
         block_tokens: params.block_tokens,
     };
     // `matched` and `available` in bytes of routing text, reported in whole blocks.
-    // `stamp`: the predicted prefix's last use, for a hit on the tree's own records.
-    let pick = |c: &Candidate, reason, matched: usize, available: usize, stamp: u64| {
+    // `mark`: where the predicted prefix ends, for a hit on the tree's own records.
+    let pick = |c: &Candidate, reason, matched: usize, available: usize, mark: Mark| {
         let s = scale(c);
         let matched = s.tokens(matched);
         Pick {
-            stamp,
             worker: Some(c.id),
             reason,
             matched,
@@ -392,26 +455,22 @@ pub fn pick_cache_aware(
             dp_rank: None,
             cache_aware: c.cache_aware,
             prefill_tokens: 0,
+            mark,
         }
     };
     if text.is_empty() {
-        return pick(least(rng), Reason::EmptyText, 0, 0, 0);
+        return pick(least(rng), Reason::EmptyText, 0, 0, Mark::default());
     }
     let tree = memory.tree;
     let (eligible, all) = (eligible.build(), all.build());
-    // What any cache-aware worker holds (available), then the usable ones' match: the
-    // same walk when a holder of the longest is usable (the common case).
-    let held = tree.longest_prefix(text, &all);
-    let usable_holders = held.workers.intersection(&eligible);
-    let mut m = if usable_holders.is_empty() && held.matched > 0 {
-        tree.longest_prefix(text, &eligible)
-    } else {
-        PrefixMatch {
-            matched: held.matched,
-            workers: usable_holders,
-            stamp: held.stamp,
-        }
-    };
+    let (held, own_match) = tree_matches(tree, text, &all, &eligible);
+    let Lookup {
+        found: mut m,
+        mut mark,
+        disbelieved,
+    } = own_match;
+    let least =
+        |rng: &mut dyn RngCore| least_believed(least(rng), candidates, &disbelieved, tie, rng);
     // A bound on the other replicas' longest match over every eligible worker: no one
     // worker's can be longer, which spares `own` a second remote lookup when the tree's
     // is as long. An empty answer bounds it by the guess only (the lookup reports no
@@ -426,6 +485,7 @@ pub fn pick_cache_aware(
         };
         if other.matched > m.matched {
             m = other;
+            mark = Mark::default();
         } else if other.matched == m.matched && other.matched > 0 {
             m.workers = m.workers.union(&other.workers);
         }
@@ -440,7 +500,7 @@ pub fn pick_cache_aware(
                 && (aligned as f64 >= params.threshold * text.len() as f64
                     || (params.match_abs_threshold > 0 && aligned >= params.match_abs_threshold))
         });
-    let available = held.matched.max(m.matched);
+    let available = held.max(m.matched);
     // The least-loaded worker's own match, when the pick goes there instead.
     let own = |c: &Candidate| {
         if m.workers.contains(c.id) {
@@ -458,18 +518,69 @@ pub fn pick_cache_aware(
     match cached {
         Some(c) if is_overloaded(params, c.load, least_load) => {
             let least = least(rng);
-            pick(least, Reason::HitOverloaded, own(least), available, 0)
+            pick(
+                least,
+                Reason::HitOverloaded,
+                own(least),
+                available,
+                Mark::default(),
+            )
         }
         Some(c) => {
-            let stamp = eviction_evidence(m.stamp, tree.clock(), in_flight);
-            pick(c, Reason::CacheHit, m.matched, available, stamp)
+            let mark = eviction_evidence(mark, tree.clock(), in_flight);
+            pick(c, Reason::CacheHit, m.matched, available, mark)
         }
-        None if m.matched == 0 => pick(least(rng), Reason::Miss, 0, available, 0),
+        None if m.matched == 0 => pick(least(rng), Reason::Miss, 0, available, Mark::default()),
         None => {
             let least = least(rng);
-            pick(least, Reason::Miss, own(least), available, 0)
+            pick(least, Reason::Miss, own(least), available, Mark::default())
         }
     }
+}
+
+/// What any cache-aware worker (`all`) holds of `text` (bytes: what was available),
+/// then the usable ones' (`eligible`) match: the same walk when a holder of the longest
+/// is usable (the common case).
+fn tree_matches(
+    tree: &RadixTree,
+    text: &[u8],
+    all: &WorkerMask,
+    eligible: &WorkerMask,
+) -> (usize, Lookup) {
+    let held = tree.lookup(text, all);
+    let usable_holders = held.found.workers.intersection(eligible);
+    let matched = held.found.matched;
+    if usable_holders.is_empty() && matched > 0 {
+        return (matched, tree.lookup(text, eligible));
+    }
+    let found = PrefixMatch {
+        matched,
+        workers: usable_holders,
+        stamp: held.found.stamp,
+    };
+    (matched, Lookup { found, ..held })
+}
+
+/// `least` (the least-loaded usable worker), unless it is disbelieved on this text's
+/// path ([`RadixTree::answered`]) and another usable worker is as lightly loaded: a
+/// prefix its engine does not serve from cache goes where it will be.
+fn least_believed<'a>(
+    least: &'a Candidate,
+    candidates: &'a [Candidate],
+    disbelieved: &WorkerMask,
+    tie: Option<u64>,
+    rng: &mut dyn RngCore,
+) -> &'a Candidate {
+    if disbelieved.is_empty() || !disbelieved.contains(least.id) {
+        return least;
+    }
+    least_loaded(
+        usable(candidates).filter(|c| !disbelieved.contains(c.id)),
+        tie,
+        rng,
+    )
+    .filter(|c| c.load <= least.load)
+    .unwrap_or(least)
 }
 
 /// The least-loaded usable worker among `holders` (see [`least_loaded`]). Holders are
@@ -595,6 +706,59 @@ mod tests {
             (Some(WorkerId(2)), Reason::HitOverloaded)
         );
         assert_eq!((p.available, p.matched), (blocks(full.len()), 0));
+    }
+
+    #[test]
+    fn a_prompt_its_holder_never_delivers_goes_to_an_as_lightly_loaded_other() {
+        let mut t = RadixTree::new();
+        t.insert(PROMPT, WorkerId(0));
+        // Its engine served nothing of it twice in a row (the first block's last byte,
+        // 63, is in the record).
+        let mark = t.lookup(PROMPT, &[WorkerId(0)].into_iter().collect()).mark;
+        for _ in 0..crate::tree::DISBELIEVE_AFTER {
+            t.answered(WorkerId(0), &mark, true, 63);
+        }
+        // Whatever the tie key, an idle other worker takes it, as a miss.
+        for tie in 0..20 {
+            let memory = Memory {
+                tree: &t,
+                remote: None,
+                tokens_per_byte: &|_| 0.25,
+            };
+            let p = pick_cache_aware(
+                &params(),
+                PROMPT,
+                &cands(&[0, 0]),
+                &memory,
+                Some(tie),
+                &mut rng(),
+            );
+            assert_eq!((p.worker, p.reason), (Some(WorkerId(1)), Reason::Miss));
+            // Busier: the disbelieved worker is the least loaded, and takes it.
+            let p = pick_cache_aware(
+                &params(),
+                PROMPT,
+                &cands(&[0, 1]),
+                &memory,
+                Some(tie),
+                &mut rng(),
+            );
+            assert_eq!((p.worker, p.matched), (Some(WorkerId(0)), 0));
+        }
+        // A new prompt is not affected.
+        let other = b"user: something else entirely, long enough to be a prompt of its own";
+        let c = cands(&[0, 0]);
+        let ws: Vec<_> = (0..20)
+            .map(|tie| {
+                let memory = Memory {
+                    tree: &t,
+                    remote: None,
+                    tokens_per_byte: &|_| 0.25,
+                };
+                pick_cache_aware(&params(), other, &c, &memory, Some(tie), &mut rng()).worker
+            })
+            .collect();
+        assert!(ws.contains(&Some(WorkerId(0))), "{ws:?}");
     }
 
     #[test]

@@ -78,7 +78,7 @@ use crate::config::Config;
 use crate::pools::pool::prefill::{MIN_SAMPLES, PrefillRate};
 use crate::pools::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::shutdown::Shutdown;
-use crate::tree::{SharedTree, WorkerMask};
+use crate::tree::{Mark, SharedTree, WorkerMask};
 
 /// Cut routing texts remembered with the longest prompt each worker served with them.
 pub const BEYOND_CUT_ENTRIES: usize = 65_536;
@@ -102,18 +102,20 @@ pub struct CostAware {
 }
 
 impl CostAware {
-    /// Each cache-aware worker's prefix match of the request's text (bytes, with the
-    /// tree's last-use stamp; the other replicas' records when shared; a cut prompt
-    /// as far as the worker served it), and the tree's clock when read.
+    /// Each cache-aware worker's prefix match of the request's text (bytes, with where
+    /// it ended in the tree; the other replicas' records when shared; a cut prompt as
+    /// far as the worker served it), the tree's clock when read, and the workers
+    /// disbelieved on the text's path (`tree::doubt`).
     fn matches(
         &self,
         req: &RouteRequest<'_>,
         candidates: &[Candidate],
         prompt_bytes: usize,
-    ) -> (Matches, u64) {
+    ) -> (Matches, u64, WorkerMask) {
         let text = req.text();
         let mut matches = Matches::new();
         let mut clock = 0;
+        let mut disbelieved = WorkerMask::default();
         if !text.is_empty() {
             // Every cache-aware worker, usable or not: the unusable ones' matches count
             // only in what was available (the costs are the usable ones').
@@ -125,14 +127,15 @@ impl CostAware {
             // Matches under one block cost as misses (`cost` counts whole blocks).
             let shared = self.tree.shared_tree();
             let tree = shared.lock();
-            tree.prefix_per_worker(text, &eligible, |w, n, stamp| matches.set(w, n, stamp));
+            disbelieved =
+                tree.prefix_per_worker(text, &eligible, |w, n, mark| matches.set(w, n, mark));
             clock = tree.clock();
             drop(tree);
             // Other replicas' records (no stamp of this tree's): whichever holds more.
             if let Some(r) = shared.remote() {
                 r.prefix_per_worker(text, &eligible, &req.chain, &mut |w, n| {
                     if n > matches.get(w) {
-                        matches.set(w, n, 0)
+                        matches.set(w, n, Mark::default())
                     }
                 });
             }
@@ -143,11 +146,11 @@ impl CostAware {
         {
             for &(w, len) in served {
                 if matches.get(w) == text.len() {
-                    matches.set(w, len.min(prompt_bytes), matches.stamp(w));
+                    matches.set(w, len.min(prompt_bytes), matches.mark(w));
                 }
             }
         }
-        (matches, clock)
+        (matches, clock, disbelieved)
     }
 
     /// The tree it shares with `cache_aware`'s decision.
@@ -381,10 +384,12 @@ fn fleet_rate(set: &WorkerSet, candidates: &[Candidate]) -> Option<PrefillRate> 
 /// idle, recompute on one worker delays the requests that queue behind it there as
 /// much as it delays this one, so the work a worker would add beyond the least any
 /// worker needs is charged once per request queued there (see the module docs). Ties
-/// are stable by the request's key `tie`, else uniformly at random.
+/// are stable by the request's key `tie` (`disbelieved` workers losing them), else
+/// uniformly at random.
 fn choose<'c>(
     costs: Vec<(usize, &'c Candidate, Cost)>,
     tie: Option<u64>,
+    disbelieved: &WorkerMask,
     rng: &mut dyn RngCore,
 ) -> Option<(usize, &'c Candidate, Cost)> {
     let everywhere_queued = costs.iter().all(|(_, _, c)| c.queued);
@@ -398,7 +403,13 @@ fn choose<'c>(
         if everywhere_queued {
             cost.seconds += (cost.own_s - least_own_s) * cost.behind.max(1.0);
         }
-        let rank = tie.map_or(0, |k| tie_rank(k, c));
+        // A worker disbelieved on this text's path (`tree::doubt`) loses ties: a prefix
+        // its engine does not serve from cache goes where it will be.
+        let rank = match tie {
+            Some(_) if disbelieved.contains(c.id) => 0,
+            Some(k) => tie_rank(k, c).max(1),
+            None => 0,
+        };
         match &best {
             Some((_, _, b, _)) if cost.seconds > b.seconds + 1e-9 => {}
             Some((_, _, b, held)) if cost.seconds >= b.seconds - 1e-9 => {
@@ -461,7 +472,7 @@ impl Policy for CostAware {
         let prompt_bytes = req
             .ctx
             .map_or(text.len(), |c| c.total_len.max(c.text.len()));
-        let (matches, clock) = self.matches(req, candidates, prompt_bytes);
+        let (matches, clock, disbelieved) = self.matches(req, candidates, prompt_bytes);
         let now = crate::clock::now();
         let feeds = self
             .events
@@ -502,7 +513,7 @@ impl Policy for CostAware {
                 .max()
                 .unwrap_or(0)
         });
-        let Some((i, c, cost)) = choose(costs, req.tie, rng) else {
+        let Some((i, c, cost)) = choose(costs, req.tie, &disbelieved, rng) else {
             return Pick::load_only(None, text.len());
         };
         let reason = if text.is_empty() && !cost.exact {
@@ -537,11 +548,11 @@ impl Policy for CostAware {
             dp_rank: None,
             cache_aware: c.cache_aware,
             prefill_tokens: cost.own_tokens,
-            stamp: if reason == Reason::CacheHit && !cost.exact {
+            mark: if reason == Reason::CacheHit && !cost.exact {
                 let in_flight = candidates.iter().map(|c| c.load).sum();
-                eviction_evidence(matches.stamp(c.id), clock, in_flight)
+                eviction_evidence(matches.mark(c.id), clock, in_flight)
             } else {
-                0
+                Mark::default()
             },
         };
         if let (Some(r), Some(feeds), Some(e)) = (&runs, &feeds, &self.events) {
@@ -695,7 +706,7 @@ mod tests {
     }
 
     #[test]
-    fn a_hit_carries_its_stamp_and_a_short_delivery_sets_the_horizon_on_evidence_only() {
+    fn a_hit_carries_its_mark_and_a_short_delivery_sets_the_horizon_on_evidence_only() {
         let (config, pool, policy) = setup("cache: {learn_evictions: true}\n");
         let set = pool.set();
         let c = cands(&set);
@@ -718,34 +729,7 @@ mod tests {
             (again.worker, again.reason),
             (first.worker, Reason::CacheHit)
         );
-        assert!(again.stamp > 0);
-        let answer = super::super::Answer {
-            response_id: None,
-            shortfall: Some(super::super::Shortfall {
-                stamp: again.stamp,
-                predicted_tokens: again.matched as u64,
-                delivered_tokens: 0,
-            }),
-            ..Default::default()
-        };
-        // A worker that has delivered what was predicted: one short answer is noise.
-        let (predicted, floor, never) = (again.matched as u64, 0.5, std::time::Duration::MAX);
-        for _ in 0..40 {
-            w.hits()
-                .record([predicted, predicted, predicted], floor, never);
-        }
-        w.hits().record([predicted, predicted, 0], floor, never);
-        policy.answered(w, &answer);
-        assert!(policy.tree.shared_tree().take_horizons().is_empty());
-        // One that delivers measurably less (drift under 0.95): evidence.
-        for _ in 0..3 {
-            w.hits().record([predicted, predicted, 0], floor, never);
-        }
-        policy.answered(w, &answer);
-        assert_eq!(
-            policy.tree.shared_tree().take_horizons(),
-            vec![(w.id(), again.stamp)]
-        );
+        assert!(again.mark.evidence && again.mark.stamp > 0);
         // Three requests running (on the other worker: the same pick): the record, made
         // 0 inserts ago, may be one of theirs, and a hit on it is no evidence.
         let busy: Vec<Candidate> = c
@@ -757,8 +741,38 @@ mod tests {
             .collect();
         let p = policy.pick(&req, &set, &busy, &mut rng);
         assert_eq!(
-            (p.worker, p.reason, p.stamp),
-            (first.worker, Reason::CacheHit, 0)
+            (p.worker, p.reason, p.mark.evidence),
+            (first.worker, Reason::CacheHit, false)
+        );
+        let answer = super::super::Answer {
+            response_id: None,
+            delivery: Some(super::super::Delivery {
+                mark: again.mark,
+                predicted_tokens: again.matched as u64,
+                delivered_tokens: 0,
+                short: true,
+            }),
+            ..Default::default()
+        };
+        // A worker whose answers have borne its records out: a short answer is one
+        // record, not an engine that evicts.
+        let predicted = again.matched as u64;
+        for _ in 0..40 {
+            w.hits().borne(predicted, predicted);
+        }
+        policy.answered(w, &answer);
+        assert!(policy.tree.shared_tree().take_horizons().is_empty());
+        // One whose records deliver measurably less (under 0.95, recent and long): a
+        // short answer waits for a second to confirm it, and the two bound the records.
+        for _ in 0..40 {
+            w.hits().borne(predicted, 0);
+        }
+        policy.answered(w, &answer);
+        assert!(policy.tree.shared_tree().take_horizons().is_empty());
+        policy.answered(w, &answer);
+        assert_eq!(
+            policy.tree.shared_tree().take_horizons(),
+            vec![(w.id(), again.mark.stamp)]
         );
     }
 

@@ -6,10 +6,10 @@
 use std::sync::Arc;
 
 use super::select::is_overloaded;
-use super::{AdapterAsk, Candidate, Pick, Policy, RouteRequest, Shortfall};
+use super::{AdapterAsk, Candidate, Delivery, Pick, Policy, RouteRequest};
 use crate::pools::pool::adapters::Placement;
 use crate::pools::pool::{InFlightGuard, Worker, WorkerSet};
-use crate::tree::WorkerMask;
+use crate::tree::{Mark, WorkerMask};
 
 /// One decision plus the in-flight slot on the chosen worker, as every request makes
 /// it (the proxy, and `simulate` with the same policy code): candidates are the set's
@@ -143,31 +143,32 @@ pub fn prefer_placement(candidates: &mut [Candidate], workers: &[Arc<Worker>], a
 /// What a complete answer's usage tells the router, applied as the proxy applies it
 /// (and `simulate`, with the same code): the in-flight `guard` learns the worker's
 /// tokens per byte (and its prefill speed when `streamed`); the worker's hit counters
-/// hear the `cached_tokens` it reported; a delivery far short of the pick's
-/// `(predicted tokens, tree stamp)` counts as a shortfall ([`Shortfall::of`], with
-/// `block_tokens` tokens per engine block), to be given to `Policy::answered`.
-/// Returns the delivered tokens (`None` while the worker has never reported cached
-/// tokens) and the shortfall, if any. Counts are prompt tokens.
+/// hear the `cached_tokens` it reported, and count a delivery far short of the pick's
+/// `predicted_tokens` ([`Delivery::is_short`], with `block_tokens` tokens per engine
+/// block). Returns the delivered tokens (`None` while the worker has never reported
+/// cached tokens) and, for a pick with a `mark`, the [`Delivery`] to give to
+/// `Policy::answered`. Counts are prompt tokens.
 pub fn settle_usage(
     guard: &InFlightGuard,
     prompt_tokens: u64,
     cached_tokens: Option<u64>,
     streamed: bool,
-    (predicted_tokens, stamp): (u64, u64),
+    (predicted_tokens, mark): (u64, Mark),
     block_tokens: u64,
-) -> (Option<u64>, Option<Shortfall>) {
+) -> (Option<u64>, Option<Delivery>) {
     guard.learn(prompt_tokens, cached_tokens.unwrap_or(0), streamed);
     let Some(delivered) = guard.worker().hits().delivered(cached_tokens) else {
         return (None, None);
     };
-    let short = Shortfall::of(predicted_tokens, delivered, block_tokens);
+    let short = Delivery::is_short(predicted_tokens, delivered, block_tokens);
     if short {
         guard.worker().hits().shortfall();
     }
-    let shortfall = short.then_some(Shortfall {
-        stamp,
+    let delivery = (mark.is_some() && predicted_tokens > 0).then_some(Delivery {
+        mark,
         predicted_tokens,
         delivered_tokens: delivered,
+        short,
     });
-    (Some(delivered), shortfall)
+    (Some(delivered), delivery)
 }

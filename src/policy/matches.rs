@@ -2,33 +2,34 @@
 //! fleet size.
 
 use crate::pools::pool::WorkerId;
+use crate::tree::Mark;
 
 /// Workers whose matches are kept on the stack; more spill to the heap.
 const INLINE: usize = 64;
 
-/// Matched bytes per worker id (0 for a worker never set), with the tree's last-use
-/// stamp of each match (`tree::PrefixMatch::stamp`; 0 for another replica's record),
-/// inline for the first [`INLINE`] ids.
+/// Matched bytes per worker id (0 for a worker never set), with where each match ended
+/// in the tree (`tree::Mark`; none for another replica's record), inline for the first
+/// [`INLINE`] ids.
 pub struct Matches {
-    inline: [(usize, u64); INLINE],
-    spill: Vec<(WorkerId, usize, u64)>,
+    inline: [(usize, Mark); INLINE],
+    spill: Vec<(WorkerId, usize, Mark)>,
 }
 
 impl Matches {
     pub fn new() -> Self {
         Matches {
-            inline: [(0, 0); INLINE],
+            inline: [(0, Mark::default()); INLINE],
             spill: Vec::new(),
         }
     }
 
-    /// `w` matched `n` bytes, last used at tree stamp `stamp`.
-    pub fn set(&mut self, w: WorkerId, n: usize, stamp: u64) {
+    /// `w` matched `n` bytes, ending at `mark`.
+    pub fn set(&mut self, w: WorkerId, n: usize, mark: Mark) {
         match self.inline.get_mut(w.0 as usize) {
-            Some(slot) => *slot = (n, stamp),
+            Some(slot) => *slot = (n, mark),
             None => match self.spill.iter_mut().find(|(id, _, _)| *id == w) {
-                Some((_, m, s)) => (*m, *s) = (n, stamp),
-                None => self.spill.push((w, n, stamp)),
+                Some((_, m, s)) => (*m, *s) = (n, mark),
+                None => self.spill.push((w, n, mark)),
             },
         }
     }
@@ -48,19 +49,20 @@ impl Matches {
         self.entry(w).0
     }
 
-    /// The last-use stamp of `w`'s match (0 when none, or another replica's).
-    pub fn stamp(&self, w: WorkerId) -> u64 {
+    /// Where `w`'s match ended in the tree (none when it has none, or another
+    /// replica's).
+    pub fn mark(&self, w: WorkerId) -> Mark {
         self.entry(w).1
     }
 
-    fn entry(&self, w: WorkerId) -> (usize, u64) {
+    fn entry(&self, w: WorkerId) -> (usize, Mark) {
         match self.inline.get(w.0 as usize) {
             Some(e) => *e,
             None => self
                 .spill
                 .iter()
                 .find(|(id, _, _)| *id == w)
-                .map_or((0, 0), |(_, n, s)| (*n, *s)),
+                .map_or((0, Mark::default()), |(_, n, s)| (*n, *s)),
         }
     }
 }
@@ -71,13 +73,20 @@ mod tests {
 
     #[test]
     fn inline_and_spilled_ids() {
+        let mark = |stamp| Mark {
+            stamp,
+            ..Mark::default()
+        };
         let mut m = Matches::new();
         assert_eq!((m.get(WorkerId(3)), m.longest()), (0, 0));
-        m.set(WorkerId(3), 10, 7);
-        m.set(WorkerId(300), 40, 1);
-        m.set(WorkerId(300), 20, 2); // set again: replaced, not added
+        m.set(WorkerId(3), 10, mark(7));
+        m.set(WorkerId(300), 40, mark(1));
+        m.set(WorkerId(300), 20, mark(2)); // set again: replaced, not added
         assert_eq!((m.get(WorkerId(3)), m.get(WorkerId(300))), (10, 20));
-        assert_eq!((m.stamp(WorkerId(3)), m.stamp(WorkerId(300))), (7, 2));
+        assert_eq!(
+            (m.mark(WorkerId(3)).stamp, m.mark(WorkerId(300)).stamp),
+            (7, 2)
+        );
         assert_eq!((m.longest(), m.spill.len()), (20, 1));
     }
 }

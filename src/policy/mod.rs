@@ -156,11 +156,11 @@ pub struct Pick {
     /// until the first response byte, see `pool::prefill`); 0 when the policy does not
     /// estimate them.
     pub prefill_tokens: u64,
-    /// For a hit on the approximate tree's records: the tree's last-use stamp of the
-    /// predicted prefix ([`crate::tree::PrefixMatch::stamp`]), which an answer that
-    /// delivers far less turns into the worker's eviction horizon
-    /// ([`crate::tree::SharedTree::engine_evicted`]); 0 otherwise.
-    pub stamp: u64,
+    /// For a hit on the approximate tree's records: where the predicted prefix ends in
+    /// the tree ([`crate::tree::Mark`]; evidence unless a request that may still run
+    /// recorded it, [`select::eviction_evidence`]), which the answer confirms or
+    /// refutes ([`Delivery`]); none otherwise.
+    pub mark: crate::tree::Mark,
 }
 
 /// Bytes of routing text per token for a [`MatchUnit::Bytes`] pick (only load-only ones,
@@ -220,7 +220,7 @@ impl Pick {
             dp_rank: None,
             cache_aware: false,
             prefill_tokens: 0,
-            stamp: 0,
+            mark: crate::tree::Mark::default(),
         }
     }
 }
@@ -241,9 +241,9 @@ pub enum Outcome {
 pub struct Answer<'a> {
     /// A `/v1/responses` answer's id (a later `previous_response_id`).
     pub response_id: Option<&'a str>,
-    /// The engine served far fewer prefix tokens from its KV cache than the pick
-    /// predicted (see [`Shortfall::of`]).
-    pub shortfall: Option<Shortfall>,
+    /// What the engine served from its KV cache of a prediction the pick marked
+    /// ([`Pick::mark`]).
+    pub delivery: Option<Delivery>,
     /// What the policy's [`Policy::prepare`] worked out for the request, when it
     /// keyed its blocks (precise mode's token-parity check reads it).
     pub prepared: Option<&'a Prepared>,
@@ -252,22 +252,23 @@ pub struct Answer<'a> {
     pub delivered_tokens: Option<u64>,
 }
 
-/// A prediction the engine did not bear out: the pick ([`Pick::stamp`] `stamp`)
-/// predicted `predicted_tokens` cached on the worker; its answer reported
-/// `delivered_tokens` (`cached_tokens`).
+/// The answer to a marked prediction: the pick ([`Pick::mark`] `mark`) predicted
+/// `predicted_tokens` cached on the worker; its answer reported `delivered_tokens`
+/// (`cached_tokens`), `short` when far fewer ([`Delivery::is_short`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Shortfall {
-    pub stamp: u64,
+pub struct Delivery {
+    pub mark: crate::tree::Mark,
     pub predicted_tokens: u64,
     pub delivered_tokens: u64,
+    pub short: bool,
 }
 
-impl Shortfall {
+impl Delivery {
     /// Whether `delivered` tokens fall short of `predicted` by enough to act on: under
     /// 3/4 of it and by more than two `block_tokens` blocks. The margin absorbs the
     /// error of a tokens-per-byte estimate and the chat template's tokens; an eviction
     /// loses whole runs of blocks.
-    pub fn of(predicted: u64, delivered: u64, block_tokens: u64) -> bool {
+    pub fn is_short(predicted: u64, delivered: u64, block_tokens: u64) -> bool {
         delivered * 4 < predicted * 3 && predicted - delivered > 2 * block_tokens
     }
 }

@@ -5,6 +5,7 @@ use rand::{Rng, RngCore};
 
 use super::Candidate;
 use crate::config::CacheConfig;
+use crate::tree::Mark;
 
 /// The thresholds of the cache/load trade-off (from `cache:`).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -74,20 +75,20 @@ pub fn is_overloaded(p: &CacheParams, cached: usize, least: usize) -> bool {
         && cached as f64 > least as f64 * p.balance_rel_threshold
 }
 
-/// The [`super::Pick::stamp`] of a hit whose match ended at tree stamp `stamp`
-/// ([`crate::tree::PrefixMatch::stamp`]), with the tree's clock at `clock` and
-/// `in_flight` requests running in the pool: `stamp`, or 0 (a short delivery will say
-/// nothing) when fewer than 2 × `in_flight` records were made since. The request that
-/// made it may then still be running: an engine never evicts a running request's
-/// blocks, and may not have cached them yet (the router records a prefix at the
-/// response head, which vLLM sends before the prefill ends), so the shortfall would be
-/// the engine catching up, not an eviction. By Little's law the pool's last
-/// `in_flight` records are about the requests still running; twice that is the margin.
-pub fn eviction_evidence(stamp: u64, clock: u64, in_flight: usize) -> u64 {
-    if clock.saturating_sub(stamp) < 2 * in_flight as u64 {
-        0
-    } else {
-        stamp
+/// The [`super::Pick::mark`] of a hit whose match ended at `mark`
+/// ([`crate::tree::Lookup::mark`]), with the tree's clock at `clock` and `in_flight`
+/// requests running in the pool: `mark` taken as evidence ([`Mark::evidence`]) unless
+/// fewer than 2 × `in_flight` records were made since its end was last used. The
+/// request that made it may then still be running: an engine never evicts a running
+/// request's blocks, and may not have cached them yet (the router records a prefix at
+/// the response head, which vLLM sends before the prefill ends), so a short answer
+/// would be the engine catching up, not an eviction nor a record it cannot serve. By
+/// Little's law the pool's last `in_flight` records are about the requests still
+/// running; twice that is the margin.
+pub fn eviction_evidence(mark: Mark, clock: u64, in_flight: usize) -> Mark {
+    Mark {
+        evidence: mark.is_some() && clock.saturating_sub(mark.used) >= 2 * in_flight as u64,
+        ..mark
     }
 }
 
@@ -155,14 +156,25 @@ pub fn usable(candidates: &[Candidate]) -> impl Iterator<Item = &Candidate> {
 mod tests {
     #[test]
     fn a_record_younger_than_the_requests_in_flight_is_no_eviction_evidence() {
-        use super::eviction_evidence as e;
+        let e = |used, clock, in_flight| {
+            let m = crate::tree::Mark {
+                stamp: used,
+                used,
+                node: 3,
+                end: 100,
+                bytes: 90,
+                evidence: false,
+            };
+            super::eviction_evidence(m, clock, in_flight).evidence
+        };
         // Idle pool: whatever made the record has finished.
-        assert_eq!(e(10, 10, 0), 10);
+        assert!(e(10, 10, 0));
         // 4 in flight: the last 8 records may be theirs.
-        assert_eq!(e(10, 17, 4), 0);
-        assert_eq!(e(10, 18, 4), 10);
-        // No stamp stays none.
-        assert_eq!(e(0, 100, 0), 0);
+        assert!(!e(10, 17, 4));
+        assert!(e(10, 18, 4));
+        // No mark is no evidence.
+        let none = crate::tree::Mark::default();
+        assert!(!super::eviction_evidence(none, 100, 0).evidence);
     }
 
     #[test]

@@ -49,8 +49,8 @@ pub struct Decision {
     pub available_tokens: u64,
     /// The prefix the chosen worker was believed to hold, in the same tokens.
     pub predicted_tokens: u64,
-    /// The pick's [`crate::policy::Pick::stamp`].
-    pub stamp: u64,
+    /// The pick's [`crate::policy::Pick::mark`].
+    pub mark: crate::tree::Mark,
     /// Extract + match + insert, in µs.
     pub decision_us: u64,
     /// 0 for the first try.
@@ -66,7 +66,7 @@ impl Decision {
             matched_ratio: 0.0,
             available_tokens: 0,
             predicted_tokens: 0,
-            stamp: 0,
+            mark: crate::tree::Mark::default(),
             decision_us: started.elapsed().as_micros() as u64,
             attempt,
         }

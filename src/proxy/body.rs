@@ -115,25 +115,25 @@ impl GuardedBody {
             if how == "complete"
                 && let Some(found) = tap.scanner.take().map(UsageScanner::found)
             {
-                let mut shortfall = None;
+                let mut delivery = None;
                 let mut delivered_tokens = None;
                 if let Some(u) = found.usage {
                     let cached = u.cached_tokens.unwrap_or(0);
                     tap.metrics.engine_usage(worker, u.prompt_tokens, cached);
                     if let Some(g) = &guard {
                         let d = &tap.log.decision;
-                        let (delivered, short) = crate::policy::decide::settle_usage(
+                        let (delivered, marked) = crate::policy::decide::settle_usage(
                             g,
                             u.prompt_tokens,
                             u.cached_tokens,
                             tap.streamed,
-                            (d.predicted_tokens, d.stamp),
+                            (d.predicted_tokens, d.mark),
                             tap.block_tokens,
                         );
                         if let Some(delivered) = delivered {
                             tap.hit_numbers(g.worker(), delivered);
                         }
-                        shortfall = short;
+                        delivery = marked;
                         delivered_tokens = delivered;
                     }
                 }
@@ -143,13 +143,13 @@ impl GuardedBody {
                 );
                 let answer = crate::policy::Answer {
                     response_id: found.response_id.as_deref(),
-                    shortfall,
+                    delivery,
                     prepared: keyed.then_some(&tap.prepared),
                     delivered_tokens,
                 };
                 if let Some(w) = served_by.as_ref()
                     && (answer.response_id.is_some()
-                        || answer.shortfall.is_some()
+                        || answer.delivery.is_some()
                         || answer.prepared.is_some())
                 {
                     tap.policy.answered(w, &answer);
@@ -179,8 +179,9 @@ impl BodyTap {
                 floor = self.drift_floor,
                 "worker delivers far fewer cached prefix tokens than the router predicts: \
                  its engine evicted what the router remembers (KV cache smaller than \
-                 the load it gets), a block-size mismatch (cache.engine_block_tokens), \
-                 or in precise mode a tokenizer or chat-template drift"
+                 the load it gets), prefix caching off or another model behind its URL, \
+                 a block-size mismatch (cache.engine_block_tokens), or in precise mode a \
+                 tokenizer or chat-template drift"
             );
         }
         self.log.delivered_tokens = Some(delivered);

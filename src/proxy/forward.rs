@@ -212,7 +212,7 @@ impl Router {
             matched_ratio: pick.matched_ratio(),
             available_tokens: pick.available_tokens(),
             predicted_tokens: pick.saved_tokens(),
-            stamp: pick.stamp,
+            mark: pick.mark,
             decision_us: decided_in.as_micros() as u64,
             attempt,
         }

@@ -1,15 +1,16 @@
 //! The engine model `simulate` and `sim-engine` (bench) share: one replica's prefix
-//! cache of KV blocks with LRU eviction, the chained block hashes it keys on, and the
-//! serialized prefill queue that times a request.
+//! cache of KV blocks with LRU eviction and the chained block hashes it keys on; and
+//! `simulate`'s model of how an engine times its prefills ([`Physics`]).
 //!
 //! Units: **tokens** are the simulated engine's tokens, one per whitespace-separated
 //! word of the prompt text ([`tokenize_words`]; sim-engine's tokenizer); a **block** is
-//! `block_size` tokens; times are **milliseconds** of simulated time. Prefill is one
-//! FIFO server per engine: a request starts when it and the engine are both free and
-//! takes `ttft_base_ms + uncached_tokens / prefill_tokens_per_ms`; its cache lookup
-//! (and insert) happens in that order, so a lookup done at arrival in arrival order sees
-//! the same cache as sim-engine's at the start of prefill. Decode is concurrent: one
-//! token per `decode_ms_per_token` after the first. No I/O, no clock.
+//! `block_size` tokens; times are **milliseconds** of simulated time. A prefill is
+//! `ttft_base_ms + uncached_tokens / prefill_tokens_per_ms` of work at full speed, run
+//! under the engine's [`Physics`] (as sim-engine's): one at a time, up to N at full
+//! speed, or up to N sharing one speed; FIFO beyond. Its cache lookup (and insert)
+//! happens at arrival, in arrival order: the order a FIFO engine starts prefills in, so
+//! it sees the same cache as sim-engine's lookup at the start of prefill. Decode is
+//! concurrent: one token per `decode_ms_per_token` after the first. No I/O, no clock.
 
 use std::num::NonZeroUsize;
 
@@ -146,25 +147,69 @@ impl Default for Timing {
     }
 }
 
-/// What one request got from an engine.
+/// How an engine's prefills share it: the engine *physics* (as sim-engine's
+/// `--prefill-physics`). Real engines differ here, and a policy must not assume one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Physics {
+    /// One prefill at a time, FIFO (a compute-bound GPU).
+    #[default]
+    Serial,
+    /// Up to `slots` prefills at once, each at full speed; FIFO beyond.
+    Parallel,
+    /// Up to `slots` prefills at once sharing one full speed equally (processor
+    /// sharing, as a per-step token budget split among running prefills: vLLM's
+    /// chunked prefill); FIFO beyond.
+    Shared,
+}
+
+impl Physics {
+    /// `serial`, `parallel` or `shared`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Physics::Serial => "serial",
+            Physics::Parallel => "parallel",
+            Physics::Shared => "shared",
+        }
+    }
+}
+
+/// A request's prefill in an engine: whose it is and the work left, in ms at full speed.
+#[derive(Debug, Clone, Copy)]
+struct Job {
+    index: usize,
+    left_ms: f64,
+    start_ms: f64,
+}
+
+/// A prefill that ended: the request (as given to [`EngineModel::arrive`]), when it
+/// started (queue wait = start − arrival) and when its first token was out, in ms.
 #[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Served {
-    /// Prompt tokens served from the prefix cache (the engine's `cached_tokens`).
-    pub cached_tokens: u64,
-    /// When its prefill started (queue wait = `prefill_start_ms - arrival`), in ms.
+pub struct Finished {
+    pub index: usize,
     pub prefill_start_ms: f64,
-    /// When its first token was out (end of prefill), in ms.
     pub first_token_ms: f64,
 }
 
-/// One simulated engine: a [`PrefixCache`] behind a serialized prefill queue, and the
+/// One simulated engine: a [`PrefixCache`], its prefills under a [`Physics`], and the
 /// LoRA adapters it holds.
+///
+/// Event-driven: [`EngineModel::arrive`] at a request's arrival (its cache lookup and
+/// insert happen then, in arrival order: the order a FIFO engine starts them in), and
+/// [`EngineModel::finish_next`] at [`EngineModel::next_finish_ms`], which moves
+/// whenever a prefill starts or ends (under the shared physics every running one slows
+/// down when another starts). [`EngineModel::version`] changes with it, so a caller
+/// can tell a stale wake-up from a due one.
 #[derive(Debug)]
 pub struct EngineModel {
     cache: PrefixCache,
     timing: Timing,
-    /// When the prefill server is next free, in ms.
-    free_at_ms: f64,
+    physics: Physics,
+    slots: usize,
+    running: Vec<Job>,
+    waiting: std::collections::VecDeque<Job>,
+    /// When `running`'s work was last brought up to date, in ms.
+    at_ms: f64,
+    version: u64,
     /// The adapters held, least recently used evicted first; `None`: adapters are not
     /// modelled.
     adapters: Option<LruCache<std::sync::Arc<str>, ()>>,
@@ -173,12 +218,28 @@ pub struct EngineModel {
 }
 
 impl EngineModel {
-    /// An engine with an empty cache of `kv_blocks` blocks of `block_size` tokens.
-    pub fn new(kv_blocks: NonZeroUsize, block_size: NonZeroUsize, timing: Timing) -> Self {
+    /// An engine with an empty cache of `kv_blocks` blocks of `block_size` tokens, its
+    /// prefills under `physics` with `slots` at once (1 for the serial physics).
+    pub fn new(
+        kv_blocks: NonZeroUsize,
+        block_size: NonZeroUsize,
+        timing: Timing,
+        physics: Physics,
+        slots: NonZeroUsize,
+    ) -> Self {
         EngineModel {
             cache: PrefixCache::new(kv_blocks, block_size),
             timing,
-            free_at_ms: 0.0,
+            physics,
+            slots: if physics == Physics::Serial {
+                1
+            } else {
+                slots.get()
+            },
+            running: Vec::new(),
+            waiting: std::collections::VecDeque::new(),
+            at_ms: 0.0,
+            version: 0,
             adapters: None,
             loads: 0,
         }
@@ -212,32 +273,86 @@ impl EngineModel {
         self.cache.cached_tokens(hashes, n_tokens) as u64
     }
 
-    /// Queues a prompt of `n_tokens` tokens (full-block `hashes`) arriving at
-    /// `arrival_ms`: looks it up and inserts it in the cache, and times its prefill.
-    pub fn serve(&mut self, arrival_ms: f64, hashes: &[u64], n_tokens: usize) -> Served {
-        self.serve_after(arrival_ms, hashes, n_tokens, 0.0)
-    }
-
-    /// As [`EngineModel::serve`], its prefill delayed by `extra_ms` more (an adapter
-    /// load before it, say).
-    pub fn serve_after(
+    /// Request `index`, a prompt of `n_tokens` tokens (full-block `hashes`), arrives at
+    /// `now_ms`: it is looked up and inserted in the cache, and its prefill
+    /// (`extra_ms` — an adapter load, say — + `ttft_base_ms` + uncached tokens at the
+    /// prefill rate) starts, or queues FIFO. Returns its cached tokens. Call
+    /// [`EngineModel::finish_next`] for every prefill due at or before `now_ms` first.
+    pub fn arrive(
         &mut self,
-        arrival_ms: f64,
-        hashes: &[u64],
-        n_tokens: usize,
+        now_ms: f64,
+        index: usize,
+        (hashes, n_tokens): (&[u64], usize),
         extra_ms: f64,
-    ) -> Served {
+    ) -> u64 {
         let cached = self.cache.lookup_and_insert(hashes, n_tokens) as u64;
         let uncached = (n_tokens as u64).saturating_sub(cached) as f64;
         let rate_per_ms = (self.timing.prefill_tokens_per_sec / 1e3).max(f64::MIN_POSITIVE);
-        let start = arrival_ms.max(self.free_at_ms);
-        let end = start + extra_ms.max(0.0) + self.timing.ttft_base_ms + uncached / rate_per_ms;
-        self.free_at_ms = end;
-        Served {
-            cached_tokens: cached,
-            prefill_start_ms: start,
-            first_token_ms: end,
+        self.advance(now_ms);
+        let job = Job {
+            index,
+            left_ms: extra_ms.max(0.0) + self.timing.ttft_base_ms + uncached / rate_per_ms,
+            start_ms: now_ms,
+        };
+        if self.running.len() < self.slots {
+            self.running.push(job);
+        } else {
+            self.waiting.push_back(job);
         }
+        self.version += 1;
+        cached
+    }
+
+    /// When the next running prefill ends if nothing else arrives, in ms; `None` when
+    /// none runs.
+    pub fn next_finish_ms(&self) -> Option<f64> {
+        let least = self.running.iter().map(|j| j.left_ms).reduce(f64::min)?;
+        Some(self.at_ms + least.max(0.0) / self.share())
+    }
+
+    /// Changes whenever [`EngineModel::next_finish_ms`] may have.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Ends the prefill due at [`EngineModel::next_finish_ms`] (the clock moves there)
+    /// and starts the first waiting one in its slot.
+    pub fn finish_next(&mut self) -> Option<Finished> {
+        let at = self.next_finish_ms()?;
+        self.advance(at);
+        let (i, _) = self
+            .running
+            .iter()
+            .enumerate()
+            .min_by(|a, b| a.1.left_ms.total_cmp(&b.1.left_ms))?;
+        let job = self.running.swap_remove(i);
+        if let Some(mut next) = self.waiting.pop_front() {
+            next.start_ms = at;
+            self.running.push(next);
+        }
+        self.version += 1;
+        Some(Finished {
+            index: job.index,
+            prefill_start_ms: job.start_ms,
+            first_token_ms: at,
+        })
+    }
+
+    /// The speed each running prefill advances at (1 = full speed).
+    fn share(&self) -> f64 {
+        match self.physics {
+            Physics::Shared => 1.0 / self.running.len().max(1) as f64,
+            Physics::Serial | Physics::Parallel => 1.0,
+        }
+    }
+
+    /// Brings the running prefills' work up to `now_ms`.
+    fn advance(&mut self, now_ms: f64) {
+        let done = (now_ms - self.at_ms).max(0.0) * self.share();
+        for j in &mut self.running {
+            j.left_ms -= done;
+        }
+        self.at_ms = self.at_ms.max(now_ms);
     }
 
     /// The engine's timing.
@@ -258,34 +373,73 @@ mod tests {
         (0..n).map(|i| format!("{tag}{i} ")).collect()
     }
 
+    fn engine(physics: Physics, slots: usize, block: usize, timing: Timing) -> EngineModel {
+        EngineModel::new(nz(100), nz(block), timing, physics, nz(slots))
+    }
+
+    /// Every prefill to its end, in order: (index, start, first token).
+    fn drain(e: &mut EngineModel) -> Vec<(usize, f64, f64)> {
+        std::iter::from_fn(|| e.finish_next())
+            .map(|f| (f.index, f.prefill_start_ms, f.first_token_ms))
+            .collect()
+    }
+
     #[test]
     fn a_repeated_prompt_is_cached_in_whole_blocks_but_its_last_token() {
         let text = words(40, "w");
         let (n, h) = block_hashes(tokenize_words(&text), 16);
-        let mut e = EngineModel::new(nz(100), nz(16), Timing::default());
-        assert_eq!(e.serve(0.0, &h, n).cached_tokens, 0);
-        assert_eq!(e.serve(1000.0, &h, n).cached_tokens, 32);
+        let mut e = engine(Physics::Serial, 1, 16, Timing::default());
+        assert_eq!(e.arrive(0.0, 0, (&h, n), 0.0), 0);
+        assert_eq!(e.arrive(1000.0, 1, (&h, n), 0.0), 32);
         // 32 full blocks of 16 = 32 tokens of 40; 33 tokens would cap at 32 too.
     }
 
+    const SLOW: Timing = Timing {
+        ttft_base_ms: 10.0,
+        prefill_tokens_per_sec: 1000.0,
+        decode_ms_per_token: 1.0,
+    };
+
     #[test]
     fn prefill_is_serialized_and_costs_uncached_tokens() {
-        let timing = Timing {
-            ttft_base_ms: 10.0,
-            prefill_tokens_per_sec: 1000.0,
-            decode_ms_per_token: 1.0,
-        };
-        let mut e = EngineModel::new(nz(100), nz(4), timing);
+        let mut e = engine(Physics::Serial, 6, 4, SLOW);
         let a = words(100, "a");
         let (n, h) = block_hashes(tokenize_words(&a), 4);
-        let first = e.serve(0.0, &h, n);
-        assert_eq!(first.first_token_ms, 110.0);
+        e.arrive(0.0, 0, (&h, n), 0.0);
+        assert_eq!(e.next_finish_ms(), Some(110.0));
         // Arrives while the first prefills: waits, then prefills only the uncached
         // last block (96 of 100 tokens cached).
-        let second = e.serve(50.0, &h, n);
-        assert_eq!(second.prefill_start_ms, 110.0);
-        assert_eq!(second.cached_tokens, 96);
-        assert_eq!(second.first_token_ms, 110.0 + 10.0 + 4.0);
+        assert_eq!(e.arrive(50.0, 1, (&h, n), 0.0), 96);
+        assert_eq!(drain(&mut e), vec![(0, 0.0, 110.0), (1, 110.0, 124.0)]);
+    }
+
+    #[test]
+    fn parallel_prefills_run_at_full_speed_up_to_the_slots_then_queue() {
+        let mut e = engine(Physics::Parallel, 2, 4, SLOW);
+        for (i, tag) in ["a", "b", "c"].into_iter().enumerate() {
+            let (n, h) = block_hashes(tokenize_words(&words(100, tag)), 4);
+            e.arrive(0.0, i, (&h, n), 0.0);
+        }
+        assert_eq!(
+            drain(&mut e),
+            vec![(0, 0.0, 110.0), (1, 0.0, 110.0), (2, 110.0, 220.0)]
+        );
+    }
+
+    #[test]
+    fn shared_prefills_split_one_speed_and_slow_down_when_another_starts() {
+        let mut e = engine(Physics::Shared, 2, 4, SLOW);
+        let (n, h) = block_hashes(tokenize_words(&words(100, "a")), 4);
+        e.arrive(0.0, 0, (&h, n), 0.0);
+        assert_eq!(e.next_finish_ms(), Some(110.0));
+        let v = e.version();
+        // At 55 ms half of the first is done; from then on both run at half speed.
+        let (n, h) = block_hashes(tokenize_words(&words(100, "b")), 4);
+        e.arrive(55.0, 1, (&h, n), 0.0);
+        assert_ne!(e.version(), v, "the first one's end moved");
+        assert_eq!(e.next_finish_ms(), Some(165.0));
+        // The second has 55 ms of work left when the first ends: alone again.
+        assert_eq!(drain(&mut e), vec![(0, 0.0, 165.0), (1, 55.0, 220.0)]);
     }
 
     #[test]
@@ -296,7 +450,7 @@ mod tests {
         let (_, b) = block_hashes_under(tokenize_words(&text), 16, Some("b"));
         assert!(base.iter().chain(&a).all(|h| !b.contains(h)));
         assert!(base.iter().all(|h| !a.contains(h)));
-        let mut e = EngineModel::new(nz(100), nz(16), Timing::default()).with_adapter_slots(nz(2));
+        let mut e = engine(Physics::Serial, 1, 16, Timing::default()).with_adapter_slots(nz(2));
         let [x, y, z] = ["x", "y", "z"].map(std::sync::Arc::<str>::from);
         assert!(e.use_adapter(&x) && e.use_adapter(&y));
         assert!(!e.use_adapter(&x), "held");
@@ -307,11 +461,11 @@ mod tests {
 
     #[test]
     fn a_full_cache_evicts_the_least_recently_used_chain() {
-        let mut e = EngineModel::new(nz(4), nz(2), Timing::default());
+        let mut e = EngineModel::new(nz(4), nz(2), Timing::default(), Physics::Serial, nz(1));
         let (na, ha) = block_hashes(tokenize_words("a b c d e f g h i"), 2);
         let (nb, hb) = block_hashes(tokenize_words("z y x w v u t s r"), 2);
-        e.serve(0.0, &ha, na);
-        e.serve(0.0, &hb, nb);
+        e.arrive(0.0, 0, (&ha, na), 0.0);
+        e.arrive(0.0, 1, (&hb, nb), 0.0);
         assert_eq!(e.cached_tokens(&ha, na), 0);
         assert_eq!(e.cached_tokens(&hb, nb), 8);
     }

@@ -30,8 +30,41 @@ pub struct Setting {
     pub residency: bool,
 }
 
-/// The grid, in table order.
-pub fn settings() -> Vec<Setting> {
+/// Which rows `simulate` runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Grid {
+    /// `cache_aware` at its defaults and with one knob moved at a time, then the other
+    /// policies.
+    #[default]
+    Tuning,
+    /// The tree's learning from short answers (`cache.learn_evictions`) off and on, for
+    /// `cache_aware` and `cost_aware`, then `round_robin`.
+    Learning,
+}
+
+/// The rows of `grid`, in table order.
+pub fn settings(grid: Grid) -> Vec<Setting> {
+    match grid {
+        Grid::Tuning => tuning(),
+        Grid::Learning => ["cache_aware", "cost_aware"]
+            .into_iter()
+            .flat_map(|p| {
+                [false, true].map(|on| Setting {
+                    label: format!("{p} learn_evictions={on}"),
+                    yaml: format!("policy: {p}\ncache: {{ learn_evictions: {on} }}\n"),
+                    residency: true,
+                })
+            })
+            .chain(std::iter::once(Setting {
+                label: "round_robin".into(),
+                yaml: "policy: round_robin\n".into(),
+                residency: true,
+            }))
+            .collect(),
+    }
+}
+
+fn tuning() -> Vec<Setting> {
     let cache = |label: &str, keys: &str| Setting {
         label: format!("cache_aware {label}").trim_end().to_owned(),
         yaml: format!("policy: cache_aware\ncache: {{ {keys} }}\n"),
@@ -101,14 +134,16 @@ pub fn recommend(rows: &[Measured]) -> Option<usize> {
 pub fn table(settings: &[Setting], rows: &[Measured], recommended: Option<usize>) -> String {
     let adapters = rows.iter().any(|m| m.adapter_loads.is_some());
     let mut t = String::from(
-        "| setting | available | predicted | delivered | max/mean req | peak in-flight | \
-         TTFT p50 / p99 (ms) | rejected |",
+        "| setting | available | predicted | delivered | d÷p | aged out (MB) | max/mean req | \
+         peak in-flight | TTFT p50 / p99 (ms) | rejected |",
     );
+    let columns = 10 + usize::from(adapters);
     t.push_str(if adapters {
-        " adapter loads/min | |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n"
+        " adapter loads/min | |\n"
     } else {
-        " |\n| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n"
+        " |\n"
     });
+    t.push_str(&format!("| --- |{} --- |\n", " ---: |".repeat(columns - 1)));
     for (i, (s, m)) in settings.iter().zip(rows).enumerate() {
         let loads = match m.loads_per_minute() {
             Some(l) if adapters => format!(" {l:.1} |"),
@@ -117,11 +152,13 @@ pub fn table(settings: &[Setting], rows: &[Measured], recommended: Option<usize>
         };
         let _ = writeln!(
             t,
-            "| {} | {:.3} | {:.3} | {:.3} | {:.2} | {} | {:.0} / {:.0} | {} |{loads} {} |",
+            "| {} | {:.3} | {:.3} | {:.3} | {:.2} | {:.1} | {:.2} | {} | {:.0} / {:.0} | {} |{loads} {} |",
             s.label,
             m.ratio(m.available_tokens),
             m.ratio(m.predicted_tokens),
             m.ratio(m.delivered_tokens),
+            m.predicted_hit_delivered as f64 / m.predicted_tokens.max(1) as f64,
+            m.aged_out_bytes as f64 / 1e6,
             m.max_over_mean(),
             m.peak_in_flight,
             m.ttft_quantile(0.5),
@@ -175,7 +212,7 @@ mod tests {
 
     #[test]
     fn the_table_marks_the_recommended_row() {
-        let s = settings();
+        let s = settings(Grid::Tuning);
         let rows: Vec<Measured> = s.iter().map(|_| row(100, 10.0, 0)).collect();
         let t = table(&s, &rows, Some(0));
         assert_eq!(t.matches("**recommended**").count(), 1);

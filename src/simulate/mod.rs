@@ -30,7 +30,7 @@ use std::path::{Path, PathBuf};
 
 use crate::config::{Config, ConfigError};
 use crate::prompt;
-use engine::{Timing, block_hashes_under, tokenize_words};
+use engine::{Physics, Timing, block_hashes_under, tokenize_words};
 use input::Format;
 use run::{Measured, PoolModel, Prepared};
 
@@ -76,6 +76,28 @@ pub struct SimulateArgs {
     /// Arrival rate for requests without `timestamp_ms`, in requests per second.
     #[arg(long, default_value_t = 10.0)]
     pub rate: f64,
+    /// Offered load: arrivals this many times as fast at the same engine speed (the
+    /// log's timestamps, or `--rate`'s spacing, divided by it; as trace-matrix's
+    /// `--load`).
+    #[arg(long, default_value_t = 1.0)]
+    pub load: f64,
+    /// How each engine's prefills share it: `serial` (one at a time), `parallel` (up
+    /// to --prefill-slots at once, each at full speed) or `shared` (up to
+    /// --prefill-slots sharing one speed, as chunked prefill does); FIFO beyond.
+    #[arg(long, value_enum, default_value_t = Physics::Serial)]
+    pub prefill_physics: Physics,
+    /// Prefills at once under the parallel and shared physics.
+    #[arg(long, default_value_t = 6)]
+    pub prefill_slots: usize,
+    /// Most requests in flight at once, as trace-matrix's replay allows: a request due
+    /// while that many run is sent when one ends (0 = no limit).
+    #[arg(long, default_value_t = 512)]
+    pub concurrency: usize,
+    /// Which rows: `tuning` (cache_aware's knobs, then the other policies) or
+    /// `learning` (cache_aware and cost_aware with `cache.learn_evictions` off and on,
+    /// round_robin).
+    #[arg(long, value_enum, default_value_t = grid::Grid::Tuning)]
+    pub grid: grid::Grid,
     /// Router config to start from (repeatable, layered as for serving); each grid row
     /// layers its policy and cache keys on top, and the workers are always the
     /// simulated ones.
@@ -141,11 +163,16 @@ pub struct Report {
 impl Report {
     /// The markdown table plus a line on what was replayed.
     pub fn render(&self, args: &SimulateArgs) -> String {
+        let physics = match args.prefill_physics {
+            Physics::Serial => "one at a time per engine".to_owned(),
+            p => format!("{} × {} per engine", p.as_str(), args.prefill_slots),
+        };
         let mut out = format!(
-            "{} requests from {} over {} engines × {} KV blocks of {} tokens; prefill {} ms + \
-             {} tokens/s (FIFO per engine), decode {} ms/token, output ≤ {} tokens\n\n",
+            "{} requests from {} at {}× over {} engines × {} KV blocks of {} tokens; prefill \
+             {} ms + {} tokens/s ({physics}), decode {} ms/token, output ≤ {} tokens\n\n",
             self.requests,
             args.input.display(),
+            args.load,
             args.workers,
             args.kv_blocks,
             args.block_tokens,
@@ -169,7 +196,9 @@ impl Report {
              prefix any engine held at arrival / the policy's prediction for its pick / what \
              the chosen engine served from cache. TTFT = prefill queue wait + the fixed \
              prefill base + uncached tokens ÷ prefill rate (simulated ms). Recommended: best \
-             delivered among rows within 10 % of the best TTFT p99 that rejected nothing.\n",
+             delivered among rows within 10 % of the best TTFT p99 that rejected nothing. \
+             d÷p = delivered ÷ predicted over the requests whose pick predicted a hit; aged \
+             out = MB of routing records the tree's learning removed (cache.learn_evictions).\n",
         );
         if self.skipped > 0 {
             out.push_str(&format!(
@@ -206,7 +235,7 @@ pub fn run(args: &SimulateArgs, show_progress: bool) -> Result<Report, SimError>
     }
     let requests = prepare(
         &log.requests,
-        args.rate,
+        (args.rate, args.load),
         model.block_tokens.get(),
         args.max_lora > 0,
     );
@@ -222,7 +251,7 @@ pub fn run(args: &SimulateArgs, show_progress: bool) -> Result<Report, SimError>
                 })
         })
         .collect::<Result<_, _>>()?;
-    let mut settings = grid::settings();
+    let mut settings = grid::settings(args.grid);
     if args.max_lora > 0 {
         settings.push(grid::without_residency());
     }
@@ -280,6 +309,7 @@ fn pool_model(args: &SimulateArgs) -> Result<PoolModel, SimError> {
     for (v, what) in [
         (args.prefill_tokens_per_sec, "--prefill-tokens-per-sec"),
         (args.rate, "--rate"),
+        (args.load, "--load"),
     ] {
         if !(v.is_finite() && v > 0.0) {
             return Err(SimError::Setting(format!(
@@ -299,8 +329,6 @@ fn pool_model(args: &SimulateArgs) -> Result<PoolModel, SimError> {
         }
     }
     Ok(PoolModel {
-        adapter_slots: NonZeroUsize::new(args.max_lora),
-        adapter_load_ms: args.adapter_load_ms,
         workers: nz(args.workers, "--workers")?.get(),
         kv_blocks: nz(args.kv_blocks, "--kv-blocks")?,
         block_tokens: nz(args.block_tokens, "--block-tokens")?,
@@ -309,16 +337,20 @@ fn pool_model(args: &SimulateArgs) -> Result<PoolModel, SimError> {
             prefill_tokens_per_sec: args.prefill_tokens_per_sec,
             decode_ms_per_token: args.decode_ms_per_token,
         },
+        physics: args.prefill_physics,
+        prefill_slots: nz(args.prefill_slots, "--prefill-slots")?,
+        concurrency: args.concurrency,
+        adapter_slots: NonZeroUsize::new(args.max_lora),
+        adapter_load_ms: args.adapter_load_ms,
     })
 }
 
 /// Arrivals from the log's timestamps (shifted so the first is 0; a request without
-/// one comes `1000 / rate` ms after the one before), sorted stably; the engine's tokens
-/// and block hashes of each whole prompt (under its adapter, its `model`, when
-/// `adapters`).
+/// one comes `1000 / rate` ms after the one before), divided by `load`, sorted stably;
+/// the engine's tokens and block hashes of each whole prompt.
 fn prepare(
     logged: &[input::LoggedRequest],
-    rate: f64,
+    (rate, load): (f64, f64),
     block_tokens: usize,
     adapters: bool,
 ) -> Vec<Prepared> {
@@ -348,7 +380,7 @@ fn prepare(
             Prepared {
                 endpoint: r.endpoint,
                 body: r.body.clone(),
-                arrival_ms,
+                arrival_ms: arrival_ms / load,
                 prompt_tokens: n,
                 hashes,
                 output_tokens: r.output_tokens,
@@ -362,8 +394,7 @@ fn prepare(
 }
 
 /// A grid row's config: the user's files, then the row's keys, then the simulated
-/// workers (never contacted; `max_lora` each unless 0), validated as `Config::load`
-/// validates.
+/// workers (never contacted), validated as `Config::load` validates.
 fn row_config(
     user: &[(PathBuf, String)],
     setting: &grid::Setting,

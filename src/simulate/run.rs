@@ -5,9 +5,10 @@
 //! [`pick_slot`] the proxy uses (candidates, usability, the policy's `pick`, the
 //! in-flight guard), the guard's prefill reservation, `Policy::observe(Served)` at once
 //! (a streamed answer's headers come before its prefill, as sim-engine sends them), the
-//! guard's `first_byte` at the end of prefill, and at the last byte the proxy's
-//! [`settle_usage`] with the engine's `cached_tokens` and `Policy::answered` on a
-//! shortfall; dropping the guard ends the request's in-flight count. Between events the
+//! guard's `first_byte` at the end of prefill (under the engines' [`Physics`]), and at
+//! the last byte the proxy's [`settle_usage`] with the engine's `cached_tokens` and
+//! `Policy::answered` with what it delivered of a marked prediction; dropping the guard ends the request's in-flight
+//! count. The policy's upkeep task runs beside it. Between events the
 //! clock is advanced (`tokio::time::advance`) to the next one, so every state machine
 //! the policies read (learned rates, drain estimates, staleness) sees simulated time.
 //! Must run inside a current-thread runtime whose time is paused.
@@ -19,7 +20,7 @@ use std::time::Duration;
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 
-use super::engine::{EngineModel, Served, Timing};
+use super::engine::{EngineModel, Physics, Timing};
 use crate::config::Config;
 use crate::policy::decide::{pick_slot, settle_usage};
 use crate::policy::{self, Answer, Outcome, Pick, Policy, RouteRequest};
@@ -56,6 +57,13 @@ pub struct PoolModel {
     /// Tokens per KV block.
     pub block_tokens: std::num::NonZeroUsize,
     pub timing: Timing,
+    /// How each engine's prefills share it, and how many run at once (parallel and
+    /// shared physics).
+    pub physics: Physics,
+    pub prefill_slots: std::num::NonZeroUsize,
+    /// Most requests in flight at once (the client's limit, as trace-matrix's replay
+    /// has); a request due while that many run is sent when one ends. 0: no limit.
+    pub concurrency: usize,
     /// LoRA adapters each engine holds at once; `None`: adapters are not modelled.
     pub adapter_slots: Option<std::num::NonZeroUsize>,
     /// What loading an adapter adds to the prefill of the request that needs it, ms.
@@ -82,6 +90,14 @@ pub struct Measured {
     pub peak_in_flight: u64,
     /// Each request's estimated TTFT (queue wait + prefill), in ms, sorted.
     pub ttft_ms: Vec<f64>,
+    /// Σ the chosen engine's `cached_tokens` over the requests whose pick predicted a
+    /// hit (÷ `predicted_tokens`: the engines' delivered ÷ predicted).
+    pub predicted_hit_delivered: u64,
+    /// Answers that fell far short of their prediction (`pool::hits`).
+    pub shortfalls: u64,
+    /// Bytes of routing records the tree's learning aged out
+    /// (`SharedTree::aged_out_bytes`).
+    pub aged_out_bytes: u64,
     /// Adapters the engines loaded (a request for one its engine did not hold), when
     /// adapters are modelled.
     pub adapter_loads: Option<u64>,
@@ -127,16 +143,19 @@ impl Measured {
     }
 }
 
-/// An event of a request in flight, in time order (ties: first byte before last, then
-/// by request index, so runs are deterministic).
+/// An event, in time order (ties: an engine's prefill end before a last byte, then by
+/// index, so runs are deterministic). `index` is the request's, or for [`PREFILL`] the
+/// engine's, with the engine's [`EngineModel::version`] that scheduled it (a stale one,
+/// whose end moved since, is dropped).
 #[derive(Debug, PartialEq, Eq, PartialOrd, Ord)]
 struct Event {
     at_ns: u64,
     kind: u8,
     index: usize,
+    version: u64,
 }
 
-const FIRST_BYTE: u8 = 0;
+const PREFILL: u8 = 0;
 const LAST_BYTE: u8 = 1;
 
 struct InFlight {
@@ -144,6 +163,198 @@ struct InFlight {
     pick: Pick,
     prompt_tokens: u64,
     cached_tokens: u64,
+    arrival_ms: f64,
+    /// The request's logged duration, or its output tokens' decode time after the first.
+    duration_ms: Option<f64>,
+    decode_ms: f64,
+}
+
+/// The replay's moving parts besides the policy: engines, requests in flight, events.
+struct Sim {
+    engines: Vec<EngineModel>,
+    flying: Vec<Option<InFlight>>,
+    events: BinaryHeap<Reverse<Event>>,
+    block_tokens: u64,
+    /// Requests sent and not yet ended.
+    in_flight: usize,
+    /// The replay's start on tokio's clock.
+    start: tokio::time::Instant,
+}
+
+fn ms_to_ns(ms: f64) -> u64 {
+    (ms.max(0.0) * 1e6) as u64
+}
+
+impl Sim {
+    /// Schedules engine `e`'s next prefill end, if one runs.
+    fn schedule(&mut self, e: usize) {
+        let engine = &self.engines[e];
+        if let Some(at) = engine.next_finish_ms() {
+            self.events.push(Reverse(Event {
+                at_ns: ms_to_ns(at),
+                kind: PREFILL,
+                index: e,
+                version: engine.version(),
+            }));
+        }
+    }
+
+    /// Handles one event: a prefill's end is the request's first byte (the guard's
+    /// prefill ends, its TTFT is counted, its last byte scheduled); a last byte settles
+    /// the engine's usage as the proxy does ([`settle_usage`], the drift, what the
+    /// answer showed told to the policy) and ends its in-flight count.
+    fn on_event(&mut self, e: Event, policy: &dyn Policy, m: &mut Measured) {
+        if e.kind == PREFILL {
+            if self.engines[e.index].version() != e.version {
+                return;
+            }
+            let Some(done) = self.engines[e.index].finish_next() else {
+                return;
+            };
+            self.schedule(e.index);
+            let Some(f) = self.flying.get_mut(done.index).and_then(Option::as_mut) else {
+                return;
+            };
+            f.guard.first_byte();
+            m.ttft_ms.push(done.first_token_ms - f.arrival_ms);
+            let last_ms = match f.duration_ms {
+                Some(d) => (f.arrival_ms + d).max(done.first_token_ms),
+                None => done.first_token_ms + f.decode_ms,
+            };
+            self.events.push(Reverse(Event {
+                at_ns: ms_to_ns(last_ms),
+                kind: LAST_BYTE,
+                index: done.index,
+                version: 0,
+            }));
+            return;
+        }
+        let Some(f) = self.flying.get_mut(e.index).and_then(Option::take) else {
+            return;
+        };
+        self.in_flight -= 1;
+        let (delivered, delivery) = settle_usage(
+            &f.guard,
+            f.prompt_tokens,
+            Some(f.cached_tokens),
+            true,
+            (f.pick.saved_tokens(), f.pick.mark),
+            self.block_tokens,
+        );
+        // The worker's drift, as the proxy counts it: the tree's learning weighs a
+        // short answer against it.
+        if let Some(d) = delivered {
+            let numbers = [f.pick.available_tokens(), f.pick.saved_tokens(), d];
+            f.guard.worker().hits().record(numbers, 0.0, Duration::MAX);
+        }
+        if delivery.is_some() {
+            let answer = Answer {
+                delivery,
+                delivered_tokens: delivered,
+                ..Answer::default()
+            };
+            policy.answered(f.guard.worker(), &answer);
+        }
+        drop(f.guard);
+    }
+}
+
+impl Sim {
+    fn new(model: &PoolModel, requests: usize) -> Sim {
+        Sim {
+            engines: (0..model.workers)
+                .map(|_| {
+                    let e = EngineModel::new(
+                        model.kv_blocks,
+                        model.block_tokens,
+                        model.timing,
+                        model.physics,
+                        model.prefill_slots,
+                    );
+                    match model.adapter_slots {
+                        Some(n) => e.with_adapter_slots(n),
+                        None => e,
+                    }
+                })
+                .collect(),
+            flying: (0..requests).map(|_| None).collect(),
+            events: BinaryHeap::new(),
+            block_tokens: model.block_tokens.get() as u64,
+            in_flight: 0,
+            start: tokio::time::Instant::now(),
+        }
+    }
+
+    /// Simulated ms since the replay's start.
+    fn now_ms(&self) -> f64 {
+        tokio::time::Instant::now()
+            .duration_since(self.start)
+            .as_secs_f64()
+            * 1e3
+    }
+
+    /// Moves the clock to `at_ns` from the start (never back).
+    async fn advance_to(&self, at_ns: u64) {
+        let now = tokio::time::Instant::now().duration_since(self.start);
+        let at = Duration::from_nanos(at_ns);
+        if at > now {
+            tokio::time::advance(at - now).await;
+        }
+    }
+
+    /// Handles the next event, at its time, if it is due by `until_ns` (any, for
+    /// `None`); returns whether there was one.
+    async fn step(&mut self, until_ns: Option<u64>, policy: &dyn Policy, m: &mut Measured) -> bool {
+        if self
+            .events
+            .peek()
+            .is_none_or(|Reverse(e)| until_ns.is_some_and(|t| e.at_ns > t))
+        {
+            return false;
+        }
+        let Some(Reverse(e)) = self.events.pop() else {
+            return false;
+        };
+        self.advance_to(e.at_ns).await;
+        self.on_event(e, policy, m);
+        true
+    }
+
+    /// Sends request `index` (`r`, picked as `pick`, its slot `guard`) to engine
+    /// `position` at `sent_ms`: its adapter loaded first when the engine does not hold
+    /// it (at `sent.load_ms`), the engine's lookup and prefill, and the numbers.
+    fn send(&mut self, index: usize, r: &Prepared, position: usize, sent_ms: f64, sent: Sent) {
+        let Sent {
+            pick,
+            guard,
+            decode_ms,
+            load_ms,
+        } = sent;
+        let engine = &mut self.engines[position];
+        let loaded = r.adapter.as_ref().is_some_and(|a| engine.use_adapter(a));
+        let extra_ms = if loaded { load_ms } else { 0.0 };
+        let cached = engine.arrive(sent_ms, index, (&r.hashes, r.prompt_tokens), extra_ms);
+        self.schedule(position);
+        self.in_flight += 1;
+        self.flying[index] = Some(InFlight {
+            guard,
+            pick,
+            prompt_tokens: r.prompt_tokens as u64,
+            cached_tokens: cached,
+            arrival_ms: sent_ms,
+            duration_ms: r.duration_ms,
+            decode_ms,
+        });
+    }
+}
+
+/// A picked request on its way to its engine.
+struct Sent {
+    pick: Pick,
+    guard: InFlightGuard,
+    decode_ms: f64,
+    /// What loading its adapter takes, when the engine does not hold it, in ms.
+    load_ms: f64,
 }
 
 /// Replays `requests` (sorted by arrival) through `config`'s policy over `model`;
@@ -151,7 +362,8 @@ struct InFlight {
 /// `contexts` are the requests' routing contexts (`prompt::extract` at the config's
 /// `max_prompt_bytes`, scoped by their adapters), worked out once for every run.
 /// `residency`: adapter requests prefer the workers that hold their adapter, as the
-/// router's decision does (off: the policy alone places them).
+/// router's decision does (off: the policy alone places them). The policy's own upkeep
+/// (the tree's eviction and age-out sweeps) runs beside the replay on the same clock.
 pub async fn replay(
     config: &Config,
     model: &PoolModel,
@@ -164,44 +376,35 @@ pub async fn replay(
     // The run is this process's alone: nothing shared with other router replicas.
     let mut config = config.clone();
     config.state.redis_url = None;
-    let policy = policy::build(&config, &pool).policy;
+    let routing = policy::build(&config, &pool);
+    let policy = &*routing.policy;
+    let (stop, shutdown) = crate::shutdown::channel();
+    let upkeep = policy
+        .background(std::sync::Arc::clone(&pool), shutdown)
+        .map(tokio::spawn);
     let set = pool.set();
-    let mut engines = engines(model);
     let balance = policy::CacheParams::from(&config.cache);
+    let mut sim = Sim::new(model, requests.len());
     let mut rng = StdRng::seed_from_u64(seed);
-    let start = tokio::time::Instant::now();
     let mut m = Measured {
         per_worker: vec![0; model.workers],
         ..Measured::default()
     };
-    let mut events: BinaryHeap<Reverse<Event>> = BinaryHeap::new();
-    let mut flying: Vec<Option<InFlight>> = (0..requests.len()).map(|_| None).collect();
-    let block_tokens = model.block_tokens.get() as u64;
-    let advance_to = |at_ns: u64| async move {
-        let now = tokio::time::Instant::now().duration_since(start);
-        let at = Duration::from_nanos(at_ns);
-        if at > now {
-            tokio::time::advance(at - now).await;
-        }
-    };
-    let ms_to_ns = |ms: f64| (ms.max(0.0) * 1e6) as u64;
     for (index, r) in requests.iter().enumerate() {
         let arrival_ns = ms_to_ns(r.arrival_ms);
-        while events
-            .peek()
-            .is_some_and(|Reverse(e)| e.at_ns <= arrival_ns)
-        {
-            let Some(Reverse(e)) = events.pop() else {
-                break;
-            };
-            advance_to(e.at_ns).await;
-            on_event(e, &mut flying, &*policy, block_tokens);
-        }
-        advance_to(arrival_ns).await;
+        while sim.step(Some(arrival_ns), policy, &mut m).await {}
+        sim.advance_to(arrival_ns).await;
+        // At the client's limit: sent when a request ends (its TTFT counts from then).
+        while model.concurrency > 0
+            && sim.in_flight >= model.concurrency
+            && sim.step(None, policy, &mut m).await
+        {}
+        let sent_ms = r.arrival_ms.max(sim.now_ms());
         progress();
         m.requests += 1;
         m.prompt_tokens += r.prompt_tokens as u64;
-        m.available_tokens += engines
+        m.available_tokens += sim
+            .engines
             .iter()
             .map(|e| e.cached_tokens(&r.hashes, r.prompt_tokens))
             .max()
@@ -226,7 +429,7 @@ pub async fn replay(
                 }),
         };
         let Some((pick, mut guard)) =
-            pick_slot(&*policy, &set, &req, &WorkerMask::default(), &mut rng)
+            pick_slot(policy, &set, &req, &WorkerMask::default(), &mut rng)
         else {
             m.rejected += 1;
             continue;
@@ -238,121 +441,78 @@ pub async fn replay(
             .workers()
             .iter()
             .position(|w| w.id() == worker.id())
-            .unwrap_or(0);
-        let engine = &mut engines[position.min(model.workers - 1)];
-        let (served, last_ms) = serve_on(engine, r, model.adapter_load_ms);
+            .unwrap_or(0)
+            .min(model.workers - 1);
         m.per_worker[position] += 1;
         m.peak_in_flight = m.peak_in_flight.max(worker.in_flight() as u64);
         m.predicted_tokens += pick.saved_tokens();
-        m.delivered_tokens += served.cached_tokens;
-        m.ttft_ms.push(served.first_token_ms - r.arrival_ms);
-        events.push(Reverse(Event {
-            at_ns: ms_to_ns(served.first_token_ms),
-            kind: FIRST_BYTE,
-            index,
-        }));
-        events.push(Reverse(Event {
-            at_ns: ms_to_ns(last_ms),
-            kind: LAST_BYTE,
-            index,
-        }));
-        flying[index] = Some(InFlight {
-            guard,
+        let decode_ms = model.timing.decode_ms_per_token * r.output_tokens.saturating_sub(1) as f64;
+        let load_ms = model.adapter_load_ms;
+        let sent = Sent {
             pick,
-            prompt_tokens: r.prompt_tokens as u64,
-            cached_tokens: served.cached_tokens,
-        });
-    }
-    while let Some(Reverse(e)) = events.pop() {
-        advance_to(e.at_ns).await;
-        on_event(e, &mut flying, &*policy, block_tokens);
-    }
-    finish(m, &engines, requests, model)
-}
-
-/// `r` served by `engine` (its adapter loaded first when it does not hold it, at
-/// `load_ms`): what the engine served, and when its last byte goes out (ms).
-fn serve_on(engine: &mut EngineModel, r: &Prepared, load_ms: f64) -> (Served, f64) {
-    let loaded = r.adapter.as_ref().is_some_and(|a| engine.use_adapter(a));
-    let load_ms = if loaded { load_ms } else { 0.0 };
-    let served = engine.serve_after(r.arrival_ms, &r.hashes, r.prompt_tokens, load_ms);
-    let last_ms = match r.duration_ms {
-        Some(d) => (r.arrival_ms + d).max(served.first_token_ms),
-        None => {
-            served.first_token_ms
-                + engine.timing().decode_ms_per_token * r.output_tokens.saturating_sub(1) as f64
+            guard,
+            decode_ms,
+            load_ms,
+        };
+        sim.send(index, r, position, sent_ms, sent);
+        let cached = sim.flying[index].as_ref().map_or(0, |f| f.cached_tokens);
+        m.delivered_tokens += cached;
+        if pick.saved_tokens() > 0 {
+            m.predicted_hit_delivered += cached;
         }
-    };
-    (served, last_ms)
+    }
+    while sim.step(None, policy, &mut m).await {}
+    let upkeep = (stop, upkeep);
+    finish(
+        m,
+        sim,
+        requests,
+        model,
+        (routing.tree.as_deref(), &set),
+        upkeep,
+    )
+    .await
 }
 
-/// The model's engines, empty, each with its adapter slots when adapters are modelled.
-fn engines(model: &PoolModel) -> Vec<EngineModel> {
-    (0..model.workers)
-        .map(|_| {
-            let e = EngineModel::new(model.kv_blocks, model.block_tokens, model.timing);
-            match model.adapter_slots {
-                Some(n) => e.with_adapter_slots(n),
-                None => e,
-            }
-        })
-        .collect()
-}
-
-/// `m` completed at the end of a replay: TTFTs sorted, the engines' adapter loads, the
-/// arrivals' span.
-fn finish(
+/// `m` completed at the end of a replay: the policy's upkeep stopped after its last
+/// sweep, what the tree's learning did, the answers that fell short, TTFTs sorted,
+/// the engines' adapter loads, the arrivals' span.
+async fn finish(
     mut m: Measured,
-    engines: &[EngineModel],
+    sim: Sim,
     requests: &[Prepared],
     model: &PoolModel,
+    (tree, set): (
+        Option<&crate::tree::SharedTree>,
+        &crate::pools::pool::WorkerSet,
+    ),
+    (stop, upkeep): (
+        crate::shutdown::Trigger,
+        Option<tokio::task::JoinHandle<()>>,
+    ),
 ) -> Measured {
+    // What the tree's learning did, once its last sweep ran.
+    tokio::time::advance(crate::tree::evict::AGE_OUT_EVERY).await;
+    stop.shutdown();
+    if let Some(task) = upkeep {
+        let _ = task.await;
+    }
+    use std::sync::atomic::Ordering::Relaxed;
+    if let Some(tree) = tree {
+        m.aged_out_bytes = tree.aged_out_bytes.load(Relaxed);
+    }
+    m.shortfalls = set
+        .workers()
+        .iter()
+        .map(|w| w.hits().shortfalls.load(Relaxed))
+        .sum();
     m.ttft_ms.sort_by(f64::total_cmp);
     if model.adapter_slots.is_some() {
-        m.adapter_loads = Some(engines.iter().map(EngineModel::adapter_loads).sum());
+        m.adapter_loads = Some(sim.engines.iter().map(EngineModel::adapter_loads).sum());
     }
     m.span_ms = match (requests.first(), requests.last()) {
         (Some(a), Some(b)) => b.arrival_ms - a.arrival_ms,
         _ => 0.0,
     };
     m
-}
-
-/// A request's event: its first byte ends the guard's prefill; its last byte settles
-/// the engine's usage as the proxy does ([`settle_usage`], the drift, a shortfall told to
-/// the policy) and ends its in-flight count.
-fn on_event(e: Event, flying: &mut [Option<InFlight>], policy: &dyn Policy, block_tokens: u64) {
-    let Some(f) = flying[e.index].as_mut() else {
-        return;
-    };
-    if e.kind == FIRST_BYTE {
-        f.guard.first_byte();
-        return;
-    }
-    let Some(f) = flying[e.index].take() else {
-        return;
-    };
-    let (delivered, shortfall) = settle_usage(
-        &f.guard,
-        f.prompt_tokens,
-        Some(f.cached_tokens),
-        true,
-        (f.pick.saved_tokens(), f.pick.stamp),
-        block_tokens,
-    );
-    // The worker's drift, as the proxy counts it: the tree's learning weighs a
-    // short answer against it.
-    if let Some(d) = delivered {
-        let numbers = [f.pick.available_tokens(), f.pick.saved_tokens(), d];
-        f.guard.worker().hits().record(numbers, 0.0, Duration::MAX);
-    }
-    if shortfall.is_some() {
-        let answer = Answer {
-            shortfall,
-            delivered_tokens: delivered,
-            ..Answer::default()
-        };
-        policy.answered(f.guard.worker(), &answer);
-    }
-    drop(f.guard);
 }

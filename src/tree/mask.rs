@@ -110,6 +110,18 @@ impl WorkerMask {
         }
     }
 
+    /// The workers in this set and not in `other`.
+    pub fn difference(&self, other: &WorkerMask) -> WorkerMask {
+        let mut out = self.clone();
+        out.low &= !other.low;
+        if other.high.is_some() {
+            for w in other.iter().filter(|w| w.0 >= 64) {
+                out.remove(w);
+            }
+        }
+        out
+    }
+
     /// The workers in either set.
     pub fn union(&self, other: &WorkerMask) -> WorkerMask {
         let mut out = self.clone();

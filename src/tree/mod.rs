@@ -27,9 +27,11 @@
 //! The idea follows SGLang's `sgl-model-gateway` approximate tree (per-node tenant sets
 //! and LRU stamps); the arena layout and the subset invariant are ours.
 
+mod doubt;
 pub mod evict;
 mod mask;
 
+pub use doubt::{DISBELIEVE_AFTER, Verdict};
 pub use mask::{MaskBuilder, WorkerMask};
 
 pub use crate::pools::pool::WorkerId;
@@ -97,11 +99,16 @@ pub struct SharedTree {
     /// [`SharedTree::engine_evicted`]), waiting for the upkeep task's age-out sweep.
     horizons: std::sync::Mutex<Vec<(WorkerId, u64)>>,
     /// Per worker, the bytes of routing text its engine's KV cache was found to hold at
-    /// most (see [`evict::age_out`]), and when; its records are kept within it for
-    /// [`CAPACITY_TTL`] after the last answer that showed it.
+    /// most (see [`evict::age_out`]), and when (tokio's clock); its records are kept
+    /// within it for [`CAPACITY_TTL`] after the last answer that showed it.
     capacities: std::sync::Mutex<Vec<(WorkerId, u64, std::time::Instant)>>,
     /// Bytes of workers' records removed by age-out sweeps.
     pub aged_out_bytes: std::sync::atomic::AtomicU64,
+    /// Records a worker's answers made the router stop believing ([`doubt`]).
+    pub disbelieved: std::sync::atomic::AtomicU64,
+    /// Whether any doubt is counted (an answer that delivered what was predicted
+    /// takes the lock only then).
+    doubting: std::sync::atomic::AtomicBool,
 }
 
 /// One request's chunk hashes (`crate::prompt::chunks`), kept between its pick and its
@@ -252,6 +259,30 @@ impl SharedTree {
         }
     }
 
+    /// The answer to a prediction marked `mark` from `worker`: see
+    /// [`RadixTree::answered`] (`delivered`: bytes of routing text). Takes the lock only
+    /// for a short answer, or while doubts are counted.
+    pub fn answered(
+        &self,
+        worker: WorkerId,
+        mark: &Mark,
+        short: bool,
+        delivered: usize,
+    ) -> Verdict {
+        use std::sync::atomic::Ordering::Relaxed;
+        if !mark.is_some() || (!short && !self.doubting.load(Relaxed)) {
+            return Verdict::Nothing;
+        }
+        let mut tree = self.lock();
+        let verdict = tree.answered(worker, mark, short, delivered);
+        self.doubting.store(!tree.doubts.is_empty(), Relaxed);
+        drop(tree);
+        if verdict == Verdict::Disbelieved {
+            self.disbelieved.fetch_add(1, Relaxed);
+        }
+        verdict
+    }
+
     /// The horizons waiting for a sweep, taken.
     pub(crate) fn take_horizons(&self) -> Vec<(WorkerId, u64)> {
         std::mem::take(&mut *self.horizons.lock().unwrap_or_else(|e| e.into_inner()))
@@ -264,7 +295,7 @@ impl SharedTree {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .iter()
-            .find(|(w, _, at)| *w == worker && at.elapsed() < CAPACITY_TTL)
+            .find(|(w, _, at)| *w == worker && crate::clock::now() - *at < CAPACITY_TTL)
             .map(|(_, c, _)| *c)
     }
 
@@ -273,14 +304,15 @@ impl SharedTree {
         let mut c = self.capacities.lock().unwrap_or_else(|e| e.into_inner());
         c.retain(|(w, _, _)| *w != worker);
         if let Some(b) = bytes {
-            c.push((worker, b, std::time::Instant::now()));
+            c.push((worker, b, crate::clock::now()));
         }
     }
 
     /// Every learned capacity still in force (expired ones are dropped).
     pub(crate) fn capacities(&self) -> Vec<(WorkerId, u64)> {
         let mut c = self.capacities.lock().unwrap_or_else(|e| e.into_inner());
-        c.retain(|(_, _, at)| at.elapsed() < CAPACITY_TTL);
+        let now = crate::clock::now();
+        c.retain(|(_, _, at)| now - *at < CAPACITY_TTL);
         c.iter().map(|(w, b, _)| (*w, *b)).collect()
     }
 
@@ -416,6 +448,9 @@ struct Node {
     workers: WorkerMask,
     /// Logical time of the last insert through this node (see [`RadixTree::insert`]).
     last_access: u64,
+    /// Its slot of doubts (workers whose answers did not bear it out, see [`doubt`]);
+    /// 0 for none.
+    doubt: u32,
 }
 
 impl Node {
@@ -437,6 +472,7 @@ impl Node {
             parent: ROOT,
             workers: WorkerMask::default(),
             last_access: 0,
+            doubt: 0,
         }
     }
 }
@@ -454,6 +490,45 @@ pub struct PrefixMatch {
     /// nothing matched, and for another replica's records. What a short delivery is
     /// weighed against ([`SharedTree::engine_evicted`]).
     pub stamp: u64,
+}
+
+/// Where a match ended in the tree, for the answer to its prediction to confirm or
+/// refute ([`RadixTree::answered`], [`SharedTree::engine_evicted`]). A handle, not a
+/// reference: the node may be split, freed or reused before the answer comes, which
+/// [`RadixTree::answered`] checks by its depth. `Default` (node 0, the root): no mark.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Mark {
+    /// The match's [`PrefixMatch::stamp`] (its end's last use when one worker alone
+    /// holds it), 0 otherwise.
+    pub stamp: u64,
+    /// The tree's clock when the end node was last used by any worker (whether the
+    /// request that recorded it may still run: `policy::select::eviction_evidence`).
+    pub used: u64,
+    /// The node the match ended in, and the byte offset where that node's edge ends.
+    pub node: u32,
+    pub end: u32,
+    /// Bytes of the routing text matched (≤ `end`).
+    pub bytes: u32,
+    /// Whether its answer may judge the record: not recorded by a request that may
+    /// still run (`policy::select::eviction_evidence` decides; false until then).
+    pub evidence: bool,
+}
+
+impl Mark {
+    /// Whether it names a node.
+    pub fn is_some(&self) -> bool {
+        self.node != ROOT
+    }
+}
+
+/// A match with what the decision hands on: its [`Mark`], and the workers disbelieved
+/// along the text's path ([`doubt`]), whom a least-loaded choice for this text avoids
+/// at equal load.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lookup {
+    pub found: PrefixMatch,
+    pub mark: Mark,
+    pub disbelieved: WorkerMask,
 }
 
 /// Radix tree over routing text with per-node worker membership. See the module docs.
@@ -474,6 +549,8 @@ pub struct RadixTree {
     total_bytes: u64,
     /// Logical clock for `last_access`, bumped per insert.
     clock: u64,
+    /// The nodes' doubt slots (see [`doubt`]).
+    doubts: doubt::Doubts,
 }
 
 impl Default for RadixTree {
@@ -492,6 +569,7 @@ impl RadixTree {
             worker_bytes: Vec::new(),
             total_bytes: 0,
             clock: 0,
+            doubts: doubt::Doubts::default(),
         }
     }
 
@@ -542,25 +620,46 @@ impl RadixTree {
             .map(|i| children[i].1)
     }
 
-    /// Longest prefix of `text` held by any worker in `eligible`; read-only.
+    /// Longest prefix of `text` held by any worker in `eligible`; read-only. A worker
+    /// disbelieved at a node ([`doubt`]) holds nothing from that node on.
+    pub fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask) -> PrefixMatch {
+        self.lookup(text, eligible).found
+    }
+
+    /// [`RadixTree::longest_prefix`] with its [`Mark`] and the workers disbelieved
+    /// along the way.
     ///
     /// The walk follows edges while at least one eligible worker holds them; a match may
     /// end inside an edge (its holders hold the partial edge too).
-    pub fn longest_prefix(&self, text: &[u8], eligible: &WorkerMask) -> PrefixMatch {
+    pub fn lookup(&self, text: &[u8], eligible: &WorkerMask) -> Lookup {
         let mut node = ROOT;
         let mut pos = 0;
-        // The deepest node reached (the root: none); its holders are taken once, at the
-        // end (a mask of over 64 workers allocates).
-        let mut last = ROOT;
+        // The deepest node reached (the root: none) and where its edge ends; its holders
+        // are taken once, at the end (a mask of over 64 workers allocates).
+        let (mut last, mut last_end) = (ROOT, 0);
+        let doubts = self.doubts.any_disbelieved();
+        let mut disbelieved = WorkerMask::default();
         while pos < text.len() {
             let Some(child) = self.child(node, text[pos]) else {
                 break;
             };
             let c = &self.nodes[child as usize];
-            if !c.workers.intersects(eligible) {
+            if doubts {
+                self.add_disbelieved(c, &mut disbelieved);
+            }
+            let held = if disbelieved.is_empty() {
+                c.workers.intersects(eligible)
+            } else {
+                !c.workers
+                    .intersection(eligible)
+                    .difference(&disbelieved)
+                    .is_empty()
+            };
+            if !held {
                 break;
             }
             let n = common_prefix_len(&c.edge, &text[pos..]);
+            last_end = pos + c.edge.len();
             pos += n;
             last = child;
             if n < c.edge.len() {
@@ -569,17 +668,40 @@ impl RadixTree {
             node = child;
         }
         if last == ROOT {
-            return PrefixMatch {
-                matched: 0,
-                workers: WorkerMask::default(),
-                stamp: 0,
+            return Lookup {
+                found: PrefixMatch {
+                    matched: 0,
+                    workers: WorkerMask::default(),
+                    stamp: 0,
+                },
+                mark: Mark::default(),
+                disbelieved,
             };
         }
         let c = &self.nodes[last as usize];
-        PrefixMatch {
-            matched: pos,
-            workers: c.workers.intersection(eligible),
-            stamp: c.sole_stamp(),
+        let mut workers = c.workers.intersection(eligible);
+        if !disbelieved.is_empty() {
+            workers = workers.difference(&disbelieved);
+        }
+        // Several holders, one of them disbelieved: the others' last use is not known
+        // apart from its; one left: its alone only if it was the node's only holder.
+        let stamp = c.sole_stamp();
+        let mark = Mark {
+            stamp,
+            used: c.last_access,
+            node: last,
+            end: u32::try_from(last_end).unwrap_or(u32::MAX),
+            bytes: u32::try_from(pos).unwrap_or(u32::MAX),
+            evidence: false,
+        };
+        Lookup {
+            found: PrefixMatch {
+                matched: pos,
+                workers,
+                stamp,
+            },
+            mark,
+            disbelieved,
         }
     }
 
@@ -589,39 +711,57 @@ impl RadixTree {
     }
 
     /// For each worker of `eligible` that holds a prefix of `text`: `f(worker, bytes,
-    /// stamp)` with the longest one it holds and that match's last-use stamp
-    /// ([`PrefixMatch::stamp`]), once per worker (workers holding nothing are not
-    /// called); read-only. One walk down the path; each step costs the workers that
-    /// leave it (a node's holders are a subset of its parent's).
+    /// mark)` with the longest one it holds and that match's [`Mark`] (its stamp:
+    /// [`PrefixMatch::stamp`]), once per worker (workers holding nothing are not
+    /// called); a worker disbelieved at a node holds nothing from there on ([`doubt`]).
+    /// Returns the workers disbelieved along the way. Read-only. One walk down the path;
+    /// each step costs the workers that leave it (a node's holders are a subset of its
+    /// parent's).
     pub fn prefix_per_worker(
         &self,
         text: &[u8],
         eligible: &WorkerMask,
-        mut f: impl FnMut(WorkerId, usize, u64),
-    ) {
+        mut f: impl FnMut(WorkerId, usize, Mark),
+    ) -> WorkerMask {
+        let mut disbelieved = WorkerMask::default();
         let mut node = ROOT;
         let mut pos = 0;
         let mut holding = eligible.clone();
-        // The last-use stamp of the match's end so far (see `PrefixMatch::stamp`).
-        let mut stamp = 0;
+        let doubts = self.doubts.any_disbelieved();
+        // The mark of the match's end so far.
+        let mut mark = Mark::default();
         while pos < text.len() {
             let Some(child) = self.child(node, text[pos]) else {
                 break;
             };
             let c = &self.nodes[child as usize];
-            let here = c.workers.intersection(&holding);
+            let mut here = c.workers.intersection(&holding);
+            if doubts && c.doubt != 0 {
+                let mut out = WorkerMask::default();
+                self.add_disbelieved(c, &mut out);
+                here = here.difference(&out);
+                disbelieved = disbelieved.union(&out);
+            }
             if here.is_empty() {
                 break;
             }
             if pos > 0 {
                 for w in holding.iter().filter(|w| !here.contains(*w)) {
-                    f(w, pos, stamp);
+                    f(w, pos, mark);
                 }
             }
             let n = common_prefix_len(&c.edge, &text[pos..]);
+            let end = pos + c.edge.len();
             pos += n;
             holding = here;
-            stamp = c.sole_stamp();
+            mark = Mark {
+                stamp: c.sole_stamp(),
+                used: c.last_access,
+                node: child,
+                end: u32::try_from(end).unwrap_or(u32::MAX),
+                bytes: u32::try_from(pos).unwrap_or(u32::MAX),
+                evidence: false,
+            };
             if n < c.edge.len() {
                 break;
             }
@@ -629,9 +769,10 @@ impl RadixTree {
         }
         if pos > 0 {
             for w in holding.iter() {
-                f(w, pos, stamp);
+                f(w, pos, mark);
             }
         }
+        disbelieved
     }
 
     /// Records that `text` was sent to `worker`: adds the worker along the whole path,
@@ -652,6 +793,7 @@ impl RadixTree {
                         parent: node,
                         workers: WorkerMask::default(),
                         last_access: now,
+                        doubt: 0,
                     });
                     self.link(node, text[pos], leaf);
                     self.total_bytes += (text.len() - pos) as u64;
@@ -770,6 +912,7 @@ impl RadixTree {
             if !node.workers.remove(worker) {
                 continue; // nor do its descendants hold it
             }
+            self.doubts.forget_worker(&mut node.doubt, worker);
             let len = node.edge.len() as u64;
             let empty = node.workers.is_empty();
             if !empty {
@@ -793,6 +936,7 @@ impl RadixTree {
     /// holds just them; its slot is freed later by [`Self::remove_step`].
     fn detach(&mut self, node: NodeIdx) -> Node {
         let slot = &mut self.nodes[node as usize];
+        self.doubts.release(&mut slot.doubt);
         let len = slot.edge.len() as u64;
         self.total_bytes -= len;
         for w in slot.workers.iter() {
@@ -868,6 +1012,7 @@ impl RadixTree {
             parent,
             workers: c.workers.clone(),
             last_access: c.last_access,
+            doubt: 0,
         });
         let c = &mut self.nodes[child as usize];
         c.edge = tail;
@@ -930,7 +1075,8 @@ impl RadixTree {
     fn free_subtree(&mut self, node: NodeIdx, freed: &mut Freed) {
         let mut stack = vec![node];
         while let Some(n) = stack.pop() {
-            let slot = std::mem::replace(&mut self.nodes[n as usize], Node::empty());
+            let mut slot = std::mem::replace(&mut self.nodes[n as usize], Node::empty());
+            self.doubts.release(&mut slot.doubt);
             stack.extend(slot.children.iter().map(|(_, c)| *c));
             freed.0.push(slot);
             self.free_slot(n);
@@ -1051,7 +1197,7 @@ mod tests {
         // One ending in the shared head: the head's stamp is w1's use, not w0's.
         assert_eq!(t.longest_prefix(&head, &only0).stamp, 0);
         let mut per = Vec::new();
-        t.prefix_per_worker(&tail, &both, |w, n, s| per.push((w, n, s)));
+        t.prefix_per_worker(&tail, &both, |w, n, m| per.push((w, n, m.stamp)));
         assert_eq!(per, vec![(w1, head.len(), 0), (w0, tail.len(), 1)]);
         assert_eq!(t.clock(), 2);
     }
@@ -1131,10 +1277,10 @@ mod tests {
             t.prefix_per_worker(
                 b"system: you are helpful\nuser: hi there",
                 &only(w),
-                |w, n, stamp| one.push((w, n, stamp)),
+                |w, n, mark| one.push((w, n, mark)),
             );
-            let m = t.longest_prefix(b"system: you are helpful\nuser: hi there", &only(w));
-            assert_eq!(one, vec![(w, m.matched, m.stamp)]);
+            let m = t.lookup(b"system: you are helpful\nuser: hi there", &only(w));
+            assert_eq!(one, vec![(w, m.found.matched, m.mark)]);
         }
         let mut none = Vec::new();
         t.prefix_per_worker(b"zzz", &all(), |w, n, _| none.push((w, n)));

@@ -1,8 +1,8 @@
 //! Which worker gets a request, and what the router learns from the answer: prefix
 //! affinity, spreading and the load guard, the policy family and sessions, prompt
-//! extraction, engine-aware cost, predicted / delivered prefix tokens, several models
-//! and LoRA adapters (their keys, residency, loads), and `simulate` against what
-//! `trace-matrix` measured.
+//! extraction, engine-aware cost, predicted / delivered prefix tokens, a worker whose
+//! cache never delivers, several models and LoRA adapters (their keys, residency,
+//! loads), and `simulate` against what `trace-matrix` measured.
 
 mod adapters;
 mod affinity;
@@ -14,6 +14,7 @@ mod hits;
 mod models;
 mod policies;
 mod simulate;
+mod undelivered;
 
 /// The router binary cargo built for these tests.
 const BINARY: support::binary::Binary =

@@ -83,7 +83,7 @@ pub fn pick_precise(
         dp_rank: None,
         cache_aware: worker.is_some_and(|c| c.cache_aware),
         prefill_tokens: prompt_tokens.saturating_sub(matched_tokens) as u64,
-        stamp: 0,
+        mark: crate::tree::Mark::default(),
     };
     let Some(least) = least_loaded(usable(candidates), tie, rng) else {
         return pick(None, Reason::NoWorker, 0);

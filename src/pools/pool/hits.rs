@@ -10,6 +10,11 @@
 //! believes (a KV cache smaller than assumed), a block-size mismatch, or tokenizer drift
 //! in precise mode. [`HitStats::record`] says when to warn (once per that time).
 //!
+//! The tree's learning weighs its records apart ([`Borne`]): what the answers delivered
+//! against what the worker's records alone predicted (a policy may predict more), over
+//! the last answers and over the worker's longer run, and the last short answer waiting
+//! for a second to confirm it.
+//!
 //! Engines name their cached tokens only when asked to and only when non-zero (see
 //! `proxy::usage::Usage::cached_tokens`): an answer without the count is *delivered 0*
 //! once the worker has named a count before, and not counted at all until then, so an
@@ -30,6 +35,11 @@ pub const DRIFT_WINDOW: usize = 100;
 pub const DRIFT_FOR: Duration = Duration::from_secs(60);
 /// Answers with a predicted hit needed before the drift counts (fewer say nothing).
 const DRIFT_MIN_ANSWERS: usize = 10;
+/// Answers the *long* ratio of [`Borne`] remembers: each answer's weight decays by
+/// `1 - 1/LONG_MEMORY` per later one (one this many answers old counts about a third),
+/// so it follows a worker over about ten drift windows — a stretch of answers on
+/// prompts its records predict badly does not swing it.
+pub const LONG_MEMORY: f64 = 1000.0;
 
 /// Token totals of the answers that reported usage, and the drift window.
 #[derive(Debug, Default)]
@@ -41,9 +51,27 @@ pub struct HitStats {
     /// The worker's engine has named its cached tokens in an answer.
     reports_cached: AtomicBool,
     /// Answers that delivered far fewer tokens than predicted
-    /// (`policy::Shortfall::of`): each told the tree how far back its engine evicts.
+    /// (`policy::Delivery::is_short`).
     pub shortfalls: AtomicU64,
     drift: Mutex<Drift>,
+    borne: Mutex<Borne>,
+}
+
+/// What the worker's answers said of the router's records of it, as the tree's
+/// learning weighs them (`policy::cache_aware::CacheAware::learn`): per answer to a
+/// marked prediction, the tokens the worker's records predicted and the tokens
+/// delivered (uncapped: an engine that reuses past what the router records — prompts
+/// past `cache.max_prompt_bytes` — is not one whose cache the router overrates).
+#[derive(Debug, Default)]
+struct Borne {
+    /// (recorded, delivered) of the last [`DRIFT_WINDOW`] such answers, and their sums.
+    window: VecDeque<(u64, u64)>,
+    recorded: u64,
+    delivered: u64,
+    /// The long ratio's decayed sums (recorded, delivered) and the answers it has seen.
+    long: (f64, f64, u64),
+    /// The last short answer not yet confirmed: its tree stamp and `long.2` then.
+    last_short: Option<(u64, u64)>,
 }
 
 #[derive(Debug, Default)]
@@ -53,8 +81,6 @@ struct Drift {
     window: VecDeque<(u64, u64, u64)>,
     predicted: u64,
     delivered: u64,
-    /// The window's delivered tokens, uncapped.
-    delivered_all: u64,
     /// Since when the drift has been under the floor.
     low_since: Option<Instant>,
     warned: Option<Instant>,
@@ -104,13 +130,11 @@ impl HitStats {
             d.window.push_back((predicted, kept, delivered));
             d.predicted += predicted;
             d.delivered += kept;
-            d.delivered_all += delivered;
             if d.window.len() > DRIFT_WINDOW
-                && let Some((p, k, all)) = d.window.pop_front()
+                && let Some((p, k, _)) = d.window.pop_front()
             {
                 d.predicted -= p;
                 d.delivered -= k;
-                d.delivered_all -= all;
             }
         }
         let ratio = d.ratio();
@@ -139,15 +163,60 @@ impl HitStats {
         self.drift.lock().unwrap_or_else(|p| p.into_inner()).ratio()
     }
 
-    /// delivered ÷ predicted over the answers of the window so far, however few, and
-    /// with what an answer delivered beyond its prediction counted (`None` before the
-    /// first answer that predicted a hit): what the tree's learning weighs a short
-    /// answer against (`policy::cache_aware::CacheAware::learn`). Uncapped, because an
-    /// engine that reuses more than the router predicts elsewhere (prompts past
-    /// `cache.max_prompt_bytes`) is not one whose cache the router overrates.
-    pub fn drift_so_far(&self) -> Option<f64> {
-        let d = self.drift.lock().unwrap_or_else(|p| p.into_inner());
-        (d.predicted > 0).then(|| d.delivered_all as f64 / d.predicted as f64)
+    /// One answer to a prediction of the worker's records: `recorded` tokens (what the
+    /// records predicted), `delivered` tokens. See [`Borne`].
+    pub fn borne(&self, recorded: u64, delivered: u64) {
+        if recorded == 0 {
+            return;
+        }
+        let mut b = self.borne.lock().unwrap_or_else(|p| p.into_inner());
+        b.window.push_back((recorded, delivered));
+        b.recorded += recorded;
+        b.delivered += delivered;
+        if b.window.len() > DRIFT_WINDOW
+            && let Some((r, d)) = b.window.pop_front()
+        {
+            b.recorded -= r;
+            b.delivered -= d;
+        }
+        let decay = 1.0 - 1.0 / LONG_MEMORY;
+        let (r, d, n) = b.long;
+        b.long = (
+            r * decay + recorded as f64,
+            d * decay + delivered as f64,
+            n + 1,
+        );
+    }
+
+    /// delivered ÷ recorded over the last answers [`HitStats::borne`] was told of
+    /// (however few; `None` before the first) and over the worker's longer run
+    /// ([`LONG_MEMORY`]; `None` until 10): what the tree's learning weighs a short
+    /// answer against.
+    pub fn borne_out(&self) -> (Option<f64>, Option<f64>) {
+        let b = self.borne.lock().unwrap_or_else(|p| p.into_inner());
+        let (r, d, n) = b.long;
+        (
+            (b.recorded > 0).then(|| b.delivered as f64 / b.recorded as f64),
+            (n >= DRIFT_MIN_ANSWERS as u64 && r > 0.0).then(|| d / r),
+        )
+    }
+
+    /// A short answer whose predicted prefix was last used at tree stamp `stamp`, which
+    /// would bound the worker's records to those used since: `Some(horizon)` when an
+    /// earlier one, within the last [`DRIFT_WINDOW`] answers [`HitStats::borne`] was
+    /// told of, confirms it (the older of the two stamps: what both answers show), else
+    /// `None` (this one waits for its confirmation). One short answer is one record; two
+    /// are an engine that evicts what the router remembers.
+    pub fn confirm_short(&self, stamp: u64) -> Option<u64> {
+        let mut b = self.borne.lock().unwrap_or_else(|p| p.into_inner());
+        let seen = b.long.2;
+        match b.last_short.replace((stamp, seen)) {
+            Some((earlier, at)) if seen.saturating_sub(at) <= DRIFT_WINDOW as u64 => {
+                b.last_short = None;
+                Some(earlier.min(stamp))
+            }
+            _ => None,
+        }
     }
 }
 
@@ -171,19 +240,43 @@ mod tests {
     }
 
     #[test]
-    fn the_learnings_ratio_counts_what_answers_delivered_beyond_their_prediction() {
+    fn the_learnings_ratios_count_what_answers_delivered_beyond_the_records() {
         let h = HitStats::default();
-        assert_eq!(h.drift_so_far(), None);
+        assert_eq!(h.borne_out(), (None, None));
         // One answer far short, one far over (an engine reusing past the router's cut).
-        h.record([400, 100, 0], 0.5, DRIFT_FOR);
-        h.record([400, 100, 300], 0.5, DRIFT_FOR);
-        assert_eq!(h.drift_so_far(), Some(1.5));
-        // The warning's drift caps each answer at its prediction (and needs 10).
-        assert_eq!(h.drift(), None);
+        h.borne(100, 0);
+        h.borne(100, 300);
+        assert_eq!(h.borne_out(), (Some(1.5), None), "the long one needs 10");
         for _ in 0..8 {
-            h.record([400, 100, 300], 0.5, DRIFT_FOR);
+            h.borne(100, 300);
         }
-        assert_eq!(h.drift(), Some(0.9));
+        // 2.7 but for the decay (the short one is the oldest).
+        let long = h.borne_out().1.unwrap();
+        assert!((long - 2.7).abs() < 0.01, "{long}");
+        // A stretch of short answers drags the window under, not the long run.
+        for _ in 0..DRIFT_WINDOW {
+            h.borne(100, 50);
+        }
+        let (window, long) = h.borne_out();
+        assert_eq!(window, Some(0.5));
+        assert!(long.unwrap() > 0.65 && long.unwrap() < 0.75, "{long:?}");
+        // The warning's drift is the picks' own, capped, and apart.
+        assert_eq!(h.drift(), None);
+    }
+
+    #[test]
+    fn a_short_answer_bounds_the_records_when_a_second_confirms_it() {
+        let h = HitStats::default();
+        assert_eq!(h.confirm_short(50), None);
+        h.borne(100, 100);
+        // Confirmed: the older of the two stamps.
+        assert_eq!(h.confirm_short(40), Some(40));
+        assert_eq!(h.confirm_short(60), None, "a new pair starts");
+        for _ in 0..=DRIFT_WINDOW {
+            h.borne(100, 100);
+        }
+        assert_eq!(h.confirm_short(70), None, "too far apart");
+        assert_eq!(h.confirm_short(80), Some(70));
     }
 
     #[tokio::test(start_paused = true)]
