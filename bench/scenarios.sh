@@ -8,7 +8,8 @@
 # workloads (the Mooncake conversation slice at 10× and 15× its rate; a few system
 # prompts shared by most requests, 10×; a few hundred long documents each read by
 # several sessions, 8×), 4 engines of 100,000 KV blocks of 16 tokens, 2,000 requests.
-# Contenders: $CONTENDERS (default below; sglang:cache_aware needs the peers'
+# Contenders: $CONTENDERS (default below: the tree's learning is on by default, so
+# `+cache.learn_evictions=false` is learning off; sglang:cache_aware needs the peers'
 # virtualenv, see bench/peers/run.sh, and is left out when it is missing).
 # Each scenario's table goes to stdout and $OUT/<physics>-<workload>.md (default
 # /tmp/scenarios). Builds the workspace (release) first. About 2 minutes a scenario
@@ -19,7 +20,7 @@ repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$repo"
 out="${OUT:-/tmp/scenarios}"
 venv="${PEERS_VENV:-/tmp/peers-venv}"
-contenders="${CONTENDERS:-round_robin,cache_aware,cache_aware+cache.learn_evictions=true,cost_aware,cost_aware+cache.learn_evictions=true}"
+contenders="${CONTENDERS:-round_robin,cache_aware,cache_aware+cache.learn_evictions=false,cost_aware,cost_aware+cache.learn_evictions=false}"
 if [ -x "$venv/bin/smg" ] && [ -z "${CONTENDERS:-}" ]; then
     contenders="$contenders,sglang:cache_aware"
 fi

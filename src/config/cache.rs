@@ -44,7 +44,7 @@ pub struct CacheConfig {
     /// time between two warnings (`cache.drift_secs`, default 60 s).
     pub drift_for: Duration,
     /// Whether answers that deliver far fewer cached tokens than predicted age out the
-    /// worker's older records (`cache.learn_evictions`, default false; see
+    /// worker's older records (`cache.learn_evictions`, default true; see
     /// `policy::cache_aware::CacheAware::learn`).
     pub learn_evictions: bool,
 }
@@ -64,7 +64,7 @@ impl Default for CacheConfig {
             engine_block_tokens: 16,
             drift_floor: 0.5,
             drift_for: Duration::from_secs(60),
-            learn_evictions: false,
+            learn_evictions: true,
         }
     }
 }
