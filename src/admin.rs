@@ -51,10 +51,17 @@ impl Admin {
         self.pools.workers().set()
     }
 
-    /// Every pool's policy's views.
+    /// Every pool's policies' views (a disaggregated pool's legs' included).
     fn views(&self) -> Vec<std::sync::Arc<dyn crate::policy::View>> {
         let table = self.pools.table();
-        table.pools().flat_map(|p| p.policy().views()).collect()
+        table
+            .pools()
+            .flat_map(|p| {
+                let legs = p.legs().into_iter().flat_map(|l| [&l.prefill, &l.decode]);
+                std::iter::once(p.policy()).chain(legs)
+            })
+            .flat_map(|policy| policy.views())
+            .collect()
     }
 }
 
@@ -89,6 +96,8 @@ struct WorkerView {
     key: String,
     /// `primary` or `fallback` (takes requests only while no primary is usable).
     role: &'static str,
+    /// `prefill`, `decode` or `both`: its part of a request in a disaggregated pool.
+    phase: &'static str,
     in_flight: usize,
     /// Requests the other router replicas have in flight here (`state:`; 0 alone).
     remote_in_flight: usize,
@@ -219,6 +228,11 @@ fn models_view(w: &crate::pools::pool::Worker) -> ModelsView {
 struct PoolView {
     name: String,
     policy: &'static str,
+    /// Its legs' policies, once its workers have disaggregated it (`pd:`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    prefill_policy: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    decode_policy: Option<&'static str>,
     /// The served names that route here (none for the default pool).
     models: Vec<String>,
     /// Its workers, each with its views' fields (`tree_share`, …).
@@ -269,6 +283,8 @@ fn pool_view(
     PoolView {
         name: pool.name().to_string(),
         policy: pool.policy().name(),
+        prefill_policy: pool.legs().map(|l| l.prefill.name()),
+        decode_policy: pool.legs().map(|l| l.decode.name()),
         models,
         workers,
         views,
@@ -545,6 +561,7 @@ pub fn workers(admin: &Admin) -> http::Response<ProxyBody> {
             url: w.url().to_string(),
             key: w.key().to_string(),
             role: w.config().role.as_str(),
+            phase: w.config().phase.as_str(),
             in_flight: w.in_flight(),
             remote_in_flight: w.remote_in_flight(),
             healthy: w.is_healthy(),

@@ -54,8 +54,8 @@ impl Parts {
         let fleet = shared.fleet.clone();
         let pools = Pools::with_adapters(Arc::clone(&pool), &config.models, &config.adapters, {
             let (config, pool, shutdown) = (config.clone(), Arc::clone(&pool), shutdown.clone());
-            move |model: &str| -> Arc<dyn Policy> {
-                let (policy, _) = policy::build_pool(&config, model, &pool, &shared);
+            move |model: &str, leg| -> Arc<dyn Policy> {
+                let (policy, _) = policy::build_pool(&config, model, leg, &pool, &shared);
                 if let Some(task) = policy.background(Arc::clone(&pool), shutdown.clone()) {
                     tokio::spawn(task);
                 }

@@ -37,6 +37,7 @@ mod lmcache;
 mod log;
 mod models;
 mod passthrough;
+mod pd;
 mod policy;
 mod precise;
 mod prefix_hash;
@@ -66,6 +67,7 @@ pub use lmcache::LmcacheConfig;
 pub use log::{LogColor, LogConfig, LogFormat};
 pub use models::{AliasTarget, MAX_MODEL_NAME_BYTES, ModelOverride, ModelsConfig};
 pub use passthrough::{Passthrough, Verdict as PassthroughVerdict};
+pub use pd::{Bypass, Connector, OnPrefillFailure, PdConfig, Phase};
 pub use policy::PolicyKind;
 pub use precise::{
     ContentFormat, DEFAULT_MAX_TOKENIZE_BYTES, DEFAULT_TIER_LOAD_TOKENS_PER_SEC, MAX_TIERS,
@@ -113,6 +115,8 @@ pub struct Config {
     pub models: ModelsConfig,
     /// LoRA adapters loaded on demand (`adapters:`).
     pub adapters: AdaptersConfig,
+    /// Prefill/decode disaggregation (`pd:`).
+    pub pd: PdConfig,
 }
 
 // Raw (serde) schema of the whole file: every section's raw form, each key optional so
@@ -156,6 +160,8 @@ struct RawConfig {
     models: models::RawModels,
     #[serde(default)]
     adapters: adapters::RawAdapters,
+    #[serde(default)]
+    pd: pd::RawPd,
 }
 
 impl RawConfig {
@@ -181,6 +187,7 @@ impl RawConfig {
         let session = self.session.validate(ck)?;
         let engine_metrics = self.engine_metrics.validate(policy, ck)?;
         lmcache::check_workers(policy, workers.iter().map(|w| w.lmcache.as_ref()), ck)?;
+        pd::check_workers(workers.iter(), ck)?;
         Ok(Config {
             policy,
             server,
@@ -202,6 +209,7 @@ impl RawConfig {
             tracing: self.tracing.validate(ck)?,
             models: self.models.validate(ck, &raw_cache, policy)?,
             adapters: self.adapters.validate(ck)?,
+            pd: self.pd.validate(ck, policy)?,
         })
     }
 }
@@ -365,6 +373,7 @@ impl Config {
             changed(&a.tracing, &b.tracing),
             changed(&a.models, &b.models),
             changed(&a.adapters, &b.adapters),
+            changed(&a.pd, &b.pd),
         ]
         .into_iter()
         .flatten()

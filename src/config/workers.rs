@@ -11,6 +11,7 @@ use super::check::{Checker, ConfigError, named};
 use super::kv_events::{KvEventsConfig, RawKvEvents};
 use super::lmcache::{LmcacheConfig, RawLmcache};
 use super::models::MAX_MODEL_NAME_BYTES;
+use super::pd::Phase;
 use super::secret::Secret;
 use super::source;
 use super::worker_url::WorkerUrl;
@@ -47,6 +48,10 @@ pub struct WorkerConfig {
     /// which adapters it holds; `None` = what its engine's metrics report, else
     /// [`crate::pools::pool::adapters::DEFAULT_SLOTS`].
     pub max_lora: Option<NonZeroUsize>,
+    /// Its part of a request in a disaggregated pool (`phase`, default `both`).
+    pub phase: Phase,
+    /// SGLang's `--disaggregation-bootstrap-port` of a prefill worker (`bootstrap_port`).
+    pub bootstrap_port: Option<u16>,
 }
 
 /// `workers[i].role`.
@@ -152,6 +157,8 @@ struct RawWorker {
     lmcache: Option<RawLmcache>,
     models: Option<Vec<String>>,
     max_lora: Option<u64>,
+    phase: Option<Phase>,
+    bootstrap_port: Option<u16>,
 }
 
 impl RawWorker {
@@ -169,6 +176,8 @@ impl RawWorker {
             lmcache: None,
             models: None,
             max_lora: None,
+            phase: None,
+            bootstrap_port: None,
         }
     }
 
@@ -232,6 +241,8 @@ impl RawWorker {
             lmcache,
             models: self.models.map(pinned_models).transpose()?,
             max_lora,
+            phase: self.phase.unwrap_or_default(),
+            bootstrap_port: self.bootstrap_port,
         })
     }
 }

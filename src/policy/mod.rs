@@ -59,6 +59,7 @@ pub use view::View;
 
 use crate::config::{Config, PolicyKind};
 use crate::fleet::Fleet;
+use crate::pools::Leg;
 use crate::pools::pool::{Pool, PoolListener, Worker, WorkerId, WorkerSet};
 use crate::prompt::{Endpoint, RouteContext};
 use crate::shutdown::Shutdown;
@@ -447,7 +448,7 @@ impl Shared {
 /// One pool's worth ([`build_pool`] for [`crate::pools::DEFAULT_POOL`]).
 pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
     let shared = Shared::new(config, pool);
-    let (policy, tree) = build_pool(config, crate::pools::DEFAULT_POOL, pool, &shared);
+    let (policy, tree) = build_pool(config, crate::pools::DEFAULT_POOL, Leg::Whole, pool, &shared);
     Routing {
         policy,
         fleet: shared.fleet,
@@ -455,24 +456,33 @@ pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
     }
 }
 
-/// The policy of the pool `model` (a served name, or [`crate::pools::DEFAULT_POOL`]):
-/// `models.overrides.<model>`'s policy and cache settings over the top-level ones,
-/// inside the session layer over `shared`'s memory; registered with `pool` for
-/// membership events. Also the tree it routes on, when it keeps one. The one place
-/// that matches on [`PolicyKind`].
+/// The policy of the pool `model` (a served name, or [`crate::pools::DEFAULT_POOL`])
+/// for `leg`: `models.overrides.<model>`'s policy and cache settings over the
+/// top-level ones for the whole request, `pd.prefill_policy` / `pd.decode_policy` for
+/// a disaggregated pool's legs (with the override's cache settings); inside the
+/// session layer over `shared`'s memory, except the decode leg (picked by its own
+/// policy alone: sessions and conversations bind where the prompt's cache is, the
+/// prefill leg); registered with `pool` for membership events. Also the tree it routes
+/// on, when it keeps one. The one place that matches on [`PolicyKind`].
 pub fn build_pool(
     config: &Config,
     model: &str,
+    leg: Leg,
     pool: &Arc<Pool>,
     shared: &Shared,
 ) -> (Arc<dyn Policy>, Option<Arc<SharedTree>>) {
     let over = config.models.overrides.get(model);
+    let kind = match leg {
+        Leg::Whole => over.and_then(|o| o.policy).unwrap_or(config.policy),
+        Leg::Prefill => config.pd.prefill_policy,
+        Leg::Decode => config.pd.decode_policy,
+    };
     let config: std::borrow::Cow<'_, Config> = match over {
-        None => std::borrow::Cow::Borrowed(config),
-        Some(o) => {
+        None if kind == config.policy => std::borrow::Cow::Borrowed(config),
+        _ => {
             let mut c = config.clone();
-            c.policy = o.policy.unwrap_or(c.policy);
-            c.cache = o.cache.clone().unwrap_or(c.cache);
+            c.policy = kind;
+            c.cache = over.and_then(|o| o.cache.clone()).unwrap_or(c.cache);
             std::borrow::Cow::Owned(c)
         }
     };
@@ -508,13 +518,16 @@ pub fn build_pool(
         PolicyKind::LmcacheAware => Arc::new(lmcache::LmcacheAware::new(&config.cache)),
     };
     // Conversation state and sessions wrap whichever policy: decided before its pick.
-    let policy: Arc<dyn Policy> = Arc::new(session::Affinity::new(
-        policy,
-        &config.session,
-        CacheParams::from(&config.cache),
-        Arc::clone(&shared.memory),
-        shared.fleet.clone(),
-    ));
+    let policy: Arc<dyn Policy> = match leg {
+        Leg::Decode => policy,
+        Leg::Whole | Leg::Prefill => Arc::new(session::Affinity::new(
+            policy,
+            &config.session,
+            CacheParams::from(&config.cache),
+            Arc::clone(&shared.memory),
+            shared.fleet.clone(),
+        )),
+    };
     pool.listen(Arc::clone(&policy) as Arc<dyn PoolListener>);
     (policy, tree)
 }

@@ -76,6 +76,24 @@ impl crate::metrics::ScrapeText for PoolViews {
                     r.register_collector(c);
                 }
             }
+            // A disaggregated pool's legs' policies, labelled by leg.
+            for (leg, policy) in p.legs().into_iter().flat_map(|l| {
+                [
+                    (crate::pools::Leg::Prefill, &l.prefill),
+                    (crate::pools::Leg::Decode, &l.decode),
+                ]
+            }) {
+                if written.iter().any(|w| Arc::ptr_eq(w, policy)) {
+                    continue;
+                }
+                written.push(policy);
+                let r = r.sub_registry_with_label(("leg".into(), leg.as_str().into()));
+                for view in policy.views() {
+                    if let Some(c) = view.collector(self.0.workers()) {
+                        r.register_collector(c);
+                    }
+                }
+            }
         }
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::prometheus_text::encode(out, &registry);

@@ -23,9 +23,14 @@
 //! metrics follow) and stay while the router runs: a model that comes back finds its
 //! routing memory.
 //!
+//! A pool may be **disaggregated** ([`legs`]): when its workers include prefill and
+//! decode ones, a request routes in two legs, each with a policy of its own, made by the
+//! same function as the pool's (told which [`Leg`]).
+//!
 //! The table is generic over what routes in a pool (`P`, the proxy's policy) so that it
 //! sits below `policy`: policies depend on the membership, never on the table.
 
+pub mod legs;
 pub mod metrics;
 pub mod pool;
 pub mod refresh;
@@ -36,6 +41,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use arc_swap::ArcSwap;
 
+pub use self::legs::{Disaggregated, Leg, Legs, Phases};
 use self::pool::{Pool, PoolListener, Worker, WorkerSet};
 use crate::config::{AdaptersConfig, ModelsConfig};
 
@@ -47,6 +53,8 @@ pub const DEFAULT_POOL: &str = "default";
 pub struct ModelPool<P> {
     name: Arc<str>,
     policy: P,
+    /// Its legs' policies, once it has had prefill and decode workers ([`legs`]).
+    legs: Option<Legs<P>>,
 }
 
 impl<P> ModelPool<P> {
@@ -58,6 +66,11 @@ impl<P> ModelPool<P> {
     /// What chooses a worker in this pool.
     pub fn policy(&self) -> &P {
         &self.policy
+    }
+
+    /// What chooses each leg's worker, once the pool has had prefill and decode workers.
+    pub fn legs(&self) -> Option<&Legs<P>> {
+        self.legs.as_ref()
     }
 }
 
@@ -73,6 +86,8 @@ struct Target {
     requests: Arc<AtomicU64>,
     /// Whether it is a LoRA adapter (listed with a parent).
     adapter: bool,
+    /// `set` by side, when it disaggregates.
+    phases: Option<Arc<Phases>>,
 }
 
 /// Public names (`models.aliases`), the default (`models.default`), and the adapters
@@ -137,6 +152,8 @@ pub struct Routed<'t, P> {
     /// The LoRA adapter it names, when the served name is one (it routes in its base
     /// model's pool): what an adapter-aware routing key adds (issue 40, item 4).
     pub adapter: Option<&'t Arc<str>>,
+    /// Its legs, when its workers disaggregate and the pool's legs' policies are made.
+    pub legs: Option<Disaggregated<'t, P>>,
 }
 
 /// One version of the routing table. See the module docs.
@@ -152,6 +169,9 @@ pub struct Table<P> {
     /// The listed base models (their pools' names), in the workers' order.
     bases: Vec<Arc<str>>,
     names: Arc<Names>,
+    /// `set` and `any` by side, when they disaggregate.
+    set_phases: Option<Arc<Phases>>,
+    any_phases: Option<Arc<Phases>>,
 }
 
 impl<P> Table<P> {
@@ -191,6 +211,7 @@ impl<P> Table<P> {
             rewrite: None,
             model: None,
             adapter: None,
+            legs: legs_of(&self.pools[0], self.set_phases.as_ref()),
         }
     }
 
@@ -251,6 +272,7 @@ impl<P> Table<P> {
                 rewrite: carry.map(|_| &t.name),
                 model: Some(&t.name),
                 adapter: t.adapter.then_some(&t.name),
+                legs: legs_of(&self.pools[t.pool], t.phases.as_ref()),
             });
         }
         match &self.any {
@@ -260,10 +282,22 @@ impl<P> Table<P> {
                 rewrite: carry,
                 model: None,
                 adapter: None,
+                legs: legs_of(&self.pools[0], self.any_phases.as_ref()),
             }),
             None => Err(RouteError::UnknownModel(model.to_string())),
         }
     }
+}
+
+/// `pool`'s legs over `phases`, when the set disaggregates and the legs' policies are made.
+fn legs_of<'t, P>(
+    pool: &'t ModelPool<P>,
+    phases: Option<&'t Arc<Phases>>,
+) -> Option<Disaggregated<'t, P>> {
+    Some(Disaggregated {
+        policies: pool.legs.as_ref()?,
+        phases: phases?,
+    })
 }
 
 /// The routing table over one membership of workers. See the module docs.
@@ -272,8 +306,9 @@ pub struct Pools<P> {
     table: ArcSwap<Table<P>>,
     /// Every pool made so far, [`DEFAULT_POOL`] first.
     made: Mutex<Vec<Arc<ModelPool<P>>>>,
-    /// Makes the policy of a new pool, by the pool's name.
-    make: Box<dyn Fn(&str) -> P + Send + Sync>,
+    /// Makes the policy of a new pool, by the pool's name, for the whole request or one
+    /// leg.
+    make: Box<dyn Fn(&str, Leg) -> P + Send + Sync>,
     names: Arc<Names>,
     /// Serialises table builds (membership changes, the list reads).
     building: Mutex<()>,
@@ -296,13 +331,14 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl<P: Clone + Send + Sync + 'static> Pools<P> {
     /// The table over `workers`: [`DEFAULT_POOL`] and a pool for each model the workers
-    /// are pinned to, each with the policy `make` makes for its name. `make` is also
-    /// called for each model that appears later ([`Pools::update`]). The table hears
-    /// the membership's changes.
+    /// are pinned to, each with the policy `make` makes for its name (and its legs'
+    /// when its workers disaggregate). `make` is also called for each model that
+    /// appears later, and for a pool's legs when it first disaggregates
+    /// ([`Pools::update`]). The table hears the membership's changes.
     pub fn new(
         workers: Arc<Pool>,
         models: &ModelsConfig,
-        make: impl Fn(&str) -> P + Send + Sync + 'static,
+        make: impl Fn(&str, Leg) -> P + Send + Sync + 'static,
     ) -> Arc<Self> {
         Self::with_adapters(workers, models, &AdaptersConfig::default(), make)
     }
@@ -314,11 +350,12 @@ impl<P: Clone + Send + Sync + 'static> Pools<P> {
         workers: Arc<Pool>,
         models: &ModelsConfig,
         adapters: &AdaptersConfig,
-        make: impl Fn(&str) -> P + Send + Sync + 'static,
+        make: impl Fn(&str, Leg) -> P + Send + Sync + 'static,
     ) -> Arc<Self> {
         let default = Arc::new(ModelPool {
             name: Arc::from(DEFAULT_POOL),
-            policy: make(DEFAULT_POOL),
+            policy: make(DEFAULT_POOL, Leg::Whole),
+            legs: None,
         });
         let names = Arc::new(Names {
             default: models.default.as_deref().map(Arc::from),
@@ -383,10 +420,19 @@ impl<P: Clone + Send + Sync + 'static> Pools<P> {
     /// model, that model's (which so routes as it did without lists).
     pub fn update(&self) {
         let _one = lock(&self.making);
-        let missing = self.rebuild(self.workers.set());
-        if missing.is_empty() {
-            return;
+        let mut missing = self.rebuild(self.workers.set());
+        if !missing.pools.is_empty() {
+            self.make_pools(missing.pools);
+            missing = self.rebuild(self.workers.set());
         }
+        if !missing.legs.is_empty() {
+            self.make_legs(&missing.legs);
+            self.rebuild(self.workers.set());
+        }
+    }
+
+    /// Makes the pools named `missing` (see [`Pools::update`]).
+    fn make_pools(&self, missing: Vec<Arc<str>>) {
         let adopter = missing
             .iter()
             .find(|n| !self.overridden.contains(*n))
@@ -398,21 +444,50 @@ impl<P: Clone + Send + Sync + 'static> Pools<P> {
             .into_iter()
             .map(|name| {
                 tracing::info!(model = %name, "a pool for a new model");
-                let policy = if adopter.as_ref() == Some(&name) {
-                    lock(&self.made)[0].policy.clone()
+                let (policy, legs) = if adopter.as_ref() == Some(&name) {
+                    let default = Arc::clone(&lock(&self.made)[0]);
+                    (default.policy.clone(), default.legs.clone())
                 } else {
-                    (self.make)(&name)
+                    ((self.make)(&name, Leg::Whole), None)
                 };
-                Arc::new(ModelPool { policy, name })
+                Arc::new(ModelPool { policy, name, legs })
             })
             .collect();
         lock(&self.made).extend(made);
-        self.rebuild(self.workers.set());
     }
 
-    /// Builds and stores the table for `set` with the pools made so far; returns the
-    /// names of the pools it lacks.
-    fn rebuild(&self, set: Arc<WorkerSet>) -> Vec<Arc<str>> {
+    /// Gives the pools named `names` their legs' policies (they now have prefill and
+    /// decode workers): each is replaced by the same pool with its legs.
+    fn make_legs(&self, names: &[Arc<str>]) {
+        for name in names {
+            let Some(old) = lock(&self.made)
+                .iter()
+                .find(|p| p.name == *name && p.legs.is_none())
+                .cloned()
+            else {
+                continue;
+            };
+            tracing::info!(pool = %name, "prefill and decode workers: the pool disaggregates");
+            let legs = Legs {
+                prefill: (self.make)(name, Leg::Prefill),
+                decode: (self.make)(name, Leg::Decode),
+            };
+            let new = Arc::new(ModelPool {
+                name: Arc::clone(&old.name),
+                policy: old.policy.clone(),
+                legs: Some(legs),
+            });
+            for p in lock(&self.made).iter_mut() {
+                if Arc::ptr_eq(p, &old) {
+                    *p = Arc::clone(&new);
+                }
+            }
+        }
+    }
+
+    /// Builds and stores the table for `set` with the pools made so far; returns what
+    /// it lacks.
+    fn rebuild(&self, set: Arc<WorkerSet>) -> Missing {
         let _one = lock(&self.building);
         let made = lock(&self.made).clone();
         let (table, missing) = build(set, made, &self.names, &self.requests);
@@ -467,6 +542,14 @@ impl<P: Clone + Send + Sync + 'static> PoolListener for Listener<P> {
         pools.rebuild(Arc::clone(set));
         pools.changed.notify_one();
     }
+}
+
+/// What a table lacks: pools not made yet (by name, in the workers' order), and pools
+/// whose workers disaggregate without their legs' policies made.
+#[derive(Default)]
+struct Missing {
+    pools: Vec<Arc<str>>,
+    legs: Vec<Arc<str>>,
 }
 
 /// The members of one served name: workers by their index in the set.
@@ -578,7 +661,7 @@ fn build<P>(
     made: Vec<Arc<ModelPool<P>>>,
     names: &Arc<Names>,
     requests: &Mutex<HashMap<Arc<str>, Arc<AtomicU64>>>,
-) -> (Table<P>, Vec<Arc<str>>) {
+) -> (Table<P>, Missing) {
     let Survey {
         names: mut served,
         any,
@@ -591,19 +674,34 @@ fn build<P>(
         .map(|(i, p)| (&*p.name, i))
         .collect();
     // One set per distinct membership: names with the same workers share it (and so
-    // whatever a policy derives from a set).
-    let mut sets: HashMap<Vec<usize>, Arc<WorkerSet>> = HashMap::new();
-    sets.insert((0..set.workers().len()).collect(), Arc::clone(&set));
-    let mut set_of = |mut members: Vec<usize>| -> Arc<WorkerSet> {
+    // whatever a policy derives from a set), and its split by side.
+    type Split = (Arc<WorkerSet>, Option<Arc<Phases>>);
+    let set_phases = Phases::of(&set);
+    let mut sets: HashMap<Vec<usize>, Split> = HashMap::new();
+    sets.insert(
+        (0..set.workers().len()).collect(),
+        (Arc::clone(&set), set_phases.clone()),
+    );
+    let mut set_of = |mut members: Vec<usize>| -> Split {
         members.sort_unstable();
         members.dedup();
-        Arc::clone(sets.entry(members).or_insert_with_key(|m| {
-            Arc::new(WorkerSet::new(
+        let (s, p) = sets.entry(members).or_insert_with_key(|m| {
+            let s = WorkerSet::new(
                 m.iter()
                     .map(|&i| Arc::clone(&set.workers()[i]))
                     .collect::<Vec<Arc<Worker>>>(),
-            ))
-        }))
+            );
+            let p = Phases::of(&s);
+            (Arc::new(s), p)
+        });
+        (Arc::clone(s), p.clone())
+    };
+    let mut legs: Vec<Arc<str>> = Vec::new();
+    let mut want_legs = |pool: usize, phases: &Option<Arc<Phases>>| {
+        let p = &made[pool];
+        if phases.is_some() && p.legs.is_none() && !legs.contains(&p.name) {
+            legs.push(Arc::clone(&p.name));
+        }
     };
     let mut missing: Vec<Arc<str>> = Vec::new();
     let mut routes = HashMap::with_capacity(served.len());
@@ -620,19 +718,30 @@ fn build<P>(
         });
         let mut members = m.workers;
         members.extend_from_slice(&any);
+        let (members, phases) = set_of(members);
+        want_legs(i, &phases);
         let target = Target {
             pool: i,
-            set: set_of(members),
+            set: members,
             requests: Arc::clone(counters.entry(Arc::clone(&name)).or_default()),
             name: Arc::clone(&name),
             adapter: m.adapter,
+            phases,
         };
         routes.insert(name, target);
     }
     drop(counters);
     // In the workers' order (the first model is the first listed).
     missing.sort_by_key(|m| bases.iter().position(|b| b == m).unwrap_or(usize::MAX));
-    let any = (!any.is_empty()).then(|| set_of(any));
+    let (any, any_phases) = match any.is_empty() {
+        true => (None, None),
+        false => {
+            let (s, p) = set_of(any);
+            (Some(s), p)
+        }
+    };
+    want_legs(0, &set_phases);
+    want_legs(0, &any_phases);
     let bases = bases
         .into_iter()
         .filter(|b| index.contains_key(&**b))
@@ -644,8 +753,16 @@ fn build<P>(
         any,
         bases,
         names: Arc::clone(names),
+        set_phases,
+        any_phases,
     };
-    (table, missing)
+    (
+        table,
+        Missing {
+            pools: missing,
+            legs,
+        },
+    )
 }
 
 #[cfg(test)]

@@ -44,7 +44,7 @@ fn table(
     let pool = Arc::new(Pool::new(workers, &Default::default()));
     let made = Arc::new(AtomicUsize::new(0));
     let counted = Arc::clone(&made);
-    let pools = Pools::new(pool, models, move |name: &str| {
+    let pools = Pools::new(pool, models, move |name: &str, _leg| {
         counted.fetch_add(1, Ordering::Relaxed);
         Arc::from(name)
     });
@@ -308,4 +308,63 @@ fn the_first_model_shares_what_the_default_pool_learned_before_the_lists_were_re
     assert!(Arc::ptr_eq(t.everyone().pool.policy(), &before));
     assert_eq!(&*policy("c"), "c");
     assert_eq!(made.load(Ordering::Relaxed), 3, "default, a, c");
+}
+
+/// A worker entry with `phase`, pinned to `models` when given.
+fn phased(port: u16, phase: &str, pinned: Option<&[&str]>) -> WorkerConfig {
+    let models = pinned.map_or(String::new(), |m| format!(r#","models":{m:?}"#));
+    let json = format!(r#"{{"url":"http://127.0.0.1:{port}","phase":"{phase}"{models}}}"#);
+    WorkerConfig::from_json(json.as_bytes()).unwrap()
+}
+
+/// Ports of a set's workers.
+fn ports(set: &WorkerSet) -> Vec<u16> {
+    set.workers().iter().map(|w| port(w)).collect()
+}
+
+#[test]
+fn a_pool_with_prefill_and_decode_workers_disaggregates_and_one_without_does_not() {
+    let (pools, made) = table(
+        &[
+            phased(1, "prefill", Some(&["pd"])),
+            phased(2, "decode", Some(&["pd"])),
+            phased(3, "both", Some(&["pd", "agg"])),
+            phased(4, "prefill", Some(&["agg"])),
+        ],
+        &ModelsConfig::default(),
+    );
+    let t = pools.table();
+    let r = t.route(Some("pd")).unwrap();
+    let legs = r.legs.expect("prefill and decode workers: two legs");
+    assert_eq!(ports(&legs.phases.prefill), [1]);
+    assert_eq!(ports(&legs.phases.decode), [2, 3], "`both` is on the decode side");
+    assert_eq!(&*legs.policies.prefill, "pd");
+    assert_eq!(ports(r.set), [1, 2, 3]);
+    // A prefill worker without a decode worker: aggregated over all of them.
+    let r = t.route(Some("agg")).unwrap();
+    assert!(r.legs.is_none());
+    assert_eq!(ports(r.set), [3, 4]);
+    // Every worker: prefill and decode ones, so the default pool has legs too.
+    assert!(t.everyone().legs.is_some());
+    // default, pd; and two legs each.
+    assert_eq!(made.load(Ordering::Relaxed), 2 + 2 * 2);
+    // Made once: a rebuild makes nothing more.
+    pools.update();
+    assert_eq!(made.load(Ordering::Relaxed), 6);
+}
+
+#[test]
+fn the_legs_appear_when_the_membership_first_has_both_phases() {
+    let (pools, made) = table(
+        &[phased(1, "prefill", None), phased(2, "both", None)],
+        &ModelsConfig::default(),
+    );
+    assert!(pools.table().route(Some("m")).unwrap().legs.is_none());
+    assert_eq!(made.load(Ordering::Relaxed), 1);
+    pools.workers().add(phased(3, "decode", None)).unwrap();
+    pools.update();
+    let t = pools.table();
+    let legs = t.route(Some("m")).unwrap().legs.expect("now disaggregated");
+    assert_eq!(ports(&legs.phases.decode), [2, 3]);
+    assert_eq!(made.load(Ordering::Relaxed), 3);
 }

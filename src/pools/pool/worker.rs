@@ -376,6 +376,8 @@ pub(crate) fn for_test(max_load: Option<usize>, breaker: &BreakerConfig) -> Work
             role: Default::default(),
             models: None,
             max_lora: None,
+            phase: Default::default(),
+            bootstrap_port: None,
         },
         breaker,
     )
