@@ -143,6 +143,13 @@ pub enum ProxyError {
         worker: String,
         why: String,
     },
+    /// A disaggregated request's prefill leg failed on every prefill worker tried
+    /// (connection errors, time-outs, 5xx) and `pd.on_prefill_failure` is `error`
+    /// (502): the last failure.
+    #[error(
+        "the prefill leg failed on every prefill worker tried ({last}); pd.on_prefill_failure: error"
+    )]
+    PrefillFailed { last: String },
     /// The router's own work failed (500): `what` failed, and why.
     #[error("{what}")]
     Internal {
@@ -171,7 +178,9 @@ impl ProxyError {
             | ProxyError::QueueTimeout { .. }
             | ProxyError::QueueFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::RemoteMedia(s) => *s,
-            ProxyError::Upstream(_) | ProxyError::AdapterLoad { .. } => StatusCode::BAD_GATEWAY,
+            ProxyError::Upstream(_)
+            | ProxyError::AdapterLoad { .. }
+            | ProxyError::PrefillFailed { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
             ProxyError::Unauthorized(_) => StatusCode::UNAUTHORIZED,
@@ -199,6 +208,7 @@ impl ProxyError {
             ProxyError::RemoteMedia(_) => "remote_media_rejected",
             ProxyError::Upstream(_) => "upstream_error",
             ProxyError::AdapterLoad { .. } => "adapter_load_failed",
+            ProxyError::PrefillFailed { .. } => "prefill_failed",
             ProxyError::Timeout(_) => "upstream_timeout",
             ProxyError::Forbidden(_) => "admin_disabled",
             ProxyError::Unauthorized(_) => "unauthorized",

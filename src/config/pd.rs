@@ -237,8 +237,14 @@ workers:
     #[test]
     fn refusals_name_the_file_line_and_key() {
         for (doc, key) in [
-            ("pd: {bypass: {uncached_ratio: 1.5}}", "pd.bypass.uncached_ratio"),
-            ("pd: {decode_policy: precise_cache_aware}", "pd.decode_policy"),
+            (
+                "pd: {bypass: {uncached_ratio: 1.5}}",
+                "pd.bypass.uncached_ratio",
+            ),
+            (
+                "pd: {decode_policy: precise_cache_aware}",
+                "pd.decode_policy",
+            ),
             ("pd: {connector: mooncake}", "mooncake"),
             ("pd: {on_prefill_failure: retry}", "retry"),
             ("pd: {bypass: {uncached: 3}}", "uncached"),
@@ -255,13 +261,20 @@ workers:
             "{e}"
         );
         let e = err(&[("w.yaml", "workers:\n  - {url: http://a:1, phase: middle}\n")]);
-        assert!(e.contains("workers[0].phase") && e.contains("middle"), "{e}");
+        assert!(
+            e.contains("workers[0].phase") && e.contains("middle"),
+            "{e}"
+        );
     }
 
     #[test]
     fn a_reload_may_change_the_phases_but_not_the_section() {
         let a = load(&[("a.yaml", ONE)]).unwrap();
-        let b = load(&[("a.yaml", ONE), ("b.yaml", "pd: {on_prefill_failure: error}")]).unwrap();
+        let b = load(&[
+            ("a.yaml", ONE),
+            ("b.yaml", "pd: {on_prefill_failure: error}"),
+        ])
+        .unwrap();
         assert_eq!(a.non_worker_difference(&b), Some("pd"));
         let c = load(&[(
             "a.yaml",

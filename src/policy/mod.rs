@@ -193,6 +193,11 @@ impl Pick {
         self.tokens(self.matched)
     }
 
+    /// The whole text matched against, in tokens (as [`Pick::saved_tokens`]).
+    pub fn text_tokens(&self) -> u64 {
+        self.tokens(self.text_len)
+    }
+
     /// *Available* tokens: as [`Pick::saved_tokens`], for [`Pick::available`].
     pub fn available_tokens(&self) -> u64 {
         self.tokens(self.available.max(self.matched))
@@ -448,7 +453,13 @@ impl Shared {
 /// One pool's worth ([`build_pool`] for [`crate::pools::DEFAULT_POOL`]).
 pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
     let shared = Shared::new(config, pool);
-    let (policy, tree) = build_pool(config, crate::pools::DEFAULT_POOL, Leg::Whole, pool, &shared);
+    let (policy, tree) = build_pool(
+        config,
+        crate::pools::DEFAULT_POOL,
+        Leg::Whole,
+        pool,
+        &shared,
+    );
     Routing {
         policy,
         fleet: shared.fleet,

@@ -300,6 +300,9 @@ fn legs_of<'t, P>(
     })
 }
 
+/// What makes a pool's policy: by the pool's name, for the whole request or one leg.
+type Make<P> = dyn Fn(&str, Leg) -> P + Send + Sync;
+
 /// The routing table over one membership of workers. See the module docs.
 pub struct Pools<P> {
     workers: Arc<Pool>,
@@ -308,7 +311,7 @@ pub struct Pools<P> {
     made: Mutex<Vec<Arc<ModelPool<P>>>>,
     /// Makes the policy of a new pool, by the pool's name, for the whole request or one
     /// leg.
-    make: Box<dyn Fn(&str, Leg) -> P + Send + Sync>,
+    make: Box<Make<P>>,
     names: Arc<Names>,
     /// Serialises table builds (membership changes, the list reads).
     building: Mutex<()>,

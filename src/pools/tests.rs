@@ -337,7 +337,11 @@ fn a_pool_with_prefill_and_decode_workers_disaggregates_and_one_without_does_not
     let r = t.route(Some("pd")).unwrap();
     let legs = r.legs.expect("prefill and decode workers: two legs");
     assert_eq!(ports(&legs.phases.prefill), [1]);
-    assert_eq!(ports(&legs.phases.decode), [2, 3], "`both` is on the decode side");
+    assert_eq!(
+        ports(&legs.phases.decode),
+        [2, 3],
+        "`both` is on the decode side"
+    );
     assert_eq!(&*legs.policies.prefill, "pd");
     assert_eq!(ports(r.set), [1, 2, 3]);
     // A prefill worker without a decode worker: aggregated over all of them.

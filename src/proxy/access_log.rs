@@ -89,6 +89,8 @@ pub struct AccessLog {
     pub delivered_tokens: Option<u64>,
     /// The request's trace (its id is logged as `trace_id`).
     pub trace: TraceContext,
+    /// A disaggregated pool's request: how its legs went.
+    pub pd: Option<super::pd::trail::Trail>,
 }
 
 impl AccessLog {
@@ -104,6 +106,7 @@ impl AccessLog {
             arrived: id.arrived,
             delivered_tokens: None,
             trace: id.trace,
+            pd: None,
         }
     }
 
@@ -122,6 +125,7 @@ impl AccessLog {
                 role: self.role,
                 decision: &self.decision,
                 delivered_tokens: self.delivered_tokens,
+                pd: self.pd.as_ref(),
             },
         };
         write(metrics, export, &line);
@@ -236,6 +240,7 @@ enum Kind<'a> {
         role: &'static str,
         decision: &'a Decision,
         delivered_tokens: Option<u64>,
+        pd: Option<&'a super::pd::trail::Trail>,
     },
     /// The router, with its own error.
     Refused {
@@ -257,6 +262,7 @@ fn write(metrics: &RequestMetrics, export: Option<&Exporter>, line: &Line<'_>) {
             role,
             decision,
             delivered_tokens,
+            ..
         } => (
             Some((*role, *decision, *delivered_tokens)),
             decision.reason.as_str(),
@@ -278,6 +284,12 @@ fn write(metrics: &RequestMetrics, export: Option<&Exporter>, line: &Line<'_>) {
         _ => None,
     };
     let decision = routed.map(|r| r.1);
+    let pd = match line.kind {
+        Kind::Routed { pd, .. } => pd,
+        _ => None,
+    };
+    let (pd_path, pd_reason) = pd.map(|t| t.path.labels()).unzip();
+    let prefill = pd.and_then(|t| t.prefill.as_ref());
     let request_id = line.request_id.to_str().unwrap_or("-");
     tracing::info!(
         target: "cache_aware_router::access",
@@ -294,6 +306,10 @@ fn write(metrics: &RequestMetrics, export: Option<&Exporter>, line: &Line<'_>) {
         delivered_tokens = routed.map(|r| r.2.map_or(-1, |t| t as i64)),
         decision_us = decision.map(|d| d.decision_us),
         attempt = decision.map(|d| d.attempt),
+        pd = pd_path,
+        pd_reason = pd_reason.flatten(),
+        prefill_worker = prefill.map(|p| &*p.worker),
+        prefill_ms = prefill.map(|p| tracing::field::display(Decimal::millis(p.took, 1))),
         status = line.status,
         bytes,
         error = error.map(|e| tracing::field::display(Chain(e))),
@@ -315,6 +331,8 @@ fn write(metrics: &RequestMetrics, export: Option<&Exporter>, line: &Line<'_>) {
             reason,
             matched_ratio: decision.map(|d| d.matched_ratio),
             attempt: decision.map(|d| d.attempt),
+            pd: pd_path,
+            prefill_worker: prefill.map(|p| Arc::clone(&p.worker)),
             status: line.status,
             outcome: line.outcome,
             error: error.as_deref(),
@@ -388,6 +406,7 @@ mod tests {
                 arrived: id.arrived,
                 delivered_tokens: None,
                 trace: id.trace,
+                pd: None,
             };
             log.end(&metrics, None, "complete");
             RequestEnd::new(id, &metrics, None, &none).refused(&ProxyError::NoWorker("x"));

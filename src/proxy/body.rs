@@ -218,6 +218,13 @@ impl GuardedBody {
             g.first_byte();
         }
         if let (Some(data), Some(tap)) = (frame.data_ref(), self.tap.as_mut()) {
+            if let Some(t) = tap.log.pd.as_mut()
+                && t.first_token.is_none()
+            {
+                let at = tap.log.arrived.elapsed();
+                t.first_token = Some(at);
+                tap.metrics.pd().first_token(at.as_secs_f64());
+            }
             if let Some(scanner) = tap.scanner.as_mut() {
                 scanner.feed_bytes(data);
             }

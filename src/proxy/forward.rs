@@ -27,12 +27,17 @@ pub(super) struct Route<'a> {
     pub id: Ident<'a>,
     /// The pool it routes in (its model's; [`crate::pools::Pools::route`]).
     pub pool: &'a ModelPool<Arc<dyn Policy>>,
+    /// What picks its worker: the policy of the pool it routes in (its model's;
+    /// [`crate::pools::Pools::route`]), or of one leg of a disaggregated pool.
+    pub policy: &'a Arc<dyn Policy>,
     /// What the policy decides on.
     pub req: RouteRequest<'a>,
     /// When the decision started (for its latency).
     pub started: Instant,
     /// Where the answer goes in the response cache, on a miss.
     pub cache: Option<Pending>,
+    /// The decode leg of a disaggregated request: how its prefill leg went.
+    pub pd: Option<super::pd::trail::Trail>,
 }
 
 impl<'a> Route<'a> {
@@ -42,9 +47,11 @@ impl<'a> Route<'a> {
         Route {
             id,
             pool,
+            policy: pool.policy(),
             req: RouteRequest::default(),
             started: Instant::now(),
             cache: None,
+            pd: None,
         }
     }
 }
@@ -61,6 +68,22 @@ impl Router {
         waiting_on: &mut Option<Arc<str>>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let base = RequestTemplate::new(parts, route.id.request_id, &route.id.trace);
+        self.forward_with(set, &base, body, route, None, waiting_on)
+            .await
+    }
+
+    /// [`Router::forward`] with the request's head made (`base`), and its first attempt
+    /// on `first` when given (a pick already made, with its slot: a disaggregated
+    /// request's decode worker, chosen before its prefill leg).
+    pub(super) async fn forward_with(
+        &self,
+        set: &WorkerSet,
+        base: &RequestTemplate,
+        body: Bytes,
+        route: &Route<'_>,
+        mut first: Option<(Pick, InFlightGuard)>,
+        waiting_on: &mut Option<Arc<str>>,
+    ) -> Result<Response<ProxyBody>, ProxyError> {
         let mut retries = Retries::new(&self.config.proxy, route.id.arrived);
         let mut tried = WorkerMask::default();
         let mut started = route.started;
@@ -73,9 +96,11 @@ impl Router {
                 tokio::time::sleep(backoff).await;
                 started = Instant::now();
             }
-            let Some((pick, mut guard)) =
-                self.pick_for(attempt, set, route, &tried, started).await?
-            else {
+            let picked = match first.take() {
+                Some(made) => Some(made),
+                None => self.pick_for(attempt, set, route, &tried, started).await?,
+            };
+            let Some((pick, mut guard)) = picked else {
                 break;
             };
             let worker = Arc::clone(guard.worker());
@@ -83,9 +108,11 @@ impl Router {
             if let Some(id) = pick.worker {
                 tried.insert(id);
             }
-            let decision = self.decided(&pick, &worker, started, attempt);
+            // A disaggregated request's decision is its prefill leg's, when it had one.
+            let counted = route.pd.as_ref().is_none_or(|t| !t.prefill_tried);
+            let decision = self.decided(&pick, &worker, started, attempt, counted);
             let watch = Attempt {
-                policy: &**route.pool.policy(),
+                policy: &**route.policy,
                 req: &route.req,
                 pick: &pick,
                 worker: &worker,
@@ -115,13 +142,16 @@ impl Router {
             let (result, pushed_back) = self
                 .send(
                     watch,
-                    &base,
+                    base,
                     adapted.as_ref().unwrap_or(&body),
-                    route,
+                    &route.id,
                     &mut guard,
                     wait,
                 )
                 .await;
+            if route.pd.is_some() {
+                self.metrics.pd().decode_attempt(&result);
+            }
             match result {
                 Ok(resp) => {
                     let status = resp.status().as_u16();
@@ -146,7 +176,7 @@ impl Router {
     /// when only full workers stand in the way. `Ok(None)` when no worker is usable;
     /// on the first attempt that (and a queue's refusal) counts as a `no_worker`
     /// decision, while a retry that finds no worker left is not a decision.
-    async fn pick_for(
+    pub(super) async fn pick_for(
         &self,
         attempt: u32,
         set: &WorkerSet,
@@ -192,20 +222,29 @@ impl Router {
         ))
     }
 
-    /// Counts the decision of attempt `attempt` (made since `started`) and returns it as
-    /// the access line will tell it.
-    fn decided(&self, pick: &Pick, worker: &Worker, started: Instant, attempt: u32) -> Decision {
+    /// Counts the decision of attempt `attempt` (made since `started`) unless not
+    /// `counted`, and returns it as the access line will tell it.
+    pub(super) fn decided(
+        &self,
+        pick: &Pick,
+        worker: &Worker,
+        started: Instant,
+        attempt: u32,
+        counted: bool,
+    ) -> Decision {
         let decided_in = started.elapsed();
-        self.metrics.decision(pick.reason, decided_in);
-        if pick.reason == Reason::CacheHit {
-            self.metrics
-                .estimated_saved(worker.label(), pick.saved_tokens());
+        if counted {
+            self.metrics.decision(pick.reason, decided_in);
+            if pick.reason == Reason::CacheHit {
+                self.metrics
+                    .estimated_saved(worker.label(), pick.saved_tokens());
+            }
+            if worker.config().role == Role::Fallback {
+                self.metrics.fallback_pick();
+            }
         }
         if attempt > 0 {
             self.metrics.retry();
-        }
-        if worker.config().role == Role::Fallback {
-            self.metrics.fallback_pick();
         }
         Decision {
             reason: pick.reason,
@@ -223,19 +262,19 @@ impl Router {
     /// policy exactly once, [`Outcome::Cancelled`] if the client leaves first); a
     /// push-back saturates the worker for as long as it asks. Returns the answer and
     /// whether it was a push-back.
-    async fn send(
+    pub(super) async fn send(
         &self,
         watch: Attempt<'_>,
         base: &RequestTemplate,
         body: &Bytes,
-        route: &Route<'_>,
+        id: &Ident<'_>,
         guard: &mut InFlightGuard,
         wait: Duration,
     ) -> (Result<Response<UpstreamBody>, ProxyError>, bool) {
         let (pick, worker) = (watch.pick, watch.worker);
         guard.reserve_prefill(
             pick.prefill_tokens,
-            route.req.ctx.map_or(0, |c| c.total_len) as u64,
+            watch.req.ctx.map_or(0, |c| c.total_len) as u64,
         );
         let result = self
             .client
@@ -246,7 +285,7 @@ impl Router {
             worker.signals().saturate(crate::pools::pool::now() + wait);
             self.metrics.back_pressure(worker.label());
             tracing::info!(
-                request_id = ?route.id.request_id,
+                request_id = ?id.request_id,
                 worker = %worker.url(),
                 secs = wait.as_secs_f64(),
                 "worker pushed back; no new requests to it for that long while others can take them"
@@ -319,7 +358,7 @@ impl Router {
     }
 
     /// Whether a worker not yet tried is usable and has not pushed back.
-    fn any_unsaturated(&self, set: &WorkerSet, tried: &WorkerMask) -> bool {
+    pub(super) fn any_unsaturated(&self, set: &WorkerSet, tried: &WorkerMask) -> bool {
         let now = crate::pools::pool::now();
         set.workers().iter().any(|w| {
             !tried.contains(w.id()) && w.is_routable(now) && !w.signals().is_saturated(now)
@@ -334,19 +373,19 @@ impl Router {
         route: &Route<'_>,
         tried: &WorkerMask,
     ) -> Option<(Pick, InFlightGuard)> {
-        let policy = &**route.pool.policy();
+        let policy = &**route.policy;
         policy::decide::pick_slot(policy, set, &route.req, tried, &mut rand::rng())
     }
 }
 
 /// One attempt's pick, told to the policy exactly once: how it ended, or
 /// [`Outcome::Cancelled`] when the request is dropped first (the client went away).
-struct Attempt<'a> {
-    policy: &'a dyn Policy,
-    req: &'a RouteRequest<'a>,
-    pick: &'a Pick,
-    worker: &'a Arc<Worker>,
-    done: bool,
+pub(super) struct Attempt<'a> {
+    pub policy: &'a dyn Policy,
+    pub req: &'a RouteRequest<'a>,
+    pub pick: &'a Pick,
+    pub worker: &'a Arc<Worker>,
+    pub done: bool,
 }
 
 impl Attempt<'_> {

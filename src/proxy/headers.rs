@@ -13,6 +13,8 @@ pub use crate::upstream::headers::{DP_RANK, REQUEST_ID, strip_hop_by_hop};
 /// Response header naming the worker that served the request
 /// (`proxy.add_routed_peer_header`).
 pub static ROUTED_PEER: HeaderName = HeaderName::from_static("x-routed-peer");
+/// The prefill worker of a disaggregated request (with `add_routed_peer_header`).
+pub static ROUTED_PREFILL: HeaderName = HeaderName::from_static("x-routed-prefill");
 /// The response cache's verdict on a request: `hit`, `miss` or `bypass`.
 pub static X_CACHE: HeaderName = HeaderName::from_static("x-cache");
 

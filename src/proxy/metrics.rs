@@ -24,6 +24,7 @@ use prometheus_client::metrics::histogram::{Histogram, exponential_buckets};
 use prometheus_client::registry::Unit;
 
 mod handles;
+pub mod pd;
 
 use crate::metrics::{BeforeScrape, Metrics};
 use crate::policy::Reason;
@@ -121,6 +122,8 @@ pub struct RequestMetrics {
     decision_counts: [Counter; REASONS.len()],
     /// `request_outcomes_total` per [`OUTCOMES`] entry, resolved once.
     outcome_counts: [Counter; OUTCOMES.len()],
+    /// The `pd_` families (disaggregated pools).
+    pd: pd::PdMetrics,
 }
 
 /// The per-worker families a routed request updates (see [`RequestMetrics::register`]).
@@ -327,6 +330,7 @@ impl RequestMetrics {
             outcomes: Family::default(),
             decision_counts: Default::default(),
             outcome_counts: Default::default(),
+            pd: pd::PdMetrics::new(),
         };
         for (reason, count) in REASONS.iter().zip(&mut m.decision_counts) {
             *count = m
@@ -352,6 +356,7 @@ impl RequestMetrics {
         let m = Arc::new(Self::new());
         register_worker_families(registry, &m);
         register_request_families(registry, &m);
+        m.pd.register(registry);
         registry.before_scrape(Arc::new(WorkerSeries {
             metrics: Arc::clone(&m),
             pool: Arc::clone(pool),
@@ -569,6 +574,11 @@ impl RequestMetrics {
             h.drift(self).set(r);
         }
         h.drift_low.set(i64::from(drift.low));
+    }
+
+    /// The `pd_` families.
+    pub fn pd(&self) -> &pd::PdMetrics {
+        &self.pd
     }
 
     pub fn retry(&self) {

@@ -32,6 +32,7 @@ mod json_members;
 pub mod media;
 pub mod metrics;
 pub mod models;
+mod pd;
 mod respond;
 pub mod responses;
 mod retry;

@@ -43,7 +43,14 @@ impl Router {
             && let Ok(v) = HeaderValue::from_str(&guard.worker().url().to_string())
         {
             parts.headers.insert(headers::ROUTED_PEER.clone(), v);
+            if let Some(p) = route.pd.as_ref().and_then(|t| t.prefill.as_ref())
+                && let Ok(v) = HeaderValue::from_str(&p.worker)
+            {
+                parts.headers.insert(headers::ROUTED_PREFILL.clone(), v);
+            }
         }
+        let mut log = log;
+        log.pd = route.pd.clone();
         let is_sse = parts
             .headers
             .get(header::CONTENT_TYPE)
@@ -62,7 +69,7 @@ impl Router {
         }
         let tap = BodyTap {
             metrics: Arc::clone(&self.metrics),
-            policy: Arc::clone(route.pool.policy()),
+            policy: Arc::clone(route.policy),
             scanner: usage::UsageScanner::for_response(
                 &parts.headers,
                 may_answer_with_response_id(log.endpoint),

@@ -81,8 +81,7 @@ impl Router {
                 .map_or(left, |a| a.min(left))
         };
         let holder = route
-            .pool
-            .policy()
+            .policy
             .response_holder(key, &set)
             .and_then(|w| set.get(w).cloned());
         if let Some(worker) = holder {
@@ -170,7 +169,7 @@ impl Router {
                             response_id: Some(id),
                             ..Answer::default()
                         };
-                        route.pool.policy().answered(guard.worker(), &answer);
+                        route.policy.answered(guard.worker(), &answer);
                     }
                     // The others' calls are dropped: they could only say 404.
                     drop(pending);

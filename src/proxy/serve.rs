@@ -208,6 +208,7 @@ impl Router {
         let route = Route {
             id,
             pool,
+            policy: pool.policy(),
             req: RouteRequest {
                 ctx: ctx.as_ref(),
                 prepared,
@@ -218,7 +219,13 @@ impl Router {
             },
             started,
             cache: pending,
+            pd: None,
         };
+        if let (Some(legs), Some(endpoint)) = (routed.legs, endpoint) {
+            return self
+                .forward_pd(legs, endpoint, parts, forwarded, route, end)
+                .await;
+        }
         self.forward(set, parts, forwarded, &route, &mut end.waiting_on)
             .await
     }

@@ -63,6 +63,11 @@ pub struct Finished<'a> {
     pub matched_ratio: Option<f64>,
     /// Attempt that answered, 0 for the first, when a worker was picked.
     pub attempt: Option<u32>,
+    /// A disaggregated pool's request: its path (`disaggregated`, `bypass`,
+    /// `decode_only`).
+    pub pd: Option<&'static str>,
+    /// …and the prefill worker whose answer was read, when one was.
+    pub prefill_worker: Option<Arc<str>>,
     /// HTTP status sent to the client.
     pub status: u16,
     /// How the body ended (`complete`, `client_gone`, `upstream_error`, …).
@@ -138,6 +143,12 @@ impl Exporter {
         }
         if let Some(a) = f.attempt {
             attributes.push(KeyValue::new("router.attempt", i64::from(a)));
+        }
+        if let Some(p) = f.pd {
+            attributes.push(KeyValue::new("router.pd", p));
+        }
+        if let Some(w) = &f.prefill_worker {
+            attributes.push(KeyValue::new("router.prefill_worker", Arc::clone(w)));
         }
         if let Some(e) = f.error {
             attributes.push(KeyValue::new("error.message", e.to_string()));

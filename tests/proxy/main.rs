@@ -1,7 +1,8 @@
 //! The proxy path, request by request: HTTP mechanics (headers, connection reuse,
 //! framing, WebSocket tunnels), streamed answers, `https://` workers, worker failures
 //! (health checks, circuit breaker, retries), size and time limits, in-flight
-//! accounting, how each request ends (access line, outcome), the queue, `/v1/models`.
+//! accounting, how each request ends (access line, outcome), the queue, `/v1/models`,
+//! disaggregated (prefill/decode) pools.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -10,6 +11,7 @@ mod in_flight;
 mod limits;
 mod models;
 mod outcomes;
+mod pd;
 mod queue;
 mod resilience;
 mod slow_body;

@@ -11,6 +11,7 @@
 //! - [`binary`]: the built router in its own process (output, signals, memory).
 //! - Stand-ins for what the router talks to: [`redis`] (a real `redis-server`),
 //!   [`dns`], [`kube_api`], [`otlp`], [`tls`] (an `https://` worker), [`ws`].
+//! - [`pd`]: scripted vLLM prefill and decode engines sharing a hand-off registry.
 //! - [`wait`]: bounded waits, so that a bug shows as a failure, not a hang.
 
 pub mod binary;
@@ -21,6 +22,7 @@ pub mod engine;
 pub mod kube_api;
 pub mod observe;
 pub mod otlp;
+pub mod pd;
 pub mod redis;
 pub mod tls;
 pub mod wait;
