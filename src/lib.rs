@@ -26,6 +26,8 @@
 //!   media      proxy.remote_media_url_policy: media members of any JSON body
 //!   headers    request ids, the router's response headers, worker URLs made relative
 //!   usage      engine token usage (and /v1/responses ids) read as bytes pass
+//!   pd         disaggregated pools: the decode pick, the bypass, the prefill leg,
+//!              vLLM's NIXL hand-off relayed to the decode leg; what the client sees
 //!   metrics    the request path's families (requests, decisions, latencies, engine
 //!              usage, prefix numbers, admission queue), per-worker handles to them
 //!   adapters   a LoRA adapter request on its worker: loaded on demand, SGLang's form
@@ -45,7 +47,8 @@
 //!              names, requests that name none), each with its policy, over one
 //!              membership of workers (a worker in two pools is one engine); which
 //!              workers a request's model goes to; refresh: each worker's GET
-//!              /v1/models read on join and every models.refresh_secs; metrics
+//!              /v1/models read on join and every models.refresh_secs; legs: a pool
+//!              with prefill and decode workers disaggregates; metrics
 //!   pool       workers, stable ids, membership, health, breaker, in-flight guards,
 //!              models (what each worker serves, read lock-free), adapters (which
 //!              LoRA adapters each worker holds, as the router estimates it),

@@ -471,9 +471,8 @@ pub fn build(config: &Config, pool: &Arc<Pool>) -> Routing {
 /// for `leg`: `models.overrides.<model>`'s policy and cache settings over the
 /// top-level ones for the whole request, `pd.prefill_policy` / `pd.decode_policy` for
 /// a disaggregated pool's legs (with the override's cache settings); inside the
-/// session layer over `shared`'s memory, except the decode leg (picked by its own
-/// policy alone: sessions and conversations bind where the prompt's cache is, the
-/// prefill leg); registered with `pool` for membership events. Also the tree it routes
+/// session layer over `shared`'s memory (the decode leg's over a memory of its own);
+/// registered with `pool` for membership events. Also the tree it routes
 /// on, when it keeps one. The one place that matches on [`PolicyKind`].
 pub fn build_pool(
     config: &Config,
@@ -529,16 +528,19 @@ pub fn build_pool(
         PolicyKind::LmcacheAware => Arc::new(lmcache::LmcacheAware::new(&config.cache)),
     };
     // Conversation state and sessions wrap whichever policy: decided before its pick.
-    let policy: Arc<dyn Policy> = match leg {
-        Leg::Decode => policy,
-        Leg::Whole | Leg::Prefill => Arc::new(session::Affinity::new(
-            policy,
-            &config.session,
-            CacheParams::from(&config.cache),
-            Arc::clone(&shared.memory),
-            shared.fleet.clone(),
-        )),
+    // A decode leg's bindings are its own (a session's prefill and decode workers
+    // differ), and not shared with other router replicas.
+    let (memory, fleet) = match leg {
+        Leg::Decode => (session::Memory::new(&config.session), None),
+        Leg::Whole | Leg::Prefill => (Arc::clone(&shared.memory), shared.fleet.clone()),
     };
+    let policy: Arc<dyn Policy> = Arc::new(session::Affinity::new(
+        policy,
+        &config.session,
+        CacheParams::from(&config.cache),
+        memory,
+        fleet,
+    ));
     pool.listen(Arc::clone(&policy) as Arc<dyn PoolListener>);
     (policy, tree)
 }

@@ -13,6 +13,8 @@
 //! adapters    a LoRA adapter request on its chosen worker: the adapter loaded on
 //!             demand (once per worker and adapter at a time), SGLang's form
 //! headers, media, usage       header rules; remote media; engine usage in the answer
+//! pd          a disaggregated pool's request: decode pick, bypass, prefill leg, the
+//!             hand-off relayed to the decode leg (which goes through forward)
 //! metrics     the request path's families in `/metrics` (RequestMetrics)
 //! ```
 //!

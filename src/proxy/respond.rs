@@ -51,6 +51,11 @@ impl Router {
         }
         let mut log = log;
         log.pd = route.pd.clone();
+        let reported = route.pd.as_ref().and_then(|t| t.reported_cached_tokens());
+        if reported.is_some() {
+            // The usage's count is rewritten as it passes: the length may change.
+            parts.headers.remove(header::CONTENT_LENGTH);
+        }
         let is_sse = parts
             .headers
             .get(header::CONTENT_TYPE)
@@ -83,8 +88,11 @@ impl Router {
             prepared,
             export: self.export.clone(),
         };
-        let body =
-            GuardedBody::new(incoming, guard, self.config.proxy.request_timeout, tap).boxed();
+        let body = GuardedBody::new(incoming, guard, self.config.proxy.request_timeout, tap);
+        let body = match reported {
+            Some(cached) => super::pd::rewrite::CachedTokens::new(body, cached).boxed(),
+            None => body.boxed(),
+        };
         Response::from_parts(parts, body)
     }
 }

@@ -12,6 +12,7 @@ use support::pd::*;
 use support::{client::*, observe::*, wait::*, worker::*};
 
 use crate::common::start_router;
+use support::binary::Stream;
 
 const SHOW_PEERS: &str = "proxy:\n  add_routed_peer_header: true\n";
 
@@ -80,7 +81,8 @@ async fn each_request_makes_one_prefill_call_for_the_hand_off_and_one_decode_cal
         false,
     ));
     for (i, (path, client, stream)) in cases.iter().enumerate() {
-        let resp = send(router.addr, &Req::post(path, client.as_str())).await;
+        let req = Req::post(path, client.as_str()).header("x-prefill-cached", "7");
+        let resp = send(router.addr, &req).await;
         assert_eq!(resp.status, 200, "{path}: {}", resp.text());
         let (p, d) = (f.prefill_calls(), f.decode_calls());
         assert_eq!(
@@ -143,9 +145,27 @@ async fn each_request_makes_one_prefill_call_for_the_hand_off_and_one_decode_cal
             .find(|w| w.requests().iter().any(|r| r.at == d.at))
             .unwrap();
         assert_eq!(resp.header("x-routed-peer"), Some(decoder.url().as_str()));
-        if *stream {
-            assert!(resp.text().starts_with("data: "), "{}", resp.text());
-        }
+        // The usage reports the prefill's cached tokens, not the decode's transfer.
+        let usage = if *stream {
+            let text = resp.text();
+            let line = text
+                .lines()
+                .find(|l| l.contains("\"usage\""))
+                .unwrap()
+                .to_string();
+            serde_json::from_str::<Value>(line.trim_start_matches("data: ")).unwrap()["usage"]
+                .clone()
+        } else {
+            resp.json()["usage"].clone()
+        };
+        assert_eq!(
+            usage["prompt_tokens_details"]["cached_tokens"], 7,
+            "{path}: {usage}"
+        );
+        assert!(
+            !resp.has_header("content-length") || *stream,
+            "rewritten: its length unknown"
+        );
     }
     let m = scrape(router.addr).await;
     assert_eq!(
@@ -583,6 +603,65 @@ async fn the_decode_stream_reaches_the_client_as_the_decode_engine_writes_it() {
         resp.pieces[0].0 < writes.last().unwrap().0,
         "the first event arrives before the last is written"
     );
-    assert_relayed_promptly(&writes, &resp.pieces, Duration::from_millis(50));
+    // The token events (the usage chunk after them is rewritten: its length changes).
+    assert_relayed_promptly(&writes[..3], &resp.pieces, Duration::from_millis(50));
     router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_access_line_span_and_metrics_carry_both_legs() {
+    let f =
+        PdFleet::serving("server: {host: 127.0.0.1, port: 0}\nlog: {format: json, level: info}\n")
+            .await;
+    let config = support::config::TempFile::new("router.yaml", &f.yaml);
+    let router = crate::BINARY.serve(&[&config.path]);
+    let resp = send(router.addr, &chat_req("a logged request")).await;
+    assert_eq!(resp.status, 200);
+    let line = |r: &support::binary::Running| {
+        r.lines()
+            .into_iter()
+            .filter(|(s, _)| *s == Stream::Stderr)
+            .filter_map(|(_, l)| serde_json::from_str::<Value>(&l).ok())
+            .find(|v| v["target"] == "cache_aware_router::access")
+            .map(|v| v["fields"].clone())
+    };
+    wait_until("the access line", Duration::from_secs(3), || async {
+        line(&router).is_some()
+    })
+    .await;
+    let l = line(&router).unwrap();
+    let (p, d) = (&f.prefill_calls()[0], &f.decode_calls()[0]);
+    let url = |calls: &[FakeWorker], r: &Recorded| {
+        calls
+            .iter()
+            .find(|w| w.requests().iter().any(|x| x.at == r.at))
+            .unwrap()
+            .url()
+    };
+    assert_eq!(l["worker"], url(&f.decode, d), "{l}");
+    assert_eq!(l["prefill_worker"], url(&f.prefill, p), "{l}");
+    assert_eq!(l["pd"], "disaggregated", "{l}");
+    assert!(
+        l["prefill_ms"].as_f64().is_some() || l["prefill_ms"].as_str().is_some(),
+        "{l}"
+    );
+    let m = scrape(router.addr).await;
+    assert_eq!(
+        m.value("cache_aware_router_pd_prefill_duration_seconds_count", &[]),
+        1.0
+    );
+    assert_eq!(
+        m.value(
+            "cache_aware_router_pd_time_to_first_token_seconds_count",
+            &[]
+        ),
+        1.0
+    );
+    // One decision per request: the prefill leg's.
+    let decisions: f64 = m
+        .all("cache_aware_router_routing_decisions_total")
+        .iter()
+        .map(|s| s.value)
+        .sum();
+    assert_eq!(decisions, 1.0);
 }

@@ -24,6 +24,7 @@
 
 mod nixl;
 mod prefill;
+pub mod rewrite;
 pub mod trail;
 
 use std::sync::Arc;

@@ -42,6 +42,17 @@ impl Path {
     }
 }
 
+impl Trail {
+    /// The cached tokens the client's usage reports instead of the decode engine's: the
+    /// prefill leg's, when its hand-off was relayed and its engine named them.
+    pub fn reported_cached_tokens(&self) -> Option<u64> {
+        match self.path {
+            Path::Disaggregated => self.prefill.as_ref()?.cached_tokens,
+            _ => None,
+        }
+    }
+}
+
 /// The prefill attempt whose answer was read.
 #[derive(Debug, Clone)]
 pub struct PrefillDone {
