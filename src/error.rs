@@ -143,13 +143,12 @@ pub enum ProxyError {
         worker: String,
         why: String,
     },
-    /// A disaggregated request's prefill leg failed on every prefill worker tried
-    /// (connection errors, time-outs, 5xx) and `pd.on_prefill_failure` is `error`
-    /// (502): the last failure.
-    #[error(
-        "the prefill leg failed on every prefill worker tried ({last}); pd.on_prefill_failure: error"
-    )]
-    PrefillFailed { last: String },
+    /// A disaggregated request's prefill leg failed: on every prefill worker tried
+    /// (connection errors, time-outs, 5xx) with `pd.on_prefill_failure: error`, or
+    /// SGLang's parallel prefill leg (its decode leg is then cancelled). `status`: 502,
+    /// or the prefill worker's own 4xx; `last`: the (last) failure.
+    #[error("the prefill leg failed ({last})")]
+    PrefillFailed { status: StatusCode, last: String },
     /// The router's own work failed (500): `what` failed, and why.
     #[error("{what}")]
     Internal {
@@ -178,9 +177,8 @@ impl ProxyError {
             | ProxyError::QueueTimeout { .. }
             | ProxyError::QueueFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::RemoteMedia(s) => *s,
-            ProxyError::Upstream(_)
-            | ProxyError::AdapterLoad { .. }
-            | ProxyError::PrefillFailed { .. } => StatusCode::BAD_GATEWAY,
+            ProxyError::Upstream(_) | ProxyError::AdapterLoad { .. } => StatusCode::BAD_GATEWAY,
+            ProxyError::PrefillFailed { status, .. } => *status,
             ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
             ProxyError::Forbidden(_) => StatusCode::FORBIDDEN,
             ProxyError::Unauthorized(_) => StatusCode::UNAUTHORIZED,

@@ -389,7 +389,7 @@ pub(super) struct Attempt<'a> {
 }
 
 impl Attempt<'_> {
-    fn finish(mut self, outcome: Outcome) {
+    pub(super) fn finish(mut self, outcome: Outcome) {
         self.done = true;
         self.policy
             .observe(self.req, self.pick, self.worker, outcome);

@@ -518,6 +518,7 @@ impl Upstream {
 /// What every attempt of one request shares: method, path and query, and the client's
 /// end-to-end headers (hop-by-hop, Host, Content-Length and Expect removed; the request
 /// id and the router's `traceparent` set).
+#[derive(Clone)]
 pub struct RequestTemplate {
     method: Method,
     path_and_query: http::uri::PathAndQuery,

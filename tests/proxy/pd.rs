@@ -665,3 +665,126 @@ async fn the_access_line_span_and_metrics_carry_both_legs() {
         .sum();
     assert_eq!(decisions, 1.0);
 }
+
+/// YAML of an SGLang disaggregated router over `prefill` and `decode` URLs (the first
+/// prefill worker with bootstrap port 8998).
+fn sglang_yaml(prefill: &[String], decode: &[String]) -> String {
+    let mut y = String::from("pd: {connector: sglang}\nproxy: {max_retries: 0}\nworkers:\n");
+    for (i, u) in prefill.iter().enumerate() {
+        let port = if i == 0 { ", bootstrap_port: 8998" } else { "" };
+        y.push_str(&format!("  - {{url: \"{u}\", phase: prefill{port}}}\n"));
+    }
+    for u in decode {
+        y.push_str(&format!("  - {{url: \"{u}\", phase: decode}}\n"));
+    }
+    y
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_sends_both_legs_at_once_to_meet_in_one_bootstrap_room() {
+    let rooms = Rooms::default();
+    let p = [
+        FakeWorker::start_with(sglang_prefill(rooms.clone())).await,
+        FakeWorker::start_with(sglang_prefill(rooms.clone())).await,
+    ];
+    let d = [
+        FakeWorker::start_with(sglang_decode(rooms.clone())).await,
+        FakeWorker::start_with(sglang_decode(rooms.clone())).await,
+    ];
+    let urls = |ws: &[FakeWorker]| ws.iter().map(|w| w.url()).collect::<Vec<_>>();
+    let router = start_router(&sglang_yaml(&urls(&p), &urls(&d))).await;
+    for (i, stream) in [false, true, false, true].into_iter().enumerate() {
+        let client = chat_body(&format!("meet me {i}"), stream);
+        let resp = send(
+            router.addr,
+            &Req::post("/v1/chat/completions", client.as_str()),
+        )
+        .await;
+        assert_eq!(resp.status, 200, "{}", resp.text());
+        let last = |ws: &[FakeWorker]| {
+            let all: Vec<Recorded> = ws.iter().flat_map(|w| w.requests()).collect();
+            assert_eq!(all.len(), i + 1, "one call per leg");
+            let r = all.into_iter().max_by_key(|r| r.at).unwrap();
+            let prefill_port = ws
+                .iter()
+                .position(|w| w.requests().iter().any(|x| x.at == r.at));
+            (body_json(&r), prefill_port)
+        };
+        let ((pb, pi), (db, _)) = (last(&p), last(&d));
+        assert_eq!(pb, db, "the same body to both legs");
+        assert_eq!(pb["bootstrap_host"], "127.0.0.1");
+        let port = if pi == Some(0) {
+            Value::from(8998)
+        } else {
+            Value::Null
+        };
+        assert_eq!(pb["bootstrap_port"], port);
+        assert!(pb["bootstrap_room"].as_u64().is_some_and(|r| r < 1 << 63));
+        let mut c: Value = serde_json::from_str(&client).unwrap();
+        for k in ["bootstrap_host", "bootstrap_port", "bootstrap_room"] {
+            c[k] = pb[k].clone();
+        }
+        assert_eq!(db, c, "the client's body plus the bootstrap fields");
+        if stream {
+            assert!(resp.text().starts_with("data: "), "the decode answer");
+        }
+    }
+    wait_all_idle(router.addr, Duration::from_secs(3)).await;
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sglang_a_legs_connection_error_ends_the_other_leg_within_a_second() {
+    // The prefill leg breaks (its connection closes unanswered after 200 ms, once the
+    // other leg is surely sent): the decode leg, waiting for its rendezvous, is cancelled.
+    let broken =
+        FakeWorker::start_with(|_| Reply::raw(vec![Step::Sleep(Duration::from_millis(200))])).await;
+    let (decode, mut closed) = silent_engine().await;
+    let router = start_router(&sglang_yaml(&[broken.url()], &[decode])).await;
+    let sent = std::time::Instant::now();
+    let resp = send(router.addr, &chat_req("a broken prefill")).await;
+    assert_eq!(resp.status, 502, "{}", resp.text());
+    assert_eq!(resp.json()["error"]["type"], "prefill_failed");
+    let at = within("the decode connection closes", closed.recv())
+        .await
+        .unwrap();
+    assert!(
+        at.duration_since(sent) < Duration::from_secs(1),
+        "{:?}",
+        at.duration_since(sent)
+    );
+    let m = scrape(router.addr).await;
+    assert_eq!(
+        m.value(
+            "cache_aware_router_pd_leg_failures_total",
+            &[("leg", "prefill"), ("cause", "upstream")]
+        ),
+        1.0
+    );
+    router.shutdown().await;
+
+    // The decode leg breaks: the prefill leg is cancelled.
+    let (prefill, mut closed) = silent_engine().await;
+    let router = start_router(&sglang_yaml(&[prefill], &[broken.url()])).await;
+    let sent = std::time::Instant::now();
+    let resp = send(router.addr, &chat_req("a broken decode")).await;
+    assert_eq!(resp.status, 502, "{}", resp.text());
+    let at = within("the prefill connection closes", closed.recv())
+        .await
+        .unwrap();
+    assert!(
+        at.duration_since(sent) < Duration::from_secs(1),
+        "{:?}",
+        at.duration_since(sent)
+    );
+    let m = scrape(router.addr).await;
+    assert_eq!(
+        m.value(
+            "cache_aware_router_pd_leg_failures_total",
+            &[("leg", "decode"), ("cause", "upstream")]
+        ),
+        1.0
+    );
+    wait_all_idle(router.addr, Duration::from_secs(3)).await;
+    router.shutdown().await;
+}

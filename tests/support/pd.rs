@@ -335,3 +335,85 @@ impl PdFleet {
         self.decode.iter().flat_map(|w| w.requests()).collect()
     }
 }
+
+/// SGLang stand-ins' meeting places: a prefill and a decode request with the same
+/// `bootstrap_room` meet there (the decode answer waits for its prefill).
+#[derive(Clone, Debug, Default)]
+pub struct Rooms(Arc<Mutex<HashMap<u64, Gate>>>);
+
+impl Rooms {
+    fn gate(&self, room: u64) -> Gate {
+        self.0.lock().unwrap().entry(room).or_default().clone()
+    }
+}
+
+/// The room a request names, and its body as JSON; `None` without one.
+fn room_of(req: &Recorded) -> Option<(u64, Value)> {
+    let v: Value = serde_json::from_slice(&req.body).ok()?;
+    Some((v["bootstrap_room"].as_u64()?, v))
+}
+
+/// An SGLang prefill engine (`--disaggregation-mode prefill`): opens its request's room
+/// and answers a one-token generation.
+pub fn sglang_prefill(rooms: Rooms) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
+    move |req| {
+        let Some((room, _)) = room_of(req) else {
+            return Reply::json(400, r#"{"error":{"message":"no bootstrap_room"}}"#);
+        };
+        rooms.gate(room).open();
+        Reply::json(200, r#"{"text":"x","meta_info":{"prompt_tokens":3}}"#)
+    }
+}
+
+/// An SGLang decode engine (`--disaggregation-mode decode`): answers once its
+/// request's room has its prefill, streamed when asked.
+pub fn sglang_decode(rooms: Rooms) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
+    move |req| {
+        let Some((room, v)) = room_of(req) else {
+            return Reply::json(400, r#"{"error":{"message":"no bootstrap_room"}}"#);
+        };
+        let met = rooms.gate(room);
+        let reply = if v["stream"] == true {
+            let events: Vec<String> = (0..3).map(crate::engine::sse_event).collect();
+            Reply::sse(&events, Duration::ZERO)
+        } else {
+            Reply::ok()
+        };
+        reply.after_gate(&met)
+    }
+}
+
+/// An engine that reads a request and never answers, telling when the router closed
+/// the connection (its `GET`s, health probes, are answered 200).
+pub async fn silent_engine() -> (String, tokio::sync::mpsc::UnboundedReceiver<Instant>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((mut s, _)) = listener.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let mut buf = vec![0u8; 1 << 16];
+                let mut seen = Vec::new();
+                loop {
+                    let n = s.read(&mut buf).await.unwrap_or(0);
+                    if n == 0 {
+                        if !seen.starts_with(b"GET") && !seen.is_empty() {
+                            let _ = tx.send(Instant::now());
+                        }
+                        return;
+                    }
+                    seen.extend_from_slice(&buf[..n]);
+                    if seen.starts_with(b"GET") && seen.windows(4).any(|w| w == b"\r\n\r\n") {
+                        let ok =
+                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}";
+                        let _ = s.write_all(ok).await;
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (url, rx)
+}

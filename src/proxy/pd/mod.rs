@@ -1,7 +1,7 @@
 //! Disaggregated requests: a routed request of a pool with prefill and decode workers
 //! (`crate::pools::legs`) goes through a prefill worker and then a decode worker
 //! (vLLM's NIXL hand-off, [`nixl`]), or straight to a decode worker when the prefill
-//! leg would not pay.
+//! leg would not pay; with `pd.connector: sglang`, to both at once ([`sglang`]).
 //!
 //! ```text
 //! decode pick   the decode leg's policy over the decode side, slot taken (held through
@@ -25,6 +25,7 @@
 mod nixl;
 mod prefill;
 pub mod rewrite;
+mod sglang;
 pub mod trail;
 
 use std::sync::Arc;
@@ -58,7 +59,7 @@ impl Router {
         mut route: Route<'_>,
         end: &mut RequestEnd<'_>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        let Disaggregated { policies, phases } = legs;
+        let (policies, phases) = (legs.policies, legs.phases);
         let pd = self.metrics.pd();
         let base = RequestTemplate::new(parts, route.id.request_id, &route.id.trace);
         route.policy = &policies.decode;
@@ -71,6 +72,11 @@ impl Router {
                 "no decode worker is usable: every one is unhealthy, at max_load, or down",
             ));
         };
+        if self.config.pd.connector == Connector::Sglang {
+            return self
+                .forward_sglang(legs, base, body, route, decode, end)
+                .await;
+        }
         let mut trail = Trail {
             path: Path::Disaggregated,
             prefill: None,
@@ -118,7 +124,13 @@ impl Router {
                     Prefilled::NoWorker => trail.path = Path::Bypass("no_prefill_worker"),
                     Prefilled::Failed(last) => {
                         if self.config.pd.on_prefill_failure == OnPrefillFailure::Error {
-                            return Err(ProxyError::PrefillFailed { last });
+                            let last = format!(
+                                "on every prefill worker tried: {last}; pd.on_prefill_failure: error"
+                            );
+                            return Err(ProxyError::PrefillFailed {
+                                status: http::StatusCode::BAD_GATEWAY,
+                                last,
+                            });
                         }
                         pd.prefill_fallback();
                         tracing::warn!(
@@ -161,7 +173,7 @@ impl Router {
             // The hand-off is single-consumer: n decodes cannot share it.
             return Some("n");
         }
-        if endpoint == Endpoint::Messages || self.config.pd.connector == Connector::Sglang {
+        if endpoint == Endpoint::Messages {
             return Some("endpoint");
         }
         if shape.continues {
