@@ -197,17 +197,19 @@ impl Router {
             usage.prompt_tokens,
             usage.cached_tokens.unwrap_or(0),
         );
-        let (_, shortfall) = crate::policy::decide::settle_usage(
+        let (delivered_tokens, delivery) = crate::policy::decide::settle_usage(
             guard,
             usage.prompt_tokens,
             usage.cached_tokens,
             false,
-            (pick.saved_tokens(), pick.stamp),
+            (pick.saved_tokens(), pick.mark),
             self.config.cache.engine_block_tokens as u64,
         );
-        if shortfall.is_some() {
+        // Every marked answer, short or not: the tree's doubts clear on a delivering one.
+        if delivery.is_some() {
             let answer = crate::policy::Answer {
-                shortfall,
+                delivery,
+                delivered_tokens,
                 ..Default::default()
             };
             route.policy.answered(worker, &answer);
