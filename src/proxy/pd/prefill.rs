@@ -179,7 +179,7 @@ impl Router {
     }
 
     /// What the prefill answer's usage tells: the worker's engine usage counted, its
-    /// tokens per byte learned, a shortfall against the pick's prediction told to the
+    /// tokens per byte learned, what it delivered of the pick's prediction told to the
     /// prefill policy. Returns its cached tokens, when it names them.
     fn prefill_usage(
         &self,
@@ -197,7 +197,7 @@ impl Router {
             usage.prompt_tokens,
             usage.cached_tokens.unwrap_or(0),
         );
-        let (delivered_tokens, delivery) = crate::policy::decide::settle_usage(
+        let (delivered, delivery) = crate::policy::decide::settle_usage(
             guard,
             usage.prompt_tokens,
             usage.cached_tokens,
@@ -205,11 +205,18 @@ impl Router {
             (pick.saved_tokens(), pick.mark),
             self.config.cache.engine_block_tokens as u64,
         );
-        // Every marked answer, short or not: the tree's doubts clear on a delivering one.
-        if delivery.is_some() {
+        // Every marked answer, short or not (the tree's doubts clear on a delivering
+        // one), and precise mode's keyed blocks: the prefill worker's cache is where
+        // the prediction was.
+        let keyed = matches!(
+            route.req.prepared,
+            crate::policy::Prepared::Blocks(crate::precise::Lookup::Blocks { .. })
+        );
+        if delivery.is_some() || keyed {
             let answer = crate::policy::Answer {
                 delivery,
-                delivered_tokens,
+                prepared: keyed.then_some(&route.req.prepared),
+                delivered_tokens: delivered,
                 ..Default::default()
             };
             route.policy.answered(worker, &answer);
