@@ -5,7 +5,8 @@
 //! shape and registers the hand-off with a lease ([`Handoffs`]); and a decode stand-in
 //! that checks the params it receives against that registry (unknown, expired or already
 //! read: a 500, as with `kv_load_failure_policy: fail`), reports `cached_tokens` as a
-//! real decode does, and streams its answer. Knobs per engine ([`PrefillScript`],
+//! real decode does, and streams its answer. The prefill stand-in reports as cached the
+//! longest prefix a body shares with one it computed before (a prefix cache). Knobs per engine ([`PrefillScript`],
 //! [`DecodeScript`]) and per request (headers the router forwards to both legs):
 //! `x-prefill-cached: N` (the prefill's reported cached tokens), `x-decode-gap-ms: N`
 //! (between streamed events), `x-decode-hold: 1` (the stream waits on the fleet's gate
@@ -131,6 +132,7 @@ pub fn prefill_engine(
 ) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
     let name = name.to_string();
     let n = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let seen: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
     move |req| {
         match script {
             PrefillScript::Status(s) => {
@@ -152,10 +154,22 @@ pub fn prefill_engine(
         if v["kv_transfer_params"]["do_remote_decode"] != true || !capped || v["stream"] != false {
             return Reply::json(400, r#"{"error":{"message":"not a prefill request"}}"#);
         }
+        // Its prefix cache: the longest prefix shared with a body it computed before,
+        // in whole 16-token blocks (4 bytes a token), unless the request says.
+        let held = {
+            let mut seen = seen.lock().unwrap();
+            let lcp = |b: &Vec<u8>| b.iter().zip(&req.body).take_while(|(x, y)| x == y).count();
+            let longest = seen.iter().map(lcp).max().unwrap_or(0);
+            if seen.len() >= 256 {
+                seen.remove(0);
+            }
+            seen.push(req.body.clone());
+            (longest as u64 / 4) / 16 * 16
+        };
         let cached: u64 = req
             .header("x-prefill-cached")
             .and_then(|c| c.parse().ok())
-            .unwrap_or(0);
+            .unwrap_or(held);
         let usage = crate::engine::usage_json(prompt_tokens(&req.body), cached);
         if let PrefillScript::Eos = script {
             return Reply::json(
