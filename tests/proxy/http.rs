@@ -84,7 +84,10 @@ async fn hop_by_hop_headers_are_stripped_both_ways() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_connection_close_does_not_close_the_upstream_connection() {
     let w = FakeWorker::start().await;
-    let router = start_router(&yaml_for(&[&w], "")).await;
+    // Its models pinned: the router reads no model list, so every upstream connection
+    // the worker counts is a request's.
+    let yaml = format!("workers:\n  - url: {}\n    models: [m]\n", w.url());
+    let router = start_router(&yaml).await;
     // Each request after the first shows that the one before left its upstream
     // connection open: it is served on a pooled one.
     let mut conns_before_second = 0;
