@@ -54,19 +54,30 @@ pub(super) struct RawConsistentHash {
 impl RawConsistentHash {
     pub(super) fn validate(self, ck: &Checker<'_>) -> Result<ConsistentHashConfig, ConfigError> {
         let d = ConsistentHashConfig::default();
-        let load_factor = self.load_factor.unwrap_or(d.load_factor);
-        if !load_factor.is_finite() || !(1.0..=100.0).contains(&load_factor) || load_factor == 1.0 {
-            return Err(ck.bad(
-                "consistent_hash.load_factor",
-                load_factor,
-                "is out of range (> 1 and ≤ 100: a worker may hold this many times the mean load)",
-            ));
-        }
         Ok(ConsistentHashConfig {
             key: self.key.unwrap_or(d.key),
-            load_factor,
+            load_factor: load_factor(self.load_factor, d.load_factor, "consistent_hash", ck)?,
         })
     }
+}
+
+/// A hash ring's bounded-load factor (`SECTION.load_factor`, `given` or `default`): > 1
+/// and ≤ 100. Shared by the ring policies' sections.
+pub(super) fn load_factor(
+    given: Option<f64>,
+    default: f64,
+    section: &str,
+    ck: &Checker<'_>,
+) -> Result<f64, ConfigError> {
+    let f = given.unwrap_or(default);
+    if !f.is_finite() || !(1.0..=100.0).contains(&f) || f == 1.0 {
+        return Err(ck.bad(
+            &format!("{section}.load_factor"),
+            f,
+            "is out of range (> 1 and ≤ 100: a worker may hold this many times the mean load)",
+        ));
+    }
+    Ok(f)
 }
 
 #[cfg(test)]

@@ -48,17 +48,14 @@ impl RawPrefixHash {
                 "must be at least 1 (the bytes of the prompt that choose its worker)",
             ));
         }
-        let load_factor = self.load_factor.unwrap_or(d.load_factor);
-        if !load_factor.is_finite() || !(1.0..=100.0).contains(&load_factor) || load_factor == 1.0 {
-            return Err(ck.bad(
-                "prefix_hash.load_factor",
-                load_factor,
-                "is out of range (> 1 and ≤ 100: a worker may hold this many times the mean load)",
-            ));
-        }
         Ok(PrefixHashConfig {
             prefix_bytes,
-            load_factor,
+            load_factor: super::consistent_hash::load_factor(
+                self.load_factor,
+                d.load_factor,
+                "prefix_hash",
+                ck,
+            )?,
         })
     }
 }
