@@ -4,7 +4,6 @@
 //! that are final by default (not re-sent, their connection closed, the client's wait
 //! bounded by one `request_timeout_secs`), and log lines that say what happened once.
 
-use std::net::SocketAddr;
 use std::time::{Duration, Instant};
 
 use serde_json::Value;
@@ -12,9 +11,6 @@ use support::binary::{self, Stream};
 use support::{client::*, config::*, observe::*, wait::*, worker::*};
 
 use crate::common::start_router;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpListener;
-use tokio::sync::mpsc;
 
 /// The router binary's JSON log and address, in front of `workers`.
 fn serve(workers: &[&FakeWorker], extra: &str) -> (TempFile, binary::Running) {
@@ -185,47 +181,11 @@ async fn a_stream_left_before_its_last_event_is_a_client_gone() {
     hold.open();
 }
 
-/// A worker that answers health probes and holds every other request without an
-/// answer until its client closes the connection; reports each such close.
-async fn silent_worker() -> (SocketAddr, mpsc::UnboundedReceiver<Instant>) {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let (tx, rx) = mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 1 << 16];
-                let mut seen = Vec::new();
-                loop {
-                    let n = s.read(&mut buf).await.unwrap_or(0);
-                    if n == 0 {
-                        if !seen.starts_with(b"GET") && !seen.is_empty() {
-                            let _ = tx.send(Instant::now());
-                        }
-                        return;
-                    }
-                    seen.extend_from_slice(&buf[..n]);
-                    if seen.starts_with(b"GET") && seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                        let _ = s
-                            .write_all(
-                                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
-                            )
-                            .await;
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (addr, rx)
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_header_time_out_is_final_closes_its_connection_and_bounds_the_wait() {
     let (silent, mut closed) = silent_worker().await;
     let spare = FakeWorker::start().await;
-    let urls = [format!("http://{silent}"), spare.url()];
+    let urls = [silent, spare.url()];
     let router = start_router(&yaml_for_urls(
         &urls,
         "policy: round_robin\nproxy:\n  request_timeout_secs: 0.4\n  max_retries: 2\n",
@@ -293,7 +253,7 @@ async fn a_header_time_out_is_final_closes_its_connection_and_bounds_the_wait() 
 async fn an_attempt_time_out_fails_over_within_the_request_bound() {
     let (silent, mut closed) = silent_worker().await;
     let spare = FakeWorker::start().await;
-    let urls = [format!("http://{silent}"), spare.url()];
+    let urls = [silent, spare.url()];
     let router = start_router(&yaml_for_urls(
         &urls,
         "policy: round_robin\nproxy:\n  request_timeout_secs: 2\n  attempt_timeout_secs: 0.2\n",

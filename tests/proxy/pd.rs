@@ -44,6 +44,14 @@ fn written_params(prefill: &FakeWorker, index: usize) -> String {
     rest[..rest.len() - 1].to_string()
 }
 
+/// `pd_leg_failures_total{leg, cause}` in a scrape.
+fn leg_failures(m: &Scrape, leg: &str, cause: &str) -> f64 {
+    m.value(
+        "cache_aware_router_pd_leg_failures_total",
+        &[("leg", leg), ("cause", cause)],
+    )
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn each_request_makes_one_prefill_call_for_the_hand_off_and_one_decode_call_carrying_it() {
     let f = PdFleet::serving(SHOW_PEERS).await;
@@ -299,13 +307,7 @@ async fn a_prefill_4xx_is_the_clients_answer_and_no_decode_call_is_made() {
     assert_eq!(resp.json()["error"]["message"], "prefill says 400");
     assert_eq!((f.prefill_calls().len(), f.decode_calls().len()), (1, 0));
     let m = scrape(router.addr).await;
-    let fail = |leg, cause| {
-        m.value(
-            "cache_aware_router_pd_leg_failures_total",
-            &[("leg", leg), ("cause", cause)],
-        )
-    };
-    assert_eq!(fail("prefill", "status_4xx"), 1.0);
+    assert_eq!(leg_failures(&m, "prefill", "status_4xx"), 1.0);
     wait_all_idle(router.addr, Duration::from_secs(3)).await;
     router.shutdown().await;
 }
@@ -333,13 +335,7 @@ async fn a_prefill_5xx_is_retried_on_the_other_prefill_worker() {
         "no hand-off: the client's body"
     );
     let m = scrape(router.addr).await;
-    assert_eq!(
-        m.value(
-            "cache_aware_router_pd_leg_failures_total",
-            &[("leg", "prefill"), ("cause", "status_5xx")]
-        ),
-        2.0
-    );
+    assert_eq!(leg_failures(&m, "prefill", "status_5xx"), 2.0);
     assert_eq!(
         m.value("cache_aware_router_pd_prefill_fallbacks_total", &[]),
         1.0
@@ -374,10 +370,7 @@ async fn a_prefill_5xx_is_retried_on_the_other_prefill_worker() {
     assert_eq!(f.decode_calls().len(), 4);
     assert_eq!(f.handoffs.unread(), 0);
     let m = scrape(router.addr).await;
-    let failed = m.value(
-        "cache_aware_router_pd_leg_failures_total",
-        &[("leg", "prefill"), ("cause", "status_5xx")],
-    );
+    let failed = leg_failures(&m, "prefill", "status_5xx");
     assert_eq!(failed, f.prefill[0].count() as f64);
     assert_eq!(
         m.value(
@@ -405,10 +398,7 @@ async fn broken_prefill_workers_go_decode_only_or_fail_as_configured() {
         chat_body("nobody prefills", false)
     );
     let m = scrape(router.addr).await;
-    let failures = m.value(
-        "cache_aware_router_pd_leg_failures_total",
-        &[("leg", "prefill"), ("cause", "upstream")],
-    );
+    let failures = leg_failures(&m, "prefill", "upstream");
     assert_eq!(failures, 2.0, "{}", m.text);
     assert_eq!(
         m.value("cache_aware_router_pd_prefill_fallbacks_total", &[]),
@@ -520,13 +510,7 @@ async fn a_decode_error_is_retried_on_the_other_decode_worker_with_the_same_hand
     }
     assert_eq!(f.prefill_calls().len(), 3, "one prefill leg per request");
     let m = scrape(router.addr).await;
-    assert_eq!(
-        m.value(
-            "cache_aware_router_pd_leg_failures_total",
-            &[("leg", "decode"), ("cause", "status_5xx")]
-        ),
-        bad.len() as f64
-    );
+    assert_eq!(leg_failures(&m, "decode", "status_5xx"), bad.len() as f64);
     router.shutdown().await;
 }
 
@@ -733,58 +717,47 @@ async fn sglang_sends_both_legs_at_once_to_meet_in_one_bootstrap_room() {
     router.shutdown().await;
 }
 
+/// Waits for the connection a silent engine reports closed; it must close within 1 s
+/// of `sent`.
+async fn closes_within_a_second(
+    what: &str,
+    sent: std::time::Instant,
+    closed: &mut tokio::sync::mpsc::UnboundedReceiver<std::time::Instant>,
+) {
+    let at = within(what, closed.recv()).await.unwrap();
+    let after = at.duration_since(sent);
+    assert!(
+        after < Duration::from_secs(1),
+        "{what} closed after {after:?}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sglang_a_legs_connection_error_ends_the_other_leg_within_a_second() {
     // The prefill leg breaks (its connection closes unanswered after 200 ms, once the
     // other leg is surely sent): the decode leg, waiting for its rendezvous, is cancelled.
     let broken =
         FakeWorker::start_with(|_| Reply::raw(vec![Step::Sleep(Duration::from_millis(200))])).await;
-    let (decode, mut closed) = silent_engine().await;
+    let (decode, mut closed) = silent_worker().await;
     let router = start_router(&sglang_yaml(&[broken.url()], &[decode])).await;
     let sent = std::time::Instant::now();
     let resp = send(router.addr, &chat_req("a broken prefill")).await;
     assert_eq!(resp.status, 502, "{}", resp.text());
     assert_eq!(resp.json()["error"]["type"], "prefill_failed");
-    let at = within("the decode connection closes", closed.recv())
-        .await
-        .unwrap();
-    assert!(
-        at.duration_since(sent) < Duration::from_secs(1),
-        "{:?}",
-        at.duration_since(sent)
-    );
+    closes_within_a_second("the decode connection", sent, &mut closed).await;
     let m = scrape(router.addr).await;
-    assert_eq!(
-        m.value(
-            "cache_aware_router_pd_leg_failures_total",
-            &[("leg", "prefill"), ("cause", "upstream")]
-        ),
-        1.0
-    );
+    assert_eq!(leg_failures(&m, "prefill", "upstream"), 1.0);
     router.shutdown().await;
 
     // The decode leg breaks: the prefill leg is cancelled.
-    let (prefill, mut closed) = silent_engine().await;
+    let (prefill, mut closed) = silent_worker().await;
     let router = start_router(&sglang_yaml(&[prefill], &[broken.url()])).await;
     let sent = std::time::Instant::now();
     let resp = send(router.addr, &chat_req("a broken decode")).await;
     assert_eq!(resp.status, 502, "{}", resp.text());
-    let at = within("the prefill connection closes", closed.recv())
-        .await
-        .unwrap();
-    assert!(
-        at.duration_since(sent) < Duration::from_secs(1),
-        "{:?}",
-        at.duration_since(sent)
-    );
+    closes_within_a_second("the prefill connection", sent, &mut closed).await;
     let m = scrape(router.addr).await;
-    assert_eq!(
-        m.value(
-            "cache_aware_router_pd_leg_failures_total",
-            &[("leg", "decode"), ("cause", "upstream")]
-        ),
-        1.0
-    );
+    assert_eq!(leg_failures(&m, "decode", "upstream"), 1.0);
     wait_all_idle(router.addr, Duration::from_secs(3)).await;
     router.shutdown().await;
 }

@@ -396,38 +396,3 @@ pub fn sglang_decode(rooms: Rooms) -> impl Fn(&Recorded) -> Reply + Send + Sync 
         reply.after_gate(&met)
     }
 }
-
-/// An engine that reads a request and never answers, telling when the router closed
-/// the connection (its `GET`s, health probes, are answered 200).
-pub async fn silent_engine() -> (String, tokio::sync::mpsc::UnboundedReceiver<Instant>) {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(async move {
-        while let Ok((mut s, _)) = listener.accept().await {
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 1 << 16];
-                let mut seen = Vec::new();
-                loop {
-                    let n = s.read(&mut buf).await.unwrap_or(0);
-                    if n == 0 {
-                        if !seen.starts_with(b"GET") && !seen.is_empty() {
-                            let _ = tx.send(Instant::now());
-                        }
-                        return;
-                    }
-                    seen.extend_from_slice(&buf[..n]);
-                    if seen.starts_with(b"GET") && seen.windows(4).any(|w| w == b"\r\n\r\n") {
-                        let ok =
-                            b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}";
-                        let _ = s.write_all(ok).await;
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    (url, rx)
-}
