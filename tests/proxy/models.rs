@@ -80,6 +80,7 @@ async fn models_follow_the_workers_lists_and_leave_with_an_unhealthy_worker() {
     router.shutdown().await;
 }
 
+// C21: the first listed worker is down; its peer answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_are_forwarded_to_a_worker_that_is_up_when_no_list_can_be_read() {
     const LIST: &str = r#"{"weird":"shape"}"#;
@@ -98,6 +99,7 @@ async fn models_are_forwarded_to_a_worker_that_is_up_when_no_list_can_be_read() 
     router.shutdown().await;
 }
 
+// C21: with every worker down, 503 with a JSON error, never 500.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn models_with_every_worker_down_answer_503_json() {
     let urls = closed_port_urls::<2>();
