@@ -84,6 +84,86 @@ pub fn chat_bodies(max_tokens: u64, stream: bool, bytes: usize) -> BodyFn {
     Arc::new(move |i| bodies[(i % bodies.len() as u64) as usize].clone())
 }
 
+/// System prompts of the new-turn workload ([`new_turn_bodies`]): as many as a few
+/// applications sharing a pool would send.
+pub const NEW_TURN_SYSTEMS: u64 = 8;
+
+/// Bytes of each new user turn of [`new_turn_bodies`] (pseudo-random words), about.
+pub const NEW_TURN_USER_BYTES: usize = 160;
+
+/// Chat bodies as real traffic sends them: one of [`NEW_TURN_SYSTEMS`] fixed system
+/// prompts (request `i` takes prompt `i % 8`; each is pseudo-random words of its own,
+/// padded so that a body is about `bytes` long), then a user turn never sent before:
+/// "Turn N:" and ~[`NEW_TURN_USER_BYTES`] bytes of words seeded by N, where N counts
+/// every body this function's result has built (not `i`, which restarts with each
+/// run), so a warm-up or a previous cell never repeats a turn. A prefix-caching router
+/// matches the system prompt and inserts the new turn on every request, the way its
+/// tree grows in production; [`chat_bodies`] (the repeated-body workload) only hits.
+pub fn new_turn_bodies(max_tokens: u64, stream: bool, bytes: usize) -> BodyFn {
+    use crate::prompts::{SplitMix64, WORDS};
+    let words = |seed: u64, len: usize| {
+        let mut rng = SplitMix64::new(seed);
+        let mut text = String::with_capacity(len + 16);
+        while text.len() < len {
+            if !text.is_empty() {
+                text.push(' ');
+            }
+            text.push_str(WORDS[(rng.next_u64() % WORDS.len() as u64) as usize]);
+        }
+        text
+    };
+    // Each body is built from its system prompt's JSON up to the user turn, the turn
+    // (plain ASCII words: nothing to escape) and the JSON after it, so the load
+    // generator spends little on it.
+    let frame = |system: &str| {
+        let mut v = serde_json::json!({
+            "model": "m",
+            "messages": [
+                {"role": "system", "content": system},
+                {"role": "user", "content": "\u{1}"},
+            ],
+            "max_tokens": max_tokens,
+            "ignore_eos": true,
+        });
+        if stream {
+            v["stream"] = serde_json::json!(true);
+            v["stream_options"] = serde_json::json!({"include_usage": true});
+        }
+        let text = v.to_string();
+        let (head, tail) = text.split_once("\\u0001").unwrap_or((&text, ""));
+        (head.to_string(), tail.to_string())
+    };
+    // The bytes around a system prompt: the frame and a turn with a long number.
+    let turn = move |n: u64| {
+        format!(
+            "Turn {n}: {}",
+            words(n ^ 0x6e65_775f_7475_726e, NEW_TURN_USER_BYTES)
+        )
+    };
+    let (h, t) = frame("");
+    let around = h.len() + t.len() + turn(u64::from(u32::MAX)).len();
+    let room = bytes.saturating_sub(around).max(64);
+    let frames: Vec<(String, String)> = (0..NEW_TURN_SYSTEMS)
+        .map(|s| {
+            let mut p = format!("You are assistant {s} of the new-turn benchmark. ");
+            p.push_str(&words(0x7379_7374_656d ^ s, room));
+            p.truncate(room);
+            frame(&p)
+        })
+        .collect();
+    let next = Arc::new(AtomicU64::new(0));
+    Arc::new(move |i| {
+        let n = next.fetch_add(1, Ordering::Relaxed);
+        let (head, tail) = &frames[(i % NEW_TURN_SYSTEMS) as usize];
+        let turn = turn(n);
+        let mut b = String::with_capacity(head.len() + turn.len() + tail.len());
+        b.push_str(head);
+        b.push_str(&turn);
+        b.push_str(tail);
+        Bytes::from(b)
+    })
+}
+
 /// One closed-loop run.
 #[derive(Clone)]
 pub struct LoadSpec {
@@ -501,5 +581,27 @@ mod tests {
                 .unwrap()
                 .starts_with(SMALL_SYSTEM)
         );
+    }
+
+    #[test]
+    fn new_turn_bodies_share_eight_system_prompts_and_never_repeat_a_turn() {
+        let bodies = new_turn_bodies(20, true, 2048);
+        let mut systems = std::collections::HashSet::new();
+        let mut turns = std::collections::HashSet::new();
+        // Two runs number their requests from 0: the turns stay new.
+        for i in (0..40).chain(0..40) {
+            let b = bodies(i);
+            assert!((1900..=2100).contains(&b.len()), "{}", b.len());
+            let v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+            assert_eq!(v["max_tokens"], 20);
+            assert_eq!(v["stream"], true);
+            let system = v["messages"][0]["content"].as_str().unwrap().to_string();
+            assert!(system.starts_with(&format!("You are assistant {} ", i % 8)));
+            systems.insert(system);
+            let turn = v["messages"][1]["content"].as_str().unwrap();
+            assert!(turn.len() >= NEW_TURN_USER_BYTES, "{turn}");
+            assert!(turns.insert(turn.to_string()), "turn repeated: {turn}");
+        }
+        assert_eq!(systems.len(), 8);
     }
 }

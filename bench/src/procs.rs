@@ -689,6 +689,65 @@ pub fn tree_usage(pid: u32) -> std::io::Result<ProcUsage> {
     Ok(total)
 }
 
+/// RSS of a process tree read every `every` by a background task ([`RssSeries::start`])
+/// until [`RssSeries::finish`]: memory over a run, to tell growth from a plateau.
+pub struct RssSeries {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    task: tokio::task::JoinHandle<Vec<(f64, u64)>>,
+}
+
+impl RssSeries {
+    /// Starts reading `pid`'s tree ([`tree_usage`]) now and then every `every`.
+    pub fn start(pid: u32, every: std::time::Duration) -> Self {
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let flag = std::sync::Arc::clone(&stop);
+        let task = tokio::spawn(async move {
+            let t0 = std::time::Instant::now();
+            let mut points = Vec::new();
+            // Bounded in time: a day of readings at most, whoever forgets to stop it.
+            while !flag.load(std::sync::atomic::Ordering::Relaxed)
+                && t0.elapsed() < std::time::Duration::from_secs(86_400)
+            {
+                if let Ok(u) = tree_usage(pid) {
+                    points.push((t0.elapsed().as_secs_f64(), u.rss_kib));
+                }
+                tokio::time::sleep(every).await;
+            }
+            points
+        });
+        RssSeries { stop, task }
+    }
+
+    /// Stops reading: `(seconds since the start, RSS KiB)` per reading, in order.
+    pub async fn finish(self) -> Vec<(f64, u64)> {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.task.await.unwrap_or_default()
+    }
+}
+
+/// `n` readings of a series ([`RssSeries::finish`]) spread evenly over it, the first
+/// and last included, as "t s: N MiB" items.
+pub fn rss_over_time(points: &[(f64, u64)], n: usize) -> String {
+    if points.is_empty() {
+        return "–".into();
+    }
+    let n = n.clamp(2, points.len().max(2));
+    let last = points.len() - 1;
+    let mut picked: Vec<usize> = (0..n).map(|k| k * last / (n - 1)).collect();
+    picked.dedup();
+    picked
+        .iter()
+        .map(|&i| {
+            format!(
+                "{:.0} s: {:.0} MiB",
+                points[i].0,
+                points[i].1 as f64 / 1024.0
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
 /// Resets `VmHWM` of `pid` to its current RSS (writes `5` to `/proc/<pid>/clear_refs`,
 /// Linux ≥ 4.0; needs to own the process).
 pub fn reset_peak_rss(pid: u32) -> std::io::Result<()> {

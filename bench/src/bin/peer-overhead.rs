@@ -27,10 +27,16 @@
 //! robin, upstream keep-alive pool, buffering off, `worker_processes auto`, access
 //! log off unless `--nginx-access-log`.
 //!
+//! Workloads (`--workloads`, each a whole run with its own report): `repeated`, 256
+//! fixed bodies cycled (after the first 256 a prefix tree only answers hits), and
+//! `new-turn`, 8 fixed system prompts and a user turn never sent before on every
+//! request (every request also inserts into the tree, as real traffic does). Each
+//! router's RSS is read every second over its run and reported over time.
+//!
 //! Usage: `cargo build --release --workspace`, then `target/release/peer-overhead`
 //! (about 4 minutes on 2 cores); against nginx:
 //! `target/release/peer-overhead --routers ours,nginx --engines 4 --prompt-bytes 2048
-//! --stream-max-tokens 20 --concurrency 1,64`.
+//! --stream-max-tokens 20 --concurrency 1,64 --workloads new-turn,repeated`.
 
 use std::fmt::Write as _;
 use std::net::SocketAddr;
@@ -66,6 +72,33 @@ impl RouterArg {
             RouterArg::Sglang => RouterKind::Peer(Peer::Sglang),
             RouterArg::Vllm => RouterKind::Peer(Peer::Vllm),
             RouterArg::Nginx => RouterKind::Nginx,
+        }
+    }
+}
+
+/// What the chat bodies are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, ValueEnum)]
+enum Workload {
+    /// 256 fixed bodies cycled ([`load::chat_bodies`]): after the first 256 every
+    /// request repeats an earlier one byte for byte, so a prefix tree only answers hits.
+    Repeated,
+    /// 8 fixed system prompts and a new user turn every request
+    /// ([`load::new_turn_bodies`]): every request also inserts into the tree, as real
+    /// traffic does.
+    NewTurn,
+}
+
+impl Workload {
+    fn describe(self) -> &'static str {
+        match self {
+            Workload::Repeated => {
+                "repeated bodies (256 fixed bodies cycled: after the first 256 every request \
+                 repeats an earlier one, so a prefix tree only answers hits)"
+            }
+            Workload::NewTurn => {
+                "new turn per request (8 fixed system prompts, then a user turn of ~160 bytes \
+                 never sent before: every request also inserts into the prefix tree)"
+            }
         }
     }
 }
@@ -126,9 +159,15 @@ struct Cli {
     #[arg(long)]
     stream_max_tokens: Option<u64>,
     /// Pad the shared system prompt so that each request body is about this many
-    /// bytes (e.g. 2048 for ~2 KB chat bodies; 0: unpadded, about 300 bytes).
+    /// bytes (e.g. 2048 for ~2 KB chat bodies; 0: unpadded, about 300 bytes; new-turn
+    /// bodies are at least ~400 bytes).
     #[arg(long, default_value_t = 0)]
     prompt_bytes: usize,
+    /// Workloads, comma-separated, each a whole run with its own report: repeated
+    /// (256 bodies cycled: the tree only hits), new-turn (8 system prompts and a new
+    /// user turn every request: every request inserts into the tree).
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "repeated")]
+    workloads: Vec<Workload>,
     /// `log.level` of ours (`info`, its default: one access line per request;
     /// `warn`: none). The last one given wins (`bench/peers/run.sh` passes `warn`).
     #[arg(long, default_value = "info", overrides_with = "router_log_level")]
@@ -230,6 +269,8 @@ struct RouterRun {
     end: ProcUsage,
     other: Option<procs::OtherCpu>,
     error: Option<String>,
+    /// `(s since start, RSS KiB)` of its process tree, read every second.
+    rss: Vec<(f64, u64)>,
 }
 
 fn machine_facts() -> String {
@@ -241,6 +282,8 @@ fn machine_facts() -> String {
 
 struct Ctx {
     cli: Cli,
+    /// The workload being run (one of `cli.workloads`).
+    workload: Workload,
     engine_bin: PathBuf,
     router_bin: PathBuf,
     peers: PeerSetup,
@@ -260,7 +303,11 @@ impl Ctx {
     }
 
     fn bodies(&self, stream: bool) -> load::BodyFn {
-        load::chat_bodies(self.max_tokens(stream), stream, self.cli.prompt_bytes)
+        let (tokens, bytes) = (self.max_tokens(stream), self.cli.prompt_bytes);
+        match self.workload {
+            Workload::Repeated => load::chat_bodies(tokens, stream, bytes),
+            Workload::NewTurn => load::new_turn_bodies(tokens, stream, bytes),
+        }
     }
 
     fn spec(&self, targets: Vec<SocketAddr>, c: usize, d: Duration, stream: bool) -> LoadSpec {
@@ -303,7 +350,8 @@ async fn try_run(cli: Cli) -> Result<bool, String> {
         )
         .map_err(|e| e.to_string())?;
     }
-    let ctx = Ctx {
+    let mut ctx = Ctx {
+        workload: Workload::Repeated,
         engine_bin: cli
             .engine_bin
             .clone()
@@ -330,21 +378,33 @@ async fn try_run(cli: Cli) -> Result<bool, String> {
     println!("# Router overhead: ours vs the peer routers and nginx\n");
     println!("command: `{}`  ", command.join(" "));
     println!("{}\n", machine_facts());
+    let mut ok = true;
+    let mut workloads = ctx.cli.workloads.clone();
+    workloads.dedup();
+    for w in workloads {
+        ctx.workload = w;
+        ok &= run_workload(&ctx).await?;
+    }
+    Ok(ok)
+}
+
+/// Every engine count, router and cell of one workload, then its report.
+async fn run_workload(ctx: &Ctx) -> Result<bool, String> {
+    eprintln!("== workload {:?}", ctx.workload);
     let t0 = Instant::now();
     let mut cells: Vec<Cell> = Vec::new();
     let mut runs: Vec<RouterRun> = Vec::new();
     for &n in &ctx.cli.engines {
         let mut procs_engines = Vec::new();
-        let r = engines_round(&ctx, n, &mut procs_engines, &mut cells, &mut runs).await;
+        let r = engines_round(ctx, n, &mut procs_engines, &mut cells, &mut runs).await;
         procs::stop_all(procs_engines).await;
         r?;
     }
     let ratios = round_ratios(&cells);
     let cells = median_cells(cells);
-    let text = report(&ctx, &cells, &ratios, &runs, t0.elapsed());
+    let text = report(ctx, &cells, &ratios, &runs, t0.elapsed());
     println!("{text}");
-    let ok = cells.iter().all(|c| c.errors() == 0) && runs.iter().all(|r| r.error.is_none());
-    Ok(ok)
+    Ok(cells.iter().all(|c| c.errors() == 0) && runs.iter().all(|r| r.error.is_none()))
 }
 
 /// Starts `n` engines, then each router in front of them in turn.
@@ -416,10 +476,12 @@ async fn engines_round(
                         .filter_map(ChildProc::pid)
                         .collect(),
                 );
+                let series = procs::RssSeries::start(router.pid, Duration::from_secs(1));
                 let res = measure_router(ctx, kind, n, &direct, &router, cells).await;
                 for c in &mut cells[first_cell..] {
                     c.round = round;
                 }
+                let rss = series.finish().await;
                 let other = watch.finish();
                 let end = procs::tree_usage(router.pid).unwrap_or_default();
                 if res.is_err() {
@@ -433,6 +495,7 @@ async fn engines_round(
                     end,
                     other,
                     error: res.err(),
+                    rss,
                 }
             }
             Err(e) => RouterRun {
@@ -443,6 +506,7 @@ async fn engines_round(
                 end: ProcUsage::default(),
                 other: None,
                 error: Some(e),
+                rss: Vec::new(),
             },
         };
         if let Some(e) = &run.error {
@@ -542,6 +606,7 @@ fn report(
     t.push_str(&compact(&ctx.cli, cells));
     t.push_str(&best_table(ctx, cells, runs));
     t.push_str(&how_ran(runs));
+    t.push_str(&rss_lines(runs));
     t.push('\n');
     t.push_str(&targets(cells, runs));
     t.push_str(&against_nginx(cells, ratios));
@@ -552,6 +617,7 @@ fn report(
 fn intro(ctx: &Ctx, took: Duration) -> String {
     let mut t = String::new();
     let cli = &ctx.cli;
+    let _ = writeln!(t, "## Workload: {}\n", ctx.workload.describe());
     let _ = writeln!(
         t,
         "Engines answer at once (time factor 0). Chat requests ({} bytes of JSON, \
@@ -695,6 +761,23 @@ fn best_table(ctx: &Ctx, cells: &[Cell], runs: &[RouterRun]) -> String {
             mib(r.end.hwm_kib),
             r.end.cpu_ticks.saturating_sub(r.idle.cpu_ticks) as f64 / ctx.clk_tck,
             r.other.map_or("–".into(), |o| o.to_string()),
+        );
+    }
+    t
+}
+
+/// One line per router run: its RSS over the run (read every second).
+fn rss_lines(runs: &[RouterRun]) -> String {
+    let mut t =
+        String::from("\nRouter RSS over each run (its process tree, read every second):\n\n");
+    for (i, r) in runs.iter().enumerate().filter(|(_, r)| !r.rss.is_empty()) {
+        let _ = writeln!(
+            t,
+            "- {} ({} engines, run {}): {}",
+            r.router.name(),
+            r.engines,
+            i + 1,
+            procs::rss_over_time(&r.rss, 8)
         );
     }
     t

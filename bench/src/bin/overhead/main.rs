@@ -14,8 +14,9 @@
 //! - `streams5k`: 5,000 connections to the router, then one streamed request on each
 //!   (engines at real time: 20 tokens × 100 ms); errors, connect times, router CPU
 //!   and RSS, and every worker's `in_flight` in `GET /workers` afterwards; repeated
-//!   `--streams-rounds` times on the same router, then RSS and open fds after 10 s
-//!   idle (pooled upstream connections expire).
+//!   `--streams-rounds` times on the same router, each followed by `--streams-rest-s`
+//!   of rest with RSS read every second (whether the burst's memory comes back), then
+//!   RSS and open fds after 10 s more idle (pooled upstream connections expire).
 //! - `tree`: fills the router's radix tree with distinct prompts until
 //!   `tree_nodes` (from `GET /workers`) reaches `--tree-nodes`; RSS before, during
 //!   and after, and bytes per node.
@@ -29,6 +30,12 @@
 //!   cache off) sent the same `--cache-entries` distinct requests; router RSS against
 //!   `response_cache_bytes` / `_entries`, per entry. Every request's cache outcome is
 //!   checked against the router's `response_cache_{hits,misses}_total`.
+//!
+//! - `soak` (not in the default list: 10 minutes by default): the new-turn workload
+//!   (~2 KB bodies, 8 system prompts, a new user turn every request, so every request
+//!   inserts into the tree) at `--soak-concurrency` for `--soak-s` against 4 engines,
+//!   the tree capped at `--soak-tree-size` nodes; RSS, tree nodes and bytes and router
+//!   CPU per request over time, and RSS at 2 minutes against the end.
 //!
 //! Every section starts fresh processes (engines at `--time-factor`, default 0 =
 //! answer at once; router with `log: {level: warn}`) and kills them at its end, on
@@ -47,6 +54,7 @@ mod added;
 mod cache;
 mod env;
 mod saturation;
+mod soak;
 mod streams;
 mod tree;
 
@@ -72,13 +80,15 @@ enum Section {
     Tree,
     /// Response cache: hit and miss latency, hit throughput, memory per entry.
     Cache,
+    /// RSS over a long run of new turns with the tree at its cap.
+    Soak,
 }
 
 /// Measure the router's overhead against simulated vLLM engines on 127.0.0.1.
 #[derive(Debug, Parser)]
 #[command(name = "overhead", version)]
 struct Cli {
-    /// Sections to run, comma-separated: added, saturation, streams5k, tree, cache.
+    /// Sections to run, comma-separated: added, saturation, streams5k, tree, cache, soak.
     #[arg(
         long,
         value_enum,
@@ -134,6 +144,9 @@ struct Cli {
     /// Rounds of the streams section (same router; RSS after each).
     #[arg(long, default_value_t = 2)]
     streams_rounds: usize,
+    /// Rest after each round of the streams section, RSS read every second, in s.
+    #[arg(long, default_value_t = 60.0)]
+    streams_rest_s: f64,
     /// Most client connects in progress at once while opening the streams.
     #[arg(long, default_value_t = 256)]
     streams_connect_parallelism: usize,
@@ -164,6 +177,18 @@ struct Cli {
     /// max_tokens of the memory rows' requests (sets the answers' size).
     #[arg(long, default_value_t = 32)]
     cache_entry_tokens: u64,
+    /// Length of the soak section, in s.
+    #[arg(long, default_value_t = 600.0)]
+    soak_s: f64,
+    /// Between two readings of the soak section, in s.
+    #[arg(long, default_value_t = 5.0)]
+    soak_every_s: f64,
+    /// Concurrency of the soak section.
+    #[arg(long, default_value_t = 64)]
+    soak_concurrency: usize,
+    /// The soak router's `cache.max_tree_size`, in nodes (low enough to reach early).
+    #[arg(long, default_value_t = 200_000)]
+    soak_tree_size: usize,
     /// redis-server executable for the cache section (looked up in PATH).
     #[arg(long, default_value = "redis-server")]
     redis_server: PathBuf,
@@ -275,6 +300,7 @@ async fn run_section(s: Section, env: &Env, cli: &Cli, nofile: u64) -> bool {
         Section::Streams5k => streams::run(env, cli, nofile, &mut procs).await,
         Section::Tree => tree::run(env, cli, &mut procs).await,
         Section::Cache => cache::run(env, cli, &mut procs).await,
+        Section::Soak => soak::run(env, cli, &mut procs).await,
     };
     // Children started within the section: all their CPU time is the section's.
     let pids: Vec<u32> = procs.iter().filter_map(ChildProc::pid).collect();

@@ -36,6 +36,8 @@ struct StreamRound {
     zero_after: Option<Duration>,
     /// Router's open file descriptors at the end of the round.
     fds_after: usize,
+    /// `(s after the round, RSS KiB)` read every second over the rest that follows it.
+    rest: Vec<(f64, u64)>,
 }
 
 async fn stream_round(spec: &BurstSpec, router: &RouterProc, admin: &Arc<Admin>) -> StreamRound {
@@ -100,6 +102,7 @@ async fn stream_round(spec: &BurstSpec, router: &RouterProc, admin: &Arc<Admin>)
         last_read,
         zero_after,
         fds_after: open_fds(router.pid),
+        rest: Vec::new(),
     }
 }
 
@@ -135,15 +138,19 @@ pub async fn run(env: &Env, cli: &Cli, nofile: u64, procs: &mut Vec<ChildProc>) 
         stream: true,
         body: small_bodies(cli.streams_tokens, true),
     };
+    let rest = bench::procs::secs(cli.streams_rest_s, "--streams-rest-s")?;
     let mut rounds = Vec::new();
     for r in 0..cli.streams_rounds.max(1) {
         eprintln!(
             "   round {}: opening {n} connections, then one stream on each",
             r + 1
         );
-        rounds.push(stream_round(&spec, &router, &admin).await);
-        // Let the client side's closed connections settle before the next round.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        let mut round = stream_round(&spec, &router, &admin).await;
+        // Rest, reading RSS: does the memory the burst took come back?
+        let series = procs::RssSeries::start(router.pid, Duration::from_secs(1));
+        tokio::time::sleep(rest).await;
+        round.rest = series.finish().await;
+        rounds.push(round);
     }
     let ok = rounds
         .iter()
@@ -262,6 +269,20 @@ fn round_table(env: &Env, rounds: &[StreamRound]) -> String {
             if x.reset_ok { "" } else { " (sampled)" },
             mib(x.after.rss_kib)
         )
+    });
+    row("router RSS during the rest after the round", &|x| {
+        procs::rss_over_time(&x.rest, 5)
+    });
+    row("RSS back within 30 MB of the round's start", &|x| {
+        let mb = |kib: u64| kib as f64 * 1024.0 / 1e6;
+        match x
+            .rest
+            .iter()
+            .find(|(_, kib)| mb(*kib) <= mb(x.before.rss_kib) + 30.0)
+        {
+            Some((s, _)) => format!("**after {s:.0} s**"),
+            None => "**no**".into(),
+        }
     });
     row("router open fds after the round", &|x| {
         x.fds_after.to_string()
