@@ -137,7 +137,11 @@ impl Lane {
         }
         if !self.hit_t.is_empty() && !self.miss_t.is_empty() {
             report("  cache hits", &mut self.hit_t);
-            report("  the others (a new leaf)", &mut self.miss_t);
+            // The new-turn case: every real request adds its new turn to the tree.
+            report(
+                "  decisions with their insert (a new ~30 KiB leaf; target p99 < 20 µs)",
+                &mut self.miss_t,
+            );
         }
         (self.name, pick, total)
     }

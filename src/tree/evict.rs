@@ -5,11 +5,14 @@
 //! out to have evicted a prefix loses its records last used before that prefix
 //! ([`SharedTree::engine_evicted`], at most one sweep per [`AGE_OUT_EVERY`]).
 //!
-//! A pass never holds the tree lock for long: it scans the arena in steps of
-//! [`SCAN_STEP`] slots and evicts in batches of [`EVICT_BATCH`] leaves, releasing the
-//! lock between steps, so a request waits at most one step. While a pass runs, requests
-//! still match against the tree but skip their insert (counted in
-//! `SharedTree::skipped_inserts`), so the pass is not chasing a growing tree.
+//! A pass never holds the tree lock for long: it takes the least recently used leaves
+//! from the back of the tree's recency list (`super::lru`: O(1) a leaf, no scan, no
+//! sort) in batches of [`EVICT_BATCH`], releasing the lock between batches and freeing
+//! what a batch took after releasing it, so a request waits at most one batch. While a
+//! pass runs, requests still match against the tree but skip their insert (counted in
+//! `SharedTree::skipped_inserts`), so the pass is not chasing a growing tree; a pass
+//! lasts about a microsecond per node it removes. Age-out sweeps scan the arena in
+//! steps of [`SCAN_STEP`] slots.
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -25,9 +28,9 @@ use crate::shutdown::Shutdown;
 /// machine (32 Ki took 0.5–0.9 ms), within the time a request spins for the lock before
 /// it sleeps (`super::SharedTree::lock`).
 pub const SCAN_STEP: usize = 8 * 1024;
-/// Leaves evicted per lock hold: ~0.75 µs each in a full tree (cache misses on the leaf,
-/// its parent and its siblings), so ~50 µs a hold (2,048 held it for 0.9 ms). What they
-/// held is freed after the lock is released.
+/// Leaves evicted per lock hold: well under a microsecond each in a full tree (cache
+/// misses on the leaf, its parent and its list neighbours), so tens of µs a hold at
+/// most (2,048 held it for 0.9 ms). What they held is freed after the lock is released.
 pub const EVICT_BATCH: usize = 64;
 /// Past a ceiling by more than 1/`OVER_BY` of it (nodes or bytes), the tree is
 /// evicted at the next [`AGE_OUT_EVERY`] look instead of waiting for the periodic pass:
@@ -142,7 +145,8 @@ impl Ceiling {
 }
 
 /// Evicts least-recently-used leaves until the tree is within both ceilings (its nodes
-/// and its bytes). Returns the number of nodes removed.
+/// and its bytes): O(1) a leaf, in lock holds of at most [`EVICT_BATCH`] leaves. Returns
+/// the number of nodes removed.
 pub async fn evict_to(set: &SharedTree, ceiling: Ceiling) -> usize {
     // Nothing to do: inserts must not be skipped for a pass that removes nothing.
     if !ceiling.exceeded_by(&set.lock()) {
@@ -151,44 +155,16 @@ pub async fn evict_to(set: &SharedTree, ceiling: Ceiling) -> usize {
     let mut removed = 0;
     let mut freed = Freed::with_room(EVICT_BATCH);
     set.set_evicting(true);
-    // Each round removes leaves; parents that become leaves are taken in a later round.
-    for _ in 0..64 {
-        let arena = {
-            let t = set.lock();
-            if !ceiling.exceeded_by(&t) {
-                break;
-            }
-            t.arena_len()
-        };
-        let mut leaves = Vec::new();
-        let mut start = 0;
-        while start < arena {
+    loop {
+        let n =
             set.lock_for_pass()
-                .collect_leaves(start..start + SCAN_STEP, &mut leaves);
-            start += SCAN_STEP;
-            tokio::task::yield_now().await;
+                .evict_oldest(ceiling.nodes, ceiling.bytes, EVICT_BATCH, &mut freed);
+        freed.clear();
+        removed += n;
+        if n < EVICT_BATCH {
+            break;
         }
-        leaves.sort_unstable();
-        let mut within = false;
-        for batch in leaves.chunks(EVICT_BATCH) {
-            {
-                let mut t = set.lock_for_pass();
-                for &(stamp, node) in batch {
-                    within = !ceiling.exceeded_by(&t);
-                    if within {
-                        break;
-                    }
-                    if t.evict_leaf(node, stamp, &mut freed) {
-                        removed += 1;
-                    }
-                }
-            }
-            freed.clear();
-            if within {
-                break;
-            }
-            tokio::task::yield_now().await;
-        }
+        tokio::task::yield_now().await;
     }
     set.set_evicting(false);
     set.evicted_nodes

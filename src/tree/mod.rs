@@ -10,13 +10,17 @@
 //!
 //! Text is bytes, not chars: thresholds and the tree share are in bytes of UTF-8 text.
 //! Nodes live in an arena (`Vec<Node>` plus a free list) addressed by `u32`, so there are
-//! no reference-counted links and a node costs one small allocation for its edge.
+//! no reference-counted links. An insert allocates once per node it creates: the new
+//! leaf's edge, and a split's head (the split node keeps its own allocation for the tail,
+//! shrunk in place; up to two children live inline in a node). Eviction takes the least
+//! recently used leaf from the back of a recency list through the arena ([`lru`]): O(1)
+//! a node, no scan and no sort.
 //!
-//! Memory: a node is 80 bytes in the arena plus its edge and children allocations;
-//! measured through the router (`bench` `overhead --only tree`, ~300-byte prompts),
-//! ~260 bytes of RSS per node, so the default `max_tree_size` of 1 M nodes ≈ 260 MiB
-//! with short prompts. Long ones make few nodes of many bytes; `max_tree_bytes` (1 GiB of
-//! edges by default) bounds those.
+//! Memory: a node is 88 bytes in the arena plus its edge (one allocation: its length
+//! rounded up to 16 bytes plus 8, at least 32) and, past two children, its child list;
+//! a freed slot or edge is reused by the next insert, so a tree held at its ceilings
+//! stays at their size. The router's RSS per node as measured is in the book's
+//! performance page; `max_tree_size` (nodes) and `max_tree_bytes` (edge bytes) bound it.
 //!
 //! Locking (see `workers::WorkerSet`): the tree is plain data with no interior locking;
 //! its owner wraps it in one `parking_lot::Mutex`, held only for one match + insert (a
@@ -29,6 +33,7 @@
 
 mod doubt;
 pub mod evict;
+mod lru;
 mod mask;
 
 pub use doubt::{DISBELIEVE_AFTER, Verdict};
@@ -442,8 +447,9 @@ impl Freed {
 struct Node {
     /// Bytes between the parent and this node (empty only for the root).
     edge: Box<[u8]>,
-    /// Children sorted by the first byte of their edge.
-    children: Vec<(u8, NodeIdx)>,
+    /// Children sorted by the first byte of their edge; up to two inline (a split's
+    /// node has two), so most nodes need no allocation for them.
+    children: Children,
     parent: NodeIdx,
     workers: WorkerMask,
     /// Logical time of the last insert through this node (see [`RadixTree::insert`]).
@@ -451,7 +457,14 @@ struct Node {
     /// Its slot of doubts (workers whose answers did not bear it out, see [`doubt`]);
     /// 0 for none.
     doubt: u32,
+    /// Its neighbours in the recency list ([`lru`]): towards the most and the least
+    /// recently used; [`lru::NONE`] while not in it (a free or detached slot).
+    lru_newer: NodeIdx,
+    lru_older: NodeIdx,
 }
+
+/// A node's children: `(first byte of the edge, node)`, sorted.
+type Children = smallvec::SmallVec<[(u8, NodeIdx); 2]>;
 
 impl Node {
     /// Its last-use stamp when one worker alone holds it, else 0 (see
@@ -468,11 +481,13 @@ impl Node {
     fn empty() -> Node {
         Node {
             edge: Box::default(),
-            children: Vec::new(),
+            children: Children::new(),
             parent: ROOT,
             workers: WorkerMask::default(),
             last_access: 0,
             doubt: 0,
+            lru_newer: lru::NONE,
+            lru_older: lru::NONE,
         }
     }
 }
@@ -563,7 +578,7 @@ impl RadixTree {
     /// An empty tree (just the root).
     pub fn new() -> Self {
         RadixTree {
-            nodes: vec![Node::empty()],
+            nodes: vec![lru::root()],
             free_head: ROOT,
             free_len: 0,
             worker_bytes: Vec::new(),
@@ -787,17 +802,17 @@ impl RadixTree {
         while pos < text.len() {
             match self.child(node, text[pos]) {
                 None => {
+                    // The one allocation of an insert: the new leaf's edge.
                     let leaf = self.alloc(Node {
                         edge: text[pos..].into(),
-                        children: Vec::new(),
                         parent: node,
-                        workers: WorkerMask::default(),
                         last_access: now,
-                        doubt: 0,
+                        ..Node::empty()
                     });
                     self.link(node, text[pos], leaf);
                     self.total_bytes += (text.len() - pos) as u64;
                     self.hold(leaf, worker, now);
+                    self.lru_after(node, leaf);
                     return created + 1;
                 }
                 Some(child) => {
@@ -809,6 +824,9 @@ impl RadixTree {
                         child
                     };
                     self.hold(next, worker, now);
+                    // The path in order right behind its parent: a node is always
+                    // more recent in the list than its descendants.
+                    self.lru_after(node, next);
                     pos += n;
                     node = next;
                 }
@@ -935,6 +953,7 @@ impl RadixTree {
     /// and clears its edge and workers, returned (for the caller to drop) as a node that
     /// holds just them; its slot is freed later by [`Self::remove_step`].
     fn detach(&mut self, node: NodeIdx) -> Node {
+        self.lru_remove(node);
         let slot = &mut self.nodes[node as usize];
         self.doubts.release(&mut slot.doubt);
         let len = slot.edge.len() as u64;
@@ -1000,19 +1019,24 @@ impl RadixTree {
 
     /// Splits `child`'s edge after `at` bytes; returns the new middle node, which takes
     /// the first `at` bytes and `child`'s workers and stamp.
+    /// The child keeps its allocation for the tail (moved down and shrunk in place), so
+    /// a split allocates the head only.
     fn split(&mut self, child: NodeIdx, at: usize) -> NodeIdx {
-        let c = &self.nodes[child as usize];
+        let c = &mut self.nodes[child as usize];
         let parent = c.parent;
         let first = c.edge[0];
-        let head: Box<[u8]> = c.edge[..at].into();
-        let tail: Box<[u8]> = c.edge[at..].into();
+        let (workers, last_access) = (c.workers.clone(), c.last_access);
+        let mut tail = std::mem::take(&mut c.edge).into_vec();
+        let head: Box<[u8]> = tail[..at].into();
+        tail.drain(..at);
+        let tail = tail.into_boxed_slice();
         let middle = self.alloc(Node {
             edge: head,
-            children: vec![(tail[0], child)],
+            children: smallvec::smallvec![(tail[0], child)],
             parent,
-            workers: c.workers.clone(),
-            last_access: c.last_access,
-            doubt: 0,
+            workers,
+            last_access,
+            ..Node::empty()
         });
         let c = &mut self.nodes[child as usize];
         c.edge = tail;
@@ -1055,7 +1079,7 @@ impl RadixTree {
 
     /// Frees `node` and its subtree (into `freed`), keeping the byte totals right.
     fn release(&mut self, node: NodeIdx, freed: &mut Freed) {
-        let mut stack = vec![node];
+        let mut stack: smallvec::SmallVec<[NodeIdx; 8]> = smallvec::smallvec![node];
         while let Some(n) = stack.pop() {
             let slot = &self.nodes[n as usize];
             stack.extend(slot.children.iter().map(|(_, c)| *c));
@@ -1073,8 +1097,9 @@ impl RadixTree {
     /// Returns `node` and its subtree to the free list, their contents to `freed` (no
     /// byte accounting).
     fn free_subtree(&mut self, node: NodeIdx, freed: &mut Freed) {
-        let mut stack = vec![node];
+        let mut stack: smallvec::SmallVec<[NodeIdx; 8]> = smallvec::smallvec![node];
         while let Some(n) = stack.pop() {
+            self.lru_remove(n);
             let mut slot = std::mem::replace(&mut self.nodes[n as usize], Node::empty());
             self.doubts.release(&mut slot.doubt);
             stack.extend(slot.children.iter().map(|(_, c)| *c));
@@ -1171,6 +1196,12 @@ mod tests {
         assert_eq!(request.join().unwrap(), 0, "the waiting request goes first");
         assert_eq!(pass.join().unwrap(), 1);
         assert_eq!(set.waiting.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn a_node_takes_88_bytes_of_arena() {
+        // The memory per record the docs state (`cache.max_tree_size`).
+        assert_eq!(std::mem::size_of::<Node>(), 88);
     }
 
     #[test]
@@ -1313,6 +1344,7 @@ mod tests {
         assert_eq!(t.node_count(), 4);
         assert_eq!(t.longest_prefix(b"abcdef", &only(C)).matched, 3);
         assert_eq!(t.insert(b"", A), 0);
+        check_lru(&t);
     }
 
     #[test]
@@ -1355,6 +1387,86 @@ mod tests {
         // Freed nodes are reused.
         t.insert(b"again", A);
         assert_eq!(t.longest_prefix(b"again!", &all()).matched, 5);
+        check_lru(&t);
+    }
+
+    /// The recency list holds every live node once, each behind its parent, stamps
+    /// never increasing: its last node is the least recently used leaf.
+    fn check_lru(t: &RadixTree) {
+        let order = t.lru_order();
+        assert_eq!(order.len(), t.node_count(), "every live node, once");
+        let mut seen = std::collections::HashSet::new();
+        let mut last = u64::MAX;
+        for &(n, stamp, parent) in &order {
+            assert!(
+                parent == ROOT || seen.contains(&parent),
+                "{n} before its parent"
+            );
+            assert!(stamp <= last, "stamps never increase along the list");
+            assert!(seen.insert(n));
+            last = stamp;
+        }
+        if let Some(&(n, _, _)) = order.last() {
+            assert!(
+                t.nodes[n as usize].children.is_empty(),
+                "the last is a leaf"
+            );
+        }
+    }
+
+    #[test]
+    fn the_oldest_leaves_go_first_one_at_a_time_whatever_the_tree_size() {
+        let mut t = RadixTree::new();
+        let system = "system: a shared prompt for every conversation. user: ";
+        for i in 0..2000 {
+            t.insert(
+                format!("{system}turn {i} of {}", i % 7).as_bytes(),
+                WorkerId(i % 3),
+            );
+            if i % 10 == 0 {
+                // An old prompt used again is recent again.
+                t.insert(
+                    format!("{system}turn {} of {}", i / 2, (i / 2) % 7).as_bytes(),
+                    A,
+                );
+            }
+        }
+        check_lru(&t);
+        let (nodes, bytes) = (t.node_count(), t.total_bytes());
+        // Ceilings already met: nothing goes.
+        assert_eq!(t.evict_oldest(nodes, bytes, 100, &mut Freed::default()), 0);
+        // What the old scan-and-sort pass would take first: the oldest leaf.
+        let mut leaves = Vec::new();
+        t.collect_leaves(0..t.arena_len(), &mut leaves);
+        let oldest = *leaves.iter().min().unwrap();
+        let mut freed = Freed::default();
+        assert_eq!(t.evict_oldest(nodes - 1, u64::MAX, 100, &mut freed), 1);
+        assert_eq!(freed.0.len(), 1);
+        assert!(
+            t.nodes[oldest.1 as usize].edge.is_empty(),
+            "the oldest leaf went"
+        );
+        check_lru(&t);
+        // A budget bounds a step; the ceilings bound the pass.
+        assert_eq!(t.evict_oldest(0, 0, 64, &mut Freed::default()), 64);
+        assert_eq!(t.node_count(), nodes - 65);
+        let removed = t.evict_oldest(nodes / 2, u64::MAX, usize::MAX, &mut Freed::default());
+        assert_eq!(t.node_count(), nodes / 2, "{removed}");
+        check_lru(&t);
+        let (n, b) = walk(&t);
+        assert_eq!((n, b), (t.node_count(), t.total_bytes()));
+        // The most recent prompts stay whole.
+        let last = format!("{system}turn 1999 of {}", 1999 % 7);
+        assert_eq!(
+            t.longest_prefix(last.as_bytes(), &all()).matched,
+            last.len()
+        );
+        // Down to nothing, and the list is empty.
+        t.evict_oldest(0, 0, usize::MAX, &mut Freed::default());
+        assert_eq!((t.node_count(), t.total_bytes()), (0, 0));
+        assert!(t.lru_order().is_empty());
+        t.insert(b"again", A);
+        check_lru(&t);
     }
 
     /// Reachable nodes and the sum of their edges, walked from the root.
@@ -1424,6 +1536,7 @@ mod tests {
         );
         let (nodes, bytes) = walk(&t);
         assert_eq!(t.node_count(), nodes, "every live node is reachable");
+        check_lru(&t);
         assert_eq!(t.total_bytes(), bytes);
         assert_eq!(
             t.total_bytes(),
@@ -1559,6 +1672,7 @@ mod tests {
         let (stamp, node) = leaves[1];
         t.insert(b"system prompt / conversation two", B);
         assert!(!t.evict_leaf(node, stamp, &mut Freed::default()));
+        check_lru(&t);
     }
 
     #[test]
