@@ -49,7 +49,9 @@ impl Parts {
     /// (tree eviction, KV-event consumers) starts when the pool is made, now or when
     /// its model appears, and stops on `shutdown`.
     pub fn build(config: &Config, shutdown: &Shutdown) -> Parts {
-        let pool = Arc::new(Pool::new(&config.workers, &config.circuit_breaker));
+        let pool = Arc::new(
+            Pool::new(&config.workers, &config.circuit_breaker).draining_for(config.proxy.drain),
+        );
         let shared = policy::Shared::new(config, &pool);
         let fleet = shared.fleet.clone();
         let pools = Pools::with_adapters(Arc::clone(&pool), &config.models, &config.adapters, {

@@ -35,6 +35,7 @@ mod health;
 mod kv_events;
 mod lmcache;
 mod log;
+mod migration;
 mod models;
 mod passthrough;
 mod pd;
@@ -65,6 +66,7 @@ pub use health::HealthConfig;
 pub use kv_events::{KvEventsConfig, MAX_DP_SIZE};
 pub use lmcache::LmcacheConfig;
 pub use log::{LogColor, LogConfig, LogFormat};
+pub use migration::MigrationConfig;
 pub use models::{AliasTarget, MAX_MODEL_NAME_BYTES, ModelOverride, ModelsConfig};
 pub use passthrough::{Passthrough, Verdict as PassthroughVerdict};
 pub use pd::{Bypass, Connector, OnPrefillFailure, PdConfig, Phase};
@@ -117,6 +119,8 @@ pub struct Config {
     pub adapters: AdaptersConfig,
     /// Prefill/decode disaggregation (`pd:`).
     pub pd: PdConfig,
+    /// Streams continued on another worker when theirs fails (`migration:`).
+    pub migration: MigrationConfig,
 }
 
 // Raw (serde) schema of the whole file: every section's raw form, each key optional so
@@ -162,6 +166,8 @@ struct RawConfig {
     adapters: adapters::RawAdapters,
     #[serde(default)]
     pd: pd::RawPd,
+    #[serde(default)]
+    migration: migration::RawMigration,
 }
 
 impl RawConfig {
@@ -210,6 +216,7 @@ impl RawConfig {
             models: self.models.validate(ck, &raw_cache, policy)?,
             adapters: self.adapters.validate(ck)?,
             pd: self.pd.validate(ck, policy)?,
+            migration: self.migration.validate(ck)?,
         })
     }
 }
@@ -374,6 +381,7 @@ impl Config {
             changed(&a.models, &b.models),
             changed(&a.adapters, &b.adapters),
             changed(&a.pd, &b.pd),
+            changed(&a.migration, &b.migration),
         ]
         .into_iter()
         .flatten()

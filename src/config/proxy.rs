@@ -63,6 +63,10 @@ pub struct ProxyConfig {
     /// `proxy.queue`: requests that find every usable worker at `max_load` wait for a
     /// slot instead of failing at once.
     pub queue: QueueConfig,
+    /// `proxy.drain_secs`: how long a worker removed (SIGHUP, the admin API, discovery)
+    /// or marked draining keeps its in-flight streams before they continue on another
+    /// worker (default 30 s).
+    pub drain: Duration,
 }
 
 /// `proxy.queue: {max_waiting, timeout_ms}`.
@@ -115,6 +119,7 @@ pub(super) struct RawProxy {
     passthrough: Option<Value>,
     tls: Option<RawTls>,
     queue: Option<RawQueue>,
+    drain_secs: Option<Secs>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -223,6 +228,12 @@ impl RawProxy {
             api_key: ck.secret("proxy.api_key", self.api_key)?,
             passthrough,
             tls,
+            drain: ck.secs(
+                "proxy.drain_secs",
+                self.drain_secs,
+                30.0,
+                Some("streams continue elsewhere at once"),
+            )?,
         })
     }
 }

@@ -91,6 +91,10 @@ pub struct AccessLog {
     pub trace: TraceContext,
     /// A disaggregated pool's request: how its legs went.
     pub pd: Option<super::pd::trail::Trail>,
+    /// The worker that finished the answer, when its stream continued elsewhere.
+    pub continued_on: Option<Arc<str>>,
+    /// How many times its stream continued elsewhere.
+    pub migrations: u32,
 }
 
 impl AccessLog {
@@ -107,6 +111,8 @@ impl AccessLog {
             delivered_tokens: None,
             trace: id.trace,
             pd: None,
+            continued_on: None,
+            migrations: 0,
         }
     }
 
@@ -126,6 +132,7 @@ impl AccessLog {
                 decision: &self.decision,
                 delivered_tokens: self.delivered_tokens,
                 pd: self.pd.as_ref(),
+                continued: self.continued_on.as_ref().map(|w| (w, self.migrations)),
             },
         };
         write(metrics, export, &line);
@@ -241,6 +248,9 @@ enum Kind<'a> {
         decision: &'a Decision,
         delivered_tokens: Option<u64>,
         pd: Option<&'a super::pd::trail::Trail>,
+        /// The worker that finished the answer and how many times it moved, when its
+        /// stream continued elsewhere.
+        continued: Option<(&'a Arc<str>, u32)>,
     },
     /// The router, with its own error.
     Refused {
@@ -288,6 +298,10 @@ fn write(metrics: &RequestMetrics, export: Option<&Exporter>, line: &Line<'_>) {
         Kind::Routed { pd, .. } => pd,
         _ => None,
     };
+    let continued = match line.kind {
+        Kind::Routed { continued, .. } => continued,
+        _ => None,
+    };
     let (pd_path, pd_reason) = pd.map(|t| t.path.labels()).unzip();
     let prefill = pd.and_then(|t| t.prefill.as_ref());
     let request_id = line.request_id.to_str().unwrap_or("-");
@@ -306,6 +320,8 @@ fn write(metrics: &RequestMetrics, export: Option<&Exporter>, line: &Line<'_>) {
         delivered_tokens = routed.map(|r| r.2.map_or(-1, |t| t as i64)),
         decision_us = decision.map(|d| d.decision_us),
         attempt = decision.map(|d| d.attempt),
+        continued_on = continued.map(|c| &**c.0),
+        migrations = continued.map(|c| c.1),
         pd = pd_path,
         pd_reason = pd_reason.flatten(),
         prefill_worker = prefill.map(|p| &*p.worker),
@@ -407,6 +423,8 @@ mod tests {
                 delivered_tokens: None,
                 trace: id.trace,
                 pd: None,
+                continued_on: None,
+                migrations: 0,
             };
             log.end(&metrics, None, "complete");
             RequestEnd::new(id, &metrics, None, &none).refused(&ProxyError::NoWorker("x"));

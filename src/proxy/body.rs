@@ -13,6 +13,7 @@ use tokio::time::{Instant, Sleep};
 use super::BoxError;
 use super::access_log::AccessLog;
 use super::metrics::RequestMetrics;
+use super::migrate::{Cause, Step, Stream};
 use super::usage::UsageScanner;
 use crate::pools::pool::InFlightGuard;
 use crate::pools::pool::breaker::Outcome;
@@ -53,7 +54,9 @@ pub struct BodyTap {
 /// time, and a timer that fires early is set again from the last frame's.
 #[derive(Debug)]
 pub struct GuardedBody {
-    inner: UpstreamBody,
+    /// The worker's body; `None` once a broken stream dropped it (its continuation's
+    /// body takes its place when a worker takes it).
+    inner: Option<UpstreamBody>,
     guard: Option<InFlightGuard>,
     idle_timeout: Duration,
     idle: Pin<Box<Sleep>>,
@@ -70,12 +73,20 @@ pub struct GuardedBody {
     error_deferred: bool,
     /// Handing `held` on (then `end`) before reading the worker again.
     releasing: bool,
+    /// A streamed answer with a continuation plan (see [`super::migrate`]).
+    stream: Option<Stream>,
 }
 
 /// The worker went silent mid-body for longer than `proxy.request_timeout_secs`.
 #[derive(Debug, thiserror::Error)]
 #[error("upstream body idle for more than {0:?}")]
 pub struct IdleTimeout(Duration);
+
+/// A stream the router ended because its worker's answer broke (`Cause`) and it could
+/// not continue elsewhere.
+#[derive(Debug, thiserror::Error)]
+#[error("the stream broke ({0}) and was not continued")]
+pub struct StreamCut(&'static str);
 
 impl GuardedBody {
     pub fn new(
@@ -85,7 +96,7 @@ impl GuardedBody {
         tap: BodyTap,
     ) -> Self {
         GuardedBody {
-            inner,
+            inner: Some(inner),
             guard: Some(guard),
             idle_timeout,
             idle: Box::pin(tokio::time::sleep(idle_timeout)),
@@ -96,7 +107,15 @@ impl GuardedBody {
             end: None,
             error_deferred: false,
             releasing: false,
+            stream: None,
         }
+    }
+
+    /// The same body, its stream continued elsewhere or ended with an error event when
+    /// it breaks, as `stream` says.
+    pub fn with_stream(mut self, stream: Stream) -> Self {
+        self.stream = Some(stream);
+        self
     }
 
     /// Releases the guard (recording `outcome` with the breaker, if any), settles what
@@ -112,6 +131,19 @@ impl GuardedBody {
         if let Some(mut tap) = self.tap.take() {
             let worker = &tap.log.worker;
             tap.metrics.finished(worker, tap.log.arrived.elapsed());
+            if let Some(Stream::Migrate(m)) = &self.stream {
+                tap.log.continued_on = m.continued_on.clone();
+                tap.log.migrations = m.continuations();
+            }
+            if tap.log.migrations > 0 {
+                // Its usage is the last worker's: the decision's prediction was for
+                // the first, so nothing is settled.
+                let found = tap.scanner.take().map(UsageScanner::found);
+                if let (Some(u), Some(w)) = (found.and_then(|f| f.usage), &served_by) {
+                    let cached = u.cached_tokens.unwrap_or(0);
+                    tap.metrics.engine_usage(w.label(), u.prompt_tokens, cached);
+                }
+            }
             if how == "complete"
                 && let Some(found) = tap.scanner.take().map(UsageScanner::found)
             {
@@ -197,7 +229,8 @@ impl Drop for GuardedBody {
             .as_ref()
             .and_then(|t| t.scanner.as_ref())
             .is_some_and(UsageScanner::saw_end);
-        let how = if self.inner.is_end_stream() || got_all {
+        let ended = self.inner.as_ref().is_some_and(UpstreamBody::is_end_stream);
+        let how = if ended || got_all {
             "complete"
         } else {
             "client_gone"
@@ -207,8 +240,8 @@ impl Drop for GuardedBody {
 }
 
 impl GuardedBody {
-    /// What each frame read from the worker tells the in-flight guard, the usage scanner
-    /// and the response-cache recorder; a sized body's last frame finishes the request.
+    /// What each frame read from the worker tells the in-flight guard (its first byte)
+    /// and a disaggregated request's trail (its first token).
     fn note(&mut self, frame: &Frame<Bytes>) {
         self.last_frame = Instant::now();
         if frame.is_data()
@@ -217,14 +250,21 @@ impl GuardedBody {
             // The first byte ends the prefill reservation (once; cheap after).
             g.first_byte();
         }
-        if let (Some(data), Some(tap)) = (frame.data_ref(), self.tap.as_mut()) {
-            if let Some(t) = tap.log.pd.as_mut()
-                && t.first_token.is_none()
-            {
-                let at = tap.log.arrived.elapsed();
-                t.first_token = Some(at);
-                tap.metrics.pd().first_token(at.as_secs_f64());
-            }
+        if frame.is_data()
+            && let Some(tap) = self.tap.as_mut()
+            && let Some(t) = tap.log.pd.as_mut()
+            && t.first_token.is_none()
+        {
+            let at = tap.log.arrived.elapsed();
+            t.first_token = Some(at);
+            tap.metrics.pd().first_token(at.as_secs_f64());
+        }
+    }
+
+    /// Bytes on their way to the client, shown to the usage scanner and the
+    /// response-cache recorder.
+    fn feed(&mut self, data: &Bytes) {
+        if let Some(tap) = self.tap.as_mut() {
             if let Some(scanner) = tap.scanner.as_mut() {
                 scanner.feed_bytes(data);
             }
@@ -232,12 +272,221 @@ impl GuardedBody {
                 r.feed(data);
             }
         }
-        if self.inner.is_end_stream() {
+    }
+
+    /// Whether the worker's body has ended.
+    fn inner_ended(&self) -> bool {
+        self.inner.as_ref().is_some_and(UpstreamBody::is_end_stream)
+    }
+
+    /// One frame read from the worker: handed on now (returned), or held to go out with
+    /// the next ones (see [`GuardedBody::poll_frame`]). A stream that may continue
+    /// elsewhere passes it through its relay, which may hold part of it back or find
+    /// that the engine broke the stream.
+    fn take(&mut self, frame: Frame<Bytes>) -> Option<Frame<Bytes>> {
+        self.note(&frame);
+        let frame = match frame.into_data() {
+            Ok(data) => match self.stream.as_mut() {
+                Some(Stream::Migrate(m)) => {
+                    let passed = m.pass(&data);
+                    if let Some(out) = passed.out {
+                        self.feed(&out);
+                        self.hold(Frame::data(out));
+                    }
+                    if passed.broke {
+                        self.broke(Cause::EngineError, Box::new(StreamCut("engine_error")));
+                    }
+                    return None;
+                }
+                watched => {
+                    if let Some(Stream::Watch(w)) = watched {
+                        w.note(&data);
+                    }
+                    self.feed(&data);
+                    Frame::data(data)
+                }
+            },
+            Err(other) => other,
+        };
+        if self.inner_ended() {
             // A sized body's last frame: hyper will not poll for the end.
             self.finish(None, "complete");
         }
+        let more = frame.is_data() && !self.inner_ended();
+        if !more && self.held.is_empty() {
+            // A sized body's only frame, or trailers: nothing to gather (and no queue
+            // to allocate for a non-streamed answer).
+            return Some(frame);
+        }
+        self.hold(frame);
+        if !more {
+            self.releasing = true;
+        }
+        None
+    }
+
+    /// Holds `frame` to go out with the others read so far; past the bounds of one
+    /// write they go out now.
+    fn hold(&mut self, frame: Frame<Bytes>) {
+        self.held_bytes += frame.data_ref().map_or(0, Bytes::len);
+        self.held.push_back(frame);
+        if self.held.len() >= HOLD_MAX_FRAMES || self.held_bytes >= HOLD_MAX_BYTES {
+            self.releasing = true;
+        }
+    }
+
+    /// The worker's answer broke (`cause`, `error`): continued elsewhere, ended by the
+    /// router, or cut after the error event that says why, as the stream's plan allows.
+    fn broke(&mut self, cause: Cause, error: BoxError) {
+        let step = match (self.stream.as_mut(), self.guard.as_ref()) {
+            (Some(Stream::Migrate(m)), Some(g)) => m.broke(cause, g.worker()),
+            (Some(Stream::Watch(_)), _) if cause == Cause::Drained => Step::Keep,
+            (Some(Stream::Watch(w)), _) => Step::Refused(w.refuse(cause)),
+            _ => Step::Refused(Bytes::new()),
+        };
+        match step {
+            Step::Keep => {}
+            Step::Continuing => {
+                // Its connection closes (the engine stops generating) and its slot frees.
+                self.inner = None;
+                if let Some(mut g) = self.guard.take()
+                    && cause != Cause::Drained
+                {
+                    g.record(Outcome::Failure);
+                }
+            }
+            Step::End(bytes) => {
+                self.inner = None;
+                self.feed(&bytes);
+                self.hold(Frame::data(bytes));
+                self.finish(None, "complete");
+                self.end = Some(Ok(()));
+                self.releasing = true;
+            }
+            Step::Refused(event) => {
+                self.inner = None;
+                if !event.is_empty() {
+                    self.feed(&event);
+                    self.hold(Frame::data(event));
+                }
+                let how = match cause {
+                    Cause::IdleTimeout => "upstream_idle_timeout",
+                    _ => "upstream_error",
+                };
+                self.finish(Some(Outcome::Failure), how);
+                self.end = Some(Err(error));
+                self.releasing = true;
+            }
+        }
+    }
+
+    /// Its worker's body ended: the answer is complete (a cut connection is an error,
+    /// not an end).
+    fn ended(&mut self) {
+        self.finish(None, "complete");
+        self.end = Some(Ok(()));
+        self.releasing = true;
+    }
+
+    /// The continuation being placed, if any: `Pending` while it is; once a worker took
+    /// it its body is read from then on; when none could, the stream ends with the
+    /// error event.
+    fn poll_continuation(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let Some(Stream::Migrate(m)) = self.stream.as_mut() else {
+            return Poll::Ready(());
+        };
+        if !m.is_starting() {
+            return Poll::Ready(());
+        }
+        let cause = m.cause();
+        match std::task::ready!(m.poll_resumed(cx)) {
+            Ok(resumed) => {
+                self.inner = Some(resumed.body);
+                self.guard = Some(resumed.guard);
+                self.last_frame = Instant::now();
+            }
+            Err(event) => {
+                self.feed(&event);
+                self.hold(Frame::data(event));
+                let how = match cause {
+                    Cause::IdleTimeout => "upstream_idle_timeout",
+                    _ => "upstream_error",
+                };
+                self.finish(Some(Outcome::Failure), how);
+                self.end = Some(Err(Box::new(StreamCut("no_worker"))));
+                self.releasing = true;
+            }
+        }
+        Poll::Ready(())
+    }
+
+    /// Nothing to read from the worker now: `Pending` until it sends, unless its drain
+    /// ends (the stream continues elsewhere) or it stays silent past the idle timeout
+    /// (continued elsewhere, or cut); `None` when either happened.
+    fn wait(&mut self, cx: &mut Context<'_>) -> Option<Polled> {
+        if self.guard.is_none() {
+            return Some(Poll::Pending);
+        }
+        if let Some(Stream::Migrate(m)) = self.stream.as_mut()
+            && m.poll_drained(cx).is_ready()
+        {
+            self.broke(Cause::Drained, Box::new(StreamCut("drained")));
+            return None;
+        }
+        while self.idle.as_mut().poll(cx).is_ready() {
+            let deadline = self.last_frame + self.idle_timeout;
+            if Instant::now() >= deadline {
+                let e = IdleTimeout(self.idle_timeout);
+                self.broke(Cause::IdleTimeout, Box::new(e));
+                return None;
+            }
+            // Frames came since it was set: wait out the rest of the gap.
+            self.idle.as_mut().reset(deadline);
+        }
+        Some(Poll::Pending)
+    }
+
+    /// Hands on what is held, then how the body ended (`None`: nothing more to hand
+    /// on; read the worker again).
+    fn release(&mut self, cx: &mut Context<'_>) -> Option<Polled> {
+        if let Some(frame) = self.held.pop_front() {
+            self.held_bytes -= frame.data_ref().map_or(0, Bytes::len);
+            return Some(Poll::Ready(Some(Ok(frame))));
+        }
+        self.releasing = false;
+        match self.end.take() {
+            Some(Err(e)) if !self.error_deferred => {
+                // Let hyper flush what came before: the client sees it, then the cut.
+                self.error_deferred = true;
+                self.end = Some(Err(e));
+                self.releasing = true;
+                cx.waker().wake_by_ref();
+                Some(Poll::Pending)
+            }
+            Some(Err(e)) => Some(Poll::Ready(Some(Err(e)))),
+            Some(Ok(())) => Some(Poll::Ready(None)),
+            None => None,
+        }
     }
 }
+
+/// Whether the worker's connection closed before its body's end (an end of file where
+/// more was due: a process killed), rather than failing otherwise.
+fn closed_early(e: &hyper::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        if s.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::UnexpectedEof)
+        {
+            return true;
+        }
+        source = s.source();
+    }
+    e.is_incomplete_message()
+}
+
+/// What one poll of the body gives hyper.
+type Polled = Poll<Option<Result<Frame<Bytes>, BoxError>>>;
 
 /// Frames gathered at most into one write to the client (the worker's connection holds
 /// more already read): a bound on the write, never a wait for the worker.
@@ -262,87 +511,60 @@ impl Body for GuardedBody {
         let this = &mut *self;
         loop {
             if this.releasing {
-                if let Some(frame) = this.held.pop_front() {
-                    this.held_bytes -= frame.data_ref().map_or(0, Bytes::len);
-                    return Poll::Ready(Some(Ok(frame)));
-                }
-                this.releasing = false;
-                match this.end.take() {
-                    Some(Err(e)) if !this.error_deferred => {
-                        // Let hyper flush what came before: the client sees it, then the
-                        // cut.
-                        this.error_deferred = true;
-                        this.end = Some(Err(e));
-                        this.releasing = true;
-                        cx.waker().wake_by_ref();
-                        return Poll::Pending;
-                    }
-                    Some(Err(e)) => return Poll::Ready(Some(Err(e))),
-                    Some(Ok(())) => return Poll::Ready(None),
-                    None => {}
+                match this.release(cx) {
+                    Some(out) => return out,
+                    None => continue,
                 }
             }
-            match Pin::new(&mut this.inner).poll_frame(cx) {
+            if this.poll_continuation(cx).is_pending() {
+                return Poll::Pending;
+            }
+            if this.releasing {
+                continue;
+            }
+            let Some(inner) = this.inner.as_mut() else {
+                return Poll::Ready(None);
+            };
+            match Pin::new(inner).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
-                    this.note(&frame);
-                    let more = frame.is_data() && !this.inner.is_end_stream();
-                    if !more && this.held.is_empty() {
-                        // A sized body's only frame, or trailers: nothing to gather (and
-                        // no queue to allocate for a non-streamed answer).
-                        return Poll::Ready(Some(Ok(frame)));
-                    }
-                    this.held_bytes += frame.data_ref().map_or(0, Bytes::len);
-                    this.held.push_back(frame);
-                    if !more
-                        || this.held.len() >= HOLD_MAX_FRAMES
-                        || this.held_bytes >= HOLD_MAX_BYTES
-                    {
-                        this.releasing = true;
+                    if let Some(now) = this.take(frame) {
+                        return Poll::Ready(Some(Ok(now)));
                     }
                 }
+                // The worker broke the stream: continued elsewhere, or the client sees
+                // what came before, then the error; the breaker sees the failure.
                 Poll::Ready(Some(Err(e))) => {
-                    // The worker broke the stream: the client sees what came before, then
-                    // the error; the breaker sees the failure.
-                    this.finish(Some(Outcome::Failure), "upstream_error");
-                    this.end = Some(Err(Box::new(e)));
-                    this.releasing = true;
+                    let cause = if closed_early(&e) {
+                        Cause::Closed
+                    } else {
+                        Cause::Reset
+                    };
+                    this.broke(cause, Box::new(e));
                 }
-                Poll::Ready(None) => {
-                    this.finish(None, "complete");
-                    this.end = Some(Ok(()));
-                    this.releasing = true;
-                }
+                Poll::Ready(None) => this.ended(),
                 Poll::Pending if !this.held.is_empty() => {
                     // Nothing more read yet: what is held goes out now.
                     this.releasing = true;
                 }
                 Poll::Pending => {
-                    if this.guard.is_none() {
-                        return Poll::Pending;
+                    if let Some(out) = this.wait(cx) {
+                        return out;
                     }
-                    while this.idle.as_mut().poll(cx).is_ready() {
-                        let deadline = this.last_frame + this.idle_timeout;
-                        if Instant::now() >= deadline {
-                            this.finish(Some(Outcome::Failure), "upstream_idle_timeout");
-                            let e = IdleTimeout(this.idle_timeout);
-                            return Poll::Ready(Some(Err(Box::new(e))));
-                        }
-                        // Frames came since it was set: wait out the rest of the gap.
-                        this.idle.as_mut().reset(deadline);
-                    }
-                    return Poll::Pending;
                 }
             }
         }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.held.is_empty() && self.end.is_none() && self.inner.is_end_stream()
+        self.held.is_empty() && self.end.is_none() && self.inner_ended()
     }
 
     /// The worker's remaining body plus the bytes held back.
     fn size_hint(&self) -> SizeHint {
-        let mut hint = self.inner.size_hint();
+        let Some(inner) = &self.inner else {
+            return SizeHint::default();
+        };
+        let mut hint = inner.size_hint();
         let held = self.held_bytes as u64;
         if held > 0 {
             match hint.exact() {

@@ -38,6 +38,8 @@ pub(super) struct Route<'a> {
     pub cache: Option<Pending>,
     /// The decode leg of a disaggregated request: how its prefill leg went.
     pub pd: Option<super::pd::trail::Trail>,
+    /// A streamed answer's continuation plan (see [`super::migrate`]).
+    pub resume: Option<super::migrate::Resume>,
 }
 
 impl<'a> Route<'a> {
@@ -52,6 +54,7 @@ impl<'a> Route<'a> {
             started: Instant::now(),
             cache: None,
             pd: None,
+            resume: None,
         }
     }
 }

@@ -25,6 +25,7 @@ use prometheus_client::registry::Unit;
 
 mod handles;
 pub mod pd;
+pub mod streams;
 
 use crate::metrics::{BeforeScrape, Metrics};
 use crate::policy::Reason;
@@ -124,6 +125,8 @@ pub struct RequestMetrics {
     outcome_counts: [Counter; OUTCOMES.len()],
     /// The `pd_` families (disaggregated pools).
     pd: pd::PdMetrics,
+    /// Stream continuation and hedging.
+    streams: streams::StreamMetrics,
 }
 
 /// The per-worker families a routed request updates (see [`RequestMetrics::register`]).
@@ -331,6 +334,7 @@ impl RequestMetrics {
             decision_counts: Default::default(),
             outcome_counts: Default::default(),
             pd: pd::PdMetrics::new(),
+            streams: streams::StreamMetrics::new(),
         };
         for (reason, count) in REASONS.iter().zip(&mut m.decision_counts) {
             *count = m
@@ -357,6 +361,7 @@ impl RequestMetrics {
         register_worker_families(registry, &m);
         register_request_families(registry, &m);
         m.pd.register(registry);
+        m.streams.register(registry);
         registry.before_scrape(Arc::new(WorkerSeries {
             metrics: Arc::clone(&m),
             pool: Arc::clone(pool),
@@ -579,6 +584,11 @@ impl RequestMetrics {
     /// The `pd_` families.
     pub fn pd(&self) -> &pd::PdMetrics {
         &self.pd
+    }
+
+    /// The stream continuation and hedging families.
+    pub fn streams(&self) -> &streams::StreamMetrics {
+        &self.streams
     }
 
     pub fn retry(&self) {

@@ -13,6 +13,9 @@
 //! adapters    a LoRA adapter request on its chosen worker: the adapter loaded on
 //!             demand (once per worker and adapter at a time), SGLang's form
 //! headers, media, usage       header rules; remote media; engine usage in the answer
+//! migrate     stream continuation: a stream whose worker breaks after its first byte
+//!             continues on another worker (the relay of its events, the continuation's
+//!             body, pick and send); a worker's drain ending moves its streams too
 //! pd          a disaggregated pool's request: decode pick, bypass, prefill leg, the
 //!             hand-off relayed to the decode leg (which goes through forward)
 //! metrics     the request path's families in `/metrics` (RequestMetrics)
@@ -22,8 +25,9 @@
 //! the current [`WorkerSet`] once and keeps it for all its attempts. The upstream body
 //! goes back to the client frame by frame inside a [`GuardedBody`], which owns the
 //! in-flight guard. Retries (other workers only, with backoff) happen only before any
-//! response byte reached the client: once headers are returned, a failure ends the
-//! client's stream with an error, never a replay.
+//! response byte reached the client: once headers are returned, a failure never
+//! replays the request; a streamed answer may instead be continued elsewhere
+//! ([`migrate`]), else it ends with an error.
 
 mod access_log;
 mod adapters;
@@ -33,6 +37,7 @@ pub mod headers;
 mod json_members;
 pub mod media;
 pub mod metrics;
+pub mod migrate;
 pub mod models;
 mod pd;
 mod respond;

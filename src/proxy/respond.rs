@@ -11,9 +11,9 @@ use http_body_util::BodyExt;
 use super::access_log::AccessLog;
 use super::body::{BodyTap, GuardedBody};
 use super::forward::Route;
-use super::{ProxyBody, Router, headers, usage};
+use super::{ProxyBody, Router, headers, migrate, usage};
 use crate::cache;
-use crate::pools::pool::InFlightGuard;
+use crate::pools::pool::{InFlightGuard, Worker};
 use crate::prompt::Endpoint;
 use crate::upstream::UpstreamBody;
 
@@ -33,6 +33,7 @@ impl Router {
         self.metrics.request(log.endpoint, &log.worker, log.status);
         let record = pending.and_then(|p| cache::Recorder::start(p, resp.status(), resp.headers()));
         self.metrics.first_byte(&log.worker, log.arrived.elapsed());
+        let status = resp.status();
         let (mut parts, incoming) = resp.into_parts();
         if headers::strip_hop_by_hop(&mut parts.headers) {
             // Framing is hyper's job now; a length beside chunked framing is stale.
@@ -56,6 +57,11 @@ impl Router {
             // The usage's count is rewritten as it passes: the length may change.
             parts.headers.remove(header::CONTENT_LENGTH);
         }
+        // A compressed answer passes untouched: no event of it is read.
+        let encoded = parts
+            .headers
+            .get(header::CONTENT_ENCODING)
+            .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
         let is_sse = parts
             .headers
             .get(header::CONTENT_TYPE)
@@ -88,12 +94,38 @@ impl Router {
             prepared,
             export: self.export.clone(),
         };
-        let body = GuardedBody::new(incoming, guard, self.config.proxy.request_timeout, tap);
+        let stream = route
+            .resume
+            .as_ref()
+            .filter(|_| is_sse && status.is_success() && !encoded)
+            .and_then(|r| self.stream_plan(r, guard.worker()));
+        let mut body = GuardedBody::new(incoming, guard, self.config.proxy.request_timeout, tap);
+        if let Some(stream) = stream {
+            body = body.with_stream(stream);
+        }
         let body = match reported {
             Some(cached) => super::pd::rewrite::CachedTokens::new(body, cached).boxed(),
             None => body.boxed(),
         };
         Response::from_parts(parts, body)
+    }
+}
+
+impl Router {
+    /// What the body of a streamed answer keeps of its continuation plan.
+    fn stream_plan(&self, resume: &migrate::Resume, worker: &Worker) -> Option<migrate::Stream> {
+        let metrics = Arc::clone(&self.metrics);
+        Some(match (resume.plan.refused, &resume.continuer) {
+            (Some(r), _) => migrate::Stream::Watch(migrate::Watch::new(r, metrics)),
+            (None, Some(c)) => migrate::Stream::Migrate(Box::new(migrate::Migration::new(
+                resume.plan.kind,
+                c.clone(),
+                &self.config.migration,
+                metrics,
+                worker,
+            ))),
+            (None, None) => return None,
+        })
     }
 }
 

@@ -220,14 +220,44 @@ impl Router {
             started,
             cache: pending,
             pd: None,
+            resume: None,
         };
         if let (Some(legs), Some(endpoint)) = (routed.legs, endpoint) {
             return self
                 .forward_pd(legs, endpoint, parts, forwarded, route, end)
                 .await;
         }
+        let mut route = route;
+        route.resume = self.resume(endpoint, &parts, &forwarded, routed.model, id);
         self.forward(set, parts, forwarded, &route, &mut end.waiting_on)
             .await
+    }
+
+    /// How a streamed answer to this request continues elsewhere when its worker breaks
+    /// (`migration:`); `None` for a request that streams nothing continuation knows.
+    fn resume(
+        &self,
+        endpoint: Option<Endpoint>,
+        parts: &http::request::Parts,
+        body: &bytes::Bytes,
+        model: Option<&Arc<str>>,
+        id: super::access_log::Ident<'_>,
+    ) -> Option<super::migrate::Resume> {
+        let plan = super::migrate::plan(&self.config.migration, endpoint, body)?;
+        let endpoint = endpoint?;
+        let p = &self.config.proxy;
+        let continuer = plan.refused.is_none().then(|| {
+            let sending = super::migrate::Sending {
+                client: self.client.clone(),
+                pools: Arc::clone(&self.pools),
+                max_prompt_bytes: self.config.cache.max_prompt_bytes,
+                wait: p.attempt_timeout.unwrap_or(p.request_timeout),
+                tries: p.max_retries + 1,
+            };
+            let head = (parts, id.request_id, &id.trace);
+            super::migrate::Continuer::new(sending, model.cloned(), endpoint, head, body.clone())
+        });
+        Some(super::migrate::Resume { plan, continuer })
     }
 
     /// The `cache:` settings of the pool `name` (`models.overrides.<name>.cache` over

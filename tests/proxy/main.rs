@@ -2,6 +2,7 @@
 //! framing, WebSocket tunnels), streamed answers, `https://` workers, worker failures
 //! (health checks, circuit breaker, retries), size and time limits, in-flight
 //! accounting, how each request ends (access line, outcome), the queue, `/v1/models`,
+//! streams continued on another worker when theirs breaks (`migration:`),
 //! disaggregated (prefill/decode) pools.
 
 #[path = "../common/mod.rs"]
@@ -9,6 +10,7 @@ mod common;
 mod http;
 mod in_flight;
 mod limits;
+mod migration;
 mod models;
 mod outcomes;
 mod pd;

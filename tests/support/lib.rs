@@ -12,6 +12,8 @@
 //! - Stand-ins for what the router talks to: [`redis`] (a real `redis-server`),
 //!   [`dns`], [`kube_api`], [`otlp`], [`tls`] (an `https://` worker), [`ws`].
 //! - [`pd`]: scripted vLLM prefill and decode engines sharing a hand-off registry.
+//! - [`story`]: an engine whose answers are checked token by token, continues a
+//!   partial answer as vLLM does, and dies mid-stream on request.
 //! - [`wait`]: bounded waits, so that a bug shows as a failure, not a hang.
 
 pub mod binary;
@@ -24,6 +26,7 @@ pub mod observe;
 pub mod otlp;
 pub mod pd;
 pub mod redis;
+pub mod story;
 pub mod tls;
 pub mod wait;
 mod wire;

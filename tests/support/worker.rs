@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, watch};
 use tokio::task::JoinSet;
@@ -98,6 +98,8 @@ pub enum Step {
     /// In a raw reply after a `101`: echo the client's WebSocket frames until its close
     /// ([`ws::echo_frames`]).
     EchoWebSocket,
+    /// Close the connection at once, mid-body (no last chunk): an engine that crashed.
+    Die,
 }
 
 #[derive(Clone, Debug)]
@@ -744,8 +746,8 @@ async fn write_reply(
             .push((Instant::now(), data.to_vec()));
     };
     match reply.delay {
-        Some(Step::Sleep(d)) => tokio::time::sleep(d).await,
-        Some(Step::Wait(g)) => g.wait().await,
+        Some(Step::Sleep(d)) => unless_closed(stream, tokio::time::sleep(d)).await?,
+        Some(Step::Wait(g)) => unless_closed(stream, g.wait()).await?,
         _ => {}
     }
     let mut head = format!("HTTP/1.1 {} {}\r\n", reply.status, reason(reply.status));
@@ -775,9 +777,10 @@ async fn write_reply(
                         stream.write_all(&out).await?;
                         note(&data);
                     }
-                    Step::Sleep(d) => tokio::time::sleep(d).await,
-                    Step::Wait(g) => g.wait().await,
+                    Step::Sleep(d) => unless_closed(stream, tokio::time::sleep(d)).await?,
+                    Step::Wait(g) => unless_closed(stream, g.wait()).await?,
                     Step::EchoWebSocket => {}
+                    Step::Die => return Err(std::io::Error::other("the engine died")),
                 }
             }
             stream.write_all(b"0\r\n\r\n").await?;
@@ -815,9 +818,31 @@ async fn write_steps(
             Step::Sleep(d) => tokio::time::sleep(d).await,
             Step::Wait(g) => g.wait().await,
             Step::EchoWebSocket => ws::echo_frames(stream).await?,
+            Step::Die => return Err(std::io::Error::other("the engine died")),
         }
     }
     Ok(())
+}
+
+/// Waits for `wait`, unless the client closes the connection first (an error then, and
+/// the connection is dropped): an engine notices a client that left and stops, as
+/// vLLM aborts the request.
+async fn unless_closed(
+    stream: &mut TcpStream,
+    wait: impl std::future::Future<Output = ()>,
+) -> std::io::Result<()> {
+    tokio::pin!(wait);
+    let mut byte = [0u8; 1];
+    tokio::select! {
+        _ = &mut wait => Ok(()),
+        read = stream.read(&mut byte) => match read {
+            Ok(0) | Err(_) => Err(std::io::Error::other("the client closed the connection")),
+            Ok(_) => {
+                wait.await;
+                Ok(())
+            }
+        },
+    }
 }
 
 /// A load of a LoRA adapter (see [`FakeWorkerBuilder::lora_loads`]).

@@ -65,6 +65,8 @@ pub struct Pool {
     ids: Mutex<Ids>,
     breaker: BreakerConfig,
     listeners: RwLock<Vec<Arc<dyn PoolListener>>>,
+    /// `proxy.drain_secs`: how long a worker that leaves keeps its streams.
+    drain_after: std::time::Duration,
 }
 
 /// Membership, under one lock: key -> id, with freed ids reused lowest first (so bit
@@ -138,7 +140,20 @@ impl Pool {
             ids: Mutex::new(ids),
             breaker: breaker.clone(),
             listeners: RwLock::new(Vec::new()),
+            drain_after: std::time::Duration::from_secs(30),
         }
+    }
+
+    /// The same pool, its leaving workers draining for `after` (`proxy.drain_secs`).
+    pub fn draining_for(mut self, after: std::time::Duration) -> Self {
+        self.drain_after = after;
+        self
+    }
+
+    /// `proxy.drain_secs`: how long a worker that leaves, or that the admin API marks
+    /// draining, keeps its streams before they continue elsewhere.
+    pub fn drain_after(&self) -> std::time::Duration {
+        self.drain_after
     }
 
     /// The current set (one atomic load).
@@ -272,7 +287,11 @@ impl Pool {
 
     fn leave(&self, ids: &mut Ids, gone: &[Arc<Worker>]) {
         let listeners = self.listeners();
+        let deadline = now() + self.drain_after;
         for w in gone {
+            // Its requests in flight keep it (their guards hold it) until they end or,
+            // for the streams that can continue elsewhere, until the deadline.
+            w.drain(deadline);
             for l in listeners.iter() {
                 l.worker_left(w);
             }

@@ -44,6 +44,9 @@ pub struct Worker {
     fallback: bool,
     /// `config.cache_aware`.
     cache_aware: bool,
+    /// Removed from the pool or marked draining: it takes no new request (see
+    /// [`Worker::drain`]).
+    draining: AtomicBool,
     /// What its engine reports (scrapes, LMCache) and back-pressure it asked for (its
     /// saturation deadline first, in this line).
     signals: Signals,
@@ -76,6 +79,9 @@ pub struct Worker {
     served: arc_swap::ArcSwap<super::models::Served>,
     /// The LoRA adapters its engine is estimated to hold (`super::adapters`).
     adapters: super::adapters::Residency,
+    /// When its drain ends (`proxy.drain_secs` after it began): its streams still going
+    /// then continue on another worker. `None` while it is not draining.
+    drain_deadline: tokio::sync::watch::Sender<Option<Instant>>,
 }
 
 /// Consecutive health-probe results of one worker.
@@ -105,6 +111,8 @@ impl Worker {
             load_penalty: config.load_penalty,
             fallback: config.role == crate::config::Role::Fallback,
             cache_aware: config.cache_aware,
+            draining: AtomicBool::new(false),
+            drain_deadline: tokio::sync::watch::Sender::new(None),
             label: Arc::from(config.url.to_string()),
             key_hash: xxhash_rust::xxh3::xxh3_64(config.key().as_bytes()),
             feeds,
@@ -295,6 +303,7 @@ impl Worker {
     pub fn routing_state(&self, now: Instant) -> (bool, usize) {
         let in_flight = self.in_flight() + self.remote_in_flight();
         let routable = self.is_healthy()
+            && !self.draining.load(Ordering::Relaxed)
             && (self.max_load == 0 || in_flight < self.max_load)
             && self.breaker_available(now);
         (routable, in_flight + self.load_penalty as usize)
@@ -347,7 +356,60 @@ impl Worker {
     /// Whether the only thing keeping a request off it at `now` is `max_load`: healthy,
     /// breaker admitting, every slot taken (a request may wait for one).
     pub fn is_full(&self, now: Instant) -> bool {
-        self.is_healthy() && !self.has_capacity() && self.breaker_available(now)
+        self.is_healthy()
+            && !self.is_draining()
+            && !self.has_capacity()
+            && self.breaker_available(now)
+    }
+
+    /// Whether it is draining: removed from the pool, or marked so by the admin API.
+    pub fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::Relaxed)
+    }
+
+    /// Starts its drain: no new request is sent to it, and its streams still going at
+    /// `deadline` continue on another worker ([`Worker::drained`]). A drain already
+    /// under way keeps the earlier deadline. Returns whether it was not draining.
+    pub fn drain(&self, deadline: Instant) -> bool {
+        let was = self.draining.swap(true, Ordering::Relaxed);
+        self.drain_deadline.send_if_modified(|d| match d {
+            Some(at) if *at <= deadline => false,
+            _ => {
+                *d = Some(deadline);
+                true
+            }
+        });
+        !was
+    }
+
+    /// Ends a drain the admin API began: it takes requests again. Returns whether it was
+    /// draining.
+    pub fn undrain(&self) -> bool {
+        self.drain_deadline.send_replace(None);
+        self.draining.swap(false, Ordering::Relaxed)
+    }
+
+    /// Resolves when its drain deadline passes (never while it is not draining; a drain
+    /// ended by [`Worker::undrain`] before its deadline does not resolve it). A stream
+    /// that can continue elsewhere waits on this beside its body.
+    pub fn drained(&self) -> impl std::future::Future<Output = ()> + Send + 'static {
+        let mut rx = self.drain_deadline.subscribe();
+        async move {
+            loop {
+                let Ok(at) = rx.wait_for(Option::is_some).await.map(|d| *d) else {
+                    return std::future::pending().await;
+                };
+                let Some(at) = at else { continue };
+                tokio::select! {
+                    _ = tokio::time::sleep_until(at.into()) => return,
+                    changed = rx.changed() => {
+                        if changed.is_err() {
+                            return std::future::pending().await;
+                        }
+                    }
+                }
+            }
+        }
     }
 
     #[inline]

@@ -1,0 +1,556 @@
+//! The answer's SSE events as they pass to the client, for a stream that may continue
+//! elsewhere: what was generated so far ([`Said`]), and each continuation's events made
+//! the first part's sequel.
+//!
+//! Only whole events go out: an event's first bytes wait for its end (its worker may
+//! break in the middle, and half an event cannot be finished by another worker). An
+//! engine writes one event per write, so in practice nothing waits, and a read of whole
+//! events goes out as the same buffer, uncopied. A continuation's events get the first
+//! part's `id`; its role chunk is dropped (the client has had one); its usage covers both
+//! parts (`completion_tokens` plus what was sent before, `prompt_tokens` less it, as the
+//! continued prompt carried it; `cached_tokens` as the new worker reported).
+
+use std::borrow::Cow;
+
+use bytes::Bytes;
+use serde::Deserialize;
+use serde::de::IgnoredAny;
+
+use super::Kind;
+use crate::prompt::Text;
+
+/// What the client has been sent of the answer.
+#[derive(Debug, Default)]
+pub struct Said {
+    /// The first part's `id`, `object`, `created` and `model` (every later event says
+    /// the same id).
+    pub id: Option<String>,
+    pub object: Option<String>,
+    pub created: Option<u64>,
+    pub model: Option<String>,
+    /// The generated text so far (choice 0).
+    pub text: String,
+    /// A chunk with the assistant's `role` passed.
+    pub role_sent: bool,
+    /// A `finish_reason` passed: the answer is whole.
+    pub finished: bool,
+    /// `data: [DONE]` passed.
+    pub done: bool,
+    /// A tool call was being streamed.
+    pub tool_call: bool,
+    /// Reasoning text was being streamed.
+    pub reasoning: bool,
+}
+
+/// See the module docs.
+#[derive(Debug)]
+pub struct Relay {
+    kind: Kind,
+    /// The start of an event not whole yet.
+    partial: Vec<u8>,
+    pub said: Said,
+    /// 0 for the first worker's events, then one more per continuation.
+    part: u32,
+    /// This continuation's own id, written as the first part's.
+    their_id: Option<String>,
+    /// Tokens sent before this part.
+    before: u64,
+    /// This part's content events, and its usage's `completion_tokens` (continuous
+    /// usage) when it reports them: its tokens are the larger.
+    events: u64,
+    reported: u64,
+    /// The engine sent an error event: nothing more of this part is passed.
+    broken: bool,
+}
+
+/// What one read of the worker's body gives the client.
+#[derive(Debug, Default)]
+pub struct Passed {
+    /// The whole events to send now (`None`: nothing yet).
+    pub out: Option<Bytes>,
+    /// The engine sent an error event (not passed, nor anything after it).
+    pub broke: bool,
+}
+
+/// What becomes of one event.
+enum Verdict {
+    Keep,
+    Drop,
+    Replace(Vec<u8>),
+    Broke,
+}
+
+impl Relay {
+    pub fn new(kind: Kind) -> Self {
+        Relay {
+            kind,
+            partial: Vec::new(),
+            said: Said::default(),
+            part: 0,
+            their_id: None,
+            before: 0,
+            events: 0,
+            reported: 0,
+            broken: false,
+        }
+    }
+
+    /// Tokens sent so far (every part's).
+    pub fn tokens(&self) -> u64 {
+        self.before + self.events.max(self.reported)
+    }
+
+    /// Continuations so far.
+    pub fn part(&self) -> u32 {
+        self.part
+    }
+
+    /// A continuation's events follow: an event its predecessor left unfinished is
+    /// dropped (the client never saw it).
+    pub fn begin_part(&mut self) {
+        self.before = self.tokens();
+        self.part += 1;
+        self.their_id = None;
+        self.events = 0;
+        self.reported = 0;
+        self.partial.clear();
+        self.broken = false;
+    }
+
+    /// Passes one read of the worker's body: its whole events (as they are, or as a
+    /// continuation's are rewritten); an unfinished one is kept for the next read.
+    pub fn pass(&mut self, data: &Bytes) -> Passed {
+        if self.broken {
+            return Passed::default();
+        }
+        let joined = !self.partial.is_empty();
+        let buf: Cow<'_, [u8]> = if joined {
+            let mut held = std::mem::take(&mut self.partial);
+            held.extend_from_slice(data);
+            Cow::Owned(held)
+        } else {
+            Cow::Borrowed(&data[..])
+        };
+        let mut edited: Option<Vec<u8>> = None;
+        let (mut at, mut copied) = (0, 0);
+        let mut broke = false;
+        while let Some(end) = event_end(&buf, at) {
+            let verdict = self.event(&buf[at..end]);
+            if !matches!(verdict, Verdict::Keep) {
+                let out = edited.get_or_insert_with(|| Vec::with_capacity(buf.len()));
+                out.extend_from_slice(&buf[copied..at]);
+                copied = end;
+                match verdict {
+                    Verdict::Replace(v) => out.extend_from_slice(&v),
+                    Verdict::Broke => {
+                        copied = at;
+                        broke = true;
+                        self.broken = true;
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+            at = end;
+        }
+        let whole = if broke { copied } else { at };
+        if !broke {
+            self.partial.extend_from_slice(&buf[at..]);
+        }
+        let out = match edited {
+            Some(mut v) => {
+                v.extend_from_slice(&buf[copied.min(whole)..whole]);
+                Bytes::from(v)
+            }
+            None if !joined => data.slice(..whole),
+            None => Bytes::copy_from_slice(&buf[..whole]),
+        };
+        Passed {
+            out: (!out.is_empty()).then_some(out),
+            broke,
+        }
+    }
+
+    /// Reads one whole event (its bytes, blank line included).
+    fn event(&mut self, event: &[u8]) -> Verdict {
+        let Some(data) = data_of(event) else {
+            return Verdict::Keep;
+        };
+        if data.trim_ascii() == b"[DONE]" {
+            self.said.done = true;
+            return Verdict::Keep;
+        }
+        if self.said.done {
+            return Verdict::Keep;
+        }
+        let Ok(chunk) = serde_json::from_slice::<Chunk<'_>>(&data) else {
+            return Verdict::Keep;
+        };
+        if chunk.error.is_some() || chunk.object.as_deref() == Some("error") {
+            return Verdict::Broke;
+        }
+        let first = self.part == 0;
+        if first && self.said.id.is_none() {
+            self.said.id = chunk.id.as_ref().map(|t| t.to_string());
+            self.said.object = chunk.object.as_ref().map(|t| t.to_string());
+            self.said.created = chunk.created;
+            self.said.model = chunk.model.as_ref().map(|t| t.to_string());
+        } else if !first && self.their_id.is_none() {
+            self.their_id = chunk
+                .id
+                .as_deref()
+                .filter(|id| Some(*id) != self.said.id.as_deref())
+                .map(str::to_owned);
+        }
+        let mut role_again = false;
+        let mut content = false;
+        if let Some(c) = chunk.choices.as_ref().and_then(|c| c.first()) {
+            let text = match self.kind {
+                Kind::Chat => c.delta.as_ref().and_then(|d| d.content.as_deref()),
+                Kind::Completions => c.text.as_deref(),
+            };
+            if let Some(d) = &c.delta {
+                role_again = d.role.is_some() && self.said.role_sent && !first;
+                self.said.role_sent |= d.role.is_some();
+                self.said.tool_call |= d.tool_calls.as_ref().is_some_and(|t| !t.is_empty())
+                    || d.function_call.is_some();
+                self.said.reasoning |= [&d.reasoning_content, &d.reasoning]
+                    .iter()
+                    .any(|r| r.as_deref().is_some_and(|r| !r.is_empty()));
+            }
+            if let Some(t) = text.filter(|t| !t.is_empty()) {
+                self.said.text.push_str(t);
+                self.events += 1;
+                content = true;
+            }
+            self.said.finished |= c.finish_reason.is_some();
+            if role_again && !content && c.finish_reason.is_none() {
+                return Verdict::Drop;
+            }
+        }
+        let usage = chunk.usage.as_ref().and_then(|u| u.completion_tokens);
+        if let Some(n) = usage {
+            self.reported = self.reported.max(n);
+        }
+        if first {
+            return Verdict::Keep;
+        }
+        if role_again || usage.is_some() {
+            return self.rewritten(&data);
+        }
+        match (&self.their_id, &self.said.id) {
+            (Some(theirs), Some(ours)) => Verdict::Replace(replace_id(event, theirs, ours)),
+            _ => Verdict::Keep,
+        }
+    }
+
+    /// A continuation's event parsed and written again: the first part's id, no role,
+    /// usage covering every part.
+    fn rewritten(&self, data: &[u8]) -> Verdict {
+        let Ok(mut v) = serde_json::from_slice::<serde_json::Value>(data) else {
+            return Verdict::Keep;
+        };
+        if let (Some(id), Some(slot)) = (&self.said.id, v.get_mut("id")) {
+            *slot = serde_json::Value::String(id.clone());
+        }
+        if let Some(delta) = v
+            .pointer_mut("/choices/0/delta")
+            .and_then(|d| d.as_object_mut())
+        {
+            delta.remove("role");
+        }
+        if let Some(u) = v.get_mut("usage").and_then(|u| u.as_object_mut()) {
+            let get = |u: &serde_json::Map<String, serde_json::Value>, k: &str| {
+                u.get(k).and_then(|n| n.as_u64())
+            };
+            let (prompt, completion) = (get(u, "prompt_tokens"), get(u, "completion_tokens"));
+            if let (Some(p), Some(c)) = (prompt, completion) {
+                let (p, c) = (p.saturating_sub(self.before), c + self.before);
+                u.insert("prompt_tokens".into(), p.into());
+                u.insert("completion_tokens".into(), c.into());
+                u.insert("total_tokens".into(), (p + c).into());
+            }
+        }
+        let mut out = b"data: ".to_vec();
+        // A Value always serialises.
+        out.extend_from_slice(&serde_json::to_vec(&v).unwrap_or_default());
+        out.extend_from_slice(b"\n\n");
+        Verdict::Replace(out)
+    }
+
+    /// The end the router writes for an answer that was whole when its worker broke
+    /// (its final chunk passed, or its token budget is spent): a final chunk when none
+    /// passed (`finish_reason: length`), then `data: [DONE]`.
+    pub fn ending(&self) -> Bytes {
+        let mut out = Vec::new();
+        if !self.said.finished {
+            let choice = match self.kind {
+                Kind::Chat => {
+                    serde_json::json!({"index": 0, "delta": {}, "finish_reason": "length"})
+                }
+                Kind::Completions => {
+                    serde_json::json!({"index": 0, "text": "", "finish_reason": "length"})
+                }
+            };
+            let chunk = serde_json::json!({
+                "id": self.said.id,
+                "object": self.said.object,
+                "created": self.said.created,
+                "model": self.said.model,
+                "choices": [choice],
+            });
+            out.extend_from_slice(b"data: ");
+            out.extend_from_slice(chunk.to_string().as_bytes());
+            out.extend_from_slice(b"\n\n");
+        }
+        out.extend_from_slice(b"data: [DONE]\n\n");
+        Bytes::from(out)
+    }
+}
+
+/// The SSE error event a stream that could not continue ends with (OpenAI's error
+/// shape, as vLLM sends one mid-stream), after a blank line when the bytes before it
+/// ended mid-event (`clean`: they did not).
+pub fn error_event(message: &str, clean: bool) -> Bytes {
+    let body = serde_json::json!({"error": {
+        "message": message,
+        "type": "stream_interrupted",
+        "param": null,
+        "code": 502,
+    }});
+    let lead: &str = if clean { "" } else { "\n\n" };
+    Bytes::from(format!("{lead}data: {body}\n\n"))
+}
+
+/// `event` with the JSON string `theirs` written as `ours`.
+fn replace_id(event: &[u8], theirs: &str, ours: &str) -> Vec<u8> {
+    let (from, to) = (format!("\"{theirs}\""), format!("\"{ours}\""));
+    let mut out = Vec::with_capacity(event.len() + to.len());
+    let mut rest = event;
+    while let Some(i) = memchr::memmem::find(rest, from.as_bytes()) {
+        out.extend_from_slice(&rest[..i]);
+        out.extend_from_slice(to.as_bytes());
+        rest = &rest[i + from.len()..];
+    }
+    out.extend_from_slice(rest);
+    out
+}
+
+/// Where the event that starts at `from` ends (just past its blank line), if it is
+/// whole in `buf`. Lines end with `\n` (`\r\n` too).
+fn event_end(buf: &[u8], from: usize) -> Option<usize> {
+    let mut line = from;
+    loop {
+        let nl = line + memchr::memchr(b'\n', &buf[line..])?;
+        let text = &buf[line..nl];
+        if text.is_empty() || text == b"\r" {
+            return Some(nl + 1);
+        }
+        line = nl + 1;
+    }
+}
+
+/// The data of an event: its `data:` lines' values joined by newlines (borrowed when
+/// it has one); `None` when it has none.
+fn data_of(event: &[u8]) -> Option<Cow<'_, [u8]>> {
+    let mut found: Option<Cow<'_, [u8]>> = None;
+    for line in event.split(|b| *b == b'\n') {
+        let line = line.strip_suffix(b"\r").unwrap_or(line);
+        let Some(v) = line.strip_prefix(b"data:") else {
+            continue;
+        };
+        let v = v.strip_prefix(b" ").unwrap_or(v);
+        found = Some(match found {
+            None => Cow::Borrowed(v),
+            Some(prev) => {
+                let mut joined = prev.into_owned();
+                joined.push(b'\n');
+                joined.extend_from_slice(v);
+                Cow::Owned(joined)
+            }
+        });
+    }
+    found
+}
+
+/// The fields of a streamed chunk the relay reads (strings borrowed when unescaped).
+#[derive(Deserialize)]
+struct Chunk<'a> {
+    #[serde(borrow, default)]
+    id: Option<Text<'a>>,
+    #[serde(borrow, default)]
+    object: Option<Text<'a>>,
+    #[serde(default)]
+    created: Option<u64>,
+    #[serde(borrow, default)]
+    model: Option<Text<'a>>,
+    #[serde(borrow, default)]
+    choices: Option<Vec<Choice<'a>>>,
+    #[serde(default)]
+    usage: Option<Tokens>,
+    #[serde(default)]
+    error: Option<IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct Choice<'a> {
+    #[serde(borrow, default)]
+    delta: Option<Delta<'a>>,
+    #[serde(borrow, default)]
+    text: Option<Text<'a>>,
+    #[serde(default)]
+    finish_reason: Option<IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct Delta<'a> {
+    #[serde(default)]
+    role: Option<IgnoredAny>,
+    #[serde(borrow, default)]
+    content: Option<Text<'a>>,
+    #[serde(default)]
+    tool_calls: Option<Vec<IgnoredAny>>,
+    #[serde(default)]
+    function_call: Option<IgnoredAny>,
+    #[serde(borrow, default)]
+    reasoning_content: Option<Text<'a>>,
+    #[serde(borrow, default)]
+    reasoning: Option<Text<'a>>,
+}
+
+#[derive(Deserialize)]
+struct Tokens {
+    #[serde(default)]
+    completion_tokens: Option<u64>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn chunk(id: &str, delta: &str) -> String {
+        format!(
+            "data: {{\"id\":\"{id}\",\"object\":\"chat.completion.chunk\",\"created\":7,\"model\":\"m\",\"choices\":[{{\"index\":0,\"delta\":{delta},\"finish_reason\":null}}]}}\n\n"
+        )
+    }
+
+    fn passed(r: &mut Relay, data: &str) -> String {
+        let p = r.pass(&Bytes::from(data.to_string()));
+        String::from_utf8(p.out.map(|b| b.to_vec()).unwrap_or_default()).unwrap()
+    }
+
+    #[test]
+    fn the_first_part_passes_whole_events_unchanged_and_is_remembered() {
+        let stream = [
+            chunk("a", r#"{"role":"assistant","content":""}"#),
+            chunk("a", r#"{"content":"Hel"}"#),
+            chunk("a", r#"{"content":"lo \"you\""}"#),
+        ]
+        .concat();
+        for split in 1..stream.len() {
+            let mut r = Relay::new(Kind::Chat);
+            let mut out = passed(&mut r, &stream[..split]);
+            out += &passed(&mut r, &stream[split..]);
+            assert_eq!(out, stream, "split at {split}");
+            assert_eq!(r.said.text, "Hello \"you\"");
+            assert_eq!(r.tokens(), 2);
+            assert!(r.said.role_sent && !r.said.finished && !r.said.done);
+            assert_eq!(r.said.id.as_deref(), Some("a"));
+        }
+        // A read of whole events goes out as the same buffer.
+        let mut r = Relay::new(Kind::Chat);
+        let data = Bytes::from(stream.clone());
+        let out = r.pass(&data).out.unwrap();
+        assert_eq!(out.as_ptr(), data.as_ptr());
+        // An unfinished event waits for its end.
+        let mut r = Relay::new(Kind::Chat);
+        let half = &stream[..stream.len() - 1];
+        assert_eq!(
+            passed(&mut r, half).len(),
+            stream.len() - chunk("a", r#"{"content":"lo \"you\""}"#).len()
+        );
+    }
+
+    #[test]
+    fn an_engine_error_event_breaks_the_part_and_is_not_passed() {
+        let mut r = Relay::new(Kind::Chat);
+        let ok = chunk("a", r#"{"content":"x"}"#);
+        let err = "data: {\"error\":{\"message\":\"boom\",\"code\":500}}\n\n";
+        let p = r.pass(&Bytes::from(format!("{ok}{err}data: [DONE]\n\n")));
+        assert!(p.broke);
+        assert_eq!(p.out.unwrap(), ok.as_bytes());
+        assert!(!r.said.done, "the [DONE] after the error is not passed");
+        // vLLM's older error shape.
+        let mut r = Relay::new(Kind::Completions);
+        let p = r.pass(&Bytes::from_static(
+            b"data: {\"object\":\"error\",\"message\":\"x\",\"code\":500}\n\n",
+        ));
+        assert!(p.broke && p.out.is_none());
+    }
+
+    #[test]
+    fn a_continuation_reads_as_the_sequel_of_the_first_part() {
+        let mut r = Relay::new(Kind::Chat);
+        passed(&mut r, &chunk("a", r#"{"role":"assistant","content":""}"#));
+        passed(&mut r, &chunk("a", r#"{"content":"one "}"#));
+        passed(&mut r, &chunk("a", r#"{"content":"two "}"#));
+        // Half an event of the broken part: never sent, forgotten.
+        passed(&mut r, "data: {\"id\":\"a\",\"cho");
+        r.begin_part();
+        let role = passed(&mut r, &chunk("b", r#"{"role":"assistant","content":""}"#));
+        assert_eq!(role, "", "no second role chunk");
+        let three = passed(&mut r, &chunk("b", r#"{"content":"three"}"#));
+        assert_eq!(
+            three,
+            chunk("a", r#"{"content":"three"}"#),
+            "the first part's id"
+        );
+        let usage = "data: {\"id\":\"b\",\"object\":\"chat.completion.chunk\",\"choices\":[],\"usage\":{\"prompt_tokens\":12,\"completion_tokens\":1,\"total_tokens\":13,\"prompt_tokens_details\":{\"cached_tokens\":8}}}\n\n";
+        let out = passed(&mut r, usage);
+        let v: serde_json::Value =
+            serde_json::from_str(out.strip_prefix("data: ").unwrap().trim()).unwrap();
+        assert_eq!(v["id"], "a");
+        assert_eq!(v["usage"]["prompt_tokens"], 10);
+        assert_eq!(v["usage"]["completion_tokens"], 3);
+        assert_eq!(v["usage"]["total_tokens"], 13);
+        assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 8);
+        assert_eq!(passed(&mut r, "data: [DONE]\n\n"), "data: [DONE]\n\n");
+        assert!(r.said.done);
+        assert_eq!(r.said.text, "one two three");
+        assert_eq!(r.tokens(), 3);
+    }
+
+    #[test]
+    fn tool_calls_and_reasoning_are_noted() {
+        let mut r = Relay::new(Kind::Chat);
+        passed(&mut r, &chunk("a", r#"{"reasoning_content":"hmm"}"#));
+        assert!(r.said.reasoning && !r.said.tool_call);
+        passed(
+            &mut r,
+            &chunk(
+                "a",
+                r#"{"tool_calls":[{"index":0,"function":{"name":"f"}}]}"#,
+            ),
+        );
+        assert!(r.said.tool_call);
+        let mut r = Relay::new(Kind::Chat);
+        passed(&mut r, &chunk("a", r#"{"content":"x","tool_calls":[]}"#));
+        assert!(!r.said.tool_call);
+    }
+
+    #[test]
+    fn the_routers_ending_closes_a_whole_answer() {
+        let mut r = Relay::new(Kind::Completions);
+        passed(
+            &mut r,
+            "data: {\"id\":\"c\",\"object\":\"text_completion\",\"created\":1,\"model\":\"m\",\"choices\":[{\"index\":0,\"text\":\"hi\",\"finish_reason\":null}]}\n\n",
+        );
+        let end = String::from_utf8(r.ending().to_vec()).unwrap();
+        assert!(end.contains("\"finish_reason\":\"length\"") && end.contains("\"id\":\"c\""));
+        assert!(end.ends_with("data: [DONE]\n\n"));
+        assert_eq!(
+            error_event("x", false).slice(..2),
+            Bytes::from_static(b"\n\n")
+        );
+    }
+}

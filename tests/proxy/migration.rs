@@ -1,0 +1,231 @@
+//! Stream continuation (`migration:`): a worker that breaks a streamed answer after
+//! bytes reached the client, and what the client reads — one well-formed stream, its
+//! text as if nothing broke; or, when the answer cannot continue, an error event.
+
+use std::time::Duration;
+
+use support::story::{Script, read, story, story_engine};
+use support::{client::*, config::*, observe::*, wait::*, worker::*};
+
+use crate::common::start_router;
+
+const MIGRATIONS: &str = "cache_aware_router_stream_migrations_total";
+const REFUSALS: &str = "cache_aware_router_stream_migration_refusals_total";
+
+/// Two story engines, the first (`a`) misbehaving as `first` says, and a router in front
+/// that sends the first request to `a` (round robin) and never retries before headers;
+/// `extra`: more YAML.
+async fn pair(first: Script, extra: &str) -> (FakeWorker, FakeWorker, String) {
+    let a = FakeWorker::start_with(story_engine(Script { name: "a", ..first })).await;
+    let b = FakeWorker::start_with(story_engine(Script {
+        name: "b",
+        cached: 5,
+        ..Script::default()
+    }))
+    .await;
+    let yaml = yaml_for(&[&a, &b], &format!("policy: round_robin\n{extra}"));
+    (a, b, yaml)
+}
+
+fn chat(tokens: usize, more: serde_json::Value) -> Req {
+    let mut body = serde_json::json!({
+        "model": "m",
+        "stream": true,
+        "stream_options": {"include_usage": true},
+        "max_tokens": tokens,
+        "messages": [{"role": "user", "content": "count for me please"}],
+    });
+    if let (Some(b), Some(m)) = (body.as_object_mut(), more.as_object()) {
+        b.extend(m.clone());
+    }
+    Req::post("/v1/chat/completions", body.to_string())
+}
+
+/// Sends `req` and reads its streamed answer to its end: the body, and whether it was
+/// cut (ended by an error, not by its last chunk).
+async fn streamed(addr: std::net::SocketAddr, req: &Req) -> (Vec<u8>, bool) {
+    let mut conn = Conn::connect(addr).await;
+    conn.send(req).await.unwrap();
+    assert_eq!(conn.read_head().await.status, 200);
+    let mut body = Vec::new();
+    loop {
+        match within("the stream", conn.try_next_piece()).await {
+            Ok(Some(p)) => body.extend_from_slice(&p),
+            Ok(None) => return (body, false),
+            Err(_) => return (body, true),
+        }
+    }
+}
+
+async fn migrations(addr: std::net::SocketAddr, cause: &str, outcome: &str) -> f64 {
+    scrape(addr)
+        .await
+        .value(MIGRATIONS, &[("cause", cause), ("outcome", outcome)])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_that_dies_mid_stream_is_continued_and_the_client_reads_one_stream() {
+    let (a, b, yaml) = pair(
+        Script {
+            die_after: Some(3),
+            ..Script::default()
+        },
+        "",
+    )
+    .await;
+    let router = start_router(&yaml).await;
+    let resp = within(
+        "the continued stream",
+        send(router.addr, &chat(10, serde_json::json!({}))),
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    let r = read(&resp.body);
+    assert_eq!(
+        r.text,
+        story(10),
+        "every token once, in order: {}",
+        resp.text()
+    );
+    assert_eq!(r.ids, ["chatcmpl-a-0"], "one id, the first worker's");
+    assert_eq!((r.roles, r.finishes, r.dones), (1, 1, 1), "{}", resp.text());
+    assert!(r.errors.is_empty());
+    let usage = r.usage.expect("the usage chunk");
+    assert_eq!(usage["completion_tokens"], 10, "{usage}");
+    assert_eq!(
+        usage["prompt_tokens"], 4,
+        "the client's prompt, not the continued one"
+    );
+    assert_eq!(usage["total_tokens"], 14);
+    assert_eq!(
+        usage["prompt_tokens_details"]["cached_tokens"], 5,
+        "as the worker that continued reported it"
+    );
+    // What the second worker was asked: the conversation plus the partial answer.
+    let asked: serde_json::Value = serde_json::from_slice(&b.requests()[0].body).unwrap();
+    assert_eq!(asked["messages"][1]["role"], "assistant");
+    assert_eq!(asked["messages"][1]["content"], story(3));
+    assert_eq!(
+        (
+            &asked["continue_final_message"],
+            &asked["add_generation_prompt"]
+        ),
+        (&serde_json::json!(true), &serde_json::json!(false))
+    );
+    assert_eq!(asked["max_tokens"], 7);
+    assert_eq!(a.count(), 1);
+    assert_eq!(migrations(router.addr, "closed", "continued").await, 1.0);
+    wait_all_idle(router.addr, Duration::from_secs(2)).await;
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn completions_and_engine_error_events_continue_too() {
+    let (_a, b, yaml) = pair(
+        Script {
+            error_after: Some(2),
+            ..Script::default()
+        },
+        "",
+    )
+    .await;
+    let router = start_router(&yaml).await;
+    let body =
+        serde_json::json!({"model": "m", "prompt": "Count: ", "stream": true, "max_tokens": 6});
+    let resp = send(router.addr, &Req::post("/v1/completions", body.to_string())).await;
+    let r = read(&resp.body);
+    assert_eq!(r.text, story(6), "{}", resp.text());
+    assert!(
+        r.errors.is_empty(),
+        "the engine's error event is not passed on"
+    );
+    assert_eq!((r.ids.len(), r.dones), (1, 1));
+    let asked: serde_json::Value = serde_json::from_slice(&b.requests()[0].body).unwrap();
+    assert_eq!(asked["prompt"], format!("Count: {}", story(2)));
+    assert_eq!(asked["max_tokens"], 4);
+    assert_eq!(
+        migrations(router.addr, "engine_error", "continued").await,
+        1.0
+    );
+    router.shutdown().await;
+}
+
+/// Two story engines that both die two tokens into a fresh request, round robin.
+async fn dying_pair(extra: &str) -> (FakeWorker, FakeWorker, String) {
+    let dying = |name| Script {
+        name,
+        die_after: Some(2),
+        ..Script::default()
+    };
+    let a = FakeWorker::start_with(story_engine(dying("a"))).await;
+    let b = FakeWorker::start_with(story_engine(dying("b"))).await;
+    let yaml = yaml_for(&[&a, &b], &format!("policy: round_robin\n{extra}"));
+    (a, b, yaml)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_cannot_continue_ends_with_an_error_event_and_is_counted() {
+    let (a, b, yaml) = dying_pair("").await;
+    let router = start_router(&yaml).await;
+    let addr = router.addr;
+    for (more, reason) in [
+        (serde_json::json!({"n": 2}), "n"),
+        (
+            serde_json::json!({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}}),
+            "guided",
+        ),
+        (serde_json::json!({"logprobs": true}), "logprobs"),
+    ] {
+        let (body, cut) = streamed(addr, &chat(8, more)).await;
+        let r = read(&body);
+        let text = String::from_utf8_lossy(&body);
+        assert!(cut, "never a clean end: {text}");
+        assert_eq!(r.text, story(2), "what the worker sent, once");
+        assert_eq!(r.dones, 0, "{text}");
+        assert_eq!(r.errors.len(), 1, "{text}");
+        let message = r.errors[0]["message"].as_str().unwrap();
+        assert!(message.contains("cannot be continued"), "{message}");
+        assert_eq!(r.errors[0]["type"], "stream_interrupted");
+        let m = scrape(addr).await;
+        assert_eq!(m.value(REFUSALS, &[("reason", reason)]), 1.0, "{reason}");
+    }
+    assert_eq!(migrations(addr, "closed", "refused").await, 3.0);
+    assert_eq!(a.count() + b.count(), 3, "nothing was continued");
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn continuations_stop_at_max_attempts() {
+    // Both workers die two tokens into whatever they are sent.
+    let dying = |name| Script {
+        name,
+        die_after: Some(2),
+        die_always: true,
+        ..Script::default()
+    };
+    let a = FakeWorker::start_with(story_engine(dying("a"))).await;
+    let b = FakeWorker::start_with(story_engine(dying("b"))).await;
+    let router = start_router(&yaml_for(
+        &[&a, &b],
+        "policy: round_robin\nmigration:\n  max_attempts: 1\n",
+    ))
+    .await;
+    let (body, cut) = streamed(router.addr, &chat(10, serde_json::json!({}))).await;
+    let r = read(&body);
+    assert!(cut);
+    assert_eq!(
+        r.text,
+        story(4),
+        "two tokens from each: {}",
+        String::from_utf8_lossy(&body)
+    );
+    assert_eq!(r.errors.len(), 1);
+    assert_eq!(r.dones, 0);
+    let m = scrape(router.addr).await;
+    assert_eq!(m.value(REFUSALS, &[("reason", "attempts")]), 1.0);
+    assert_eq!(
+        m.value(MIGRATIONS, &[("cause", "closed"), ("outcome", "continued")]),
+        1.0
+    );
+    router.shutdown().await;
+}
