@@ -108,6 +108,9 @@ struct WorkerView {
     /// Why its last health probe failed; `null` after a good one.
     probe_error: Option<String>,
     breaker: &'static str,
+    /// Removed, or marked draining (`POST /workers/drain`): it takes no new request;
+    /// its streams move to another worker when `proxy.drain_secs` has passed.
+    draining: bool,
     max_load: Option<usize>,
     load_penalty: u32,
     cache_aware: bool,
@@ -568,6 +571,7 @@ pub fn workers(admin: &Admin) -> http::Response<ProxyBody> {
             probed: w.is_probed(),
             probe_error: w.probe_run().last_error.clone(),
             breaker: w.breaker_state(now).as_str(),
+            draining: w.is_draining(),
             max_load: w.config().max_load.map(|m| m.get()),
             load_penalty: w.config().load_penalty,
             cache_aware: w.config().cache_aware,
@@ -635,7 +639,8 @@ pub enum Mutation {
 const MAX_ADMIN_BODY: usize = 64 * 1024;
 
 /// Answers the admin API when `method` + path is one of its endpoints:
-/// `POST /workers`, `DELETE /workers?url=…`, `POST /cache/clear[?worker=…]`. They need
+/// `POST /workers`, `DELETE /workers?url=…`, `POST|DELETE /workers/drain?url=…`,
+/// `POST /cache/clear[?worker=…]`. They need
 /// `Authorization: Bearer <server.admin_token>`; without a configured token they answer
 /// 403 saying how to enable them. None of them blocks requests being served.
 pub fn mutation<B>(admin: &Admin, req: &http::Request<B>) -> Option<Mutation> {
@@ -644,6 +649,8 @@ pub fn mutation<B>(admin: &Admin, req: &http::Request<B>) -> Option<Mutation> {
         (method, path),
         (&http::Method::POST, "/workers")
             | (&http::Method::DELETE, "/workers")
+            | (&http::Method::POST, "/workers/drain")
+            | (&http::Method::DELETE, "/workers/drain")
             | (&http::Method::POST, "/cache/clear")
     );
     if !is_admin {
@@ -655,19 +662,11 @@ pub fn mutation<B>(admin: &Admin, req: &http::Request<B>) -> Option<Mutation> {
     let resp = match (method, path) {
         (&http::Method::POST, "/workers") => return Some(Mutation::NeedsBody),
         (&http::Method::DELETE, "/workers") => {
-            match (
-                query_param(req.uri(), "url"),
-                query_param(req.uri(), "name"),
-            ) {
-                (Some(url), None) => remove_worker(admin, Which::Url(&url)),
-                (None, Some(name)) => remove_worker(admin, Which::Name(&name)),
-                (Some(_), Some(_)) => Err(ProxyError::BadRequest(
-                    "give `url` or `name`, not both".into(),
-                )),
-                (None, None) => Err(ProxyError::BadRequest(
-                    "missing query parameter `url` (the worker's URL) or `name` (its name)".into(),
-                )),
-            }
+            named(req.uri()).and_then(|which| remove_worker(admin, which.as_which()))
+        }
+        (&http::Method::POST | &http::Method::DELETE, "/workers/drain") => {
+            let on = method == http::Method::POST;
+            named(req.uri()).and_then(|which| drain_worker(admin, which.as_which(), on))
         }
         _ => return Some(Mutation::ClearCache(query_param(req.uri(), "worker"))),
     };
@@ -788,6 +787,66 @@ fn shown(which: &Which<'_>) -> String {
     }
 }
 
+/// The worker an admin request names by `url=` or `name=` (one of them).
+enum Named {
+    Url(String),
+    Name(String),
+}
+
+impl Named {
+    fn as_which(&self) -> Which<'_> {
+        match self {
+            Named::Url(u) => Which::Url(u),
+            Named::Name(n) => Which::Name(n),
+        }
+    }
+}
+
+fn named(uri: &http::Uri) -> Result<Named, ProxyError> {
+    match (query_param(uri, "url"), query_param(uri, "name")) {
+        (Some(url), None) => Ok(Named::Url(url)),
+        (None, Some(name)) => Ok(Named::Name(name)),
+        (Some(_), Some(_)) => Err(ProxyError::BadRequest(
+            "give `url` or `name`, not both".into(),
+        )),
+        (None, None) => Err(ProxyError::BadRequest(
+            "missing query parameter `url` (the worker's URL) or `name` (its name)".into(),
+        )),
+    }
+}
+
+/// `POST /workers/drain` (`on`): the worker takes no new request and its streams move
+/// to another worker after `proxy.drain_secs`; `DELETE /workers/drain`: it takes
+/// requests again.
+fn drain_worker(
+    admin: &Admin,
+    which: Which<'_>,
+    on: bool,
+) -> Result<http::Response<ProxyBody>, ProxyError> {
+    let Some(w) = find_worker(&admin.worker_set(), &which)? else {
+        return Err(ProxyError::UnknownWorker {
+            which: shown(&which),
+        });
+    };
+    let pool = admin.pools.workers();
+    let after = pool.drain_after();
+    let changed = if on {
+        w.drain(crate::pools::pool::now() + after)
+    } else {
+        w.undrain()
+    };
+    if changed && on {
+        tracing::info!(worker = %w.url(), drain_secs = after.as_secs_f64(), "worker draining (admin API): no new requests; its streams move elsewhere when the drain ends");
+    } else if changed {
+        tracing::info!(worker = %w.url(), "worker takes requests again (admin API)");
+    }
+    Ok(json_response(
+        StatusCode::OK,
+        serde_json::json!({"worker": w.url().to_string(), "key": w.key(), "draining": on, "drain_secs": after.as_secs_f64()})
+            .to_string(),
+    ))
+}
+
 fn remove_worker(admin: &Admin, which: Which<'_>) -> Result<http::Response<ProxyBody>, ProxyError> {
     let Some(w) = find_worker(&admin.worker_set(), &which)? else {
         return Err(ProxyError::UnknownWorker {
@@ -795,7 +854,7 @@ fn remove_worker(admin: &Admin, which: Which<'_>) -> Result<http::Response<Proxy
         });
     };
     admin.pools.workers().remove(w.key());
-    tracing::info!(worker = %w.url(), key = w.key(), "worker removed (admin API); its in-flight requests finish");
+    tracing::info!(worker = %w.url(), key = w.key(), "worker removed (admin API); its in-flight requests finish, its streams move elsewhere after proxy.drain_secs");
     Ok(json_response(
         StatusCode::OK,
         serde_json::json!({"removed": w.url().to_string(), "key": w.key(), "workers": admin.worker_set().workers().len()})

@@ -63,13 +63,17 @@ fn route(
         (&Method::GET, "/metrics") if admin_here => Route::Metrics,
         (&Method::POST, "/workers")
         | (&Method::DELETE, "/workers")
+        | (&Method::POST, "/workers/drain")
+        | (&Method::DELETE, "/workers/drain")
         | (&Method::POST, "/cache/clear")
             if admin_here =>
         {
             Route::Admin
         }
         _ if on == Listener::Admin => Route::NotHere(NOT_ON_ADMIN),
-        (_, "/workers" | "/metrics" | "/cache/clear") => Route::NotHere(ADMIN_LISTENER_ONLY),
+        (_, "/workers" | "/workers/drain" | "/metrics" | "/cache/clear") => {
+            Route::NotHere(ADMIN_LISTENER_ONLY)
+        }
         (&Method::GET, "/v1/models") => Route::Proxy(Call::Models),
         _ => Route::Proxy(match Endpoint::from_path(path) {
             Some(e) if method == Method::POST => Call::Forward(Some(e)),
@@ -161,7 +165,16 @@ mod tests {
             (Main, true, Method::GET, "/workers", Route::Workers),
             (Main, true, Method::GET, "/metrics", Route::Metrics),
             (Main, true, Method::DELETE, "/workers", Route::Admin),
+            (Main, true, Method::POST, "/workers/drain", Route::Admin),
+            (Main, true, Method::DELETE, "/workers/drain", Route::Admin),
             (Main, true, Method::POST, "/cache/clear", Route::Admin),
+            (
+                Main,
+                false,
+                Method::POST,
+                "/workers/drain",
+                Route::NotHere(ADMIN_LISTENER_ONLY),
+            ),
             // With an admin listener, its endpoints are not on the main port.
             (
                 Main,

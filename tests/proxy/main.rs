@@ -2,11 +2,12 @@
 //! framing, WebSocket tunnels), streamed answers, `https://` workers, worker failures
 //! (health checks, circuit breaker, retries), size and time limits, in-flight
 //! accounting, how each request ends (access line, outcome), the queue, `/v1/models`,
-//! streams continued on another worker when theirs breaks (`migration:`),
+//! streams continued on another worker when theirs breaks (`migration:`) or is drained,
 //! disaggregated (prefill/decode) pools.
 
 #[path = "../common/mod.rs"]
 mod common;
+mod drain;
 mod http;
 mod in_flight;
 mod limits;

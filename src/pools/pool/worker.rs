@@ -396,12 +396,17 @@ impl Worker {
         let mut rx = self.drain_deadline.subscribe();
         async move {
             loop {
-                let Ok(at) = rx.wait_for(Option::is_some).await.map(|d| *d) else {
+                let Ok(Some(at)) = rx.wait_for(Option::is_some).await.map(|d| *d) else {
+                    // The worker is gone: its drain never ends.
                     return std::future::pending().await;
                 };
-                let Some(at) = at else { continue };
                 tokio::select! {
-                    _ = tokio::time::sleep_until(at.into()) => return,
+                    // Its deadline, unless it changed meanwhile (undrained, or sooner).
+                    _ = tokio::time::sleep_until(at.into()) => {
+                        if *rx.borrow() == Some(at) {
+                            return;
+                        }
+                    }
                     changed = rx.changed() => {
                         if changed.is_err() {
                             return std::future::pending().await;
@@ -476,6 +481,37 @@ mod tests {
         w.record(probe, Outcome::Success, later);
         assert!(w.is_routable(later), "closed again");
         assert_eq!(w.breaker_state(later), breaker::State::Closed);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_draining_worker_takes_nothing_and_its_drain_ends_at_its_deadline() {
+        use std::time::Duration;
+        let w = for_test(None, &BreakerConfig::default());
+        let mut drained = Box::pin(w.drained());
+        fn soon(f: &mut std::pin::Pin<Box<impl std::future::Future<Output = ()>>>) -> bool {
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            f.as_mut().poll(&mut cx).is_ready()
+        }
+        assert!(w.is_routable(now()) && !w.is_draining());
+        assert!(w.drain(now() + Duration::from_secs(5)));
+        assert!(!w.is_routable(now()) && w.is_draining());
+        assert!(
+            !w.drain(now() + Duration::from_secs(60)),
+            "the earlier deadline stays"
+        );
+        tokio::time::sleep(Duration::from_secs(4)).await;
+        assert!(!soon(&mut drained));
+        tokio::time::sleep(Duration::from_secs(2)).await;
+        assert!(soon(&mut drained), "past its deadline");
+        // Undrained before its deadline: it never resolves.
+        let w = for_test(None, &BreakerConfig::default());
+        let mut drained = Box::pin(w.drained());
+        w.drain(now() + Duration::from_secs(1));
+        assert!(!soon(&mut drained));
+        assert!(w.undrain());
+        assert!(w.is_routable(now()));
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(!soon(&mut drained));
     }
 
     #[test]
