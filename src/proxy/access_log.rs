@@ -427,6 +427,12 @@ mod tests {
                 migrations: 0,
             };
             log.end(&metrics, None, "complete");
+            let continued = AccessLog {
+                continued_on: Some(Arc::from("w1")),
+                migrations: 1,
+                ..log
+            };
+            continued.end(&metrics, None, "complete");
             RequestEnd::new(id, &metrics, None, &none).refused(&ProxyError::NoWorker("x"));
             RequestEnd::new(id, &metrics, None, &none).replayed(&Arc::from("cache"), "exact", 5);
             drop(RequestEnd::new(id, &metrics, None, &none));
@@ -434,7 +440,7 @@ mod tests {
         });
         let lines = names.0.lock().unwrap().clone();
         let head = ["request_id", "trace_id", "endpoint", "worker"];
-        let tails: [&[&str]; 4] = [
+        let tails: [&[&str]; 5] = [
             &[
                 "role",
                 "reason",
@@ -444,6 +450,21 @@ mod tests {
                 "delivered_tokens",
                 "decision_us",
                 "attempt",
+                "status",
+                "duration_ms",
+                "outcome",
+            ],
+            &[
+                "role",
+                "reason",
+                "matched_ratio",
+                "available_tokens",
+                "predicted_tokens",
+                "delivered_tokens",
+                "decision_us",
+                "attempt",
+                "continued_on",
+                "migrations",
                 "status",
                 "duration_ms",
                 "outcome",

@@ -386,3 +386,35 @@ async fn many_connections_lines_arrive_whole_and_once_each_while_the_router_runs
         );
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_continued_elsewhere_says_so_on_its_one_access_line() {
+    use support::story::{Script, read, story, story_engine};
+    let a = FakeWorker::start_with(story_engine(Script {
+        name: "a",
+        die_after: Some(2),
+        ..Script::default()
+    }))
+    .await;
+    let b = FakeWorker::start_with(story_engine(Script {
+        name: "b",
+        ..Script::default()
+    }))
+    .await;
+    let (_config, router) = serve(&[&a, &b], "policy: round_robin\n");
+    let body = serde_json::json!({"model": "m", "stream": true, "max_tokens": 6,
+        "messages": [{"role": "user", "content": "go"}]});
+    let resp = post(router.addr, "/v1/chat/completions", body.to_string()).await;
+    assert_eq!(read(&resp.body).text, story(6));
+    let lines = wait_for_lines(&router, 1).await;
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let line = &lines[0];
+    assert_eq!(line["worker"], a.url().trim_end_matches('/'), "{line}");
+    assert_eq!(
+        line["continued_on"],
+        b.url().trim_end_matches('/'),
+        "{line}"
+    );
+    assert_eq!(line["migrations"], 1, "{line}");
+    assert_eq!(line["outcome"], "complete", "{line}");
+}
