@@ -32,6 +32,7 @@ mod discovery;
 mod doc_reference;
 mod engine_metrics;
 mod health;
+mod hedge;
 mod kv_events;
 mod lmcache;
 mod log;
@@ -63,6 +64,7 @@ pub use difference::Settings;
 pub use discovery::{DiscoveryConfig, DnsDiscovery, KubernetesDiscovery};
 pub use engine_metrics::EngineMetricsConfig;
 pub use health::HealthConfig;
+pub use hedge::HedgeConfig;
 pub use kv_events::{KvEventsConfig, MAX_DP_SIZE};
 pub use lmcache::LmcacheConfig;
 pub use log::{LogColor, LogConfig, LogFormat};
@@ -121,6 +123,8 @@ pub struct Config {
     pub pd: PdConfig,
     /// Streams continued on another worker when theirs fails (`migration:`).
     pub migration: MigrationConfig,
+    /// A late first token asked of a second worker too (`hedge:`).
+    pub hedge: HedgeConfig,
 }
 
 // Raw (serde) schema of the whole file: every section's raw form, each key optional so
@@ -168,6 +172,8 @@ struct RawConfig {
     pd: pd::RawPd,
     #[serde(default)]
     migration: migration::RawMigration,
+    #[serde(default)]
+    hedge: hedge::RawHedge,
 }
 
 impl RawConfig {
@@ -217,6 +223,7 @@ impl RawConfig {
             adapters: self.adapters.validate(ck)?,
             pd: self.pd.validate(ck, policy)?,
             migration: self.migration.validate(ck)?,
+            hedge: self.hedge.validate(ck)?,
         })
     }
 }
@@ -382,6 +389,7 @@ impl Config {
             changed(&a.adapters, &b.adapters),
             changed(&a.pd, &b.pd),
             changed(&a.migration, &b.migration),
+            changed(&a.hedge, &b.hedge),
         ]
         .into_iter()
         .flatten()

@@ -95,6 +95,9 @@ pub struct AccessLog {
     pub continued_on: Option<Arc<str>>,
     /// How many times its stream continued elsewhere.
     pub migrations: u32,
+    /// How its hedge went (`won`, `lost`, `failed`), when its first token was late and a
+    /// second worker was asked too.
+    pub hedge: Option<&'static str>,
 }
 
 impl AccessLog {
@@ -113,6 +116,7 @@ impl AccessLog {
             pd: None,
             continued_on: None,
             migrations: 0,
+            hedge: None,
         }
     }
 
@@ -133,6 +137,7 @@ impl AccessLog {
                 delivered_tokens: self.delivered_tokens,
                 pd: self.pd.as_ref(),
                 continued: self.continued_on.as_ref().map(|w| (w, self.migrations)),
+                hedge: self.hedge,
             },
         };
         write(metrics, export, &line);
@@ -251,6 +256,8 @@ enum Kind<'a> {
         /// The worker that finished the answer and how many times it moved, when its
         /// stream continued elsewhere.
         continued: Option<(&'a Arc<str>, u32)>,
+        /// How its hedge went, when it had one.
+        hedge: Option<&'static str>,
     },
     /// The router, with its own error.
     Refused {
@@ -298,9 +305,11 @@ fn write(metrics: &RequestMetrics, export: Option<&Exporter>, line: &Line<'_>) {
         Kind::Routed { pd, .. } => pd,
         _ => None,
     };
-    let continued = match line.kind {
-        Kind::Routed { continued, .. } => continued,
-        _ => None,
+    let (continued, hedge) = match line.kind {
+        Kind::Routed {
+            continued, hedge, ..
+        } => (continued, hedge),
+        _ => (None, None),
     };
     let (pd_path, pd_reason) = pd.map(|t| t.path.labels()).unzip();
     let prefill = pd.and_then(|t| t.prefill.as_ref());
@@ -320,6 +329,7 @@ fn write(metrics: &RequestMetrics, export: Option<&Exporter>, line: &Line<'_>) {
         delivered_tokens = routed.map(|r| r.2.map_or(-1, |t| t as i64)),
         decision_us = decision.map(|d| d.decision_us),
         attempt = decision.map(|d| d.attempt),
+        hedge,
         continued_on = continued.map(|c| &**c.0),
         migrations = continued.map(|c| c.1),
         pd = pd_path,
@@ -425,11 +435,13 @@ mod tests {
                 pd: None,
                 continued_on: None,
                 migrations: 0,
+                hedge: None,
             };
             log.end(&metrics, None, "complete");
             let continued = AccessLog {
                 continued_on: Some(Arc::from("w1")),
                 migrations: 1,
+                hedge: Some("won"),
                 ..log
             };
             continued.end(&metrics, None, "complete");
@@ -463,6 +475,7 @@ mod tests {
                 "delivered_tokens",
                 "decision_us",
                 "attempt",
+                "hedge",
                 "continued_on",
                 "migrations",
                 "status",

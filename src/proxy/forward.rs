@@ -106,14 +106,14 @@ impl Router {
             let Some((pick, mut guard)) = picked else {
                 break;
             };
-            let worker = Arc::clone(guard.worker());
+            let mut worker = Arc::clone(guard.worker());
             *waiting_on = Some(Arc::clone(worker.label()));
             if let Some(id) = pick.worker {
                 tried.insert(id);
             }
             // A disaggregated request's decision is its prefill leg's, when it had one.
             let counted = route.pd.as_ref().is_none_or(|t| !t.prefill_tried);
-            let decision = self.decided(&pick, &worker, started, attempt, counted);
+            let mut decision = self.decided(&pick, &worker, started, attempt, counted);
             let watch = Attempt {
                 policy: &**route.policy,
                 req: &route.req,
@@ -142,23 +142,42 @@ impl Router {
                 }
             };
             let wait = retries.attempt_wait();
-            let (result, pushed_back) = self
-                .send(
-                    watch,
-                    base,
-                    adapted.as_ref().unwrap_or(&body),
-                    &route.id,
-                    &mut guard,
-                    wait,
-                )
-                .await;
+            let to = adapted.as_ref().unwrap_or(&body);
+            let ((result, pushed_back), hedged) = match self.hedge_after(attempt, route) {
+                Some(after) => {
+                    let leg = Leg {
+                        set,
+                        base,
+                        body: to,
+                        route,
+                        wait,
+                        tried: &tried,
+                    };
+                    self.send_hedged(after, watch, leg, &mut guard).await
+                }
+                None => (
+                    self.send(watch, base, to, &route.id, &mut guard, wait)
+                        .await,
+                    Default::default(),
+                ),
+            };
+            if let Some(id) = hedged.tried {
+                tried.insert(id);
+            }
+            if let Some(p) = &hedged.swapped {
+                // The hedge won: its worker answers.
+                worker = Arc::clone(guard.worker());
+                *waiting_on = Some(Arc::clone(worker.label()));
+                decision = self.decided(p, &worker, started, attempt, false);
+            }
             if route.pd.is_some() {
                 self.metrics.pd().decode_attempt(&result);
             }
             match result {
                 Ok(resp) => {
                     let status = resp.status().as_u16();
-                    let log = AccessLog::new(&route.id, &worker, decision, status);
+                    let mut log = AccessLog::new(&route.id, &worker, decision, status);
+                    log.hedge = hedged.outcome;
                     if !retries.holds(attempt, status, pushed_back) {
                         return Ok(self.respond(resp, guard, log, route));
                     }
@@ -379,6 +398,16 @@ impl Router {
         let policy = &**route.policy;
         policy::decide::pick_slot(policy, set, &route.req, tried, &mut rand::rng())
     }
+}
+
+/// What a hedged attempt needs besides its first pick (see [`super::hedge`]).
+pub(super) struct Leg<'a, 'r> {
+    pub set: &'a WorkerSet,
+    pub base: &'a RequestTemplate,
+    pub body: &'a Bytes,
+    pub route: &'a Route<'r>,
+    pub wait: Duration,
+    pub tried: &'a WorkerMask,
 }
 
 /// One attempt's pick, told to the policy exactly once: how it ended, or

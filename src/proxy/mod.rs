@@ -5,6 +5,7 @@
 //!             it, the response cache, the policy's preparation, then forward
 //! forward     the attempt loop: pick (policy::decide), send (crate::upstream), tell
 //!             the breaker and the policy; retry decides whether another worker tries
+//! hedge       a late first token: the first attempt raced against a second worker
 //! retry       which answer or failure another worker may take, backoff, push-back
 //! respond     the worker's answer as the client's response, its body in a GuardedBody
 //! body        GuardedBody: streams the answer, owns the in-flight guard, ends the request
@@ -34,6 +35,7 @@ mod adapters;
 pub mod body;
 mod forward;
 pub mod headers;
+mod hedge;
 mod json_members;
 pub mod media;
 pub mod metrics;
@@ -81,6 +83,8 @@ pub struct Router {
     /// One span per request to an OTLP collector (`tracing.otlp_endpoint`); `None` =
     /// no export, and no span is built.
     export: Option<Arc<Exporter>>,
+    /// `hedge:` when on: late first tokens asked of a second worker.
+    hedging: Option<hedge::Hedging>,
 }
 
 impl Router {
@@ -94,6 +98,7 @@ impl Router {
         export: Option<Arc<Exporter>>,
     ) -> Self {
         Router {
+            hedging: hedge::Hedging::new(&config.hedge),
             export,
             client,
             pools,

@@ -272,6 +272,8 @@ pub struct UpstreamBody {
     /// The connection, and the worker to give it back to (`None`: closed at the end),
     /// until the body ends.
     conn: Option<(Conn, Option<Arc<Worker>>)>,
+    /// What [`UpstreamBody::first`] read, handed on by the next poll.
+    early: Option<Option<Result<Frame<Bytes>, hyper::Error>>>,
 }
 
 impl UpstreamBody {
@@ -280,6 +282,7 @@ impl UpstreamBody {
         let mut body = UpstreamBody {
             inner,
             conn: Some((conn, keep)),
+            early: None,
         };
         // An answer with no body (204, `Content-Length: 0`) may never be polled.
         if body.inner.is_end_stream() {
@@ -293,6 +296,15 @@ impl UpstreamBody {
             worker.keep_alive().put(conn);
         }
     }
+
+    /// Waits for the body's first frame (or its end, or its error) and keeps it for the
+    /// next poll: a hedged request's first byte, read before its answer is chosen.
+    pub async fn first(&mut self) {
+        if self.early.is_none() {
+            let got = std::future::poll_fn(|cx| Pin::new(&mut *self).poll_frame(cx)).await;
+            self.early = Some(got);
+        }
+    }
 }
 
 impl Body for UpstreamBody {
@@ -304,6 +316,9 @@ impl Body for UpstreamBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         let this = &mut *self;
+        if let Some(early) = this.early.take() {
+            return Poll::Ready(early);
+        }
         let mut frame = Pin::new(&mut this.inner).poll_frame(cx);
         // Nothing buffered: let hyper read the socket (the body's poll above told it the
         // next chunk is wanted), then look again. The socket and the body both wake this
@@ -326,11 +341,24 @@ impl Body for UpstreamBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.early.is_none() && self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        match &self.early {
+            None => self.inner.size_hint(),
+            // The kept frame's bytes and what follows it.
+            Some(Some(Ok(f))) => {
+                let mut hint = self.inner.size_hint();
+                let n = f.data_ref().map_or(0, |d| d.len() as u64);
+                if let Some(u) = hint.upper() {
+                    hint.set_upper(u + n);
+                }
+                hint.set_lower(hint.lower() + n);
+                hint
+            }
+            Some(_) => SizeHint::with_exact(0),
+        }
     }
 }
 

@@ -3,11 +3,13 @@
 //! (health checks, circuit breaker, retries), size and time limits, in-flight
 //! accounting, how each request ends (access line, outcome), the queue, `/v1/models`,
 //! streams continued on another worker when theirs breaks (`migration:`) or is drained,
+//! late first tokens hedged on a second worker (`hedge:`),
 //! disaggregated (prefill/decode) pools.
 
 #[path = "../common/mod.rs"]
 mod common;
 mod drain;
+mod hedge;
 mod http;
 mod in_flight;
 mod limits;

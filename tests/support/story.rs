@@ -27,8 +27,11 @@ pub struct Script {
     pub hold_after: Option<(usize, Gate)>,
     /// Between two token events.
     pub gap: Duration,
-    /// Before the answer's head (a slow first token).
+    /// Before the answer's head (a worker slow to answer at all).
     pub delay: Option<Duration>,
+    /// After the head, before the first event (a slow first token: engines send their
+    /// head at once and their first event with the first token).
+    pub stall: Option<Duration>,
     /// The `cached_tokens` its usage reports.
     pub cached: u64,
     /// Its name, in the ids it gives (`chatcmpl-<name>-<n>`).
@@ -68,6 +71,9 @@ pub fn story_engine(script: Script) -> impl Fn(&Recorded) -> Reply + Send + Sync
         }
         let continues = said > 0;
         let mut steps = Vec::new();
+        if let Some(d) = script.stall {
+            steps.push(Step::Sleep(d));
+        }
         if chat {
             steps.push(event(&chunk(
                 &id,

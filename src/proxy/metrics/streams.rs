@@ -1,5 +1,6 @@
-//! The families of stream continuation and hedging (see `crate::proxy::migrate`): what
-//! became of the streams that broke, by cause, and why some were not continued. Every
+//! The families of stream continuation and hedging (see `crate::proxy::migrate` and
+//! `crate::proxy::hedge`): what became of the streams that broke, by cause, why some
+//! were not continued, and how hedges went. Every
 //! label value is from a fixed list, each series present at 0 from the first scrape.
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -29,6 +30,17 @@ pub const REFUSALS: [&str; 7] = [
     "attempts",
 ];
 
+/// How a hedge went: `won` (the second worker's first byte came first), `lost` (the
+/// first worker's did), `failed` (neither answered; the request went on as a retry),
+/// `capped` (due, but `hedge.max_share` was spent), `no_worker` (due, but no other
+/// worker was usable).
+pub const HEDGE_OUTCOMES: [&str; 5] = ["won", "lost", "failed", "capped", "no_worker"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct MigrationLabels {
     cause: &'static str,
@@ -45,6 +57,7 @@ struct ReasonLabels {
 pub struct StreamMetrics {
     migrations: Family<MigrationLabels, Counter>,
     refusals: Family<ReasonLabels, Counter>,
+    hedges: Family<OutcomeLabels, Counter>,
 }
 
 impl StreamMetrics {
@@ -53,7 +66,11 @@ impl StreamMetrics {
         let m = StreamMetrics {
             migrations: Family::default(),
             refusals: Family::default(),
+            hedges: Family::default(),
         };
+        for outcome in HEDGE_OUTCOMES {
+            let _ = m.hedges.get_or_create(&OutcomeLabels { outcome });
+        }
         for cause in CAUSES {
             for outcome in OUTCOMES {
                 let _ = m
@@ -78,6 +95,16 @@ impl StreamMetrics {
             "Broken streams not continued, by reason (n, guided, logprobs, tool_call, reasoning, unsupported, attempts): each ended with an error event",
             self.refusals.clone(),
         );
+        r.register_family(
+            "hedges",
+            "Streamed requests whose first token was late (hedge.after_ms), by outcome: won (the second worker answered first), lost (the first did), failed (neither), capped (hedge.max_share spent), no_worker (no other worker usable)",
+            self.hedges.clone(),
+        );
+    }
+
+    /// A hedge went as `outcome` (one of [`HEDGE_OUTCOMES`]).
+    pub fn hedged(&self, outcome: &'static str) {
+        self.hedges.get_or_create(&OutcomeLabels { outcome }).inc();
     }
 
     /// A stream broken by `cause` (one of [`CAUSES`]) ended as `outcome` (one of
