@@ -116,3 +116,24 @@ async fn hedges_stop_at_their_share() {
     assert_eq!(hedges(router.addr, "capped").await, 1.0);
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_mid_race_closes_both_legs() {
+    let (a, b, yaml) = hedged_pair(slow(10_000), slow(10_000), "  max_share: 1.0\n").await;
+    let router = start_router(&yaml).await;
+    let mut conn = Conn::connect(router.addr).await;
+    conn.send(&stream_of(4)).await.unwrap();
+    b.wait_for_requests(1).await;
+    assert_eq!(a.count(), 1, "both legs in flight");
+    drop(conn);
+    let left = Instant::now();
+    closed(&a, "the first leg's connection closed").await;
+    closed(&b, "the hedge's connection closed").await;
+    assert!(
+        left.elapsed() < Duration::from_secs(2),
+        "promptly: {:?}",
+        left.elapsed()
+    );
+    wait_all_idle(router.addr, Duration::from_secs(2)).await;
+    router.shutdown().await;
+}

@@ -229,3 +229,52 @@ async fn continuations_stop_at_max_attempts() {
     );
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_leaves_closes_the_continuation_too() {
+    // b answers a continuation's head at once and then a token each 100 ms (left
+    // mid-continuation), or holds its head for 10 s (left while it is being placed).
+    for (b_script, when) in [
+        (
+            Script {
+                gap: Duration::from_millis(100),
+                ..Script::default()
+            },
+            "mid-continuation",
+        ),
+        (
+            Script {
+                delay: Some(Duration::from_secs(10)),
+                ..Script::default()
+            },
+            "while it is placed",
+        ),
+    ] {
+        let a = FakeWorker::start_with(story_engine(Script {
+            name: "a",
+            die_after: Some(2),
+            ..Script::default()
+        }))
+        .await;
+        let b = FakeWorker::start_with(story_engine(Script {
+            name: "b",
+            ..b_script
+        }))
+        .await;
+        let router = start_router(&yaml_for(&[&a, &b], "policy: round_robin\n")).await;
+        let mut conn = Conn::connect(router.addr).await;
+        conn.send(&chat(50, serde_json::json!({}))).await.unwrap();
+        assert_eq!(conn.read_head().await.status, 200);
+        b.wait_for_requests(1).await;
+        drop(conn);
+        let conn_b = b.requests()[0].conn;
+        wait_until(
+            &format!("{when}: the continuation's connection closed"),
+            STEP_TIMEOUT,
+            || async { !b.is_open(conn_b) },
+        )
+        .await;
+        wait_all_idle(router.addr, Duration::from_secs(2)).await;
+        router.shutdown().await;
+    }
+}
