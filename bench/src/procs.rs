@@ -84,6 +84,25 @@ impl ChildProc {
         &self.name
     }
 
+    /// Sends `signal` (`HUP`, `KILL`, ...) to the process alone (with `kill`; this
+    /// crate has no unsafe code); false if it has exited or the signal failed.
+    pub fn signal(&mut self, signal: &str) -> bool {
+        let Some(pid) = self.child.id() else {
+            return false;
+        };
+        if !matches!(self.child.try_wait(), Ok(None)) {
+            return false;
+        }
+        std::process::Command::new("kill")
+            .arg(format!("-{signal}"))
+            .arg(pid.to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    }
+
     /// Kills the process and waits for it to exit. One started with
     /// [`RouterCommand::term_tree`] gets SIGTERM (it and its descendants) first and
     /// up to 5 s to exit by itself.
