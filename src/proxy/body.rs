@@ -359,7 +359,8 @@ impl GuardedBody {
                 self.inner = None;
                 self.feed(&bytes);
                 self.hold(Frame::data(bytes));
-                self.finish(None, "complete");
+                // The answer is whole for its client; its worker still broke.
+                self.finish(Some(Outcome::Failure), "complete");
                 self.end = Some(Ok(()));
                 self.releasing = true;
             }
