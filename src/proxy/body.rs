@@ -52,6 +52,11 @@ pub struct BodyTap {
 /// hung worker must not hold a client forever); a stream that keeps producing is never
 /// cut, however long it runs. The timer is not moved per frame: a frame only notes its
 /// time, and a timer that fires early is set again from the last frame's.
+///
+/// A streamed answer with a continuation plan ([`super::migrate`]) goes through its
+/// relay, and when its worker breaks it (or the gap, or the worker's drain ending) the
+/// body continues it on another worker: the guard then holds that worker's slot. One
+/// that cannot continue ends with an error event, then the error.
 #[derive(Debug)]
 pub struct GuardedBody {
     /// The worker's body; `None` once a broken stream dropped it (its continuation's
