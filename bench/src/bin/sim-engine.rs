@@ -21,9 +21,11 @@ struct Cli {
     /// Replica name, returned in the `x-sim-engine` header.
     #[arg(long, default_value = "sim")]
     name: String,
-    /// Served model id.
-    #[arg(long, default_value = "m")]
-    model: String,
+    /// Served model ids, comma-separated: the first is the default (a request naming
+    /// no model gets it); each is a model of its own in GET /v1/models, a request
+    /// naming another gets 404, and prompts never hit the cache across models.
+    #[arg(long, default_value = "m", value_delimiter = ',')]
+    model: Vec<String>,
     /// Prefix cache capacity, in blocks.
     #[arg(long, default_value_t = 65_536)]
     kv_blocks: usize,
@@ -107,9 +109,15 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<(), String> {
+    let mut models = cli
+        .model
+        .iter()
+        .map(|m| m.trim().to_string())
+        .filter(|m| !m.is_empty());
     let cfg = EngineConfig {
         name: cli.name.clone(),
-        model: cli.model,
+        model: models.next().ok_or("--model names no model")?,
+        extra_models: models.collect(),
         kv_blocks: cli.kv_blocks,
         block_size: cli.block_size,
         ttft_base: duration(cli.ttft_base_ms, 1e-3, "--ttft-base-ms")?,

@@ -18,7 +18,7 @@ use super::http::{ChannelBody, error_response, json_response};
 use super::physics::{Prefilled, PromptWork, wait_until};
 use super::shapes::{Shape, anthropic_error, anthropic_usage, output_word, work_usage};
 use super::template::{anthropic_to_chat, chat_template, completion_prompts};
-use super::{Endpoint, Engine, RespBody, Usage, Waiting, block_hashes};
+use super::{Endpoint, Engine, RespBody, Usage, Waiting, block_hashes_under};
 
 /// A generation request after validation.
 #[derive(Debug, Clone, PartialEq)]
@@ -30,6 +30,8 @@ struct SimRequest {
     max_tokens: u64,
     stream: bool,
     include_usage: bool,
+    /// The `model` asked for (`None`: the engine's default).
+    model: Option<String>,
 }
 
 impl Engine {
@@ -73,15 +75,21 @@ impl Engine {
             Ok(sim) => sim,
             Err(msg) => return fail(StatusCode::BAD_REQUEST, &msg),
         };
+        let Some(model) = self.resolve_model(sim.model.as_deref()) else {
+            return model_not_found(endpoint, sim.model.as_deref().unwrap_or_default());
+        };
         let Some(waiting) = self.admit() else {
             return self.too_busy(endpoint);
         };
+        // The default model's hashes are those of an engine serving one model; any
+        // other's chain starts from a root of its own (never a hit across models).
+        let under = (model != self.inner.cfg.model).then_some(model.as_str());
         let work: Vec<PromptWork> = sim
             .prompts
             .iter()
             .map(|p| {
                 let (n_tokens, hashes) =
-                    block_hashes(p.split_whitespace(), self.inner.cfg.block_size);
+                    block_hashes_under(p.split_whitespace(), self.inner.cfg.block_size, under);
                 PromptWork { n_tokens, hashes }
             })
             .collect();
@@ -97,7 +105,7 @@ impl Engine {
             created: SystemTime::now()
                 .duration_since(UNIX_EPOCH)
                 .map_or(0, |d| d.as_secs()),
-            model: self.inner.cfg.model.clone(),
+            model,
         };
         if sim.stream {
             let (tx, rx) = mpsc::channel(64);
@@ -262,6 +270,11 @@ fn parse_request(endpoint: Endpoint, body: &[u8], max_output: u64) -> Result<Sim
         Some(Value::Bool(b)) => *b,
         Some(_) => return Err("stream must be a boolean".into()),
     };
+    let model = match present("model") {
+        None => None,
+        Some(Value::String(m)) => Some(m.clone()),
+        Some(_) => return Err("model must be a string".into()),
+    };
     let include_usage = present("stream_options")
         .and_then(|o| o.get("include_usage"))
         .and_then(Value::as_bool)
@@ -272,7 +285,21 @@ fn parse_request(endpoint: Endpoint, body: &[u8], max_output: u64) -> Result<Sim
         max_tokens: max_tokens.min(max_output.max(1)),
         stream,
         include_usage,
+        model,
     })
+}
+
+/// vLLM's 404 for a model it does not serve (Anthropic's error shape on
+/// `/v1/messages`).
+fn model_not_found(endpoint: Endpoint, model: &str) -> Response<RespBody> {
+    let msg = format!("The model `{model}` does not exist.");
+    match endpoint {
+        Endpoint::Messages => anthropic_error(StatusCode::NOT_FOUND, &msg),
+        _ => json_response(
+            StatusCode::NOT_FOUND,
+            &json!({"error": {"message": msg, "type": "NotFoundError", "param": "model", "code": 404}}),
+        ),
+    }
 }
 
 #[cfg(test)]

@@ -70,7 +70,7 @@ impl Engine {
         let path = req.uri().path().to_owned();
         let mut resp = match (method, path.as_str()) {
             (Method::GET, "/health") => full(StatusCode::OK, None, Bytes::new()),
-            (Method::GET, "/v1/models") => self.models(),
+            (Method::GET, "/v1/models") => self.models_list(),
             (Method::GET, "/metrics") => full(
                 StatusCode::OK,
                 Some("text/plain; version=0.0.4; charset=utf-8"),
@@ -109,21 +109,24 @@ impl Engine {
         resp
     }
 
-    fn models(&self) -> Response<RespBody> {
-        let cfg = &self.inner.cfg;
-        let body = json!({
-            "object": "list",
-            "data": [{
-                "id": cfg.model,
-                "object": "model",
-                "created": self.inner.created,
-                "owned_by": "vllm",
-                "root": cfg.model,
-                "parent": null,
-                "max_model_len": MAX_MODEL_LEN,
-            }],
-        });
-        json_response(StatusCode::OK, &body)
+    /// `GET /v1/models`: one entry per served model, each its own `root` (distinct
+    /// models, not aliases of one).
+    fn models_list(&self) -> Response<RespBody> {
+        let data: Vec<Value> = self
+            .models()
+            .map(|m| {
+                json!({
+                    "id": m,
+                    "object": "model",
+                    "created": self.inner.created,
+                    "owned_by": "vllm",
+                    "root": m,
+                    "parent": null,
+                    "max_model_len": MAX_MODEL_LEN,
+                })
+            })
+            .collect();
+        json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
     }
 
     /// `POST /v1/embeddings`: `{"input": "…" | ["…", …], "model"?, "encoding_format"?:

@@ -38,6 +38,12 @@
 //! Every response carries `x-sim-engine: NAME`. Bad requests get a 400 JSON error,
 //! never a panic.
 //!
+//! Models: `model` and `extra_models` are served, each its own entry (and `root`) of
+//! `GET /v1/models`; a generation request naming another gets vLLM's 404 (`The model
+//! `X` does not exist.`), one naming none gets `model`. A model other than `model`
+//! starts its prompts' block hash chain from a root of its own, so one cache holds
+//! every model's blocks and a prompt never hits across models.
+//!
 //! Admission: with `max_waiting` N > 0, a generation request that finds N requests
 //! already waiting for the prefill slot is answered at once with 429, a
 //! `Retry-After: <retry_after_secs>` header and an OpenAI-shaped error body
@@ -84,7 +90,7 @@ use tokio::time::Instant;
 
 pub use crate::prefill::Physics;
 use crate::prefill::SharedPrefill;
-pub use cache_aware_router::simulate::engine::{PrefixCache, block_hashes};
+pub use cache_aware_router::simulate::engine::{PrefixCache, block_hashes, block_hashes_under};
 pub use http::{LISTEN_BACKLOG, RunningEngine, StartError, bind, serve, start};
 pub use metrics::MetricsFlavor;
 pub use template::{anthropic_to_chat, chat_template, chat_template_with};
@@ -102,9 +108,14 @@ pub const MAX_MODEL_LEN: u64 = 131_072;
 pub struct EngineConfig {
     /// Replica name, sent back in the `x-sim-engine` header.
     pub name: String,
-    /// Served model id (reported by `/v1/models` and in responses; requests may
-    /// name any model).
+    /// Served model id: the first of `/v1/models`, the one a request that names no
+    /// model gets, and the `model_name` label of `/metrics`.
     pub model: String,
+    /// Further served model ids, each a model of its own in `/v1/models` (its own
+    /// `root`). A request naming a model not served gets vLLM's 404. One cache holds
+    /// them all, and a model's name is folded into its prompts' block hashes (as
+    /// vLLM folds a LoRA adapter's), so prompts never hit across models.
+    pub extra_models: Vec<String>,
     /// Prefix cache capacity, in blocks of `block_size` tokens.
     pub kv_blocks: usize,
     /// Tokens per cache block.
@@ -140,6 +151,7 @@ impl Default for EngineConfig {
         Self {
             name: "sim".into(),
             model: "m".into(),
+            extra_models: Vec::new(),
             kv_blocks: 65_536,
             block_size: 16,
             ttft_base: Duration::from_millis(20),
@@ -346,6 +358,21 @@ impl Engine {
     /// The settings this engine runs with.
     pub fn config(&self) -> &EngineConfig {
         &self.inner.cfg
+    }
+
+    /// Every served model id, the default (`model`) first.
+    pub fn models(&self) -> impl Iterator<Item = &str> {
+        let cfg = &self.inner.cfg;
+        std::iter::once(cfg.model.as_str()).chain(cfg.extra_models.iter().map(String::as_str))
+    }
+
+    /// The served model a request naming `asked` runs under (`None` asked: the
+    /// default), or `None` when this engine does not serve it.
+    fn resolve_model(&self, asked: Option<&str>) -> Option<String> {
+        match asked {
+            None => Some(self.inner.cfg.model.clone()),
+            Some(m) => self.models().any(|s| s == m).then(|| m.to_string()),
+        }
     }
 
     /// Current counters.

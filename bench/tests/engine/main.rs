@@ -6,5 +6,6 @@ mod anthropic_tokenize;
 mod embeddings;
 mod evicts;
 mod http;
+mod models;
 mod router;
 mod support;
