@@ -11,7 +11,11 @@
 # Contenders: $CONTENDERS (default below: the tree's learning is on by default, so
 # `+cache.learn_evictions=false` is learning off; sglang:cache_aware needs the peers'
 # virtualenv, see bench/peers/run.sh, and is left out when it is missing).
-# Each scenario's table goes to stdout and $OUT/<physics>-<workload>.md (default
+# With MODELS=A,B (any physics and workload): the requests split between those models
+# (a conversation keeps its model) and every contender runs on each of $MODEL_LAYOUTS
+# (default `separate,shared`: half the engines per model, or every engine serving both
+# from one KV cache); a table of wrong-model answers per layout follows the main one.
+# Each scenario's table goes to stdout and $OUT/<physics>-<workload>[-models].md (default
 # /tmp/scenarios). Builds the workspace (release) first. About 2 minutes a scenario
 # on a 2-core machine.
 set -euo pipefail
@@ -26,6 +30,12 @@ if [ -x "$venv/bin/smg" ] && [ -z "${CONTENDERS:-}" ]; then
 fi
 physics="${PHYSICS:-serial parallel shared}"
 workloads="${WORKLOADS:-conversation-10 conversation-15 system-prompts-10 shared-docs-8}"
+models=()
+suffix=""
+if [ -n "${MODELS:-}" ]; then
+    models=(--models "$MODELS" --model-layouts "${MODEL_LAYOUTS:-separate,shared}")
+    suffix="-models"
+fi
 
 echo "== building (release)" >&2
 cargo build --release --workspace >&2
@@ -48,8 +58,9 @@ for p in $physics; do
         "$bin/trace-matrix" --trace "$trace" --limit 2000 --load "$load" \
             --engines 4 --kv-blocks 100000 --block-size 16 \
             --prefill-physics "$p" --prefill-slots 6 \
-            --peer-venv "$venv" --policies "$contenders" --progress-s 0 "$@" \
-            | tee "$out/$p-$w.md" || status=1
+            --peer-venv "$venv" --policies "$contenders" --progress-s 0 \
+            ${models[@]+"${models[@]}"} "$@" \
+            | tee "$out/$p-$w$suffix.md" || status=1
     done
 done
 echo "== tables in $out" >&2

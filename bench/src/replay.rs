@@ -66,6 +66,8 @@ pub struct PreparedRequest {
     pub input_length: u64,
     /// `max_tokens` sent: `min(output_length, cap)`, at least 1.
     pub max_tokens: u64,
+    /// The `model` the body names.
+    pub model: String,
     /// JSON body of the chat request.
     pub body: Bytes,
 }
@@ -79,11 +81,23 @@ pub fn prepare(
     max_tokens_cap: u64,
     salt: u64,
 ) -> Vec<PreparedRequest> {
+    prepare_split(records, &[model.to_string()], max_tokens_cap, salt)
+}
+
+/// As [`prepare`], each request naming one of `models` ([`model_of`]: a conversation
+/// keeps its model). `models` must not be empty.
+pub fn prepare_split(
+    records: &[TraceRecord],
+    models: &[String],
+    max_tokens_cap: u64,
+    salt: u64,
+) -> Vec<PreparedRequest> {
     records
         .iter()
         .enumerate()
         .map(|(index, r)| {
             let max_tokens = r.output_length.min(max_tokens_cap).max(1);
+            let model = &models[model_of(r, models.len())];
             let body = json!({
                 "model": model,
                 "messages": [{"role": "user", "content": r.prompt(salt)}],
@@ -97,10 +111,26 @@ pub fn prepare(
                 timestamp_ms: r.timestamp,
                 input_length: r.input_tokens(),
                 max_tokens,
+                model: model.clone(),
                 body: Bytes::from(body.to_string()),
             }
         })
         .collect()
+}
+
+/// Which of `n` models trace line `r` asks for: a hash of its conversation, taken as
+/// its second block id (its first when it has one block; every line of the Mooncake
+/// conversation slice starts with the same block, a shared system prompt), so every
+/// turn of a conversation, which repeats the earlier turns, names the same model.
+pub fn model_of(r: &TraceRecord, n: usize) -> usize {
+    let key = r
+        .hash_ids
+        .get(1)
+        .or(r.hash_ids.first())
+        .copied()
+        .unwrap_or(0);
+    let h = crate::prompts::SplitMix64::new(key).next_u64();
+    (h % n.max(1) as u64) as usize
 }
 
 /// What happened to one request. Times are ms; `scheduled_ms` and `sent_ms` are
@@ -123,6 +153,12 @@ pub struct RequestResult {
     pub error: Option<String>,
     /// `x-sim-engine` response header: which replica served it.
     pub engine: Option<String>,
+    /// The `model` the request named.
+    #[serde(default)]
+    pub model: String,
+    /// The `model` the answer's first chunk named (`None`: no chunk named one).
+    #[serde(default)]
+    pub answered_model: Option<String>,
     /// Time to first content chunk, in ms from send.
     pub ttft_ms: Option<f64>,
     /// Time to the end of the stream (or the failure), in ms from send.
@@ -139,6 +175,10 @@ pub struct RequestResult {
     pub completion_tokens: Option<u64>,
     /// SSE chunks that carried non-empty content.
     pub content_chunks: u64,
+    /// Inter-token latency: the time between consecutive content chunks, in ms
+    /// (one fewer than `content_chunks`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub itl_ms: Vec<f64>,
     /// The first attempt broke in transit and the request was sent again to the next
     /// URL (`url` is then that one; TTFT and latency count from the first send).
     #[serde(default)]
@@ -149,6 +189,18 @@ impl RequestResult {
     /// True when the request completed with a 2xx status, `[DONE]` and usage.
     pub fn is_ok(&self) -> bool {
         self.error.is_none()
+    }
+
+    /// True when an engine answered it for another model than it named: a 2xx answer
+    /// naming another model, or an engine's 404 (the model is not served there; a
+    /// router's own 404 carries no `x-sim-engine`).
+    pub fn wrong_model(&self) -> bool {
+        let engine_404 = self.status == Some(404) && self.engine.is_some();
+        let other = self
+            .answered_model
+            .as_ref()
+            .is_some_and(|m| *m != self.model);
+        engine_404 || other
     }
 }
 
@@ -316,6 +368,8 @@ async fn replay_one(shared: &Shared, job: Job) -> RequestResult {
         status: None,
         error: None,
         engine: None,
+        model: req.model.clone(),
+        answered_model: None,
         ttft_ms: None,
         latency_ms: 0.0,
         input_length: req.input_length,
@@ -324,6 +378,7 @@ async fn replay_one(shared: &Shared, job: Job) -> RequestResult {
         cached_tokens: None,
         completion_tokens: None,
         content_chunks: 0,
+        itl_ms: Vec::new(),
         retried: false,
     };
     let t0 = Instant::now();
@@ -337,6 +392,8 @@ async fn replay_one(shared: &Shared, job: Job) -> RequestResult {
                 r.engine = None;
                 r.ttft_ms = None;
                 r.content_chunks = 0;
+                r.itl_ms.clear();
+                r.answered_model = None;
                 send_one(client, uri, req.body, t0, &mut r).await
             }
             (first, _) => first,
@@ -401,6 +458,7 @@ async fn send_one(
     let mut sse = SseParser::default();
     let mut done = false;
     let mut usage: Option<Usage> = None;
+    let mut last_token: Option<Instant> = None;
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| format!("stream broke: {}", error_chain(&e)))?;
         let Some(data) = frame.data_ref() else {
@@ -420,9 +478,16 @@ async fn send_one(
                 let delta = c.delta.as_ref().and_then(|d| d.content.as_deref());
                 !delta.or(c.text.as_deref()).unwrap_or("").is_empty()
             });
+            if r.answered_model.is_none() {
+                r.answered_model = chunk.model;
+            }
             if has_content {
+                let now = Instant::now();
                 r.content_chunks += 1;
-                r.ttft_ms.get_or_insert_with(|| ms(t0.elapsed()));
+                r.ttft_ms.get_or_insert_with(|| ms(now - t0));
+                if let Some(prev) = last_token.replace(now) {
+                    r.itl_ms.push(ms(now - prev));
+                }
             }
             if chunk.usage.is_some() {
                 usage = chunk.usage;
@@ -458,6 +523,8 @@ fn error_chain(e: &dyn std::error::Error) -> String {
 
 #[derive(Debug, Deserialize)]
 struct StreamChunk {
+    #[serde(default)]
+    model: Option<String>,
     #[serde(default)]
     choices: Vec<ChunkChoice>,
     #[serde(default)]

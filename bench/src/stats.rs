@@ -59,6 +59,14 @@ pub struct Summary {
     pub ttft_ms: Percentiles,
     /// End-to-end latency of successful requests, in ms.
     pub latency_ms: Percentiles,
+    /// Inter-token latency: every gap between two consecutive content chunks of a
+    /// successful request, pooled over the requests, in ms.
+    pub itl_ms: Percentiles,
+    /// Requests an engine answered for another model than they named
+    /// ([`RequestResult::wrong_model`]).
+    pub wrong_model: usize,
+    /// Requests per model named.
+    pub per_model: BTreeMap<String, usize>,
     /// From the first send to the last completion, in s.
     pub duration_s: f64,
     /// Successful requests per second over `duration_s`.
@@ -233,6 +241,11 @@ pub fn summarize(results: &[RequestResult], engines: &[String]) -> Summary {
     let completion_tokens: u64 = ok.iter().filter_map(|r| r.completion_tokens).sum();
     let ttft: Vec<f64> = ok.iter().filter_map(|r| r.ttft_ms).collect();
     let latency: Vec<f64> = ok.iter().map(|r| r.latency_ms).collect();
+    let itl: Vec<f64> = ok.iter().flat_map(|r| r.itl_ms.iter().copied()).collect();
+    let mut per_model: BTreeMap<String, usize> = BTreeMap::new();
+    for r in results {
+        *per_model.entry(r.model.clone()).or_default() += 1;
+    }
     let first = results
         .iter()
         .map(|r| r.sent_ms)
@@ -278,6 +291,9 @@ pub fn summarize(results: &[RequestResult], engines: &[String]) -> Summary {
         },
         ttft_ms: Percentiles::of(&ttft),
         latency_ms: Percentiles::of(&latency),
+        itl_ms: Percentiles::of(&itl),
+        wrong_model: results.iter().filter(|r| r.wrong_model()).count(),
+        per_model,
         duration_s,
         req_per_s: rate(ok.len() as f64),
         out_tok_per_s: rate(completion_tokens as f64),
@@ -318,6 +334,9 @@ impl fmt::Display for Summary {
         };
         writeln!(f, "TTFT             {}", p(&self.ttft_ms))?;
         writeln!(f, "latency          {}", p(&self.latency_ms))?;
+        if self.itl_ms != Percentiles::default() {
+            writeln!(f, "ITL              {}", p(&self.itl_ms))?;
+        }
         writeln!(
             f,
             "throughput       {:.1} req/s, {:.0} output tok/s over {:.1} s",

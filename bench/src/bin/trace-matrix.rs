@@ -17,7 +17,9 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use bench::engine::{MetricsFlavor, Physics};
-use bench::matrix::{self, Contender, EngineParams, MatrixConfig, MatrixError, PeerSetup};
+use bench::matrix::{
+    self, Contender, EngineParams, MatrixConfig, MatrixError, ModelLayout, PeerSetup,
+};
 use bench::prompts::{TraceRecord, read_trace};
 use bench::replay;
 use clap::Parser;
@@ -97,6 +99,19 @@ struct Cli {
     /// Model id.
     #[arg(long, default_value = "m")]
     model: String,
+    /// Several models, comma-separated (e.g. `model-a,model-b`; replaces --model): each
+    /// conversation of the trace names one of them (a hash of its second block id, so
+    /// every turn names the same one), and every contender runs once per
+    /// --model-layouts entry. A table of wrong-model answers, hit rate, TTFT and spread
+    /// per layout and contender follows the main one.
+    #[arg(long, value_delimiter = ',')]
+    models: Vec<String>,
+    /// With --models, how the engines serve them (comma-separated, each a run of every
+    /// contender): `separate` (engine i serves model i mod M only: two models on four
+    /// engines, two each) or `shared` (every engine serves every model from one KV
+    /// cache; a model's prompts never hit another's blocks).
+    #[arg(long, value_delimiter = ',', default_value = "separate,shared")]
+    model_layouts: Vec<ModelLayout>,
     /// Metric names the engines serve on /metrics: `vllm` or `sglang`.
     #[arg(long, default_value_t = MetricsFlavor::Vllm)]
     metrics_flavor: MetricsFlavor,
@@ -236,8 +251,9 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     let time_factor = cli.time_factor.unwrap_or(cli.time_scale);
     let time_scale = cli.time_scale / cli.load;
     let prompt_tokens: u64 = records.iter().map(|r| r.input_tokens()).sum();
-    let cfg = matrix_config(&cli, &records, prompt_tokens, time_factor, time_scale)?;
-    let requests = replay::prepare(&records, &cli.model, cli.max_output_tokens, 0);
+    let mut cfg = matrix_config(&cli, &records, prompt_tokens, time_factor, time_scale)?;
+    let models = served_models(&cli);
+    let requests = replay::prepare_split(&records, &models, cli.max_output_tokens, 0);
     let params = params_line(
         &cli,
         &trace,
@@ -247,13 +263,29 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
         time_scale,
     );
     eprintln!("{params}");
-    let Some((rows, mut failed)) = run_all(&cfg, &contenders, &requests, &interrupted).await else {
-        return Ok(ExitCode::from(130));
+    // One run of every contender per model layout (one run without several models).
+    let layouts: Vec<Option<ModelLayout>> = if models.len() > 1 {
+        cfg.engine.model = models[0].clone();
+        cli.model_layouts.iter().copied().map(Some).collect()
+    } else {
+        vec![None]
     };
+    let (mut rows, mut failed, mut ran) = (Vec::new(), false, Vec::new());
+    for layout in &layouts {
+        cfg.models = layout.map(|l| (models.clone(), l));
+        let prefix = layout.map_or(String::new(), |l| format!("{l} · "));
+        let Some((r, f)) = run_all(&cfg, &contenders, &requests, &interrupted, &prefix).await
+        else {
+            return Ok(ExitCode::from(130));
+        };
+        rows.extend(r);
+        failed |= f;
+        ran.extend(contenders.iter().map(|c| (*layout, c.clone())));
+    }
     failed |= report(
         &cli,
         &cfg,
-        &contenders,
+        &ran,
         &rows,
         (&params, &trace, records.len(), time_factor),
     );
@@ -262,6 +294,26 @@ async fn try_run(cli: Cli, interrupted: watch::Receiver<bool>) -> Result<ExitCod
     } else {
         ExitCode::SUCCESS
     })
+}
+
+/// The models the requests name: `--models` (at least two), else `--model`.
+fn served_models(cli: &Cli) -> Vec<String> {
+    let models: Vec<String> = cli
+        .models
+        .iter()
+        .map(|m| m.trim().to_string())
+        .filter(|m| !m.is_empty())
+        .collect();
+    if models.len() > 1 {
+        models
+    } else {
+        vec![
+            models
+                .into_iter()
+                .next()
+                .unwrap_or_else(|| cli.model.clone()),
+        ]
+    }
 }
 
 /// The contenders of `--policies` (each once, in order), then `direct` with
@@ -354,6 +406,7 @@ fn matrix_config(
         ideal_kv_blocks,
         ideal_time_factor: cli.ideal_time_factor,
         redis_bin: cli.redis_server.clone(),
+        models: None,
         router_extra_yaml: {
             let mut y = if cli.router_yaml.is_empty() || cli.router_yaml.ends_with('\n') {
                 cli.router_yaml.clone()
@@ -425,6 +478,20 @@ fn params_line(
         } else {
             String::new()
         },
+    ) + &models_note(cli)
+}
+
+/// The params line's note on several models (empty with one).
+fn models_note(cli: &Cli) -> String {
+    let models = served_models(cli);
+    if models.len() < 2 {
+        return String::new();
+    }
+    let layouts: Vec<&str> = cli.model_layouts.iter().map(|l| l.as_str()).collect();
+    format!(
+        "\nmodels {} (each conversation names one), engine layouts: {}",
+        models.join(", "),
+        layouts.join(", ")
     )
 }
 
@@ -435,11 +502,12 @@ async fn run_all(
     contenders: &[Contender],
     requests: &[replay::PreparedRequest],
     interrupted: &watch::Receiver<bool>,
+    prefix: &str,
 ) -> Option<(Vec<Row>, bool)> {
     let mut rows = Vec::new();
     let mut failed = false;
     for c in contenders {
-        let label = c.label();
+        let label = format!("{prefix}{}", c.label());
         eprintln!(
             "== {label}: starting {}{}",
             if *c == Contender::Ideal {
@@ -489,13 +557,36 @@ async fn run_all(
 fn report(
     cli: &Cli,
     cfg: &MatrixConfig,
-    contenders: &[Contender],
+    ran: &[(Option<ModelLayout>, Contender)],
     rows: &[Row],
     (params, trace, requests, time_factor): (&str, &Path, usize, f64),
 ) -> bool {
     println!("{params}\n");
     let mut failed = false;
     println!("{}", matrix::render_table(rows));
+    let contenders: Vec<Contender> = ran.iter().map(|(_, c)| c.clone()).collect();
+    let contenders = contenders.as_slice();
+    if ran.iter().any(|(l, _)| l.is_some()) {
+        let models = served_models(cli).join(", ");
+        let table: Vec<matrix::ScenarioRow<'_>> = ran
+            .iter()
+            .zip(rows)
+            .map(|((l, _), (label, row))| {
+                let layout = l.map_or("", ModelLayout::as_str);
+                let short = label.strip_prefix(&format!("{layout} · ")).unwrap_or(label);
+                (layout, short, row)
+            })
+            .collect();
+        println!(
+            "Models {models}: each conversation names one (a hash of its second block id). \
+             separate: engine i serves model i mod {n} only; shared: every engine serves \
+             every model from one KV cache (a model's prompts never hit another's blocks). \
+             Wrong-model answers: an engine's 404 for a model it does not serve, or a 2xx \
+             answer naming another model than asked.\n\n{}",
+            matrix::render_models_table(&table),
+            n = served_models(cli).len(),
+        );
+    }
     let svg_path = cli.svg.clone().unwrap_or_else(|| {
         cli.out_dir
             .clone()

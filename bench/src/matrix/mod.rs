@@ -24,7 +24,8 @@
 //! (starting ours, the peers or nginx, and their configs), `run` (one contender from
 //! cold start to teardown), `sampler` (engine queues during a replay), `probes` (what a
 //! running router or engine says: decisions, fleet traffic, render support), `report`
-//! (the markdown tables and the target checks).
+//! (the markdown tables and the target checks), `scenario` (fleets of several models,
+//! and their table).
 
 mod contender;
 mod probes;
@@ -32,6 +33,7 @@ mod report;
 mod routers;
 mod run;
 mod sampler;
+mod scenario;
 
 pub use crate::procs::{ChildProc, EngineParams, ProcError, sibling_binary};
 pub use contender::{Contender, Replicas};
@@ -46,6 +48,7 @@ pub use run::{
     run_contender_measured, write_results,
 };
 pub use sampler::{QUEUE_SAMPLE_EVERY, QueueSampler};
+pub use scenario::{ModelLayout, ScenarioRow, render_models_table};
 
 /// Router policies the demo compares by default, in table order.
 pub const DEFAULT_POLICIES: [&str; 3] = ["cache_aware", "round_robin", "least_load"];

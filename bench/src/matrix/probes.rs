@@ -224,3 +224,34 @@ pub(super) async fn wait_fleet_connected(
     }
     Ok(())
 }
+
+/// Waits until our router at `url` has read every worker's model list (`GET /workers`:
+/// each worker's `models.source` is `listed`): until then it routes every request in its
+/// default pool, whatever model it names.
+pub(super) async fn wait_models_listed(url: &str, timeout: Duration) -> Result<(), ProcError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let listed = get_body(&format!("{url}/workers"))
+            .await
+            .and_then(|b| serde_json::from_slice::<serde_json::Value>(&b).ok())
+            .and_then(|v| {
+                let ws = v["workers"].as_array()?.clone();
+                Some(
+                    !ws.is_empty()
+                        && ws
+                            .iter()
+                            .all(|w| w["models"]["source"].as_str() == Some("listed")),
+                )
+            })
+            .unwrap_or(false);
+        if listed {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(ProcError::NotReady(format!(
+                "{url} did not read every worker's GET /v1/models within {timeout:?}"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}

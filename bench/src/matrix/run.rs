@@ -6,10 +6,10 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::probes::wait_fleet_connected;
+use super::probes::{wait_fleet_connected, wait_models_listed};
 use super::{
-    Contender, FleetTraffic, Peer, PeerSetup, QUEUE_SAMPLE_EVERY, QueueSampler, RouterKind,
-    StartedRouter, render_status, routing_decisions, start_any_router,
+    Contender, FleetTraffic, ModelLayout, Peer, PeerSetup, QUEUE_SAMPLE_EVERY, QueueSampler,
+    RouterKind, StartedRouter, render_status, routing_decisions, start_any_router,
 };
 use crate::procs::{
     self, ChildProc, EngineParams, ProcError, ScratchDir, free_port, io_err, start_engine,
@@ -54,6 +54,9 @@ pub struct MatrixConfig {
     pub router_extra_yaml: String,
     /// `redis-server` executable, for replicas that share state.
     pub redis_bin: PathBuf,
+    /// Served models when the requests name several, and how the engines serve them
+    /// (`None`: every engine serves `engine.model`).
+    pub models: Option<(Vec<String>, ModelLayout)>,
 }
 
 /// What the router process of a contender used, from `/proc` (its process tree).
@@ -148,7 +151,10 @@ async fn run_contender_inner(
         "sim-engine",
         "build it with `cargo build --release -p bench` or pass --engine-bin",
     )?;
-    let label = contender.label();
+    let label = match &cfg.models {
+        Some((_, layout)) => format!("{layout} · {}", contender.label()),
+        None => contender.label(),
+    };
     let engines = start_engines(cfg, contender, procs).await?;
     let replicas = match contender {
         Contender::Replicas(r) => Some(r),
@@ -281,8 +287,14 @@ async fn start_engines(
         (engine_names(cfg.engines), cfg.engine.clone())
     };
     let mut urls = Vec::with_capacity(names.len());
+    let mut served = Vec::new();
     for (i, name) in names.iter().enumerate() {
         let port = cfg.base_port.map_or(0, |b| b.saturating_add(1 + i as u16));
+        let mut engine = engine.clone();
+        if let Some((models, layout)) = &cfg.models {
+            engine.model = layout.engine_models(models, i);
+            served.push(format!("{name}: {}", engine.model));
+        }
         urls.push(
             start_engine(
                 &cfg.engine_bin,
@@ -296,11 +308,15 @@ async fn start_engines(
         );
     }
     let how = format!(
-        "{} engine{} × {} KV blocks, time factor {}",
+        "{} engine{} × {} KV blocks, time factor {}{}",
         names.len(),
         if names.len() == 1 { "" } else { "s" },
         engine.kv_blocks,
-        engine.time_factor
+        engine.time_factor,
+        match &cfg.models {
+            Some((_, layout)) => format!(", models {layout} ({})", served.join("; ")),
+            None => String::new(),
+        }
     );
     Ok(Engines { names, urls, how })
 }
@@ -364,6 +380,11 @@ async fn start_routers(
     let urls: Vec<String> = routers.iter().map(|r| r.url.clone()).collect();
     if redis.is_some() {
         wait_fleet_connected(&urls, cfg.startup_timeout).await?;
+    }
+    if cfg.models.is_some() && matches!(contender.router(), Some((RouterKind::Ours, _))) {
+        for url in &urls {
+            wait_models_listed(url, cfg.startup_timeout).await?;
+        }
     }
     Ok(Routers {
         started: routers,
