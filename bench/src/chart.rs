@@ -235,6 +235,7 @@ mod tests {
             routers: 1,
             fleet: None,
             ttft_ms,
+            pd: None,
         })
     }
 

@@ -12,6 +12,12 @@
 //!   throughput equally (processor sharing: each of `k` running prefills advances at
 //!   1/`k` of full speed, as a per-step token budget split among them does); FIFO
 //!   beyond.
+//! - [`Physics::Chunked`]: vLLM's chunked prefill. One batch per step: a token of every
+//!   decoding request, and prompt chunks in the rest of a token budget, oldest first; a
+//!   step lasts the inter-token latency plus its prompt tokens' cost. So a prefill
+//!   delays the next token of every request decoding on that engine, which the other
+//!   physics do not model (their decodes run on their own clocks). The engine's own code
+//!   path, `engine::steps`.
 //!
 //! [`SharedPrefill`] runs the shared physics on tokio timers with no task of its own:
 //! each prefill waits for its own finish and recomputes it whenever another starts or
@@ -35,6 +41,8 @@ pub enum Physics {
     Parallel,
     /// Up to `slots` at once, sharing one full speed equally.
     Shared,
+    /// Chunked into steps shared with the decoding requests (vLLM's chunked prefill).
+    Chunked,
 }
 
 impl Physics {
@@ -44,6 +52,7 @@ impl Physics {
             Physics::Serial => "serial",
             Physics::Parallel => "parallel",
             Physics::Shared => "shared",
+            Physics::Chunked => "chunked",
         }
     }
 }
@@ -62,8 +71,9 @@ impl std::str::FromStr for Physics {
             "serial" => Ok(Physics::Serial),
             "parallel" => Ok(Physics::Parallel),
             "shared" => Ok(Physics::Shared),
+            "chunked" => Ok(Physics::Chunked),
             _ => Err(format!(
-                "unknown prefill physics {s:?}: use serial, parallel or shared"
+                "unknown prefill physics {s:?}: use serial, parallel, shared or chunked"
             )),
         }
     }

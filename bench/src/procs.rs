@@ -252,6 +252,14 @@ pub struct EngineParams {
     pub prefill_physics: crate::prefill::Physics,
     /// Prefills at once under the parallel and shared physics (`--prefill-slots`).
     pub prefill_slots: usize,
+    /// Tokens per step under the chunked physics (`--max-batched-tokens`).
+    pub max_batched_tokens: usize,
+    /// `--kv-connector`: `none` or `nixl`.
+    pub kv_connector: crate::engine::KvConnector,
+    /// Fixed cost of reading a handed-over prompt's KV, in simulated ms.
+    pub kv_transfer_base_ms: f64,
+    /// Cost per token of KV read, in simulated µs.
+    pub kv_transfer_us_per_token: f64,
 }
 
 impl Default for EngineParams {
@@ -272,6 +280,10 @@ impl Default for EngineParams {
             retry_after_secs: e.retry_after_secs,
             prefill_physics: e.prefill_physics,
             prefill_slots: e.prefill_slots,
+            max_batched_tokens: e.max_batched_tokens,
+            kv_connector: e.kv_connector,
+            kv_transfer_base_ms: e.kv_transfer_base.as_secs_f64() * 1e3,
+            kv_transfer_us_per_token: e.kv_transfer_per_token.as_secs_f64() * 1e6,
         }
     }
 }
@@ -304,6 +316,16 @@ impl EngineParams {
             ("--retry-after-secs", self.retry_after_secs.to_string()),
             ("--prefill-physics", self.prefill_physics.to_string()),
             ("--prefill-slots", self.prefill_slots.to_string()),
+            ("--max-batched-tokens", self.max_batched_tokens.to_string()),
+            ("--kv-connector", self.kv_connector.to_string()),
+            (
+                "--kv-transfer-base-ms",
+                self.kv_transfer_base_ms.to_string(),
+            ),
+            (
+                "--kv-transfer-us-per-token",
+                self.kv_transfer_us_per_token.to_string(),
+            ),
         ] {
             a.push(k.into());
             a.push(v);
@@ -1014,6 +1036,10 @@ mod tests {
             retry_after_secs: 2,
             prefill_physics: crate::prefill::Physics::Shared,
             prefill_slots: 4,
+            max_batched_tokens: 512,
+            kv_connector: crate::engine::KvConnector::Nixl,
+            kv_transfer_base_ms: 1.0,
+            kv_transfer_us_per_token: 3.0,
         };
         let a = p.args("e0", 0);
         let flag = |f: &str| &a[a.iter().position(|x| x == f).unwrap() + 1];
@@ -1026,6 +1052,15 @@ mod tests {
                 flag("--prefill-slots").as_str()
             ),
             ("sglang", "3", "2", "shared", "4")
+        );
+        assert_eq!(
+            (
+                flag("--max-batched-tokens").as_str(),
+                flag("--kv-connector").as_str(),
+                flag("--kv-transfer-base-ms").as_str(),
+                flag("--kv-transfer-us-per-token").as_str()
+            ),
+            ("512", "nixl", "1", "3")
         );
         assert_eq!(
             &a[..6],

@@ -531,7 +531,7 @@ async fn start(
         &ctx.cli.policy,
         &ctx.router_bin,
         &ctx.peers,
-        urls,
+        (urls, &[]),
         port,
         &log,
         "m",

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use bench::engine::{Engine, EngineConfig, MetricsFlavor, Physics};
+use bench::engine::{Engine, EngineConfig, KvConnector, MetricsFlavor, Physics};
 use clap::Parser;
 
 /// Simulated vLLM engine: OpenAI API, prefix cache with LRU, queueing model on timers.
@@ -66,14 +66,34 @@ struct Cli {
     #[arg(long, default_value_t = 1)]
     retry_after_secs: u64,
     /// How prefills share the engine: `serial` (one at a time, FIFO), `parallel` (up
-    /// to --prefill-slots at once, each at full speed) or `shared` (up to
+    /// to --prefill-slots at once, each at full speed), `shared` (up to
     /// --prefill-slots at once, sharing one full speed equally, as a per-step token
-    /// budget split among running prefills does).
+    /// budget split among running prefills does) or `chunked` (vLLM's chunked prefill:
+    /// steps of --max-batched-tokens shared by the decoding requests' tokens and prompt
+    /// chunks, each lasting --itl-ms plus its prompt tokens' cost, so a prefill delays
+    /// every running request's next token; --ttft-base-ms is then paid before the
+    /// request reaches the batch, off the accelerator).
     #[arg(long, default_value_t = Physics::Serial)]
     prefill_physics: Physics,
     /// Prefills running at once under the parallel and shared physics.
     #[arg(long, default_value_t = 6, value_parser = clap::value_parser!(u64).range(1..))]
     prefill_slots: u64,
+    /// Tokens one step computes under the chunked physics (vLLM's
+    /// max_num_batched_tokens): a token per decoding sequence, the rest prompt chunks.
+    #[arg(long, default_value_t = 2048, value_parser = clap::value_parser!(u64).range(1..))]
+    max_batched_tokens: u64,
+    /// KV connector: `none` (kv_transfer_params ignored) or `nixl` (vLLM's
+    /// NixlConnector, kv_both: `do_remote_decode` makes a prefill that answers with
+    /// kv_transfer_params, a decode given them reads the prompt's KV instead of
+    /// computing it).
+    #[arg(long, default_value_t = KvConnector::None)]
+    kv_connector: KvConnector,
+    /// Fixed cost of reading a prompt's KV from a prefill engine, in simulated ms.
+    #[arg(long, default_value_t = 2.0)]
+    kv_transfer_base_ms: f64,
+    /// Cost per token of KV read from a prefill engine, in simulated µs.
+    #[arg(long, default_value_t = 5.0)]
+    kv_transfer_us_per_token: f64,
 }
 
 fn duration(value: f64, unit_s: f64, flag: &str) -> Result<Duration, String> {
@@ -131,6 +151,14 @@ async fn run(cli: Cli) -> Result<(), String> {
         retry_after_secs: cli.retry_after_secs,
         prefill_physics: cli.prefill_physics,
         prefill_slots: cli.prefill_slots as usize,
+        max_batched_tokens: cli.max_batched_tokens as usize,
+        kv_connector: cli.kv_connector,
+        kv_transfer_base: duration(cli.kv_transfer_base_ms, 1e-3, "--kv-transfer-base-ms")?,
+        kv_transfer_per_token: duration(
+            cli.kv_transfer_us_per_token,
+            1e-6,
+            "--kv-transfer-us-per-token",
+        )?,
     };
     let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
     let listener = bench::engine::bind((cli.host.as_str(), cli.port))

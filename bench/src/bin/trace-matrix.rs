@@ -53,8 +53,12 @@ struct Cli {
     #[arg(long, default_value_t = 1.0)]
     load: f64,
     /// Comma-separated contenders: our router's policies; `sglang:POLICY` and
-    /// `vllm:POLICY` (peer routers, see --peer-venv); `direct` (client round robin,
-    /// no router); `ideal` (one engine with an unbounded KV cache, no router);
+    /// `vllm:POLICY` (peer routers, see --peer-venv); `pd:POLICY` (ours over a
+    /// disaggregated fleet: the first half of the engines `phase: prefill`, the rest
+    /// `phase: decode`, every engine with vLLM's NixlConnector; `pd:` keys as variants,
+    /// e.g. `pd:cache_aware+pd.decode_policy=cache_aware`; a table of inter-token
+    /// latency and the router's bypasses follows the main one); `direct` (client round
+    /// robin, no router); `ideal` (one engine with an unbounded KV cache, no router);
     /// `POLICY/N`, `POLICY/N/shared`, `POLICY/N/shared/kill` (N replicas of our
     /// router, request i to replica i mod N; independent, or sharing state through a
     /// Redis started for the run; `kill`: the last replica is killed when the middle
@@ -120,14 +124,28 @@ struct Cli {
     #[arg(long, default_value_t = 0)]
     max_waiting: usize,
     /// How the engines' prefills share each engine: `serial` (one at a time, FIFO),
-    /// `parallel` (up to --prefill-slots at once, each at full speed) or `shared` (up
+    /// `parallel` (up to --prefill-slots at once, each at full speed), `shared` (up
     /// to --prefill-slots at once, sharing one full speed, as vLLM's chunked prefill
-    /// splits a per-step token budget).
+    /// splits a per-step token budget) or `chunked` (vLLM's chunked prefill itself:
+    /// steps of --max-batched-tokens shared by the decodes' tokens and prompt chunks,
+    /// each lasting --itl-ms plus its prompt tokens' cost, so a prefill delays the next
+    /// token of every request decoding on that engine; the only physics where it does).
     #[arg(long, default_value_t = Physics::Serial)]
     prefill_physics: Physics,
     /// Prefills at once under the parallel and shared physics.
     #[arg(long, default_value_t = 6)]
     prefill_slots: usize,
+    /// Tokens per step under the chunked physics (vLLM's max_num_batched_tokens): one
+    /// per decoding sequence, the rest prompt chunks.
+    #[arg(long, default_value_t = 2048)]
+    max_batched_tokens: usize,
+    /// `pd:` contenders: fixed cost of a decode engine reading a prompt's KV from a
+    /// prefill engine, in simulated ms.
+    #[arg(long, default_value_t = 2.0)]
+    kv_transfer_base_ms: f64,
+    /// `pd:` contenders: cost per token of KV read from a prefill engine, in simulated µs.
+    #[arg(long, default_value_t = 5.0)]
+    kv_transfer_us_per_token: f64,
     /// Retry-After of the engines' 429, in whole (wall-clock) seconds. Default 0: the
     /// header allows no fraction, and at a time factor of 0.07 one second is 14
     /// simulated seconds; 0 makes the router stay away for its 100 ms minimum (1.4
@@ -392,6 +410,11 @@ fn matrix_config(
             retry_after_secs: cli.retry_after_secs,
             prefill_physics: cli.prefill_physics,
             prefill_slots: cli.prefill_slots.max(1),
+            max_batched_tokens: cli.max_batched_tokens.max(1),
+            // `pd:` contenders' engines get NixlConnector.
+            kv_connector: bench::engine::KvConnector::None,
+            kv_transfer_base_ms: cli.kv_transfer_base_ms,
+            kv_transfer_us_per_token: cli.kv_transfer_us_per_token,
         },
         time_scale,
         concurrency: cli.concurrency,
@@ -459,6 +482,11 @@ fn params_line(
             Physics::Serial => "one at a time, FIFO".to_string(),
             Physics::Parallel => format!("up to {} at once at full speed", cli.prefill_slots),
             Physics::Shared => format!("up to {} at once sharing full speed", cli.prefill_slots),
+            Physics::Chunked => format!(
+                "chunked into steps of {} tokens shared with the decodes, each ITL + its \
+                 prompt tokens; the fixed part before the batch",
+                cli.max_batched_tokens
+            ),
         },
         cli.itl_ms,
         time_factor,
@@ -566,26 +594,11 @@ fn report(
     println!("{}", matrix::render_table(rows));
     let contenders: Vec<Contender> = ran.iter().map(|(_, c)| c.clone()).collect();
     let contenders = contenders.as_slice();
+    if contenders.iter().any(|c| matches!(c, Contender::Pd(_))) {
+        print_pd_table(cli, cfg, contenders, rows);
+    }
     if ran.iter().any(|(l, _)| l.is_some()) {
-        let models = served_models(cli).join(", ");
-        let table: Vec<matrix::ScenarioRow<'_>> = ran
-            .iter()
-            .zip(rows)
-            .map(|((l, _), (label, row))| {
-                let layout = l.map_or("", ModelLayout::as_str);
-                let short = label.strip_prefix(&format!("{layout} · ")).unwrap_or(label);
-                (layout, short, row)
-            })
-            .collect();
-        println!(
-            "Models {models}: each conversation names one (a hash of its second block id). \
-             separate: engine i serves model i mod {n} only; shared: every engine serves \
-             every model from one KV cache (a model's prompts never hit another's blocks). \
-             Wrong-model answers: an engine's 404 for a model it does not serve, or a 2xx \
-             answer naming another model than asked.\n\n{}",
-            matrix::render_models_table(&table),
-            n = served_models(cli).len(),
-        );
+        print_models_table(cli, ran, rows);
     }
     let svg_path = cli.svg.clone().unwrap_or_else(|| {
         cli.out_dir
@@ -671,6 +684,74 @@ fn report(
         }
     }
     failed
+}
+
+/// The several-models table and what it means.
+fn print_models_table(cli: &Cli, ran: &[(Option<ModelLayout>, Contender)], rows: &[Row]) {
+    let models = served_models(cli);
+    let table: Vec<matrix::ScenarioRow<'_>> = ran
+        .iter()
+        .zip(rows)
+        .map(|((l, _), (label, row))| {
+            let layout = l.map_or("", ModelLayout::as_str);
+            let short = label.strip_prefix(&format!("{layout} · ")).unwrap_or(label);
+            (layout, short, row)
+        })
+        .collect();
+    println!(
+        "Models {}: each conversation names one (a hash of its second block id). \
+         separate: engine i serves model i mod {} only; shared: every engine serves \
+         every model from one KV cache (a model's prompts never hit another's blocks). \
+         Wrong-model answers: an engine's 404 for a model it does not serve, or a 2xx \
+         answer naming another model than asked.\n\n{}",
+        models.join(", "),
+        models.len(),
+        matrix::render_models_table(&table),
+    );
+}
+
+/// The disaggregation table and what it means.
+fn print_pd_table(cli: &Cli, cfg: &MatrixConfig, contenders: &[Contender], rows: &[Row]) {
+    let workers: Vec<String> = contenders
+        .iter()
+        .map(|c| {
+            let phases = c.phases(cfg.engines);
+            match c {
+                Contender::Ideal => "1 (unbounded KV)".to_string(),
+                _ if phases.is_empty() => format!("{} aggregated", cfg.engines),
+                _ => {
+                    let p = phases.iter().filter(|p| **p == "prefill").count();
+                    format!("{p} prefill + {} decode", phases.len() - p)
+                }
+            }
+        })
+        .collect();
+    let table: Vec<matrix::ScenarioRow<'_>> = workers
+        .iter()
+        .zip(rows)
+        .map(|(w, (label, row))| (w.as_str(), label.as_str(), row))
+        .collect();
+    println!(
+        "Aggregated against disaggregated workers ({} physics{}). TTFT, ITL (every gap \
+         between two streamed tokens, pooled over the requests) and end-to-end are \
+         wall-clock ms at time factor {}; ITL under 1 ms cannot be told apart from the \
+         timers' 1 ms tick. Hit rate: the cached tokens the client's usage reports (for \
+         a disaggregated request the prefill leg's, as the router rewrites it). Bypass \
+         share: the requests the router sent to a decode worker without a prefill leg \
+         (its pd_requests_total and pd_bypasses_total during the replay). A decode engine \
+         reads a handed-over prompt's KV in {} ms + {} µs a token (only the blocks it \
+         does not hold).\n\n{}",
+        cli.prefill_physics,
+        if cli.prefill_physics == Physics::Chunked {
+            format!(", steps of {} tokens", cli.max_batched_tokens)
+        } else {
+            "; only the chunked physics makes a prefill delay the decodes".into()
+        },
+        cfg.engine.time_factor,
+        cli.kv_transfer_base_ms,
+        cli.kv_transfer_us_per_token,
+        matrix::render_pd_table(&table),
+    );
 }
 
 /// One row of the table: the contender's label and its run, or why it failed.

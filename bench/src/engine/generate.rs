@@ -3,7 +3,7 @@
 //! stream of SSE chunks (Anthropic events on `/v1/messages`).
 
 use std::sync::atomic::Ordering;
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -15,10 +15,11 @@ use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::http::{ChannelBody, error_response, json_response};
-use super::physics::{Prefilled, PromptWork, wait_until};
+use super::nixl::{self, KvRole};
+use super::physics::{PromptWork, Started};
 use super::shapes::{Shape, anthropic_error, anthropic_usage, output_word, work_usage};
 use super::template::{anthropic_to_chat, chat_template, completion_prompts};
-use super::{Endpoint, Engine, RespBody, Usage, Waiting, block_hashes_under};
+use super::{Endpoint, Engine, KvConnector, RespBody, Usage, Waiting, block_hashes_under};
 
 /// A generation request after validation.
 #[derive(Debug, Clone, PartialEq)]
@@ -32,6 +33,8 @@ struct SimRequest {
     include_usage: bool,
     /// The `model` asked for (`None`: the engine's default).
     model: Option<String>,
+    /// Its `kv_transfer_params` (see `nixl`).
+    kv_transfer_params: Option<Value>,
 }
 
 impl Engine {
@@ -81,18 +84,8 @@ impl Engine {
         let Some(waiting) = self.admit() else {
             return self.too_busy(endpoint);
         };
-        // The default model's hashes are those of an engine serving one model; any
-        // other's chain starts from a root of its own (never a hit across models).
-        let under = (model != self.inner.cfg.model).then_some(model.as_str());
-        let work: Vec<PromptWork> = sim
-            .prompts
-            .iter()
-            .map(|p| {
-                let (n_tokens, hashes) =
-                    block_hashes_under(p.split_whitespace(), self.inner.cfg.block_size, under);
-                PromptWork { n_tokens, hashes }
-            })
-            .collect();
+        let role = self.kv_role(&sim);
+        let work = self.work(&sim, &model, role);
         let id_num = self.inner.counters.next_id.fetch_add(1, Ordering::Relaxed);
         let prefix = match endpoint {
             Endpoint::Chat => "chatcmpl-",
@@ -123,14 +116,69 @@ impl Engine {
             );
             resp
         } else {
-            let (pre, _running) = self.prefill(&work, arrival, waiting).await;
             let n = sim.max_tokens;
-            let decode = self.inner.cfg.itl.as_secs_f64() * n.saturating_sub(1) as f64;
-            let last = pre.end + self.scaled_secs(decode);
-            wait_until(last).await;
+            let mut started = self.start(&work, arrival, waiting, n).await;
+            started.last_token(n).await;
             self.finish(&work, n);
-            json_response(StatusCode::OK, &shape.full_response(&work, &pre.cached, n))
+            let mut answer = shape.full_response(&work, &started.cached, n);
+            if role == Some(KvRole::Prefill) {
+                // It finished on its length cap: the hand-off for a remote decoder.
+                let blocks = work
+                    .iter()
+                    .map(|p| p.n_tokens as u64)
+                    .sum::<u64>()
+                    .div_ceil(self.inner.cfg.block_size.max(1) as u64);
+                answer["kv_transfer_params"] =
+                    nixl::handoff(&self.inner.cfg.name, &shape.id, blocks);
+                self.inner
+                    .counters
+                    .kv_handoffs_sent
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            json_response(StatusCode::OK, &answer)
         }
+    }
+
+    /// The role a request's `kv_transfer_params` give this engine (`None` without a KV
+    /// connector); params a decode cannot act on are counted.
+    fn kv_role(&self, sim: &SimRequest) -> Option<KvRole> {
+        if self.inner.cfg.kv_connector != KvConnector::Nixl {
+            return None;
+        }
+        let role = nixl::role(sim.kv_transfer_params.as_ref()?)?;
+        if role == KvRole::Invalid {
+            self.inner
+                .counters
+                .kv_handoffs_invalid
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        Some(role)
+    }
+
+    /// The request's prompts as block hashes under `model`, with the KV a prefill
+    /// engine hands over (one prompt only: a hand-off is single-consumer).
+    fn work(&self, sim: &SimRequest, model: &str, role: Option<KvRole>) -> Vec<PromptWork> {
+        let bs = self.inner.cfg.block_size;
+        // The default model's hashes are those of an engine serving one model; any
+        // other's chain starts from a root of its own (never a hit across models).
+        let under = (model != self.inner.cfg.model).then_some(model);
+        let handed = match role {
+            Some(KvRole::Decode { blocks }) if sim.prompts.len() == 1 => blocks,
+            _ => 0,
+        };
+        sim.prompts
+            .iter()
+            .map(|p| {
+                let (n_tokens, hashes) = block_hashes_under(p.split_whitespace(), bs, under);
+                // All but the last token, which the decode computes to sample from.
+                let received = (handed * bs as u64).min(n_tokens.saturating_sub(1) as u64);
+                PromptWork {
+                    n_tokens,
+                    hashes,
+                    received,
+                }
+            })
+            .collect()
     }
 
     /// Streams one request's SSE chunks into `tx`; returns early when the client
@@ -144,11 +192,10 @@ impl Engine {
         waiting: Waiting,
         tx: &mpsc::Sender<Bytes>,
     ) {
-        let (pre, _running) = self.prefill(work, arrival, waiting).await;
-        let itl = self.scaled_secs(self.inner.cfg.itl.as_secs_f64());
         let n = sim.max_tokens;
+        let mut started = self.start(work, arrival, waiting, n).await;
         if shape.endpoint == Endpoint::Messages {
-            return self.stream_messages(shape, work, &pre, n, itl, tx).await;
+            return self.stream_messages(shape, work, &mut started, n, tx).await;
         }
         if shape.endpoint == Endpoint::Chat {
             for i in 0..work.len() {
@@ -157,21 +204,21 @@ impl Engine {
                 }
             }
         }
-        let mut due = pre.end;
         for k in 0..n {
-            wait_until(due).await;
+            if !started.next_token().await {
+                return;
+            }
             let last = k + 1 == n;
             for i in 0..work.len() {
                 if tx.send(shape.token_chunk(i, k, last)).await.is_err() {
                     return;
                 }
             }
-            due += itl;
         }
         self.finish(work, n);
         if sim.include_usage {
             let _ = tx
-                .send(shape.usage_chunk(&work_usage(work, &pre.cached, n)))
+                .send(shape.usage_chunk(&work_usage(work, &started.cached, n)))
                 .await;
         }
         let _ = tx.send(Bytes::from_static(b"data: [DONE]\n\n")).await;
@@ -187,12 +234,11 @@ impl Engine {
         &self,
         shape: &Shape,
         work: &[PromptWork],
-        pre: &Prefilled,
+        started: &mut Started<'_>,
         n: u64,
-        itl: Duration,
         tx: &mpsc::Sender<Bytes>,
     ) {
-        let usage = work_usage(work, &pre.cached, n);
+        let usage = work_usage(work, &started.cached, n);
         let head = [
             shape.message_start(&Usage {
                 completion_tokens: 0,
@@ -209,9 +255,10 @@ impl Engine {
                 return;
             }
         }
-        let mut due = pre.end;
         for k in 0..n {
-            wait_until(due).await;
+            if !started.next_token().await {
+                return;
+            }
             let delta = Shape::event(
                 "content_block_delta",
                 &json!({"type": "content_block_delta", "index": 0,
@@ -220,7 +267,6 @@ impl Engine {
             if tx.send(delta).await.is_err() {
                 return;
             }
-            due += itl;
         }
         self.finish(work, n);
         let tail = [
@@ -286,6 +332,7 @@ fn parse_request(endpoint: Endpoint, body: &[u8], max_output: u64) -> Result<Sim
         stream,
         include_usage,
         model,
+        kv_transfer_params: present("kv_transfer_params").cloned(),
     })
 }
 

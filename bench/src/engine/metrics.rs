@@ -60,8 +60,11 @@ impl Engine {
     /// Prometheus text exposition: vLLM's or SGLang's metric names (see
     /// [`MetricsFlavor`]), then the simulator's own rows, in both flavors:
     /// `sim:num_requests_waiting_peak` (gauge, requests), `sim:rejected_total`
-    /// (counter, requests answered 429) and `sim:embedding_requests_total`
-    /// (counter, `/v1/embeddings` requests answered 200).
+    /// (counter, requests answered 429), `sim:embedding_requests_total`
+    /// (counter, `/v1/embeddings` requests answered 200),
+    /// `sim:prefill_tokens_computed_total` (counter, tokens) and the hand-off counters
+    /// `sim:kv_handoffs_{sent,received,invalid}_total` (requests) and
+    /// `sim:kv_transferred_tokens_total` (tokens).
     pub fn metrics_text(&self) -> String {
         let s = self.stats();
         let model = escape_label(&self.inner.cfg.model);
@@ -197,6 +200,31 @@ fn sim_rows(s: &EngineStats) -> Vec<Row> {
             "sim:embedding_requests_total",
             "Embedding requests answered (outside the prefill queue and the prefix cache).",
             s.embedding_requests,
+        ),
+        counter(
+            "sim:prefill_tokens_computed_total",
+            "Prompt tokens computed (neither cached nor handed over by a prefill engine).",
+            s.prefill_tokens_computed,
+        ),
+        counter(
+            "sim:kv_handoffs_sent_total",
+            "Prefill answers carrying kv_transfer_params for a remote decoder.",
+            s.kv_handoffs_sent,
+        ),
+        counter(
+            "sim:kv_handoffs_received_total",
+            "Requests that read their prompt's KV from a prefill engine.",
+            s.kv_handoffs_received,
+        ),
+        counter(
+            "sim:kv_handoffs_invalid_total",
+            "Requests whose kv_transfer_params a decode cannot act on (prompt computed here).",
+            s.kv_handoffs_invalid,
+        ),
+        counter(
+            "sim:kv_transferred_tokens_total",
+            "Tokens of KV read from prefill engines.",
+            s.kv_transferred_tokens,
         ),
     ]
 }

@@ -71,8 +71,10 @@
 mod generate;
 mod http;
 mod metrics;
+mod nixl;
 mod physics;
 mod shapes;
+mod steps;
 mod template;
 mod tokenizer;
 
@@ -93,6 +95,7 @@ use crate::prefill::SharedPrefill;
 pub use cache_aware_router::simulate::engine::{PrefixCache, block_hashes, block_hashes_under};
 pub use http::{LISTEN_BACKLOG, RunningEngine, StartError, bind, serve, start};
 pub use metrics::MetricsFlavor;
+pub use nixl::KvConnector;
 pub use template::{anthropic_to_chat, chat_template, chat_template_with};
 pub use tokenizer::{VOCAB_SIZE, token_id, token_word, tokenize_text};
 
@@ -144,6 +147,16 @@ pub struct EngineConfig {
     /// Prefills running at once under [`Physics::Parallel`] and [`Physics::Shared`]
     /// (at least 1; the serial physics runs one).
     pub prefill_slots: usize,
+    /// Token budget of one step under [`Physics::Chunked`] (vLLM's
+    /// `max_num_batched_tokens`), in tokens: one per decoding sequence, the rest for
+    /// prompt chunks.
+    pub max_batched_tokens: usize,
+    /// How `kv_transfer_params` are read ([`KvConnector`]; default: ignored).
+    pub kv_connector: KvConnector,
+    /// Fixed cost of reading a prompt's KV from a prefill engine (simulated time).
+    pub kv_transfer_base: Duration,
+    /// Cost per token of KV read from a prefill engine (simulated time).
+    pub kv_transfer_per_token: Duration,
 }
 
 impl Default for EngineConfig {
@@ -165,6 +178,10 @@ impl Default for EngineConfig {
             retry_after_secs: 1,
             prefill_physics: Physics::Serial,
             prefill_slots: 6,
+            max_batched_tokens: 2048,
+            kv_connector: KvConnector::None,
+            kv_transfer_base: Duration::from_millis(2),
+            kv_transfer_per_token: Duration::from_micros(5),
         }
     }
 }
@@ -242,6 +259,16 @@ pub struct EngineStats {
     pub embedding_requests: u64,
     /// Blocks held in the prefix cache.
     pub kv_blocks_used: u64,
+    /// Prefill answers that carried `kv_transfer_params` for a remote decoder.
+    pub kv_handoffs_sent: u64,
+    /// Requests that read their prompt's KV from a prefill engine.
+    pub kv_handoffs_received: u64,
+    /// Requests with `kv_transfer_params` a decode cannot act on (prompt computed here).
+    pub kv_handoffs_invalid: u64,
+    /// Tokens of KV read from prefill engines (those not already held here).
+    pub kv_transferred_tokens: u64,
+    /// Prompt tokens computed (not cached, not transferred).
+    pub prefill_tokens_computed: u64,
 }
 
 #[derive(Debug, Default)]
@@ -256,6 +283,11 @@ struct Counters {
     waiting_peak: AtomicU64,
     rejected: AtomicU64,
     embedding_requests: AtomicU64,
+    kv_handoffs_sent: AtomicU64,
+    kv_handoffs_received: AtomicU64,
+    kv_handoffs_invalid: AtomicU64,
+    kv_transferred_tokens: AtomicU64,
+    prefill_tokens_computed: AtomicU64,
     next_id: AtomicU64,
 }
 
@@ -279,6 +311,7 @@ impl Drop for GaugeGuard<'_> {
 /// A request admitted to the prefill queue: counted in `waiting` until dropped
 /// (once it holds the prefill slot, or when its client leaves first). Owns an
 /// `Arc` so it can move into a streaming task.
+#[derive(Debug)]
 struct Waiting(Arc<Inner>);
 
 impl Drop for Waiting {
@@ -306,6 +339,8 @@ struct Inner {
     slots: tokio::sync::Semaphore,
     /// The shared physics' processor sharing.
     shared: SharedPrefill,
+    /// The chunked physics' batch.
+    batch: steps::Batch,
     counters: Counters,
     created: u64,
 }
@@ -344,6 +379,7 @@ impl Engine {
                 prefill: tokio::sync::Mutex::new(Instant::now()),
                 slots: tokio::sync::Semaphore::new(slots),
                 shared: SharedPrefill::default(),
+                batch: steps::Batch::default(),
                 counters: Counters::default(),
                 created,
             }),
@@ -391,6 +427,11 @@ impl Engine {
             rejected: r(&c.rejected),
             embedding_requests: r(&c.embedding_requests),
             kv_blocks_used: self.lock_cache().len() as u64,
+            kv_handoffs_sent: r(&c.kv_handoffs_sent),
+            kv_handoffs_received: r(&c.kv_handoffs_received),
+            kv_handoffs_invalid: r(&c.kv_handoffs_invalid),
+            kv_transferred_tokens: r(&c.kv_transferred_tokens),
+            prefill_tokens_computed: r(&c.prefill_tokens_computed),
         }
     }
 

@@ -1,10 +1,13 @@
 //! The queueing model: admission (`max_waiting`), the prefill queue under each
-//! [`Physics`], the prefix-cache lookup that sets a prefill's cost, and simulated
-//! time scaled to wall time. Never spins the CPU: every wait is a tokio timer.
+//! [`Physics`] (the chunked one's batch is `steps`), a hand-off's KV read, the
+//! prefix-cache lookup that sets a prefill's cost, the clock a request's tokens follow,
+//! and simulated time scaled to wall time. Never spins the CPU: every wait is a tokio
+//! timer.
 
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use tokio::sync::mpsc;
 use tokio::time::Instant;
 
 use super::{Engine, GaugeGuard, Physics, Waiting};
@@ -14,11 +17,60 @@ use super::{Engine, GaugeGuard, Physics, Waiting};
 pub(super) struct PromptWork {
     pub(super) n_tokens: usize,
     pub(super) hashes: Vec<u64>,
+    /// Leading tokens whose KV a prefill engine hands over (0: none; see `nixl`).
+    pub(super) received: u64,
+}
+
+/// A request whose prompts are computed (or being computed, under the chunked
+/// physics): what its usage reports as cached, and the clock its tokens follow.
+pub(super) struct Started<'a> {
+    /// Cached tokens per prompt.
+    pub(super) cached: Vec<u64>,
+    clock: Clock,
+    /// Counts the request as running (the chunked physics' batch counts its own).
+    _running: Option<GaugeGuard<'a>>,
+}
+
+enum Clock {
+    /// The serial, parallel and shared physics: the first token at the end of the
+    /// prefill, then one every `itl` (wall time).
+    Timer { due: Instant, itl: Duration },
+    /// The chunked physics: each token at the end of a step of the batch.
+    Steps(mpsc::UnboundedReceiver<Instant>),
+}
+
+impl Started<'_> {
+    /// Waits for the next token; false when none will come.
+    pub(super) async fn next_token(&mut self) -> bool {
+        match &mut self.clock {
+            Clock::Timer { due, itl } => {
+                wait_until(*due).await;
+                *due += *itl;
+                true
+            }
+            Clock::Steps(rx) => rx.recv().await.is_some(),
+        }
+    }
+
+    /// Waits for the last of `n` tokens (none taken yet); false when it will not come.
+    pub(super) async fn last_token(&mut self, n: u64) -> bool {
+        if let Clock::Timer { due, itl } = &mut self.clock {
+            let rest = u32::try_from(n.saturating_sub(1)).unwrap_or(u32::MAX);
+            *due += itl.saturating_mul(rest);
+            return self.next_token().await;
+        }
+        for _ in 0..n {
+            if !self.next_token().await {
+                return false;
+            }
+        }
+        true
+    }
 }
 
 /// Outcome of prefill: when it ends (nominal), cached tokens per prompt.
-pub(super) struct Prefilled {
-    pub(super) end: Instant,
+struct Prefilled {
+    end: Instant,
     pub(super) cached: Vec<u64>,
 }
 
@@ -52,11 +104,78 @@ impl Engine {
         }
     }
 
+    /// Runs a request up to its first token's clock: a hand-off's KV read
+    /// ([`Self::receive_kv`]), then the prefill under the engine's physics (the chunked
+    /// one puts it into the batch, after `ttft_base` off the accelerator: the API
+    /// server's part). `n` tokens follow.
+    pub(super) async fn start(
+        &self,
+        work: &[PromptWork],
+        arrival: Instant,
+        waiting: Waiting,
+        n: u64,
+    ) -> Started<'_> {
+        let cfg = &self.inner.cfg;
+        if cfg.prefill_physics == Physics::Chunked {
+            wait_until(arrival + self.scaled_secs(cfg.ttft_base.as_secs_f64())).await;
+            self.receive_kv(work).await;
+            let (uncached, cached) = self.look_up_tokens(work);
+            let rx = self.join_batch(uncached, work.len() as u64, n, waiting);
+            return Started {
+                cached,
+                clock: Clock::Steps(rx),
+                _running: None,
+            };
+        }
+        // A prefill queued behind a KV read starts no earlier than its end.
+        let arrival = if self.receive_kv(work).await {
+            Instant::now()
+        } else {
+            arrival
+        };
+        let (pre, running) = self.prefill(work, arrival, waiting).await;
+        Started {
+            cached: pre.cached,
+            clock: Clock::Timer {
+                due: pre.end,
+                itl: self.scaled_secs(cfg.itl.as_secs_f64()),
+            },
+            _running: Some(running),
+        }
+    }
+
+    /// Reads the KV a prefill engine hands over for `work`'s prompts, the blocks not
+    /// held here: waits `kv_transfer_base + kv_transfer_per_token × tokens` (still
+    /// counted as waiting, as vLLM's `WAITING_FOR_REMOTE_KVS`). False when nothing is
+    /// handed over.
+    async fn receive_kv(&self, work: &[PromptWork]) -> bool {
+        if work.iter().all(|p| p.received == 0) {
+            return false;
+        }
+        let pulled: u64 = {
+            let cache = self.lock_cache();
+            work.iter()
+                .map(|p| {
+                    let held = cache.cached_tokens(&p.hashes, p.n_tokens) as u64;
+                    p.received.saturating_sub(held)
+                })
+                .sum()
+        };
+        let c = &self.inner.counters;
+        c.kv_handoffs_received.fetch_add(1, Ordering::Relaxed);
+        c.kv_transferred_tokens.fetch_add(pulled, Ordering::Relaxed);
+        let cfg = &self.inner.cfg;
+        let secs = cfg.kv_transfer_base.as_secs_f64()
+            + cfg.kv_transfer_per_token.as_secs_f64() * pulled as f64;
+        wait_until(Instant::now() + self.scaled_secs(secs)).await;
+        true
+    }
+
     /// Queues for the prefill slot (counted in `waiting` by the admitted
     /// `waiting` until the slot is held), looks the prompts up in the cache and
     /// waits out the prefill. The returned guard keeps the request counted as
     /// running.
-    pub(super) async fn prefill(
+    async fn prefill(
         &self,
         work: &[PromptWork],
         arrival: Instant,
@@ -114,24 +233,40 @@ impl Engine {
     /// Looks the prompts up in the cache (inserting them), counts them, and returns the
     /// prefill's duration at full speed and the cached tokens per prompt.
     fn look_up(&self, work: &[PromptWork]) -> (Duration, Vec<u64>) {
+        let (uncached, cached) = self.look_up_tokens(work);
+        let cfg = &self.inner.cfg;
+        let cost = self.scaled_secs(
+            cfg.ttft_base.as_secs_f64() + cfg.prefill_per_token.as_secs_f64() * uncached as f64,
+        );
+        (cost, cached)
+    }
+
+    /// Looks the prompts up in the cache (inserting them) and counts them: the prompt
+    /// tokens to compute, and the cached tokens per prompt (the prefix cache's, or the
+    /// KV handed over when that is more).
+    fn look_up_tokens(&self, work: &[PromptWork]) -> (u64, Vec<u64>) {
         let c = &self.inner.counters;
-        let cached: Vec<u64> = {
+        let (hits, cached): (u64, Vec<u64>) = {
             let mut cache = self.lock_cache();
-            work.iter()
+            let local: Vec<u64> = work
+                .iter()
                 .map(|p| cache.lookup_and_insert(&p.hashes, p.n_tokens) as u64)
-                .collect()
+                .collect();
+            let cached = local
+                .iter()
+                .zip(work)
+                .map(|(l, p)| (*l).max(p.received))
+                .collect();
+            (local.iter().sum(), cached)
         };
         let total: u64 = work.iter().map(|p| p.n_tokens as u64).sum();
-        let hits: u64 = cached.iter().sum();
+        let uncached = total.saturating_sub(cached.iter().sum());
         c.prompt_tokens.fetch_add(total, Ordering::Relaxed);
         c.cache_queries.fetch_add(total, Ordering::Relaxed);
         c.cache_hits.fetch_add(hits, Ordering::Relaxed);
-        let cfg = &self.inner.cfg;
-        let uncached = total.saturating_sub(hits) as f64;
-        let cost = self.scaled_secs(
-            cfg.ttft_base.as_secs_f64() + cfg.prefill_per_token.as_secs_f64() * uncached,
-        );
-        (cost, cached)
+        c.prefill_tokens_computed
+            .fetch_add(uncached, Ordering::Relaxed);
+        (uncached, cached)
     }
 
     pub(super) fn finish(&self, work: &[PromptWork], n: u64) {

@@ -16,6 +16,10 @@ pub enum Contender {
     Ideal,
     /// Several replicas of our router over the same engines.
     Replicas(Replicas),
+    /// Our router with this `policy:` value (and variant keys) over a disaggregated
+    /// fleet: the first half of the engines `phase: prefill`, the others `phase:
+    /// decode`, every engine with vLLM's NixlConnector (`pd:POLICY`).
+    Pd(String),
 }
 
 /// N replicas of our router in front of the same engines, request `i` sent to replica
@@ -70,13 +74,21 @@ impl Replicas {
 
 impl Contender {
     /// Parses one entry of a contender list: `direct`, `ideal`, `sglang:POLICY`,
-    /// `vllm:POLICY`, or one of our policies.
+    /// `vllm:POLICY`, `pd:POLICY`, or one of our policies.
     pub fn parse(s: &str) -> Result<Contender, String> {
         let s = s.trim();
         match s {
             "" => Err("empty contender".into()),
             "direct" => Ok(Contender::Direct),
             "ideal" => Ok(Contender::Ideal),
+            _ if s.starts_with("pd:") => {
+                let policy = &s[3..];
+                policy_variant(policy)?;
+                if policy.is_empty() {
+                    return Err(format!("empty policy in {s:?}: use pd:POLICY"));
+                }
+                Ok(Contender::Pd(policy.into()))
+            }
             _ => match s.split_once(':') {
                 Some((peer, policy)) => match Peer::from_key(peer) {
                     Some(p) if !policy.is_empty() => Ok(Contender::Peer(p, policy.into())),
@@ -95,10 +107,12 @@ impl Contender {
     }
 
     /// Table label: the policy name, `sglang-router POLICY`, `direct (no router)`,
-    /// `ideal (1 engine, unbounded KV)`, `cache_aware ×2 shared, 1 killed halfway`.
+    /// `ideal (1 engine, unbounded KV)`, `cache_aware ×2 shared, 1 killed halfway`,
+    /// `pd:cache_aware`.
     pub fn label(&self) -> String {
         match self {
             Contender::Router(p) => p.clone(),
+            Contender::Pd(p) => format!("pd:{p}"),
             Contender::Peer(peer, p) => format!("{} {p}", peer.name()),
             Contender::Direct => "direct (no router)".into(),
             Contender::Ideal => "ideal (1 engine, unbounded KV)".into(),
@@ -115,10 +129,25 @@ impl Contender {
     /// The router serving it and its policy (`None`: no router).
     pub fn router(&self) -> Option<(RouterKind, &str)> {
         match self {
-            Contender::Router(p) => Some((RouterKind::Ours, p)),
+            Contender::Router(p) | Contender::Pd(p) => Some((RouterKind::Ours, p)),
             Contender::Replicas(r) => Some((RouterKind::Ours, &r.policy)),
             Contender::Peer(peer, p) => Some((RouterKind::Peer(*peer), p)),
             Contender::Direct | Contender::Ideal => None,
+        }
+    }
+
+    /// The `workers[].phase` of each of `engines` engines: half `prefill`, half
+    /// `decode` for [`Contender::Pd`] (the prefill half rounded down, at least one of
+    /// each), none otherwise.
+    pub fn phases(&self, engines: usize) -> Vec<&'static str> {
+        match self {
+            Contender::Pd(_) => {
+                let prefill = (engines / 2).clamp(1, engines.saturating_sub(1).max(1));
+                (0..engines)
+                    .map(|i| if i < prefill { "prefill" } else { "decode" })
+                    .collect()
+            }
+            _ => Vec::new(),
         }
     }
 
@@ -126,7 +155,7 @@ impl Contender {
     pub fn routers(&self) -> usize {
         match self {
             Contender::Replicas(r) => r.n,
-            Contender::Router(_) | Contender::Peer(..) => 1,
+            Contender::Router(_) | Contender::Peer(..) | Contender::Pd(_) => 1,
             Contender::Direct | Contender::Ideal => 0,
         }
     }

@@ -37,18 +37,18 @@ mod scenario;
 
 pub use crate::procs::{ChildProc, EngineParams, ProcError, sibling_binary};
 pub use contender::{Contender, Replicas};
-pub use probes::{FleetTraffic, render_status, routing_decisions};
+pub use probes::{FleetTraffic, PdCounts, render_status, routing_decisions};
 pub use report::{check_fleet, check_targets, render_fleet_table, render_table};
 pub use routers::{
     Peer, PeerSetup, RouterKind, StartedRouter, nginx_config, policy_variant, probe_body,
-    router_config, start_any_router,
+    router_config, router_config_phased, start_any_router,
 };
 pub use run::{
     ContenderRun, MatrixConfig, MatrixError, RouterUsage, engine_names, run_contender,
     run_contender_measured, write_results,
 };
 pub use sampler::{QUEUE_SAMPLE_EVERY, QueueSampler};
-pub use scenario::{ModelLayout, ScenarioRow, render_models_table};
+pub use scenario::{ModelLayout, ScenarioRow, render_models_table, render_pd_table};
 
 /// Router policies the demo compares by default, in table order.
 pub const DEFAULT_POLICIES: [&str; 3] = ["cache_aware", "round_robin", "least_load"];
@@ -160,6 +160,7 @@ mod tests {
             routers: 1,
             fleet: None,
             ttft_ms: Vec::new(),
+            pd: None,
         };
         let t = render_table(&[
             ("least_load".into(), Ok(run)),

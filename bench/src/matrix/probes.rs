@@ -2,6 +2,7 @@
 //! and fleet traffic, whether the fleet is connected, whether engines answer the
 //! render endpoint.
 
+use std::collections::BTreeMap;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -133,6 +134,78 @@ pub async fn render_status(engine_url: &str) -> String {
         ),
         Ok(Err(e)) => format!("render probe failed: {e}"),
         Err(_) => "render probe took over 5 s".into(),
+    }
+}
+
+/// What a disaggregated pool's requests did, from our router's `GET /metrics`:
+/// `pd_requests_total` by path and `pd_bypasses_total` by reason (see the router's
+/// docs, "Prefill and decode workers").
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct PdCounts {
+    /// Requests by path: `disaggregated`, `bypass`, `decode_only`.
+    pub paths: BTreeMap<String, u64>,
+    /// Bypasses by reason (`uncached`, `n`, `no_prefill_worker`, ...).
+    pub bypasses: BTreeMap<String, u64>,
+}
+
+impl PdCounts {
+    /// Reads them from our router at `router_url`; `None` if it does not answer.
+    pub async fn read(router_url: &str) -> Option<PdCounts> {
+        let body = get_body(&format!("{router_url}/metrics")).await?;
+        Some(Self::parse(&String::from_utf8_lossy(&body)))
+    }
+
+    /// Reads them from Prometheus text (values of one label summed over the others).
+    pub fn parse(text: &str) -> PdCounts {
+        let mut out = PdCounts::default();
+        for line in text.lines() {
+            let (map, label, rest) =
+                if let Some(r) = line.strip_prefix("cache_aware_router_pd_requests_total{") {
+                    (&mut out.paths, "path=\"", r)
+                } else if let Some(r) = line.strip_prefix("cache_aware_router_pd_bypasses_total{") {
+                    (&mut out.bypasses, "reason=\"", r)
+                } else {
+                    continue;
+                };
+            let Some((labels, value)) = rest.split_once("} ") else {
+                continue;
+            };
+            let key = labels.split(',').find_map(|kv| kv.strip_prefix(label));
+            let value = value.trim().parse::<f64>().ok();
+            if let (Some(key), Some(value)) = (key, value) {
+                *map.entry(key.trim_end_matches('"').to_string())
+                    .or_default() += value as u64;
+            }
+        }
+        out
+    }
+
+    /// The counts' growth from `before` to `self`.
+    pub fn since(&self, before: &PdCounts) -> PdCounts {
+        let diff = |now: &BTreeMap<String, u64>, then: &BTreeMap<String, u64>| {
+            now.iter()
+                .map(|(k, v)| (k.clone(), v.saturating_sub(*then.get(k).unwrap_or(&0))))
+                .collect()
+        };
+        PdCounts {
+            paths: diff(&self.paths, &before.paths),
+            bypasses: diff(&self.bypasses, &before.bypasses),
+        }
+    }
+
+    /// Requests of every path.
+    pub fn requests(&self) -> u64 {
+        self.paths.values().sum()
+    }
+
+    /// Share of the requests that skipped the prefill leg (0 without requests).
+    pub fn bypass_share(&self) -> f64 {
+        let n = self.requests();
+        if n == 0 {
+            0.0
+        } else {
+            *self.paths.get("bypass").unwrap_or(&0) as f64 / n as f64
+        }
     }
 }
 

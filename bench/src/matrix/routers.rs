@@ -281,8 +281,8 @@ pub fn probe_body(model: &str) -> Bytes {
 
 /// Starts `kind` with `policy` in front of `workers` on 127.0.0.1:`port` and waits
 /// until it answers `GET /health` and a probe chat request ([`probe_body`]) with
-/// 2xx. Ours gets [`router_config`] plus `extra_yaml` (a `log:` line there
-/// replaces the default one); a peer gets [`Peer::command`]; nginx (which ignores
+/// 2xx. Ours gets [`router_config_phased`] (`phases`: each worker's `phase`, empty for
+/// none) plus `extra_yaml` (a `log:` line there replaces the default one); a peer gets [`Peer::command`]; nginx (which ignores
 /// `policy`: round robin) gets [`nginx_config`] and is stopped with SIGTERM to its
 /// master and workers. The child is pushed onto `procs`.
 #[allow(clippy::too_many_arguments)]
@@ -291,7 +291,7 @@ pub async fn start_any_router(
     policy: &str,
     router_bin: &Path,
     peers: &PeerSetup,
-    workers: &[String],
+    (workers, phases): (&[String], &[&str]),
     port: u16,
     extra_yaml: &str,
     model: &str,
@@ -300,7 +300,15 @@ pub async fn start_any_router(
 ) -> Result<StartedRouter, ProcError> {
     let dir = ScratchDir::new("router", &format!("{}-{policy}-{port}", kind.name()))?;
     let (spec, how) = match kind {
-        RouterKind::Ours => ours_command(policy, router_bin, workers, port, extra_yaml, &dir)?,
+        RouterKind::Ours => {
+            let yaml = router_config_phased(
+                policy_variant(policy).map_err(ProcError::NotReady)?.0,
+                port,
+                workers,
+                phases,
+            );
+            ours_command(policy, router_bin, yaml, extra_yaml, &dir)?
+        }
         RouterKind::Peer(peer) => {
             let bin = peers.bin(peer);
             procs::require_binary(
@@ -329,14 +337,13 @@ pub async fn start_any_router(
     Ok(StartedRouter { url, pid, how, dir })
 }
 
-/// Ours: [`router_config`] plus `extra_yaml` (a `log:` line there replaces the default
+/// Ours: its config `yaml` plus `extra_yaml` (a `log:` line there replaces the default
 /// one) in `dir`, and a policy's variant keys as a second, layered config file; the
 /// command and how it was run.
 fn ours_command(
     policy: &str,
     router_bin: &Path,
-    workers: &[String],
-    port: u16,
+    mut yaml: String,
     extra_yaml: &str,
     dir: &ScratchDir,
 ) -> Result<(RouterCommand, String), ProcError> {
@@ -345,8 +352,7 @@ fn ours_command(
         "cache-aware-router",
         "build it with `cargo build --release --workspace` or pass --router-bin",
     )?;
-    let (policy, variant) = policy_variant(policy).map_err(ProcError::NotReady)?;
-    let mut yaml = router_config(policy, port, workers);
+    let (_, variant) = policy_variant(policy).map_err(ProcError::NotReady)?;
     // A `log:` entry of `extra_yaml` replaces the default one.
     if extra_yaml.lines().any(|l| l.starts_with("log:")) {
         yaml = yaml.replace(DEFAULT_LOG_YAML, "");
@@ -377,6 +383,7 @@ fn ours_command(
         router_bin.display(),
         yaml.trim_end()
             .replace("\n  - url: ", " ")
+            .replace("\n    phase: ", " as ")
             .replace('\n', "; ")
     );
     Ok((spec, how))
@@ -460,10 +467,24 @@ pub fn policy_variant(spec: &str) -> Result<(&str, String), String> {
 
 /// The router config the demo writes (keys per the design doc).
 pub fn router_config(policy: &str, port: u16, workers: &[String]) -> String {
+    router_config_phased(policy, port, workers, &[])
+}
+
+/// [`router_config`] with each worker's `phase` (`phases[i]` for worker `i`; none past
+/// the end of `phases`).
+pub fn router_config_phased(
+    policy: &str,
+    port: u16,
+    workers: &[String],
+    phases: &[&str],
+) -> String {
     let mut y =
         format!("policy: {policy}\nserver: {{ host: 127.0.0.1, port: {port} }}\nworkers:\n");
-    for w in workers {
+    for (i, w) in workers.iter().enumerate() {
         let _ = writeln!(y, "  - url: {w}");
+        if let Some(phase) = phases.get(i) {
+            let _ = writeln!(y, "    phase: {phase}");
+        }
     }
     y.push_str(DEFAULT_LOG_YAML);
     y

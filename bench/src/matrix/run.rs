@@ -8,8 +8,8 @@ use std::time::Duration;
 
 use super::probes::{wait_fleet_connected, wait_models_listed};
 use super::{
-    Contender, FleetTraffic, ModelLayout, Peer, PeerSetup, QUEUE_SAMPLE_EVERY, QueueSampler,
-    RouterKind, StartedRouter, render_status, routing_decisions, start_any_router,
+    Contender, FleetTraffic, ModelLayout, PdCounts, Peer, PeerSetup, QUEUE_SAMPLE_EVERY,
+    QueueSampler, RouterKind, StartedRouter, render_status, routing_decisions, start_any_router,
 };
 use crate::procs::{
     self, ChildProc, EngineParams, ProcError, ScratchDir, free_port, io_err, start_engine,
@@ -88,6 +88,8 @@ pub struct ContenderRun {
     pub fleet: Option<FleetTraffic>,
     /// Time to first token of each successful request, in ms (for the picture).
     pub ttft_ms: Vec<f64>,
+    /// What the disaggregated pool's requests did during the replay (`pd:` contenders).
+    pub pd: Option<PdCounts>,
 }
 
 /// Why a contender could not be run to the end.
@@ -187,6 +189,13 @@ async fn run_contender_inner(
             fleet_before.push(FleetTraffic::read(u).await.unwrap_or_default());
         }
     }
+    let pd_url = router
+        .filter(|_| matches!(contender, Contender::Pd(_)))
+        .map(|r| r.url.clone());
+    let pd_before = match &pd_url {
+        Some(u) => PdCounts::read(u).await,
+        None => None,
+    };
     let before = router.map(|r| procs::tree_usage(r.pid).unwrap_or_default());
     let watch = procs::Disturbance::start(procs.iter().filter_map(ChildProc::pid).collect());
     let victim = match (kill_at, routers.urls.last()) {
@@ -210,31 +219,12 @@ async fn run_contender_inner(
     let queue = sampler.finish().await;
     let other_cpu = watch.finish();
     let (decisions, fleet) = read_routers(contender, &routers.started, killed, &fleet_before).await;
-    let usage = match (router, before) {
-        (Some(r), Some(b)) => {
-            let a = procs::tree_usage(r.pid).unwrap_or_default();
-            let tick = procs::clock_ticks_per_sec() as f64;
-            Some(RouterUsage {
-                idle_rss_kib: b.rss_kib,
-                peak_rss_kib: a.hwm_kib,
-                cpu_s: a.cpu_ticks.saturating_sub(b.cpu_ticks) as f64 / tick,
-            })
-        }
+    let pd = match (&pd_url, &pd_before) {
+        (Some(u), Some(b)) => PdCounts::read(u).await.map(|a| a.since(b)),
         _ => None,
     };
-    let how = match decisions.len() {
-        0 => how,
-        1 => format!("{how}; routing decisions (its /metrics): {}", decisions[0]),
-        _ => format!(
-            "{how}; routing decisions (their /metrics): {}",
-            decisions
-                .iter()
-                .enumerate()
-                .map(|(k, d)| format!("replica {}: {d}", k + 1))
-                .collect::<Vec<_>>()
-                .join("; ")
-        ),
-    };
+    let usage = router_usage(router, before);
+    let how = with_decisions(how, &decisions);
     if let Some(out) = &cfg.out_dir {
         write_results(out, &label, &results)?;
     }
@@ -257,7 +247,40 @@ async fn run_contender_inner(
             .filter(|r| r.is_ok())
             .filter_map(|r| r.ttft_ms)
             .collect(),
+        pd,
     })
+}
+
+/// What the router used during the replay, from its usage `before` and now.
+fn router_usage(
+    router: Option<&StartedRouter>,
+    before: Option<procs::ProcUsage>,
+) -> Option<RouterUsage> {
+    let (r, b) = (router?, before?);
+    let a = procs::tree_usage(r.pid).unwrap_or_default();
+    let tick = procs::clock_ticks_per_sec() as f64;
+    Some(RouterUsage {
+        idle_rss_kib: b.rss_kib,
+        peak_rss_kib: a.hwm_kib,
+        cpu_s: a.cpu_ticks.saturating_sub(b.cpu_ticks) as f64 / tick,
+    })
+}
+
+/// `how` with our routers' routing decisions after it.
+fn with_decisions(how: String, decisions: &[String]) -> String {
+    match decisions.len() {
+        0 => how,
+        1 => format!("{how}; routing decisions (its /metrics): {}", decisions[0]),
+        _ => format!(
+            "{how}; routing decisions (their /metrics): {}",
+            decisions
+                .iter()
+                .enumerate()
+                .map(|(k, d)| format!("replica {}: {d}", k + 1))
+                .collect::<Vec<_>>()
+                .join("; ")
+        ),
+    }
 }
 
 /// A contender's engines, started.
@@ -284,7 +307,11 @@ async fn start_engines(
         };
         (vec!["ideal".to_string()], engine)
     } else {
-        (engine_names(cfg.engines), cfg.engine.clone())
+        let mut engine = cfg.engine.clone();
+        if matches!(contender, Contender::Pd(_)) {
+            engine.kv_connector = crate::engine::KvConnector::Nixl;
+        }
+        (engine_names(cfg.engines), engine)
     };
     let mut urls = Vec::with_capacity(names.len());
     let mut served = Vec::new();
@@ -366,7 +393,7 @@ async fn start_routers(
                 policy,
                 &cfg.router_bin,
                 &cfg.peers,
-                workers,
+                (workers, &contender.phases(workers.len())),
                 port,
                 &extra,
                 &cfg.engine.model,

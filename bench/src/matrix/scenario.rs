@@ -1,5 +1,6 @@
 //! The scenarios that change the fleet rather than the policy: several models on
-//! separate or shared engines ([`ModelLayout`]), and their table.
+//! separate or shared engines ([`ModelLayout`]), aggregated against disaggregated
+//! workers, and their tables.
 
 use std::fmt::Write as _;
 
@@ -93,6 +94,69 @@ pub fn render_models_table(rows: &[ScenarioRow<'_>]) -> String {
                 let _ = writeln!(
                     t,
                     "| {layout} | {label} | – | – | – | – | – | – | failed: {first} |"
+                );
+            }
+        }
+    }
+    t
+}
+
+/// The disaggregation table (markdown): per contender, its workers, requests, errors,
+/// hit rate, TTFT, inter-token latency, and for a disaggregated fleet the share of
+/// requests the router sent without a prefill leg and what its requests did
+/// (`pd_requests_total` by path, `pd_bypasses_total` by reason, during the replay).
+pub fn render_pd_table(rows: &[ScenarioRow<'_>]) -> String {
+    let mut t = String::from(
+        "| contender | workers | requests | errors | hit rate | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | end-to-end p50 / p99 (ms) | bypass share | requests by path |\n\
+         | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n",
+    );
+    for (workers, label, row) in rows {
+        match row {
+            Ok(run) => {
+                let s = &run.summary;
+                let (share, paths) = match &run.pd {
+                    Some(pd) => {
+                        let mut paths: Vec<String> = pd
+                            .paths
+                            .iter()
+                            .filter(|(_, n)| **n > 0)
+                            .map(|(p, n)| format!("{p} {n}"))
+                            .collect();
+                        let reasons: Vec<String> = pd
+                            .bypasses
+                            .iter()
+                            .filter(|(_, n)| **n > 0)
+                            .map(|(r, n)| format!("{r} {n}"))
+                            .collect();
+                        if !reasons.is_empty() {
+                            paths.push(format!("(bypass: {})", reasons.join(", ")));
+                        }
+                        (
+                            format!("{:.1} %", 100.0 * pd.bypass_share()),
+                            paths.join(", "),
+                        )
+                    }
+                    None => ("–".into(), "–".into()),
+                };
+                let _ = writeln!(
+                    t,
+                    "| {label} | {workers} | {} | {} | {:.3} | {:.0} / {:.0} | {:.1} / {:.1} | {:.0} / {:.0} | {share} | {paths} |",
+                    s.requests,
+                    s.errors,
+                    s.hit_rate,
+                    s.ttft_ms.p50,
+                    s.ttft_ms.p99,
+                    s.itl_ms.p50,
+                    s.itl_ms.p99,
+                    s.latency_ms.p50,
+                    s.latency_ms.p99,
+                );
+            }
+            Err(e) => {
+                let first = e.lines().next().unwrap_or("");
+                let _ = writeln!(
+                    t,
+                    "| {label} | {workers} | – | – | – | – | – | – | – | failed: {first} |"
                 );
             }
         }

@@ -7,5 +7,6 @@ mod embeddings;
 mod evicts;
 mod http;
 mod models;
+mod pd;
 mod router;
 mod support;
