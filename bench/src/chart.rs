@@ -236,6 +236,7 @@ mod tests {
             fleet: None,
             ttft_ms,
             pd: None,
+            engine_itl_ms: None,
         })
     }
 

@@ -712,6 +712,7 @@ fn print_models_table(cli: &Cli, ran: &[(Option<ModelLayout>, Contender)], rows:
 
 /// The disaggregation table and what it means.
 fn print_pd_table(cli: &Cli, cfg: &MatrixConfig, contenders: &[Contender], rows: &[Row]) {
+    let tf = cfg.engine.time_factor;
     let workers: Vec<String> = contenders
         .iter()
         .map(|c| {
@@ -732,25 +733,29 @@ fn print_pd_table(cli: &Cli, cfg: &MatrixConfig, contenders: &[Contender], rows:
         .map(|(w, (label, row))| (w.as_str(), label.as_str(), row))
         .collect();
     println!(
-        "Aggregated against disaggregated workers ({} physics{}). TTFT, ITL (every gap \
-         between two streamed tokens, pooled over the requests) and end-to-end are \
-         wall-clock ms at time factor {}; ITL under 1 ms cannot be told apart from the \
-         timers' 1 ms tick. Hit rate: the cached tokens the client's usage reports (for \
-         a disaggregated request the prefill leg's, as the router rewrites it). Bypass \
-         share: the requests the router sent to a decode worker without a prefill leg \
-         (its pd_requests_total and pd_bypasses_total during the replay). A decode engine \
-         reads a handed-over prompt's KV in {} ms + {} µs a token (only the blocks it \
-         does not hold).\n\n{}",
+        "Aggregated against disaggregated workers ({} physics{}). Times in simulated ms \
+         (wall-clock ms ÷ time factor {tf}). TTFT and end-to-end as the client measured \
+         them. ITL: every gap between two consecutive tokens of a request, pooled over \
+         the requests: on the engines' clock (sim:inter_token_latency_seconds, the ends \
+         of the steps that made them; read from bucket bounds 15 % apart), and as the \
+         client measured it, which adds the 1 ms timer tick and the machine's scheduling \
+         (one tick is {tick:.0} simulated ms here). Hit rate: the cached tokens the \
+         client's usage reports (for a disaggregated request the prefill leg's, as the \
+         router rewrites it). Bypass share: the requests the router sent to a decode \
+         worker without a prefill leg (its pd_requests_total and pd_bypasses_total \
+         during the replay). A decode engine reads a handed-over prompt's KV in {} ms + \
+         {} µs a token (only the blocks it does not hold).\n\n{}",
         cli.prefill_physics,
         if cli.prefill_physics == Physics::Chunked {
             format!(", steps of {} tokens", cli.max_batched_tokens)
         } else {
             "; only the chunked physics makes a prefill delay the decodes".into()
         },
-        cfg.engine.time_factor,
         cli.kv_transfer_base_ms,
         cli.kv_transfer_us_per_token,
-        matrix::render_pd_table(&table),
+        matrix::render_pd_table(&table, tf),
+        tf = tf,
+        tick = if tf > 0.0 { 1.0 / tf } else { 0.0 },
     );
 }
 

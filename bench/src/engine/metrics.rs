@@ -64,7 +64,9 @@ impl Engine {
     /// (counter, `/v1/embeddings` requests answered 200),
     /// `sim:prefill_tokens_computed_total` (counter, tokens) and the hand-off counters
     /// `sim:kv_handoffs_{sent,received,invalid}_total` (requests) and
-    /// `sim:kv_transferred_tokens_total` (tokens).
+    /// `sim:kv_transferred_tokens_total` (tokens), and the histogram
+    /// `sim:inter_token_latency_seconds` (the engine's own clock, simulated seconds;
+    /// see `itl`).
     pub fn metrics_text(&self) -> String {
         let s = self.stats();
         let model = escape_label(&self.inner.cfg.model);
@@ -86,6 +88,8 @@ impl Engine {
                 "# HELP {name} {help}\n# TYPE {name} {kind}\n{name}{labels} {value}\n"
             ));
         }
+        let inner = labels.trim_start_matches('{').trim_end_matches('}');
+        out.push_str(&self.inner.counters.itl.exposition(inner));
         out
     }
 }

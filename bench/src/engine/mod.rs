@@ -70,6 +70,7 @@
 
 mod generate;
 mod http;
+mod itl;
 mod metrics;
 mod nixl;
 mod physics;
@@ -288,6 +289,7 @@ struct Counters {
     kv_handoffs_invalid: AtomicU64,
     kv_transferred_tokens: AtomicU64,
     prefill_tokens_computed: AtomicU64,
+    itl: itl::ItlHistogram,
     next_id: AtomicU64,
 }
 

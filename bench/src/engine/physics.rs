@@ -27,6 +27,9 @@ pub(super) struct Started<'a> {
     /// Cached tokens per prompt.
     pub(super) cached: Vec<u64>,
     clock: Clock,
+    engine: &'a Engine,
+    /// Nominal time of its last token (for the engine's inter-token latency).
+    last: Option<Instant>,
     /// Counts the request as running (the chunked physics' batch counts its own).
     _running: Option<GaugeGuard<'a>>,
 }
@@ -42,14 +45,26 @@ enum Clock {
 impl Started<'_> {
     /// Waits for the next token; false when none will come.
     pub(super) async fn next_token(&mut self) -> bool {
-        match &mut self.clock {
+        let at = match &mut self.clock {
             Clock::Timer { due, itl } => {
-                wait_until(*due).await;
+                let at = *due;
+                wait_until(at).await;
                 *due += *itl;
-                true
+                at
             }
-            Clock::Steps(rx) => rx.recv().await.is_some(),
+            Clock::Steps(rx) => match rx.recv().await {
+                Some(at) => at,
+                None => return false,
+            },
+        };
+        let factor = self.engine.inner.cfg.time_factor;
+        if let Some(last) = self.last.replace(at)
+            && factor > 0.0
+        {
+            let gap = at.saturating_duration_since(last).as_secs_f64() / factor;
+            self.engine.inner.counters.itl.record(gap);
         }
+        true
     }
 
     /// Waits for the last of `n` tokens (none taken yet); false when it will not come.
@@ -124,6 +139,8 @@ impl Engine {
             return Started {
                 cached,
                 clock: Clock::Steps(rx),
+                engine: self,
+                last: None,
                 _running: None,
             };
         }
@@ -140,6 +157,8 @@ impl Engine {
                 due: pre.end,
                 itl: self.scaled_secs(cfg.itl.as_secs_f64()),
             },
+            engine: self,
+            last: None,
             _running: Some(running),
         }
     }

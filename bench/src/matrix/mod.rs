@@ -37,7 +37,7 @@ mod scenario;
 
 pub use crate::procs::{ChildProc, EngineParams, ProcError, sibling_binary};
 pub use contender::{Contender, Replicas};
-pub use probes::{FleetTraffic, PdCounts, render_status, routing_decisions};
+pub use probes::{FleetTraffic, PdCounts, engine_itl, render_status, routing_decisions};
 pub use report::{check_fleet, check_targets, render_fleet_table, render_table};
 pub use routers::{
     Peer, PeerSetup, RouterKind, StartedRouter, nginx_config, policy_variant, probe_body,
@@ -161,6 +161,7 @@ mod tests {
             fleet: None,
             ttft_ms: Vec::new(),
             pd: None,
+            engine_itl_ms: None,
         };
         let t = render_table(&[
             ("least_load".into(), Ok(run)),

@@ -209,6 +209,100 @@ impl PdCounts {
     }
 }
 
+/// The engines' inter-token latency on their own clock (sim-engine's
+/// `sim:inter_token_latency_seconds` histogram, summed over the engines at `urls`), as
+/// percentiles in simulated ms (interpolated within a bucket); `None` when no engine
+/// reports a gap.
+pub async fn engine_itl(urls: &[String]) -> Option<crate::stats::Percentiles> {
+    let mut merged: BTreeMap<u64, (f64, u64)> = BTreeMap::new();
+    let (mut sum, mut count) = (0.0, 0u64);
+    for url in urls {
+        let Some(body) = get_body(&format!("{url}/metrics")).await else {
+            continue;
+        };
+        let text = String::from_utf8_lossy(&body);
+        let (buckets, s, n) = parse_itl(&text);
+        for (le, c) in buckets {
+            // Bounds are equal across engines; keyed by their bits.
+            merged.entry(le.to_bits()).or_insert((le, 0)).1 += c;
+        }
+        sum += s;
+        count += n;
+    }
+    itl_percentiles(merged.into_values().collect(), sum, count)
+}
+
+/// Percentiles in ms of a histogram's cumulative `buckets` (upper bound in s, count;
+/// interpolated within a bucket), `sum` (s) and `count`; `None` when empty.
+fn itl_percentiles(
+    mut buckets: Vec<(f64, u64)>,
+    sum: f64,
+    count: u64,
+) -> Option<crate::stats::Percentiles> {
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let total = buckets.last().map_or(0, |b| b.1);
+    if total == 0 {
+        return None;
+    }
+    let at = |p: f64| {
+        let target = p * total as f64;
+        let (mut lower, mut below) = (0.0, 0u64);
+        for &(le, cum) in &buckets {
+            if cum as f64 >= target && cum > below {
+                let upper = if le.is_finite() { le } else { lower };
+                let within = (target - below as f64) / (cum - below) as f64;
+                return 1e3 * (lower + (upper - lower) * within.clamp(0.0, 1.0));
+            }
+            (lower, below) = (le, cum);
+        }
+        1e3 * lower
+    };
+    Some(crate::stats::Percentiles {
+        p50: at(0.50),
+        p90: at(0.90),
+        p99: at(0.99),
+        mean: if count > 0 {
+            1e3 * sum / count as f64
+        } else {
+            0.0
+        },
+    })
+}
+
+/// `sim:inter_token_latency_seconds` of one engine's Prometheus text: its cumulative
+/// buckets (upper bound in s, count), sum (s) and count.
+fn parse_itl(text: &str) -> (Vec<(f64, u64)>, f64, u64) {
+    let name = "sim:inter_token_latency_seconds";
+    let (mut buckets, mut sum, mut count) = (Vec::new(), 0.0, 0);
+    for line in text.lines() {
+        let Some(rest) = line.strip_prefix(name) else {
+            continue;
+        };
+        let Some((series, value)) = rest.rsplit_once(' ') else {
+            continue;
+        };
+        if let Some(labels) = series.strip_prefix("_bucket{") {
+            let le = labels
+                .split(',')
+                .find_map(|kv| kv.strip_prefix("le=\""))
+                .map(|v| v.trim_end_matches('}').trim_end_matches('"'));
+            let le = match le {
+                Some("+Inf") => Some(f64::INFINITY),
+                Some(v) => v.parse().ok(),
+                None => None,
+            };
+            if let (Some(le), Ok(c)) = (le, value.parse::<u64>()) {
+                buckets.push((le, c));
+            }
+        } else if series.starts_with("_sum") {
+            sum = value.parse().unwrap_or(0.0);
+        } else if series.starts_with("_count") {
+            count = value.parse().unwrap_or(0);
+        }
+    }
+    (buckets, sum, count)
+}
+
 /// The fleet counters of one replica (`GET /workers` → `fleet`), or their sum over
 /// replicas.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -326,5 +420,44 @@ pub(super) async fn wait_models_listed(url: &str, timeout: Duration) -> Result<(
             )));
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pd_counts_read_paths_and_reasons_and_their_growth() {
+        let text = "# TYPE x counter\n\
+            cache_aware_router_pd_requests_total{path=\"disaggregated\"} 30\n\
+            cache_aware_router_pd_requests_total{path=\"bypass\"} 10\n\
+            cache_aware_router_pd_bypasses_total{reason=\"uncached\"} 9\n\
+            cache_aware_router_pd_bypasses_total{reason=\"n\"} 1\n";
+        let now = PdCounts::parse(text);
+        assert_eq!(now.requests(), 40);
+        assert_eq!(now.bypass_share(), 0.25);
+        let before =
+            PdCounts::parse("cache_aware_router_pd_requests_total{path=\"disaggregated\"} 2\n");
+        let d = now.since(&before);
+        assert_eq!((d.requests(), d.bypasses["uncached"]), (38, 9));
+    }
+
+    #[test]
+    fn itl_percentiles_come_from_the_merged_buckets() {
+        let h = "sim:inter_token_latency_seconds_bucket{engine=\"0\",le=\"0.010000\"} 0\n\
+            sim:inter_token_latency_seconds_bucket{engine=\"0\",le=\"0.020000\"} 98\n\
+            sim:inter_token_latency_seconds_bucket{engine=\"0\",le=\"0.200000\"} 100\n\
+            sim:inter_token_latency_seconds_bucket{engine=\"0\",le=\"+Inf\"} 100\n\
+            sim:inter_token_latency_seconds_sum{engine=\"0\"} 1.8\n\
+            sim:inter_token_latency_seconds_count{engine=\"0\"} 100\n";
+        let (buckets, sum, count) = parse_itl(h);
+        assert_eq!((buckets.len(), sum, count), (4, 1.8, 100));
+        let p = itl_percentiles(buckets, sum, count).unwrap();
+        // The median in the 10–20 ms bucket, the 99th in the 20–200 ms one.
+        assert!((p.p50 - 15.1).abs() < 0.1, "{p:?}");
+        assert!((p.p99 - 110.0).abs() < 0.1, "{p:?}");
+        assert!((p.mean - 18.0).abs() < 1e-9);
+        assert!(itl_percentiles(Vec::new(), 0.0, 0).is_none());
     }
 }

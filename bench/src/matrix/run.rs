@@ -6,7 +6,7 @@ use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use super::probes::{wait_fleet_connected, wait_models_listed};
+use super::probes::{engine_itl, wait_fleet_connected, wait_models_listed};
 use super::{
     Contender, FleetTraffic, ModelLayout, PdCounts, Peer, PeerSetup, QUEUE_SAMPLE_EVERY,
     QueueSampler, RouterKind, StartedRouter, render_status, routing_decisions, start_any_router,
@@ -90,6 +90,9 @@ pub struct ContenderRun {
     pub ttft_ms: Vec<f64>,
     /// What the disaggregated pool's requests did during the replay (`pd:` contenders).
     pub pd: Option<PdCounts>,
+    /// Inter-token latency on the engines' own clock, in simulated ms (`None`: no
+    /// engine reported one; see [`engine_itl`]).
+    pub engine_itl_ms: Option<crate::stats::Percentiles>,
 }
 
 /// Why a contender could not be run to the end.
@@ -219,6 +222,7 @@ async fn run_contender_inner(
     let queue = sampler.finish().await;
     let other_cpu = watch.finish();
     let (decisions, fleet) = read_routers(contender, &routers.started, killed, &fleet_before).await;
+    let engine_itl_ms = engine_itl(&engines.urls).await;
     let pd = match (&pd_url, &pd_before) {
         (Some(u), Some(b)) => PdCounts::read(u).await.map(|a| a.since(b)),
         _ => None,
@@ -248,6 +252,7 @@ async fn run_contender_inner(
             .filter_map(|r| r.ttft_ms)
             .collect(),
         pd,
+        engine_itl_ms,
     })
 }
 

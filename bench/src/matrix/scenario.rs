@@ -102,14 +102,23 @@ pub fn render_models_table(rows: &[ScenarioRow<'_>]) -> String {
 }
 
 /// The disaggregation table (markdown): per contender, its workers, requests, errors,
-/// hit rate, TTFT, inter-token latency, and for a disaggregated fleet the share of
-/// requests the router sent without a prefill leg and what its requests did
-/// (`pd_requests_total` by path, `pd_bypasses_total` by reason, during the replay).
-pub fn render_pd_table(rows: &[ScenarioRow<'_>]) -> String {
+/// hit rate, TTFT, inter-token latency on the engines' clock and as the client measured
+/// it, end-to-end latency (every time in simulated ms: the client's wall-clock ms ÷
+/// `time_factor`), and for a disaggregated fleet the share of requests the router sent
+/// without a prefill leg and what its requests did (`pd_requests_total` by path,
+/// `pd_bypasses_total` by reason, during the replay).
+pub fn render_pd_table(rows: &[ScenarioRow<'_>], time_factor: f64) -> String {
     let mut t = String::from(
-        "| contender | workers | requests | errors | hit rate | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | end-to-end p50 / p99 (ms) | bypass share | requests by path |\n\
-         | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n",
+        "| contender | workers | requests | errors | hit rate | TTFT p50 / p99 | ITL p50 / p99, engines' clock | ITL p50 / p99, at the client | end-to-end p50 / p99 | bypass share | requests by path |\n\
+         | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |\n",
     );
+    let sim = |ms: f64| {
+        if time_factor > 0.0 {
+            ms / time_factor
+        } else {
+            0.0
+        }
+    };
     for (workers, label, row) in rows {
         match row {
             Ok(run) => {
@@ -138,25 +147,28 @@ pub fn render_pd_table(rows: &[ScenarioRow<'_>]) -> String {
                     }
                     None => ("–".into(), "–".into()),
                 };
+                let engine_itl = run
+                    .engine_itl_ms
+                    .map_or("–".into(), |p| format!("{:.0} / {:.0}", p.p50, p.p99));
                 let _ = writeln!(
                     t,
-                    "| {label} | {workers} | {} | {} | {:.3} | {:.0} / {:.0} | {:.1} / {:.1} | {:.0} / {:.0} | {share} | {paths} |",
+                    "| {label} | {workers} | {} | {} | {:.3} | {:.0} / {:.0} | {engine_itl} | {:.0} / {:.0} | {:.0} / {:.0} | {share} | {paths} |",
                     s.requests,
                     s.errors,
                     s.hit_rate,
-                    s.ttft_ms.p50,
-                    s.ttft_ms.p99,
-                    s.itl_ms.p50,
-                    s.itl_ms.p99,
-                    s.latency_ms.p50,
-                    s.latency_ms.p99,
+                    sim(s.ttft_ms.p50),
+                    sim(s.ttft_ms.p99),
+                    sim(s.itl_ms.p50),
+                    sim(s.itl_ms.p99),
+                    sim(s.latency_ms.p50),
+                    sim(s.latency_ms.p99),
                 );
             }
             Err(e) => {
                 let first = e.lines().next().unwrap_or("");
                 let _ = writeln!(
                     t,
-                    "| {label} | {workers} | – | – | – | – | – | – | – | failed: {first} |"
+                    "| {label} | {workers} | – | – | – | – | – | – | – | – | failed: {first} |"
                 );
             }
         }
