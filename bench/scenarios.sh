@@ -11,6 +11,12 @@
 # Contenders: $CONTENDERS (default below: the tree's learning is on by default, so
 # `+cache.learn_evictions=false` is learning off; sglang:cache_aware needs the peers'
 # virtualenv, see bench/peers/run.sh, and is left out when it is missing).
+# PHYSICS may also name `chunked` (vLLM's chunked prefill: a prefill delays the tokens of
+# the requests decoding beside it), and CONTENDERS `pd:POLICY` (half the engines prefill,
+# half decode, vLLM's NixlConnector hand-off); with one, a table of inter-token latency
+# and the router's bypasses follows the main one. Prefill against decode workers:
+#   PHYSICS=chunked WORKLOADS="conversation-0.5 conversation-1" \
+#     CONTENDERS=cache_aware,pd:cache_aware bench/scenarios.sh
 # With MODELS=A,B (any physics and workload): the requests split between those models
 # (a conversation keeps its model) and every contender runs on each of $MODEL_LAYOUTS
 # (default `separate,shared`: half the engines per model, or every engine serving both
