@@ -19,9 +19,14 @@
 //!   `ttft_base + uncached_tokens × prefill_per_token`. Other physics
 //!   ([`Physics`], `prefill_physics`): up to `prefill_slots` at once, each at full
 //!   speed or sharing it (see [`crate::prefill`]). **decode**: concurrent,
-//!   first token at the end of prefill, then one token per `itl`. Every simulated
-//!   duration is multiplied by `time_factor`; at 0 the engine answers at once (no
-//!   timer is armed for a deadline already reached).
+//!   first token at the end of prefill, then one token per `itl`. Under the chunked
+//!   physics prefill and decode share steps instead (`steps`: a prefill delays the
+//!   tokens of the requests decoding beside it). Every simulated duration is
+//!   multiplied by `time_factor`; at 0 the engine answers at once (no timer is armed
+//!   for a deadline already reached).
+//! - **hand-off**: with `kv_connector: nixl`, vLLM's NixlConnector contract (`nixl`):
+//!   a prefill for a remote decoder answers with `kv_transfer_params`, a decode given
+//!   them reads the prompt's KV instead of computing it.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (streamed SSE or
 //! not, vLLM response shapes), `POST /v1/messages` (Anthropic Messages API as vLLM
@@ -61,7 +66,9 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Parts: `physics` (admission, the prefill queue, cache lookups, simulated time),
+//! Parts: `physics` (admission, the prefill queue, cache lookups, simulated time, the
+//! clock a request's tokens follow), `steps` (the chunked physics' batch), `nixl` (the
+//! hand-off's wire contract), `itl` (inter-token latency on the engine's clock),
 //! `generate` (the generation endpoints: non-streamed, SSE, Anthropic events),
 //! `shapes` (vLLM's and Anthropic's response bodies), `template` (request bodies to
 //! prompt text), `tokenizer` (token ids and the endpoints answered at once from
