@@ -574,6 +574,47 @@ async fn n_above_one_and_a_prompt_the_decode_worker_holds_skip_the_prefill_leg()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_next_turn_skips_the_prefill_leg_on_the_decode_worker_that_received_its_history() {
+    let f = PdFleet::serving("pd: {decode_policy: cache_aware}\n").await;
+    let router = start_router(&f.yaml).await;
+    let history = "The first turn of a long conversation, told at length. ".repeat(80);
+    let turn = |more: &str| {
+        serde_json::json!({"model": "m", "messages": [{"role": "user", "content": format!("{history}{more}")}]})
+            .to_string()
+    };
+    // The first turn is handed off: the decode worker reads its KV and keeps it.
+    let resp = send(router.addr, &Req::post("/v1/chat/completions", turn(""))).await;
+    assert_eq!(resp.status, 200);
+    assert_eq!(f.prefill_calls().len(), 1);
+    // The next turn: that decode worker holds all but its last words.
+    let resp = send(
+        router.addr,
+        &Req::post("/v1/chat/completions", turn(" And a short follow-up.")),
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    assert_eq!(f.prefill_calls().len(), 1, "no second prefill leg");
+    assert!(
+        f.decode.iter().any(|w| w.count() == 2),
+        "both turns on the decode worker that received the first"
+    );
+    let usage: Value = serde_json::from_slice(&resp.body).unwrap();
+    assert!(
+        usage["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64() > Some(0),
+        "the decode engine served the history from its cache: {usage}"
+    );
+    let m = scrape(router.addr).await;
+    assert_eq!(
+        m.value(
+            "cache_aware_router_pd_bypasses_total",
+            &[("reason", "uncached")]
+        ),
+        1.0
+    );
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_decode_stream_reaches_the_client_as_the_decode_engine_writes_it() {
     let f = PdFleet::serving("").await;
     let router = start_router(&f.yaml).await;

@@ -5,8 +5,9 @@
 //! shape and registers the hand-off with a lease ([`Handoffs`]); and a decode stand-in
 //! that checks the params it receives against that registry (unknown, expired or already
 //! read: a 500, as with `kv_load_failure_policy: fail`), reports `cached_tokens` as a
-//! real decode does, and streams its answer. The prefill stand-in reports as cached the
-//! longest prefix a body shares with one it computed before (a prefix cache). Knobs per engine ([`PrefillScript`],
+//! real decode does, and streams its answer. Both keep a prefix cache: a prompt's longest
+//! prefix shared with one computed (or, on a decode, received) before counts as cached.
+//! Knobs per engine ([`PrefillScript`],
 //! [`DecodeScript`]) and per request (headers the router forwards to both legs):
 //! `x-prefill-cached: N` (the prefill's reported cached tokens), `x-decode-gap-ms: N`
 //! (between streamed events), `x-decode-hold: 1` (the stream waits on the fleet's gate
@@ -124,6 +125,25 @@ fn prompt_tokens(body: &[u8]) -> u64 {
     body.len() as u64 / 4
 }
 
+/// A stand-in's prefix cache: the bodies it holds the KV of (the last 256).
+#[derive(Default, Clone)]
+struct PrefixCache(Arc<Mutex<Vec<Vec<u8>>>>);
+
+impl PrefixCache {
+    /// Tokens of `body` held: its longest prefix shared with a body held before, in
+    /// whole 16-token blocks (4 bytes a token); `body` is held from now on.
+    fn look_up_and_keep(&self, body: &[u8]) -> u64 {
+        let mut seen = self.0.lock().unwrap();
+        let lcp = |b: &Vec<u8>| b.iter().zip(body).take_while(|(x, y)| x == y).count();
+        let longest = seen.iter().map(lcp).max().unwrap_or(0);
+        if seen.len() >= 256 {
+            seen.remove(0);
+        }
+        seen.push(body.to_vec());
+        (longest as u64 / 4) / 16 * 16
+    }
+}
+
 /// The prefill engine `name` (issuing hand-offs into `handoffs`).
 pub fn prefill_engine(
     name: &str,
@@ -132,7 +152,7 @@ pub fn prefill_engine(
 ) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
     let name = name.to_string();
     let n = Arc::new(std::sync::atomic::AtomicU64::new(0));
-    let seen: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+    let cache = PrefixCache::default();
     move |req| {
         match script {
             PrefillScript::Status(s) => {
@@ -154,18 +174,7 @@ pub fn prefill_engine(
         if v["kv_transfer_params"]["do_remote_decode"] != true || !capped || v["stream"] != false {
             return Reply::json(400, r#"{"error":{"message":"not a prefill request"}}"#);
         }
-        // Its prefix cache: the longest prefix shared with a body it computed before,
-        // in whole 16-token blocks (4 bytes a token), unless the request says.
-        let held = {
-            let mut seen = seen.lock().unwrap();
-            let lcp = |b: &Vec<u8>| b.iter().zip(&req.body).take_while(|(x, y)| x == y).count();
-            let longest = seen.iter().map(lcp).max().unwrap_or(0);
-            if seen.len() >= 256 {
-                seen.remove(0);
-            }
-            seen.push(req.body.clone());
-            (longest as u64 / 4) / 16 * 16
-        };
+        let held = cache.look_up_and_keep(&req.body);
         let cached: u64 = req
             .header("x-prefill-cached")
             .and_then(|c| c.parse().ok())
@@ -218,6 +227,7 @@ pub fn decode_engine(
     hold: Gate,
 ) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
     let name = name.to_string();
+    let cache = PrefixCache::default();
     move |req| {
         if let DecodeScript::Status(s) = script {
             return Reply::json(
@@ -231,9 +241,10 @@ pub fn decode_engine(
         };
         let prompt = prompt_tokens(&req.body);
         // Transferred KV counts as cached, as vLLM's decode reports it; a prompt it
-        // computes, as none.
+        // computes, as much as its prefix cache holds (which keeps either).
+        let held = cache.look_up_and_keep(&req.body);
         let cached = match v["kv_transfer_params"]["remote_request_id"].as_str() {
-            None => 0,
+            None => held,
             Some(id) => match handoffs.read(id, &name) {
                 Ok(_) => prompt,
                 Err(why) => {

@@ -15,9 +15,9 @@
 //!               (`super::forward`) on the decode side, its answer streamed as any
 //! ```
 //!
-//! Routing memory: the prefill worker that served records the prompt (its policy's
-//! `observe`); the decode worker only when it computed the prompt itself (a bypass, no
-//! hand-off). Breakers count each leg's failures on that leg's worker. What the client
+//! Routing memory: both legs' workers record the prompt (their policies' `observe`):
+//! the prefill worker computed it, and the decode worker holds it after the hand-off as
+//! after computing it itself. Breakers count each leg's failures on that leg's worker. What the client
 //! sees is one request: the decode answer, `x-routed-prefill` beside `x-routed-peer`,
 //! one access line carrying both legs ([`Trail`]), the prefill's `cached_tokens` in
 //! the usage ([`rewrite`]).
@@ -104,9 +104,10 @@ impl Router {
                         between,
                     } => {
                         decode_body = nixl::decode_body(&body, &params).unwrap_or(body);
-                        // The decode worker reads the prompt's KV, it does not compute
-                        // it: its policy records nothing.
-                        route.req.ctx = None;
+                        // The decode worker reads the prompt's KV into its own prefix
+                        // cache (vLLM keeps the blocks a NIXL read placed there): its
+                        // policy records the prompt as for one it computed, so the next
+                        // turn can find it there and skip the prefill leg.
                         trail.prefill = Some(done);
                         between.disarm();
                     }
