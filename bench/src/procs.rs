@@ -260,6 +260,11 @@ pub struct EngineParams {
     pub kv_transfer_base_ms: f64,
     /// Cost per token of KV read, in simulated µs.
     pub kv_transfer_us_per_token: f64,
+    /// A stalled request's first token held back this long, in simulated ms
+    /// (`--stall-first-token-ms`).
+    pub stall_first_token_ms: f64,
+    /// Share of the requests that stall, 0 to 1 (`--stall-share`).
+    pub stall_share: f64,
 }
 
 impl Default for EngineParams {
@@ -284,6 +289,8 @@ impl Default for EngineParams {
             kv_connector: e.kv_connector,
             kv_transfer_base_ms: e.kv_transfer_base.as_secs_f64() * 1e3,
             kv_transfer_us_per_token: e.kv_transfer_per_token.as_secs_f64() * 1e6,
+            stall_first_token_ms: e.stall_first_token.as_secs_f64() * 1e3,
+            stall_share: e.stall_share,
         }
     }
 }
@@ -326,6 +333,11 @@ impl EngineParams {
                 "--kv-transfer-us-per-token",
                 self.kv_transfer_us_per_token.to_string(),
             ),
+            (
+                "--stall-first-token-ms",
+                self.stall_first_token_ms.to_string(),
+            ),
+            ("--stall-share", self.stall_share.to_string()),
         ] {
             a.push(k.into());
             a.push(v);
@@ -1040,6 +1052,8 @@ mod tests {
             kv_connector: crate::engine::KvConnector::Nixl,
             kv_transfer_base_ms: 1.0,
             kv_transfer_us_per_token: 3.0,
+            stall_first_token_ms: 2000.0,
+            stall_share: 0.05,
         };
         let a = p.args("e0", 0);
         let flag = |f: &str| &a[a.iter().position(|x| x == f).unwrap() + 1];
@@ -1049,9 +1063,11 @@ mod tests {
                 flag("--max-waiting").as_str(),
                 flag("--retry-after-secs").as_str(),
                 flag("--prefill-physics").as_str(),
-                flag("--prefill-slots").as_str()
+                flag("--prefill-slots").as_str(),
+                flag("--stall-first-token-ms").as_str(),
+                flag("--stall-share").as_str()
             ),
-            ("sglang", "3", "2", "shared", "4")
+            ("sglang", "3", "2", "shared", "4", "2000", "0.05")
         );
         assert_eq!(
             (

@@ -94,6 +94,14 @@ struct Cli {
     /// Cost per token of KV read from a prefill engine, in simulated µs.
     #[arg(long, default_value_t = 5.0)]
     kv_transfer_us_per_token: f64,
+    /// How long a stalled request's first token is held back after its prefill, in
+    /// simulated ms (see --stall-share).
+    #[arg(long, default_value_t = 0.0)]
+    stall_first_token_ms: f64,
+    /// Share of the generation requests whose first token stalls (0 to 1), chosen by a
+    /// hash of the request body: the same body always stalls or never does.
+    #[arg(long, default_value_t = 0.0)]
+    stall_share: f64,
 }
 
 fn duration(value: f64, unit_s: f64, flag: &str) -> Result<Duration, String> {
@@ -159,6 +167,8 @@ async fn run(cli: Cli) -> Result<(), String> {
             1e-6,
             "--kv-transfer-us-per-token",
         )?,
+        stall_first_token: duration(cli.stall_first_token_ms, 1e-3, "--stall-first-token-ms")?,
+        stall_share: cli.stall_share,
     };
     let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
     let listener = bench::engine::bind((cli.host.as_str(), cli.port))

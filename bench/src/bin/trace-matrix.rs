@@ -415,6 +415,7 @@ fn matrix_config(
             kv_connector: bench::engine::KvConnector::None,
             kv_transfer_base_ms: cli.kv_transfer_base_ms,
             kv_transfer_us_per_token: cli.kv_transfer_us_per_token,
+            ..EngineParams::default()
         },
         time_scale,
         concurrency: cli.concurrency,

@@ -14,11 +14,12 @@ use serde_json::{Value, json};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 
+use super::decode::Decoder;
 use super::http::{ChannelBody, error_response, json_response};
 use super::nixl::{self, KvRole};
 use super::physics::{PromptWork, Started};
-use super::shapes::{Shape, anthropic_error, anthropic_usage, output_word, work_usage};
-use super::template::{anthropic_to_chat, chat_template, completion_prompts};
+use super::shapes::{Shape, anthropic_error, anthropic_usage, work_usage};
+use super::template::{anthropic_to_chat, chat_prompt, chat_template, completion_prompts};
 use super::{Endpoint, Engine, KvConnector, RespBody, Usage, Waiting, block_hashes_under};
 
 /// A generation request after validation.
@@ -35,6 +36,8 @@ struct SimRequest {
     model: Option<String>,
     /// Its `kv_transfer_params` (see `nixl`).
     kv_transfer_params: Option<Value>,
+    /// Its first token is held back `stall_first_token` (see [`Engine::stalls`]).
+    stalled: bool,
 }
 
 impl Engine {
@@ -74,13 +77,14 @@ impl Engine {
             Ok(body) => body,
             Err((status, msg)) => return fail(status, &msg),
         };
-        let sim = match parse_request(endpoint, &body, self.inner.cfg.max_output_tokens) {
+        let mut sim = match parse_request(endpoint, &body, self.inner.cfg.max_output_tokens) {
             Ok(sim) => sim,
             Err(msg) => return fail(StatusCode::BAD_REQUEST, &msg),
         };
         let Some(model) = self.resolve_model(sim.model.as_deref()) else {
             return model_not_found(endpoint, sim.model.as_deref().unwrap_or_default());
         };
+        sim.stalled = self.stalls(&body);
         let Some(waiting) = self.admit() else {
             return self.too_busy(endpoint);
         };
@@ -118,9 +122,18 @@ impl Engine {
         } else {
             let n = sim.max_tokens;
             let mut started = self.start(&work, arrival, waiting, n).await;
+            self.stall_first_token(&mut started, sim.stalled);
             started.last_token(n).await;
             self.finish(&work, n);
-            let mut answer = shape.full_response(&work, &started.cached, n);
+            let texts: Vec<String> = sim
+                .prompts
+                .iter()
+                .map(|p| {
+                    let mut d = Decoder::after(p);
+                    (0..n).map(|_| d.next_token()).collect()
+                })
+                .collect();
+            let mut answer = shape.full_response(&work, &started.cached, n, &texts);
             if role == Some(KvRole::Prefill) {
                 // It finished on its length cap: the hand-off for a remote decoder.
                 let blocks = work
@@ -194,8 +207,12 @@ impl Engine {
     ) {
         let n = sim.max_tokens;
         let mut started = self.start(work, arrival, waiting, n).await;
+        self.stall_first_token(&mut started, sim.stalled);
+        let mut decoders: Vec<Decoder> = sim.prompts.iter().map(|p| Decoder::after(p)).collect();
         if shape.endpoint == Endpoint::Messages {
-            return self.stream_messages(shape, work, &mut started, n, tx).await;
+            return self
+                .stream_messages(shape, work, &mut started, n, &mut decoders[0], tx)
+                .await;
         }
         if shape.endpoint == Endpoint::Chat {
             for i in 0..work.len() {
@@ -209,8 +226,12 @@ impl Engine {
                 return;
             }
             let last = k + 1 == n;
-            for i in 0..work.len() {
-                if tx.send(shape.token_chunk(i, k, last)).await.is_err() {
+            for (i, d) in decoders.iter_mut().enumerate() {
+                if tx
+                    .send(shape.token_chunk(i, &d.next_token(), last))
+                    .await
+                    .is_err()
+                {
                     return;
                 }
             }
@@ -236,6 +257,7 @@ impl Engine {
         work: &[PromptWork],
         started: &mut Started<'_>,
         n: u64,
+        decoder: &mut Decoder,
         tx: &mpsc::Sender<Bytes>,
     ) {
         let usage = work_usage(work, &started.cached, n);
@@ -255,14 +277,14 @@ impl Engine {
                 return;
             }
         }
-        for k in 0..n {
+        for _ in 0..n {
             if !started.next_token().await {
                 return;
             }
             let delta = Shape::event(
                 "content_block_delta",
                 &json!({"type": "content_block_delta", "index": 0,
-                        "delta": {"type": "text_delta", "text": format!(" {}", output_word(k))}}),
+                        "delta": {"type": "text_delta", "text": decoder.next_token()}}),
             );
             if tx.send(delta).await.is_err() {
                 return;
@@ -297,7 +319,7 @@ fn parse_request(endpoint: Endpoint, body: &[u8], max_output: u64) -> Result<Sim
         serde_json::from_slice(body).map_err(|e| format!("body is not valid JSON: {e}"))?;
     let obj = v.as_object().ok_or("request body must be a JSON object")?;
     let prompts = match endpoint {
-        Endpoint::Chat => vec![chat_template(obj.get("messages"))?],
+        Endpoint::Chat => vec![chat_prompt(obj)?],
         Endpoint::Completions => completion_prompts(obj.get("prompt"))?,
         Endpoint::Messages => vec![chat_template(Some(&anthropic_to_chat(obj)?))?],
     };
@@ -333,6 +355,7 @@ fn parse_request(endpoint: Endpoint, body: &[u8], max_output: u64) -> Result<Sim
         include_usage,
         model,
         kv_transfer_params: present("kv_transfer_params").cloned(),
+        stalled: false,
     })
 }
 

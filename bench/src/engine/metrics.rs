@@ -64,7 +64,8 @@ impl Engine {
     /// (counter, `/v1/embeddings` requests answered 200),
     /// `sim:prefill_tokens_computed_total` (counter, tokens) and the hand-off counters
     /// `sim:kv_handoffs_{sent,received,invalid}_total` (requests) and
-    /// `sim:kv_transferred_tokens_total` (tokens), and the histogram
+    /// `sim:kv_transferred_tokens_total` (tokens), `sim:stalled_total` (counter,
+    /// requests whose first token was held back), and the histogram
     /// `sim:inter_token_latency_seconds` (the engine's own clock, simulated seconds;
     /// see `itl`).
     pub fn metrics_text(&self) -> String {
@@ -229,6 +230,11 @@ fn sim_rows(s: &EngineStats) -> Vec<Row> {
             "sim:kv_transferred_tokens_total",
             "Tokens of KV read from prefill engines.",
             s.kv_transferred_tokens,
+        ),
+        counter(
+            "sim:stalled_total",
+            "Generation requests whose first token was held back (--stall-share).",
+            s.stalled,
         ),
     ]
 }

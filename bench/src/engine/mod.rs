@@ -27,6 +27,14 @@
 //! - **hand-off**: with `kv_connector: nixl`, vLLM's NixlConnector contract (`nixl`):
 //!   a prefill for a remote decoder answers with `kv_transfer_params`, a decode given
 //!   them reads the prompt's KV instead of computing it.
+//! - **answer**: greedy decoding: each output word is a function of every word before
+//!   it, prompt then answer ([`greedy_text`]), so an answer continued from its first
+//!   words (`continue_final_message` for chat) goes on as the uninterrupted one.
+//! - **stall**: with `stall_share` > 0, that share of the generation requests (chosen
+//!   by a hash of the request body, so the same body always stalls or never) has its
+//!   first token held back `stall_first_token` more after its prefill, outside the
+//!   prefill queue (counted in `sim:stalled_total`): a replica with an intermittent
+//!   hiccup, for hedging benchmarks.
 //!
 //! Endpoints: `POST /v1/chat/completions`, `POST /v1/completions` (streamed SSE or
 //! not, vLLM response shapes), `POST /v1/messages` (Anthropic Messages API as vLLM
@@ -66,15 +74,17 @@
 //! # Ok(()) }
 //! ```
 //!
-//! Parts: `physics` (admission, the prefill queue, cache lookups, simulated time, the
-//! clock a request's tokens follow), `steps` (the chunked physics' batch), `nixl` (the
-//! hand-off's wire contract), `itl` (inter-token latency on the engine's clock),
-//! `generate` (the generation endpoints: non-streamed, SSE, Anthropic events),
+//! Parts: `physics` (admission, the prefill queue, cache lookups, stalls, simulated
+//! time, the clock a request's tokens follow), `steps` (the chunked physics' batch),
+//! `nixl` (the hand-off's wire contract), `itl` (inter-token latency on the engine's
+//! clock), `generate` (the generation endpoints: non-streamed, SSE, Anthropic events),
+//! `decode` (the answer's words),
 //! `shapes` (vLLM's and Anthropic's response bodies), `template` (request bodies to
 //! prompt text), `tokenizer` (token ids and the endpoints answered at once from
 //! them), `metrics` (`GET /metrics`), `http` (the server, routing, body plumbing,
 //! [`start`]).
 
+mod decode;
 mod generate;
 mod http;
 mod itl;
@@ -101,10 +111,11 @@ use tokio::time::Instant;
 pub use crate::prefill::Physics;
 use crate::prefill::SharedPrefill;
 pub use cache_aware_router::simulate::engine::{PrefixCache, block_hashes, block_hashes_under};
+pub use decode::greedy_text;
 pub use http::{LISTEN_BACKLOG, RunningEngine, StartError, bind, serve, start};
 pub use metrics::MetricsFlavor;
 pub use nixl::KvConnector;
-pub use template::{anthropic_to_chat, chat_template, chat_template_with};
+pub use template::{anthropic_to_chat, chat_prompt, chat_template, chat_template_with};
 pub use tokenizer::{VOCAB_SIZE, token_id, token_word, tokenize_text};
 
 /// Response header naming the replica that served a request.
@@ -165,6 +176,12 @@ pub struct EngineConfig {
     pub kv_transfer_base: Duration,
     /// Cost per token of KV read from a prefill engine (simulated time).
     pub kv_transfer_per_token: Duration,
+    /// How long a stalled request's first token is held back after its prefill
+    /// (simulated time; see `stall_share`).
+    pub stall_first_token: Duration,
+    /// Share of the generation requests that stall (0 to 1; 0 = none), chosen by a hash
+    /// of the request body.
+    pub stall_share: f64,
 }
 
 impl Default for EngineConfig {
@@ -190,6 +207,8 @@ impl Default for EngineConfig {
             kv_connector: KvConnector::None,
             kv_transfer_base: Duration::from_millis(2),
             kv_transfer_per_token: Duration::from_micros(5),
+            stall_first_token: Duration::ZERO,
+            stall_share: 0.0,
         }
     }
 }
@@ -203,6 +222,9 @@ pub enum ConfigError {
     /// `time_factor` is negative, NaN or infinite.
     #[error("time_factor must be a finite number >= 0, got {0}")]
     TimeFactor(f64),
+    /// `stall_share` is outside 0 to 1.
+    #[error("stall_share must be a number from 0 to 1, got {0}")]
+    StallShare(f64),
     /// The name cannot be sent as an HTTP header value.
     #[error("engine name {0:?} is not a valid header value")]
     Name(String),
@@ -265,6 +287,8 @@ pub struct EngineStats {
     pub rejected: u64,
     /// `POST /v1/embeddings` requests answered 200 (not in any other counter).
     pub embedding_requests: u64,
+    /// Generation requests whose first token was held back (`stall_share`).
+    pub stalled: u64,
     /// Blocks held in the prefix cache.
     pub kv_blocks_used: u64,
     /// Prefill answers that carried `kv_transfer_params` for a remote decoder.
@@ -297,6 +321,7 @@ struct Counters {
     kv_transferred_tokens: AtomicU64,
     prefill_tokens_computed: AtomicU64,
     itl: itl::ItlHistogram,
+    stalled: AtomicU64,
     next_id: AtomicU64,
 }
 
@@ -374,6 +399,9 @@ impl Engine {
         if !cfg.time_factor.is_finite() || cfg.time_factor < 0.0 {
             return Err(ConfigError::TimeFactor(cfg.time_factor));
         }
+        if !(0.0..=1.0).contains(&cfg.stall_share) {
+            return Err(ConfigError::StallShare(cfg.stall_share));
+        }
         let name_header =
             HeaderValue::from_str(&cfg.name).map_err(|_| ConfigError::Name(cfg.name.clone()))?;
         let slots = cfg.prefill_slots.max(1);
@@ -435,6 +463,7 @@ impl Engine {
             waiting_peak: r(&c.waiting_peak),
             rejected: r(&c.rejected),
             embedding_requests: r(&c.embedding_requests),
+            stalled: r(&c.stalled),
             kv_blocks_used: self.lock_cache().len() as u64,
             kv_handoffs_sent: r(&c.kv_handoffs_sent),
             kv_handoffs_received: r(&c.kv_handoffs_received),

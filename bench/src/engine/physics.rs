@@ -12,6 +12,9 @@ use tokio::time::Instant;
 
 use super::{Engine, GaugeGuard, Physics, Waiting};
 
+/// Seed of the body hash that picks the stalled requests.
+const STALL_SEED: u64 = 0x7374_616c_6c; // "stall"
+
 /// A prompt reduced to what the simulation needs.
 #[derive(Debug)]
 pub(super) struct PromptWork {
@@ -30,6 +33,8 @@ pub(super) struct Started<'a> {
     engine: &'a Engine,
     /// Nominal time of its last token (for the engine's inter-token latency).
     last: Option<Instant>,
+    /// How long its first token is held back past its clock (a stall).
+    stall: Duration,
     /// Counts the request as running (the chunked physics' batch counts its own).
     _running: Option<GaugeGuard<'a>>,
 }
@@ -56,6 +61,17 @@ impl Started<'_> {
                 Some(at) => at,
                 None => return false,
             },
+        };
+        let at = if self.last.is_none() && !self.stall.is_zero() {
+            // A stalled first token: it, and the timer's tokens after it, come later.
+            let held = at + std::mem::take(&mut self.stall);
+            wait_until(held).await;
+            if let Clock::Timer { due, .. } = &mut self.clock {
+                *due = held + (*due - at);
+            }
+            held
+        } else {
+            at
         };
         let factor = self.engine.inner.cfg.time_factor;
         if let Some(last) = self.last.replace(at)
@@ -141,6 +157,7 @@ impl Engine {
                 clock: Clock::Steps(rx),
                 engine: self,
                 last: None,
+                stall: Duration::ZERO,
                 _running: None,
             };
         }
@@ -159,6 +176,7 @@ impl Engine {
             },
             engine: self,
             last: None,
+            stall: Duration::ZERO,
             _running: Some(running),
         }
     }
@@ -288,6 +306,27 @@ impl Engine {
         (uncached, cached)
     }
 
+    /// Whether the request with this body stalls: a hash of the body, read as a
+    /// fraction of 1, below `stall_share` (so the same body always does or never does).
+    pub(super) fn stalls(&self, body: &[u8]) -> bool {
+        let cfg = &self.inner.cfg;
+        if cfg.stall_share <= 0.0 || cfg.stall_first_token.is_zero() {
+            return false;
+        }
+        let h = xxhash_rust::xxh3::xxh3_64_with_seed(body, STALL_SEED);
+        ((h >> 11) as f64 / (1u64 << 53) as f64) < cfg.stall_share
+    }
+
+    /// Holds a stalled request's first token back `stall_first_token` past its clock
+    /// (the tokens after it follow it), outside the prefill queue and the batch.
+    pub(super) fn stall_first_token(&self, started: &mut Started<'_>, stalled: bool) {
+        if !stalled {
+            return;
+        }
+        self.inner.counters.stalled.fetch_add(1, Ordering::Relaxed);
+        started.stall = self.scaled_secs(self.inner.cfg.stall_first_token.as_secs_f64());
+    }
+
     pub(super) fn finish(&self, work: &[PromptWork], n: u64) {
         let c = &self.inner.counters;
         c.generation_tokens
@@ -311,6 +350,29 @@ pub(super) async fn wait_until(deadline: Instant) {
 mod tests {
     use super::*;
     use crate::engine::EngineConfig;
+
+    #[test]
+    fn stall_share_picks_that_share_of_bodies_the_same_way_each_time() {
+        let e = Engine::new(EngineConfig {
+            stall_first_token: Duration::from_secs(2),
+            stall_share: 0.05,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        let bodies: Vec<String> = (0..4000).map(|i| format!("{{\"i\":{i}}}")).collect();
+        let stalled: Vec<bool> = bodies.iter().map(|b| e.stalls(b.as_bytes())).collect();
+        let n = stalled.iter().filter(|&&s| s).count();
+        assert!((140..260).contains(&n), "{n} of 4000 at 5 %");
+        let again: Vec<bool> = bodies.iter().map(|b| e.stalls(b.as_bytes())).collect();
+        assert_eq!(stalled, again);
+        // No stall without a duration.
+        let off = Engine::new(EngineConfig {
+            stall_share: 1.0,
+            ..EngineConfig::default()
+        })
+        .unwrap();
+        assert!(!off.stalls(b"{}"));
+    }
 
     #[test]
     fn admission_stops_at_max_waiting_and_tracks_the_peak() {

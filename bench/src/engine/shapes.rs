@@ -9,7 +9,6 @@ use serde_json::{Value, json};
 use super::http::json_response;
 use super::physics::PromptWork;
 use super::{Endpoint, RespBody, Usage};
-use crate::prompts::WORDS;
 
 /// Anthropic `usage`: `input_tokens` excludes the cached part, which is
 /// `cache_read_input_tokens` (Anthropic's meaning, and what the router's usage reader
@@ -41,11 +40,6 @@ pub(super) fn anthropic_error(status: StatusCode, message: &str) -> Response<Res
 pub(super) fn work_usage(work: &[PromptWork], cached: &[u64], n: u64) -> Usage {
     let prompt: u64 = work.iter().map(|p| p.n_tokens as u64).sum();
     Usage::new(prompt, n * work.len() as u64, cached.iter().sum())
-}
-
-/// Output token `k` (deterministic filler text, one word with a leading space).
-pub(super) fn output_word(k: u64) -> &'static str {
-    WORDS[(k % WORDS.len() as u64) as usize]
 }
 
 /// Response identity and the JSON shapes built from it.
@@ -99,8 +93,8 @@ impl Shape {
         }))
     }
 
-    pub(super) fn token_chunk(&self, index: usize, k: u64, last: bool) -> Bytes {
-        let text = format!(" {}", output_word(k));
+    /// Choice `index`'s next token (`text`), with the finish reason when `last`.
+    pub(super) fn token_chunk(&self, index: usize, text: &str, last: bool) -> Bytes {
         let finish = if last { json!("length") } else { Value::Null };
         let choice = match self.endpoint {
             Endpoint::Chat | Endpoint::Messages => {
@@ -124,17 +118,25 @@ impl Shape {
         }))
     }
 
-    pub(super) fn full_response(&self, work: &[PromptWork], cached: &[u64], n: u64) -> Value {
-        let text: String = (0..n).map(|k| format!(" {}", output_word(k))).collect();
+    /// The whole answer: `texts[i]` is prompt `i`'s, `n` tokens.
+    pub(super) fn full_response(
+        &self,
+        work: &[PromptWork],
+        cached: &[u64],
+        n: u64,
+        texts: &[String],
+    ) -> Value {
         if self.endpoint == Endpoint::Messages {
             return self.message(
-                json!([{"type": "text", "text": text}]),
+                json!([{"type": "text", "text": texts.first()}]),
                 json!("max_tokens"),
                 &work_usage(work, cached, n),
             );
         }
-        let choices: Vec<Value> = (0..work.len())
-            .map(|i| match self.endpoint {
+        let choices: Vec<Value> = texts
+            .iter()
+            .enumerate()
+            .map(|(i, text)| match self.endpoint {
                 Endpoint::Chat | Endpoint::Messages => json!({
                     "index": i,
                     "message": {"role": "assistant", "content": text, "tool_calls": []},
@@ -193,10 +195,10 @@ mod tests {
 
     #[test]
     fn token_chunks_follow_vllm_shapes() {
-        let chat = parse_sse(&shape(Endpoint::Chat).token_chunk(0, 0, true));
+        let chat = parse_sse(&shape(Endpoint::Chat).token_chunk(0, " the", true));
         assert_eq!(chat["choices"][0]["delta"]["content"], " the");
         assert_eq!(chat["choices"][0]["finish_reason"], "length");
-        let cmpl = parse_sse(&shape(Endpoint::Completions).token_chunk(0, 1, false));
+        let cmpl = parse_sse(&shape(Endpoint::Completions).token_chunk(0, " of", false));
         assert_eq!(cmpl["object"], "text_completion");
         assert_eq!(cmpl["choices"][0]["text"], " of");
         assert!(cmpl["choices"][0]["finish_reason"].is_null());

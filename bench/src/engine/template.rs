@@ -11,6 +11,38 @@ pub fn chat_template(messages: Option<&Value>) -> Result<String, String> {
     chat_template_with(messages, true)
 }
 
+/// The prompt of a chat request body (`messages`) as vLLM renders it, honouring its
+/// chat-template options: `add_generation_prompt` (default true) ends the prompt with
+/// the assistant's turn opened; `continue_final_message` (default false) leaves the
+/// last message open instead (no end of turn, no generation prompt), so the answer
+/// continues it. Both true is refused, as vLLM does.
+pub fn chat_prompt(req: &Map<String, Value>) -> Result<String, String> {
+    let flag = |k: &str, default: bool| match req.get(k) {
+        None | Some(Value::Null) => Ok(default),
+        Some(Value::Bool(b)) => Ok(*b),
+        Some(_) => Err(format!("{k} must be a boolean")),
+    };
+    let add = flag("add_generation_prompt", true)?;
+    if !flag("continue_final_message", false)? {
+        return chat_template_with(req.get("messages"), add);
+    }
+    if add {
+        return Err(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` \
+                    to True (send add_generation_prompt: false)"
+                .into(),
+        );
+    }
+    let closed = chat_template_with(req.get("messages"), false)?;
+    Ok(closed
+        .strip_suffix(END_OF_TURN)
+        .unwrap_or(&closed)
+        .to_owned())
+}
+
+/// What closes each message of the template.
+const END_OF_TURN: &str = "\n<|im_end|>\n";
+
 /// [`chat_template`], with the trailing generation prompt only when
 /// `add_generation_prompt` (vLLM's `/tokenize` option of that name).
 pub fn chat_template_with(
@@ -36,7 +68,7 @@ pub fn chat_template_with(
         out.push_str(role);
         out.push('\n');
         push_content(&mut out, m, i)?;
-        out.push_str("\n<|im_end|>\n");
+        out.push_str(END_OF_TURN);
     }
     if add_generation_prompt {
         out.push_str("<|im_start|>assistant\n");
@@ -262,6 +294,43 @@ pub(super) fn completion_prompts(prompt: Option<&Value>) -> Result<Vec<String>, 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_continued_final_message_is_left_open() {
+        let req = |extra: Value| {
+            let mut r = json!({"messages": [{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "Sure: one"}]});
+            for (k, v) in extra.as_object().unwrap() {
+                r[k] = v.clone();
+            }
+            r.as_object().unwrap().clone()
+        };
+        let open = chat_prompt(&req(
+            json!({"continue_final_message": true, "add_generation_prompt": false}),
+        ))
+        .unwrap();
+        assert!(
+            open.ends_with("<|im_start|>assistant\nSure: one"),
+            "{open:?}"
+        );
+        // The prompt the answer started from, plus the answer so far.
+        let asked = chat_prompt(
+            &json!({"messages": [{"role": "user", "content": "hi"}]})
+                .as_object()
+                .unwrap()
+                .clone(),
+        )
+        .unwrap();
+        assert_eq!(open, format!("{asked}Sure: one"));
+        let closed = chat_prompt(&req(json!({"add_generation_prompt": false}))).unwrap();
+        assert!(closed.ends_with("Sure: one\n<|im_end|>\n"));
+        for bad in [
+            json!({"continue_final_message": true}),
+            json!({"continue_final_message": "yes", "add_generation_prompt": false}),
+        ] {
+            assert!(chat_prompt(&req(bad.clone())).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn chat_template_reads_strings_parts_and_tool_calls() {

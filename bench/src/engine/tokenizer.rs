@@ -10,7 +10,7 @@ use std::sync::atomic::Ordering;
 
 use super::http::{error_response, json_response};
 use super::shapes::anthropic_error;
-use super::template::{anthropic_to_chat, chat_template, chat_template_with, completion_prompts};
+use super::template::{anthropic_to_chat, chat_prompt, chat_template, completion_prompts};
 use super::{Endpoint, Engine, MAX_MODEL_LEN, RespBody};
 use crate::prompts::WORDS;
 
@@ -128,7 +128,7 @@ fn generate_request(
 /// The tokenizer endpoints: no simulated time, no cache lookup.
 impl Engine {
     /// `POST /tokenize`: `{"prompt": "…"}` or `{"messages": […]}` (chat template,
-    /// `add_generation_prompt` default true) → `{"count","max_model_len","tokens",
+    /// `add_generation_prompt` default true, `continue_final_message`: [`chat_prompt`]) → `{"count","max_model_len","tokens",
     /// "token_strs"}` (`token_strs` only with `return_token_strs`). `count` equals the
     /// `prompt_tokens` a generation request with the same prompt reports.
     pub(super) async fn tokenize(&self, req: Request<Incoming>) -> Response<RespBody> {
@@ -139,11 +139,7 @@ impl Engine {
             }
         };
         let text = if obj.contains_key("messages") {
-            let add = obj
-                .get("add_generation_prompt")
-                .and_then(Value::as_bool)
-                .unwrap_or(true);
-            chat_template_with(obj.get("messages"), add)
+            chat_prompt(&obj)
         } else {
             match obj.get("prompt") {
                 Some(Value::String(s)) => Ok(s.clone()),
@@ -241,7 +237,7 @@ impl Engine {
             format!("render-{}-{n}", self.inner.cfg.name)
         };
         if endpoint == Endpoint::Chat {
-            return match chat_template(obj.get("messages")) {
+            return match chat_prompt(&obj) {
                 Ok(text) => json_response(
                     StatusCode::OK,
                     &generate_request(next_id(), tokenize_text(&text), &obj, model),

@@ -1,8 +1,9 @@
 //! The simulated engine over real HTTP on 127.0.0.1:0 (its OpenAI, Anthropic, tokenizer
-//! and embeddings endpoints), and the router in front of sim-engines: what it reads of
+//! and embeddings endpoints; continued answers, stalls), and the router in front of sim-engines: what it reads of
 //! them and learns from their answers.
 
 mod anthropic_tokenize;
+mod continuation;
 mod embeddings;
 mod evicts;
 mod http;
