@@ -20,7 +20,9 @@
 //! routers), `overhead` (what the router costs: added latency, saturation, 5,000
 //! streams, tree memory, response cache), `hot-prefix-trace` (writes
 //! `bench/data/hot_prefix.jsonl`), `peer-overhead` (the same against sglang-router and
-//! vllm-router; `bench/peers/run.sh` installs them and runs both comparisons).
+//! vllm-router; `bench/peers/run.sh` installs them and runs both comparisons),
+//! `kill-test` (streams through workers killed and drained) and `hedge-bench` (TTFT
+//! with and without hedging a late first token).
 
 #![forbid(unsafe_code)]
 

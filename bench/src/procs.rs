@@ -216,6 +216,18 @@ pub fn require_binary(
     }
 }
 
+/// The `sim-engine` and `cache-aware-router` binaries beside this one
+/// ([`sibling_binary`]), or what to build when one is missing.
+pub fn engine_and_router_binaries() -> Result<(PathBuf, PathBuf), ProcError> {
+    let hint = "cargo build -p bench --bin sim-engine && cargo build --bin cache-aware-router, \
+                with --release when this binary is a release build";
+    let engine = sibling_binary("sim-engine");
+    let router = sibling_binary("cache-aware-router");
+    require_binary(&engine, "sim-engine", hint)?;
+    require_binary(&router, "cache-aware-router", hint)?;
+    Ok((engine, router))
+}
+
 /// A port that was free a moment ago on 127.0.0.1 (bind :0, read, release).
 pub fn free_port() -> Result<u16, ProcError> {
     let l = std::net::TcpListener::bind(("127.0.0.1", 0)).map_err(io_err("bind 127.0.0.1:0"))?;
@@ -989,6 +1001,23 @@ pub fn clock_ticks_per_sec() -> u64 {
 pub fn secs(v: f64, flag: &str) -> Result<std::time::Duration, String> {
     std::time::Duration::try_from_secs_f64(v)
         .map_err(|_| format!("{flag} must be a finite number >= 0"))
+}
+
+/// The body of `GET url` when it answers 2xx within 5 s.
+pub async fn get_body(url: &str) -> Option<Bytes> {
+    let uri: Uri = url.parse().ok()?;
+    let client: Client<HttpConnector, http_body_util::Empty<Bytes>> =
+        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
+    let call = async {
+        let resp = client.get(uri).await.ok()?;
+        if !resp.status().is_success() {
+            return None;
+        }
+        resp.into_body().collect().await.ok().map(|b| b.to_bytes())
+    };
+    tokio::time::timeout(Duration::from_secs(5), call)
+        .await
+        .ok()?
 }
 
 /// The socket address of an `http://host:port[/]` URL.

@@ -27,7 +27,7 @@ impl Percentiles {
         }
         let mut v = values.to_vec();
         v.sort_by(f64::total_cmp);
-        let rank = |p: f64| v[((p * v.len() as f64).ceil() as usize).clamp(1, v.len()) - 1];
+        let rank = |p: f64| nearest_rank(&v, p);
         Self {
             p50: rank(0.50),
             p90: rank(0.90),
@@ -35,6 +35,78 @@ impl Percentiles {
             mean: v.iter().sum::<f64>() / v.len() as f64,
         }
     }
+}
+
+/// The value at quantile `p` (0 to 1) of `sorted` (ascending), by nearest rank; 0 when
+/// empty.
+pub fn nearest_rank(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    sorted[((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1]
+}
+
+/// The samples of metric `name` in a Prometheus text exposition, summed by the values
+/// of `labels` (in that order; "" where a series lacks one): e.g. a router's
+/// `cache_aware_router_hedges_total` by `["outcome"]`, or a counter's total by `[]`.
+pub fn series_by(text: &str, name: &str, labels: &[&str]) -> BTreeMap<Vec<String>, f64> {
+    let mut out = BTreeMap::new();
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((series, value)) = line.rsplit_once(' ') else {
+            continue;
+        };
+        let (n, pairs) = match series.split_once('{') {
+            Some((n, rest)) => (n, rest.strip_suffix('}').unwrap_or(rest)),
+            None => (series, ""),
+        };
+        let Ok(v) = value.parse::<f64>() else {
+            continue;
+        };
+        if n != name {
+            continue;
+        }
+        let found = label_pairs(pairs);
+        let key = labels
+            .iter()
+            .map(|l| {
+                found
+                    .iter()
+                    .find(|(k, _)| k == l)
+                    .map(|(_, v)| v.clone())
+                    .unwrap_or_default()
+            })
+            .collect();
+        *out.entry(key).or_insert(0.0) += v;
+    }
+    out
+}
+
+/// `k="v",k2="v2"` (values with `\"` and `\\` escapes) as pairs.
+fn label_pairs(s: &str) -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    let mut rest = s;
+    while let Some((key, after)) = rest.split_once("=\"") {
+        let mut value = String::new();
+        let mut chars = after.char_indices();
+        let mut end = after.len();
+        while let Some((i, c)) = chars.next() {
+            match c {
+                '\\' => {
+                    if let Some((_, e)) = chars.next() {
+                        value.push(if e == 'n' { '\n' } else { e });
+                    }
+                }
+                '"' => {
+                    end = i + 1;
+                    break;
+                }
+                c => value.push(c),
+            }
+        }
+        out.push((key.trim_start_matches(',').trim().to_string(), value));
+        rest = &after[end..];
+    }
+    out
 }
 
 /// Aggregate of one replay.
@@ -374,6 +446,29 @@ mod tests {
         let p = Percentiles::of(&v);
         assert_eq!((p.p50, p.p90, p.p99), (50.0, 90.0, 99.0));
         assert_eq!(Percentiles::of(&[7.0]).p99, 7.0);
+        assert_eq!(nearest_rank(&v, 1.0), 100.0);
+        assert_eq!(nearest_rank(&[], 0.5), 0.0);
+    }
+
+    #[test]
+    fn series_are_summed_by_the_labels_asked_for() {
+        let text = "# TYPE cache_aware_router_hedges_total counter\n\
+                    cache_aware_router_hedges_total{outcome=\"won\"} 3\n\
+                    cache_aware_router_hedges_total{outcome=\"lost\"} 1\n\
+                    cache_aware_router_hedges_total_other{outcome=\"won\"} 50\n\
+                    m{cause=\"a,\\\"b\",outcome=\"won\"} 2\n\
+                    m{outcome=\"won\"} 1.5\n\
+                    m 4\n";
+        let key = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let hedges = series_by(text, "cache_aware_router_hedges_total", &["outcome"]);
+        assert_eq!(hedges.get(&key(&["won"])), Some(&3.0));
+        assert_eq!(hedges.get(&key(&["lost"])), Some(&1.0));
+        assert_eq!(hedges.len(), 2);
+        let m = series_by(text, "m", &["cause", "outcome"]);
+        assert_eq!(m.get(&key(&["a,\"b", "won"])), Some(&2.0));
+        assert_eq!(m.get(&key(&["", "won"])), Some(&1.5));
+        assert_eq!(m.get(&key(&["", ""])), Some(&4.0));
+        assert_eq!(series_by(text, "m", &[]).get(&key(&[])), Some(&7.5));
     }
 
     #[test]

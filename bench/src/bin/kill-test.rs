@@ -89,11 +89,8 @@ async fn run(cli: &Cli, children: &mut Vec<ChildProc>) -> Result<bool, String> {
     if cli.engines < 3 {
         return Err("--engines must be at least 3 (one killed, one removed, one left)".into());
     }
-    let engine_bin = procs::sibling_binary("sim-engine");
-    let router_bin = procs::sibling_binary("cache-aware-router");
-    let hint = "cargo build -p bench --bin sim-engine; cargo build --bin cache-aware-router";
-    procs::require_binary(&engine_bin, "sim-engine", hint).map_err(|e| e.to_string())?;
-    procs::require_binary(&router_bin, "cache-aware-router", hint).map_err(|e| e.to_string())?;
+    let (engine_bin, router_bin) =
+        procs::engine_and_router_binaries().map_err(|e| e.to_string())?;
     let params = EngineParams {
         itl_ms: cli.itl_ms,
         time_factor: cli.time_factor,
@@ -296,43 +293,21 @@ fn read(body: &[u8]) -> Read {
 
 /// The router's `stream_migrations_total`, by cause then outcome.
 async fn migrations(base: &str) -> Result<BTreeMap<String, BTreeMap<String, f64>>, String> {
-    let addr = base.trim_start_matches("http://");
-    let io = TcpStream::connect(addr)
+    let text = procs::get_body(&format!("{base}/metrics"))
         .await
-        .map_err(|e| format!("connect: {e}"))?;
-    let (mut send, conn) = hyper::client::conn::http1::handshake(TokioIo::new(io))
-        .await
-        .map_err(|e| format!("handshake: {e}"))?;
-    tokio::spawn(conn);
-    let req = Request::get("/metrics")
-        .header("host", addr)
-        .body(Full::new(Bytes::new()))
-        .map_err(|e| e.to_string())?;
-    let resp = send.send_request(req).await.map_err(|e| e.to_string())?;
-    let text = resp
-        .into_body()
-        .collect()
-        .await
-        .map_err(|e| e.to_string())?
-        .to_bytes();
+        .ok_or_else(|| format!("GET {base}/metrics failed"))?;
+    let series = bench::stats::series_by(
+        &String::from_utf8_lossy(&text),
+        "cache_aware_router_stream_migrations_total",
+        &["cause", "outcome"],
+    );
     let mut table: BTreeMap<String, BTreeMap<String, f64>> = BTreeMap::new();
-    for line in String::from_utf8_lossy(&text).lines() {
-        let Some(rest) = line.strip_prefix("cache_aware_router_stream_migrations_total{") else {
-            continue;
-        };
-        let Some((labels, value)) = rest.split_once("} ") else {
-            continue;
-        };
-        let label = |k: &str| {
-            labels
-                .split(',')
-                .find_map(|kv| kv.strip_prefix(&format!("{k}=\"")))
-                .map(|v| v.trim_end_matches('"').to_string())
-        };
-        if let (Some(cause), Some(outcome), Ok(v)) =
-            (label("cause"), label("outcome"), value.parse())
-        {
-            table.entry(cause).or_default().insert(outcome, v);
+    for (labels, v) in series {
+        if let [cause, outcome] = labels.as_slice() {
+            table
+                .entry(cause.clone())
+                .or_default()
+                .insert(outcome.clone(), v);
         }
     }
     Ok(table)

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 
-use crate::procs::ProcError;
+use crate::procs::{ProcError, get_body};
 
 /// Our router's `routing_decisions_total` by reason and the bytes its tree aged out,
 /// from `GET /metrics` (`cache_hit 1200, hit_overloaded 40, miss 760, tree aged out
@@ -60,27 +60,6 @@ async fn decision_counts(router_url: &str) -> Option<String> {
         parts.push(format!("tree aged out {:.1} MB", bytes / 1e6));
     }
     (!parts.is_empty()).then(|| parts.join(", "))
-}
-
-/// The body of `GET url` when it answers 2xx within 5 s.
-async fn get_body(url: &str) -> Option<Bytes> {
-    use http_body_util::{BodyExt, Empty};
-    use hyper_util::client::legacy::Client;
-    use hyper_util::client::legacy::connect::HttpConnector;
-    use hyper_util::rt::TokioExecutor;
-    let uri: hyper::Uri = url.parse().ok()?;
-    let client: Client<HttpConnector, Empty<Bytes>> =
-        Client::builder(TokioExecutor::new()).build(HttpConnector::new());
-    let call = async {
-        let resp = client.get(uri).await.ok()?;
-        if !resp.status().is_success() {
-            return None;
-        }
-        resp.into_body().collect().await.ok().map(|b| b.to_bytes())
-    };
-    tokio::time::timeout(Duration::from_secs(5), call)
-        .await
-        .ok()?
 }
 
 /// Whether the engine at `engine_url` answers vLLM's render endpoint
