@@ -13,7 +13,7 @@ use tokio::time::Instant;
 use super::{Engine, GaugeGuard, Physics, Waiting};
 
 /// Seed of the body hash that picks the stalled requests.
-const STALL_SEED: u64 = 0x7374_616c_6c; // "stall"
+const STALL_SEED: u64 = 0x0073_7461_6c6c; // "stall"
 
 /// A prompt reduced to what the simulation needs.
 #[derive(Debug)]
