@@ -122,7 +122,7 @@ impl Engine {
         } else {
             let n = sim.max_tokens;
             let mut started = self.start(&work, arrival, waiting, n).await;
-            self.stall_first_token(&mut started, sim.stalled);
+            self.stall_first_token(&mut started, sim.stalled).await;
             started.last_token(n).await;
             self.finish(&work, n);
             let texts: Vec<String> = sim
@@ -207,7 +207,7 @@ impl Engine {
     ) {
         let n = sim.max_tokens;
         let mut started = self.start(work, arrival, waiting, n).await;
-        self.stall_first_token(&mut started, sim.stalled);
+        self.stall_first_token(&mut started, sim.stalled).await;
         let mut decoders: Vec<Decoder> = sim.prompts.iter().map(|p| Decoder::after(p)).collect();
         if shape.endpoint == Endpoint::Messages {
             return self

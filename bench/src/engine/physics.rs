@@ -33,8 +33,6 @@ pub(super) struct Started<'a> {
     engine: &'a Engine,
     /// Nominal time of its last token (for the engine's inter-token latency).
     last: Option<Instant>,
-    /// How long its first token is held back past its clock (a stall).
-    stall: Duration,
     /// Counts the request as running (the chunked physics' batch counts its own).
     _running: Option<GaugeGuard<'a>>,
 }
@@ -62,17 +60,6 @@ impl Started<'_> {
                 None => return false,
             },
         };
-        let at = if self.last.is_none() && !self.stall.is_zero() {
-            // A stalled first token: it, and the timer's tokens after it, come later.
-            let held = at + std::mem::take(&mut self.stall);
-            wait_until(held).await;
-            if let Clock::Timer { due, .. } = &mut self.clock {
-                *due = held + (*due - at);
-            }
-            held
-        } else {
-            at
-        };
         let factor = self.engine.inner.cfg.time_factor;
         if let Some(last) = self.last.replace(at)
             && factor > 0.0
@@ -81,6 +68,21 @@ impl Started<'_> {
             self.engine.inner.counters.itl.record(gap);
         }
         true
+    }
+
+    /// Holds its first token back `d` more (none taken yet), with what is sent before
+    /// it (a chat's role chunk): under the timer every token after it moves too; under
+    /// the chunked physics the batch goes on, and the tokens it made meanwhile follow
+    /// at once.
+    async fn hold_first_token(&mut self, d: Duration) {
+        let until = match &mut self.clock {
+            Clock::Timer { due, .. } => {
+                *due += d;
+                *due
+            }
+            Clock::Steps(_) => Instant::now() + d,
+        };
+        wait_until(until).await;
     }
 
     /// Waits for the last of `n` tokens (none taken yet); false when it will not come.
@@ -157,7 +159,6 @@ impl Engine {
                 clock: Clock::Steps(rx),
                 engine: self,
                 last: None,
-                stall: Duration::ZERO,
                 _running: None,
             };
         }
@@ -176,7 +177,6 @@ impl Engine {
             },
             engine: self,
             last: None,
-            stall: Duration::ZERO,
             _running: Some(running),
         }
     }
@@ -318,13 +318,14 @@ impl Engine {
     }
 
     /// Holds a stalled request's first token back `stall_first_token` past its clock
-    /// (the tokens after it follow it), outside the prefill queue and the batch.
-    pub(super) fn stall_first_token(&self, started: &mut Started<'_>, stalled: bool) {
+    /// (see [`Started::hold_first_token`]), outside the prefill queue.
+    pub(super) async fn stall_first_token(&self, started: &mut Started<'_>, stalled: bool) {
         if !stalled {
             return;
         }
         self.inner.counters.stalled.fetch_add(1, Ordering::Relaxed);
-        started.stall = self.scaled_secs(self.inner.cfg.stall_first_token.as_secs_f64());
+        let d = self.scaled_secs(self.inner.cfg.stall_first_token.as_secs_f64());
+        started.hold_first_token(d).await;
     }
 
     pub(super) fn finish(&self, work: &[PromptWork], n: u64) {

@@ -117,15 +117,17 @@ async fn a_continued_final_message_goes_on_as_the_uninterrupted_answer() {
 #[tokio::test]
 async fn a_stalled_request_waits_for_its_first_token_and_is_counted() {
     let stall = Duration::from_millis(300);
-    let e = start(EngineConfig {
+    // Every request stalls; nothing else takes time.
+    let stalling = |prefill_physics| EngineConfig {
+        prefill_physics,
         ttft_base: Duration::ZERO,
         prefill_per_token: Duration::ZERO,
         itl: Duration::ZERO,
         stall_first_token: stall,
         stall_share: 1.0,
         ..EngineConfig::default()
-    })
-    .await;
+    };
+    let e = start(stalling(engine::Physics::Serial)).await;
     let c = client();
     let body = json!({"model": "m", "max_tokens": 2,
                       "messages": [{"role": "user", "content": "hello"}]});
@@ -146,6 +148,32 @@ async fn a_stalled_request_waits_for_its_first_token_and_is_counted() {
             .metrics_text()
             .contains("sim:stalled_total{engine=\"0\",model_name=\"m\"} 1\n")
     );
+
+    // Streamed, under the timer and the chunked physics: not even the role chunk
+    // comes before the stall (a router waiting for a first byte sees none).
+    for physics in [engine::Physics::Serial, engine::Physics::Chunked] {
+        let e = start(stalling(physics)).await;
+        let mut streamed = body.clone();
+        streamed["stream"] = json!(true);
+        let req = hyper::Request::post(format!("{}/v1/chat/completions", e.url()))
+            .header("content-type", "application/json")
+            .body(http_body_util::Full::new(bytes::Bytes::from(
+                streamed.to_string(),
+            )))
+            .unwrap();
+        let t0 = Instant::now();
+        let resp = c.request(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::OK);
+        let mut body = resp.into_body();
+        let first = http_body_util::BodyExt::frame(&mut body).await;
+        assert!(first.is_some());
+        assert!(
+            t0.elapsed() >= stall,
+            "{physics}: first byte after {:?}",
+            t0.elapsed()
+        );
+        assert_eq!(e.engine().stats().stalled, 1);
+    }
 
     // A share above 1 is refused.
     let bad = EngineConfig {
