@@ -211,6 +211,8 @@ fn spawn_upkeep(config: &Config, parts: &Parts, shutdown: &Shutdown) {
     if let Some(fleet) = &parts.fleet {
         tokio::spawn(Arc::clone(fleet).run(shutdown.clone()));
     }
+    // Memory a burst freed, back to the system.
+    tokio::spawn(crate::allocator::run(pool(), shutdown.clone()));
     // What each worker serves: its GET /v1/models, on join and every refresh; a pool
     // made for a model seen for the first time starts its policy's upkeep then.
     tokio::spawn(crate::pools::refresh::run(
