@@ -87,6 +87,8 @@
 //! trace        W3C traceparent: continued or started, sent upstream; export: one
 //!              span per request to an OTLP collector (batch, off the request path)
 //! clock, shutdown  tokio's clock for state machines; one shutdown signal
+//! allocator    freed memory back to the system after a burst (glibc's malloc_trim
+//!              when the router is quiet again)
 //! ```
 //!
 //! Dependencies point one way: app -> service -> admin | proxy; proxy -> cache ->
