@@ -60,6 +60,7 @@
 //!              (moka) or Redis store, embeddings
 //! fleet        routing state shared by router replicas over Redis (prefix records,
 //!              in-flight shares, bindings, snapshot)
+//! flow         flow control: tenants and priority classes (classify)
 //! redis_link   one bounded Redis connection, replaced after a call on it timed out
 //!              (the cache's store, the fleet's publisher)
 //! discovery    workers found at run time (DNS, Kubernetes EndpointSlices)
@@ -131,6 +132,7 @@ pub mod discovery;
 pub mod error;
 pub mod exposition;
 pub mod fleet;
+pub mod flow;
 pub mod log_format;
 pub mod log_sink;
 pub mod metrics;

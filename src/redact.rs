@@ -63,8 +63,10 @@ pub fn line(s: &str) -> String {
 pub fn is_secret_key(key: &str) -> bool {
     let last = key.rsplit('.').next().unwrap_or(key);
     let last = last.split('[').next().unwrap_or(last);
-    matches!(last, "api_key" | "admin_token" | "password" | "token")
-        || last.ends_with("_token")
+    matches!(
+        last,
+        "api_key" | "admin_token" | "password" | "token" | "secret" | "api_key_sha256"
+    ) || last.ends_with("_token")
         || last.ends_with("_password")
         || last.ends_with("_secret")
 }

@@ -113,6 +113,7 @@ pub fn spawn_on(
             parts.upstream.clone(),
             Arc::clone(&parts.requests),
             parts.cache.clone(),
+            Arc::clone(&parts.flow),
             parts.export.clone(),
         )),
     });

@@ -9,6 +9,7 @@ use http::HeaderValue;
 use crate::cache::ResponseCache;
 use crate::config::Config;
 use crate::fleet::Fleet;
+use crate::flow::Flow;
 use crate::metrics::Metrics;
 use crate::policy::{self, Policy, Routes};
 use crate::pools::Pools;
@@ -40,6 +41,8 @@ pub struct Parts {
     pub cache: Option<Arc<ResponseCache>>,
     /// One span per request to an OTLP collector (`tracing.otlp_endpoint`).
     pub export: Option<Arc<Exporter>>,
+    /// Flow control (`tenants:`, `priority:`).
+    pub flow: Arc<Flow>,
 }
 
 impl Parts {
@@ -103,6 +106,7 @@ impl Parts {
             reloads,
             cache,
             export,
+            flow: Arc::new(Flow::new(config)),
         }
     }
 }

@@ -43,6 +43,7 @@ mod pd;
 mod policy;
 mod precise;
 mod prefix_hash;
+mod priority;
 mod proxy;
 mod response_cache;
 mod secret;
@@ -50,6 +51,7 @@ mod server;
 mod session;
 pub mod source;
 mod state;
+mod tenants;
 mod tls;
 mod trace;
 mod worker_url;
@@ -78,12 +80,14 @@ pub use precise::{
     PreciseConfig, TierWeights, TokenizerSetting,
 };
 pub use prefix_hash::PrefixHashConfig;
+pub use priority::{DEFAULT_CLASSES, MAX_CLASSES, PriorityConfig};
 pub use proxy::{ProxyConfig, QueueConfig, RemoteMediaPolicy};
 pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticConfig};
 pub use secret::Secret;
 pub use server::{AdminListen, ServerConfig};
 pub use session::{SessionConfig, SessionMode};
 pub use state::StateConfig;
+pub use tenants::{DEFAULT_TENANT, OTHER_TENANT, TenantConfig, TenantsConfig};
 pub use tls::TlsSetting;
 pub use trace::TracingConfig;
 pub use worker_url::WorkerUrl;
@@ -125,6 +129,10 @@ pub struct Config {
     pub migration: MigrationConfig,
     /// A late first token asked of a second worker too (`hedge:`).
     pub hedge: HedgeConfig,
+    /// Who a request is (`tenants:`; flow control).
+    pub tenants: TenantsConfig,
+    /// Priority classes (`priority:`; flow control).
+    pub priority: PriorityConfig,
 }
 
 // Raw (serde) schema of the whole file: every section's raw form, each key optional so
@@ -174,6 +182,8 @@ struct RawConfig {
     migration: migration::RawMigration,
     #[serde(default)]
     hedge: hedge::RawHedge,
+    tenants: Option<tenants::RawTenants>,
+    priority: Option<priority::RawPriority>,
 }
 
 impl RawConfig {
@@ -200,6 +210,10 @@ impl RawConfig {
         let engine_metrics = self.engine_metrics.validate(policy, ck)?;
         lmcache::check_workers(policy, workers.iter().map(|w| w.lmcache.as_ref()), ck)?;
         pd::check_workers(workers.iter(), ck)?;
+        let priority = self.priority.map(|p| (p, true)).unwrap_or_default();
+        let priority = priority.0.validate(ck, priority.1)?;
+        let tenants = self.tenants.map(|t| (t, true)).unwrap_or_default();
+        let tenants = tenants.0.validate(ck, tenants.1, &priority)?;
         Ok(Config {
             policy,
             server,
@@ -224,6 +238,8 @@ impl RawConfig {
             pd: self.pd.validate(ck, policy)?,
             migration: self.migration.validate(ck)?,
             hedge: self.hedge.validate(ck)?,
+            tenants,
+            priority,
         })
     }
 }
@@ -390,6 +406,8 @@ impl Config {
             changed(&a.pd, &b.pd),
             changed(&a.migration, &b.migration),
             changed(&a.hedge, &b.hedge),
+            changed(&a.tenants, &b.tenants),
+            changed(&a.priority, &b.priority),
         ]
         .into_iter()
         .flatten()

@@ -17,6 +17,7 @@
 //! migrate     stream continuation: a stream whose worker breaks after its first byte
 //!             continues on another worker (the relay of its events, the continuation's
 //!             body, pick and send); a worker's drain ending moves its streams too
+//! flow        flow control's reading of a request (its ticket) and the body rewrite
 //! pd          a disaggregated pool's request: decode pick, bypass, prefill leg, the
 //!             hand-off relayed to the decode leg (which goes through forward)
 //! metrics     the request path's families in `/metrics` (RequestMetrics)
@@ -33,6 +34,7 @@
 mod access_log;
 mod adapters;
 pub mod body;
+mod flow;
 mod forward;
 pub mod headers;
 mod hedge;
@@ -57,6 +59,7 @@ pub use serve::Call;
 
 use crate::cache::ResponseCache;
 use crate::config::Config;
+use crate::flow::Flow;
 use crate::policy::{Routes, RoutesTable};
 use crate::pools::pool::WorkerSet;
 use crate::trace::export::Exporter;
@@ -74,6 +77,8 @@ pub struct Router {
     metrics: Arc<RequestMetrics>,
     /// `response_cache:` when enabled.
     cache: Option<Arc<ResponseCache>>,
+    /// Flow control: tenants, classes (`tenants:`, `priority:`).
+    flow: Arc<Flow>,
     /// LoRA adapter loads onto workers (`adapters.load_on_demand`).
     loads: adapters::Loads,
     /// Worker label of answers the router gave itself.
@@ -95,10 +100,12 @@ impl Router {
         client: Upstream,
         metrics: Arc<RequestMetrics>,
         cache: Option<Arc<ResponseCache>>,
+        flow: Arc<Flow>,
         export: Option<Arc<Exporter>>,
     ) -> Self {
         Router {
             hedging: hedge::Hedging::new(&config.hedge),
+            flow,
             export,
             client,
             pools,

@@ -131,6 +131,8 @@ impl Router {
                 StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
             ));
         }
+        // Flow control's ticket (tenant, class), and the body as it is forwarded.
+        let (_ticket, body) = self.classify(&parts.headers, body);
         // A call on a stored response goes where the response is.
         let table = self.table();
         if endpoint.is_none() && responses::response_id_in_path(parts.uri.path()).is_some() {

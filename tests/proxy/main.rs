@@ -9,6 +9,7 @@
 #[path = "../common/mod.rs"]
 mod common;
 mod drain;
+mod flow;
 mod hedge;
 mod http;
 mod in_flight;

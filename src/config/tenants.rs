@@ -1,0 +1,200 @@
+//! `tenants:` — who a request is (see `crate::flow`): named by a header, or by the
+//! caller's API key (kept here only as SHA-256 hashes), else `default`.
+
+use std::collections::BTreeMap;
+
+use serde::Deserialize;
+
+use super::check::{Checker, ConfigError};
+use super::difference::Section;
+use super::priority::{PriorityConfig, is_label};
+
+/// The tenant of a request that names none.
+pub const DEFAULT_TENANT: &str = "default";
+/// The one label (and queue) of every tenant name the list does not hold.
+pub const OTHER_TENANT: &str = "other";
+
+/// `tenants:` — see the module docs.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantsConfig {
+    /// Whether the section is written at all (see [`PriorityConfig::enabled`]).
+    pub enabled: bool,
+    /// The header a request names its tenant in (default `x-tenant-id`).
+    pub header: http::HeaderName,
+    /// The listed tenants, by name (sorted).
+    pub list: Vec<TenantConfig>,
+}
+
+/// One entry of `tenants.list`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TenantConfig {
+    pub name: String,
+    /// SHA-256 digests of the API keys that name this tenant (`Authorization: Bearer
+    /// KEY` or `x-api-key: KEY`). A tenant with keys is named by a key only, never by
+    /// the header.
+    pub api_key_sha256: Vec<[u8; 32]>,
+    /// Index of the most urgent class its requests may have (default the first).
+    pub max_class: usize,
+}
+
+impl Default for TenantsConfig {
+    fn default() -> Self {
+        TenantsConfig {
+            enabled: false,
+            header: http::HeaderName::from_static("x-tenant-id"),
+            list: Vec::new(),
+        }
+    }
+}
+
+impl Section for TenantsConfig {
+    const KEY: &'static str = "tenants";
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
+pub(super) struct RawTenants {
+    header: Option<String>,
+    list: Option<BTreeMap<String, RawTenant>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
+struct RawTenant {
+    api_key_sha256: Option<Vec<String>>,
+    max_class: Option<String>,
+}
+
+/// A SHA-256 digest written as 64 hex digits.
+fn digest(hex: &str) -> Option<[u8; 32]> {
+    let hex = hex.as_bytes();
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (o, pair) in out.iter_mut().zip(hex.chunks(2)) {
+        let s = std::str::from_utf8(pair).ok()?;
+        *o = u8::from_str_radix(s, 16).ok()?;
+    }
+    Some(out)
+}
+
+impl RawTenants {
+    /// `written`: whether the files have a `tenants:` key; `priority`: the classes a
+    /// `max_class` names.
+    pub(super) fn validate(
+        self,
+        ck: &Checker<'_>,
+        written: bool,
+        priority: &PriorityConfig,
+    ) -> Result<TenantsConfig, ConfigError> {
+        let d = TenantsConfig::default();
+        let header = match self.header {
+            None => d.header,
+            Some(h) => http::HeaderName::from_bytes(h.as_bytes())
+                .map_err(|_| ck.bad("tenants.header", &h, "is not an HTTP header name"))?,
+        };
+        let mut list = Vec::new();
+        let mut keys: BTreeMap<[u8; 32], String> = BTreeMap::new();
+        for (name, raw) in self.list.unwrap_or_default() {
+            let at = format!("tenants.list.{name}");
+            if !is_label(&name) {
+                return Err(ck.err(
+                    &at,
+                    format!("`{name}` is not a tenant name (1 to 64 of A-Z a-z 0-9 _ - .)"),
+                ));
+            }
+            let mut api_key_sha256 = Vec::new();
+            for (i, hex) in raw.api_key_sha256.unwrap_or_default().iter().enumerate() {
+                let key = format!("{at}.api_key_sha256[{i}]");
+                let Some(d) = digest(&hex.to_ascii_lowercase()) else {
+                    return Err(ck.err(
+                        &key,
+                        "is not a SHA-256 digest (64 hex digits: `printf %s KEY | sha256sum`)",
+                    ));
+                };
+                if let Some(other) = keys.insert(d, name.clone()) {
+                    return Err(ck.err(&key, format!("is also a key of tenant `{other}`")));
+                }
+                api_key_sha256.push(d);
+            }
+            let max_class = match raw.max_class {
+                None => 0,
+                Some(c) => priority.class(&c).ok_or_else(|| {
+                    ck.bad(
+                        &format!("{at}.max_class"),
+                        &c,
+                        format!(
+                            "is not one of priority.classes ({})",
+                            priority.classes.join(", ")
+                        ),
+                    )
+                })?,
+            };
+            list.push(TenantConfig {
+                name,
+                api_key_sha256,
+                max_class,
+            });
+        }
+        Ok(TenantsConfig {
+            enabled: written,
+            header,
+            list,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::testing::{ONE, err, load};
+
+    const KEY_A: &str = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08";
+
+    #[test]
+    fn defaults_and_refusals() {
+        let c = load(&[("a", ONE)]).unwrap();
+        assert_eq!(c.tenants, TenantsConfig::default());
+        let c = load(&[
+            ("a", ONE),
+            (
+                "b",
+                &format!(
+                    "tenants: {{header: X-Team, list: {{acme: {{api_key_sha256: [\"{}\"], max_class: standard}}, beta: {{}}}}}}\n",
+                    KEY_A.to_uppercase()
+                ),
+            ),
+        ])
+        .unwrap();
+        let t = &c.tenants;
+        assert!(t.enabled);
+        assert_eq!(t.header, "x-team");
+        assert_eq!(t.list.len(), 2);
+        assert_eq!((t.list[0].name.as_str(), t.list[0].max_class), ("acme", 2));
+        assert_eq!(t.list[0].api_key_sha256[0][0], 0x9f);
+        assert_eq!(t.list[1].max_class, 0);
+        for (over, key) in [
+            ("tenants: {header: \"a b\"}\n", "tenants.header"),
+            ("tenants: {list: {\"a b\": {}}}\n", "tenants.list.a b"),
+            (
+                "tenants: {list: {a: {api_key_sha256: [abc]}}}\n",
+                "tenants.list.a.api_key_sha256[0]",
+            ),
+            (
+                &format!(
+                    "tenants: {{list: {{a: {{api_key_sha256: [\"{KEY_A}\"]}}, b: {{api_key_sha256: [\"{KEY_A}\"]}}}}}}\n"
+                ),
+                "tenants.list.b.api_key_sha256[0]",
+            ),
+            (
+                "tenants: {list: {a: {max_class: gold}}}\n",
+                "tenants.list.a.max_class",
+            ),
+            ("tenants: {lists: {}}\n", "lists"),
+        ] {
+            let e = err(&[("a.yaml", ONE), ("b.yaml", over)]);
+            assert!(e.contains("b.yaml") && e.contains(key), "{over}: {e}");
+        }
+    }
+}
