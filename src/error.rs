@@ -87,6 +87,24 @@ pub enum ProxyError {
         "every usable worker is at max_load and the queue is full ({max} waiting, proxy.queue.max_waiting); retry later"
     )]
     QueueFull { max: usize },
+    /// Flow control turned the request away (429 + `Retry-After`): the queue had no room
+    /// for its class, its wait ran out, or a more urgent request took its place. `kind`
+    /// is the body's `type`; `limit` names the setting and its value.
+    #[error("{why} (class `{class}`; {limit}); retry later")]
+    Shed {
+        class: std::sync::Arc<str>,
+        why: String,
+        limit: String,
+        kind: &'static str,
+        /// Seconds, for `Retry-After`.
+        retry_after: u64,
+    },
+    /// A more urgent request pre-empted this one before its worker answered, with
+    /// `priority.on_preempt: error` (503 + `x-preempted: true`).
+    #[error(
+        "a more urgent request pre-empted this one before its worker answered (priority.preempt, priority.on_preempt: error); retry later"
+    )]
+    Preempted,
     /// The chosen worker could not be connected to (503; another worker is tried while
     /// one is left, so the client sees this only when none could be).
     #[error("could not connect to the worker")]
@@ -175,7 +193,9 @@ impl ProxyError {
             ProxyError::NoWorker(_)
             | ProxyError::Unreachable(_)
             | ProxyError::QueueTimeout { .. }
-            | ProxyError::QueueFull { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            | ProxyError::QueueFull { .. }
+            | ProxyError::Preempted => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::Shed { .. } => StatusCode::TOO_MANY_REQUESTS,
             ProxyError::RemoteMedia(s) => *s,
             ProxyError::Upstream(_) | ProxyError::AdapterLoad { .. } => StatusCode::BAD_GATEWAY,
             ProxyError::PrefillFailed { status, .. } => *status,
@@ -203,6 +223,8 @@ impl ProxyError {
             ProxyError::NoWorker(_) | ProxyError::Unreachable(_) => "no_worker_available",
             ProxyError::QueueTimeout { .. } => "queue_timeout",
             ProxyError::QueueFull { .. } => "queue_full",
+            ProxyError::Shed { kind, .. } => kind,
+            ProxyError::Preempted => "preempted",
             ProxyError::RemoteMedia(_) => "remote_media_rejected",
             ProxyError::Upstream(_) => "upstream_error",
             ProxyError::AdapterLoad { .. } => "adapter_load_failed",
@@ -217,8 +239,9 @@ impl ProxyError {
 
     /// The JSON error response, the one shape of every error the router answers: the
     /// message is the error and its causes ([`Chain`]), credentials redacted. A 503
-    /// carries `Retry-After: 1`; a 408 closes the connection (the rest of the body is
-    /// never read).
+    /// carries `Retry-After: 1`, a shed request's 429 its own `Retry-After`, a
+    /// pre-empted request's 503 `x-preempted: true`; a 408 closes the connection (the
+    /// rest of the body is never read).
     pub fn into_response(self) -> Response<ProxyBody> {
         let status = self.status();
         let mut body = serde_json::json!({
@@ -241,6 +264,16 @@ impl ProxyError {
         if status == StatusCode::SERVICE_UNAVAILABLE {
             resp.headers_mut()
                 .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        if let ProxyError::Shed { retry_after, .. } = &self {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(*retry_after));
+        }
+        if matches!(self, ProxyError::Preempted) {
+            resp.headers_mut().insert(
+                http::HeaderName::from_static("x-preempted"),
+                HeaderValue::from_static("true"),
+            );
         }
         if status == StatusCode::REQUEST_TIMEOUT {
             resp.headers_mut()

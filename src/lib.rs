@@ -60,7 +60,9 @@
 //!              (moka) or Redis store, embeddings
 //! fleet        routing state shared by router replicas over Redis (prefix records,
 //!              in-flight shares, bindings, snapshot)
-//! flow         flow control: tenants and priority classes (classify)
+//! flow         flow control: tenants and priority classes (classify), the admission
+//!              queue (one queue per class and tenant: strict order, deficit round
+//!              robin in tokens), priority.reserve, pre-emption
 //! redis_link   one bounded Redis connection, replaced after a call on it timed out
 //!              (the cache's store, the fleet's publisher)
 //! discovery    workers found at run time (DNS, Kubernetes EndpointSlices)
@@ -93,7 +95,8 @@
 //! ```
 //!
 //! Dependencies point one way: app -> service -> admin | proxy; proxy -> cache ->
-//! upstream, proxy -> upstream -> pools, proxy -> trace, proxy -> policy -> fleet ->
+//! upstream, proxy -> upstream -> pools, proxy -> trace, proxy -> flow -> pools,
+//! proxy -> policy -> fleet ->
 //! pools/tree (the table of pools is generic over the policy, so it sits below it);
 //! simulate -> policy, never the proxy; admin reads the pools' policies' views and the
 //! workers, never the proxy; health, reload, discovery and the KV-event supervisor use

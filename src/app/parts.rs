@@ -80,6 +80,7 @@ impl Parts {
         let default_policy = pools.table().everyone().pool.policy().name();
         let requests = RequestMetrics::register(&mut metrics, &pool, default_policy);
         let reloads = ReloadMetrics::register(&mut metrics);
+        let flow = Arc::new(Flow::new(config, &pool, &mut metrics));
         // Every pool's policy's views' families, read from the table at each scrape
         // (pools made later included), and the table's own.
         metrics.register_text(Arc::new(policy::view::PoolViews(Arc::clone(&pools))));
@@ -106,7 +107,7 @@ impl Parts {
             reloads,
             cache,
             export,
-            flow: Arc::new(Flow::new(config)),
+            flow,
         }
     }
 }

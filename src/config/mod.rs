@@ -80,8 +80,8 @@ pub use precise::{
     PreciseConfig, TierWeights, TokenizerSetting,
 };
 pub use prefix_hash::PrefixHashConfig;
-pub use priority::{DEFAULT_CLASSES, MAX_CLASSES, PriorityConfig};
-pub use proxy::{ProxyConfig, QueueConfig, RemoteMediaPolicy};
+pub use priority::{DEFAULT_CLASSES, MAX_CLASSES, OnPreempt, PriorityConfig};
+pub use proxy::{ClassQueueConfig, ProxyConfig, QueueConfig, RemoteMediaPolicy};
 pub use response_cache::{ALL_ENDPOINTS, RedisUrl, ResponseCacheConfig, SemanticConfig};
 pub use secret::Secret;
 pub use server::{AdminListen, ServerConfig};
@@ -214,6 +214,7 @@ impl RawConfig {
         let priority = priority.0.validate(ck, priority.1)?;
         let tenants = self.tenants.map(|t| (t, true)).unwrap_or_default();
         let tenants = tenants.0.validate(ck, tenants.1, &priority)?;
+        check_flow(&proxy, &priority, &tenants, ck)?;
         Ok(Config {
             policy,
             server,
@@ -242,6 +243,40 @@ impl RawConfig {
             priority,
         })
     }
+}
+
+/// The checks across `proxy.queue` and flow control's sections.
+fn check_flow(
+    proxy: &ProxyConfig,
+    priority: &PriorityConfig,
+    tenants: &TenantsConfig,
+    ck: &Checker<'_>,
+) -> Result<(), ConfigError> {
+    let on = priority.enabled || tenants.enabled;
+    for (class, _) in &proxy.queue.per_class {
+        if !on {
+            return Err(ck.err(
+                "proxy.queue.per_class",
+                "needs flow control: write a priority: section (priority: {} for the default classes)",
+            ));
+        }
+        if priority.class(class).is_none() {
+            return Err(ck.err(
+                &format!("proxy.queue.per_class.{class}"),
+                format!(
+                    "names no class of priority.classes ({})",
+                    priority.classes.join(", ")
+                ),
+            ));
+        }
+    }
+    if priority.preempt && proxy.queue.max_waiting == 0 {
+        return Err(ck.err(
+            "priority.preempt",
+            "needs the admission queue (proxy.queue.max_waiting > 0): a pre-empting request waits there for the slot it freed",
+        ));
+    }
+    Ok(())
 }
 
 /// Merges `over` into `base`: mappings key by key (recursively), anything else replaces.

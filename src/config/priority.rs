@@ -3,7 +3,7 @@
 
 use serde::Deserialize;
 
-use super::check::{Checker, ConfigError};
+use super::check::{Checker, ConfigError, named};
 use super::difference::Section;
 
 /// The classes when `priority.classes` is not written.
@@ -30,7 +30,29 @@ pub struct PriorityConfig {
     /// vLLM's `priority` (its engine's `--scheduling-policy priority` then orders its
     /// own queue the same way). Default false.
     pub engine_priority: bool,
+    /// `priority.reserve`: per class (by index), the share of the workers' slots
+    /// (`max_load`) held for it: no other class takes the part of its share it does
+    /// not use. Each 0 to 1, together under 1; default none.
+    pub reserve: Vec<f64>,
+    /// `priority.preempt`: a request of the first class that finds no slot may cancel
+    /// one of the last class that has not yet had its worker's answer (default false).
+    pub preempt: bool,
+    /// `priority.on_preempt`: what the cancelled request gets.
+    pub on_preempt: OnPreempt,
 }
+
+/// `priority.on_preempt`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum OnPreempt {
+    /// Back to the head of its queue, to be sent again (the default; at most three
+    /// times, then as `error`).
+    #[default]
+    Requeue,
+    /// 503 with `x-preempted: true` and `Retry-After`.
+    Error,
+}
+
+named!(OnPreempt { "requeue" => OnPreempt::Requeue, "error" => OnPreempt::Error });
 
 impl Default for PriorityConfig {
     fn default() -> Self {
@@ -40,6 +62,9 @@ impl Default for PriorityConfig {
             classes: DEFAULT_CLASSES.iter().map(|c| c.to_string()).collect(),
             default: 2,
             engine_priority: false,
+            reserve: vec![0.0; 4],
+            preempt: false,
+            on_preempt: OnPreempt::Requeue,
         }
     }
 }
@@ -77,6 +102,9 @@ pub(super) struct RawPriority {
     classes: Option<Vec<String>>,
     default: Option<String>,
     engine_priority: Option<bool>,
+    reserve: Option<std::collections::BTreeMap<String, f64>>,
+    preempt: Option<bool>,
+    on_preempt: Option<OnPreempt>,
 }
 
 /// Whether `name` may name a class or a tenant: 1 to 64 of `A-Z a-z 0-9 _ - .` (it
@@ -140,12 +168,42 @@ impl RawPriority {
                     )
                 })?,
         };
+        let mut reserve = vec![0.0; classes.len()];
+        for (name, share) in self.reserve.unwrap_or_default() {
+            let key = format!("priority.reserve.{name}");
+            let Some(c) = classes.iter().position(|c| *c == name) else {
+                return Err(ck.err(
+                    &key,
+                    format!(
+                        "names no class of priority.classes ({})",
+                        classes.join(", ")
+                    ),
+                ));
+            };
+            if !(0.0..1.0).contains(&share) {
+                return Err(ck.bad(
+                    &key,
+                    share,
+                    "is out of range (a share of the slots, 0 to under 1)",
+                ));
+            }
+            reserve[c] = share;
+        }
+        if reserve.iter().sum::<f64>() >= 1.0 {
+            return Err(ck.err(
+                "priority.reserve",
+                "holds all the slots or more: the shares must add up to under 1",
+            ));
+        }
         Ok(PriorityConfig {
             enabled: written,
             header,
             classes,
             default,
             engine_priority: self.engine_priority.unwrap_or(d.engine_priority),
+            reserve,
+            preempt: self.preempt.unwrap_or(d.preempt),
+            on_preempt: self.on_preempt.unwrap_or(d.on_preempt),
         })
     }
 }
@@ -179,6 +237,20 @@ mod tests {
             ("priority: {classes: [a, a]}\n", "priority.classes[1]"),
             ("priority: {default: urgent}\n", "priority.default"),
             ("priority: {classes: [gold, silver]}\n", "priority.default"),
+            (
+                "priority: {reserve: {gold: 0.1}}\n",
+                "priority.reserve.gold",
+            ),
+            (
+                "priority: {reserve: {batch: 1.5}}\n",
+                "priority.reserve.batch",
+            ),
+            (
+                "priority: {reserve: {batch: 0.5, critical: 0.5}}\n",
+                "priority.reserve",
+            ),
+            ("priority: {on_preempt: drop}\n", "priority.on_preempt"),
+            ("priority: {preempt: true}\n", "priority.preempt"),
         ] {
             let e = err(&[("a.yaml", ONE), ("b.yaml", over)]);
             assert!(e.contains("b.yaml") && e.contains(key), "{over}: {e}");

@@ -69,12 +69,25 @@ pub struct ProxyConfig {
     pub drain: Duration,
 }
 
-/// `proxy.queue: {max_waiting, timeout_ms}`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// `proxy.queue: {max_waiting, timeout_ms, per_class}`.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueueConfig {
-    /// Requests that may wait at once (default 0 = off: a full pool answers 503 at once).
+    /// Requests that may wait at once, all classes together (default 0 = off: a full
+    /// pool answers at once).
     pub max_waiting: usize,
-    /// Longest a request waits for a slot (default 1000 ms), then 503.
+    /// Longest a request waits for a slot (default 1000 ms), then 503 (429 with flow
+    /// control on).
+    pub timeout: Duration,
+    /// `proxy.queue.per_class`: bounds of one priority class each (its name, as
+    /// written; checked against `priority.classes`), over the two above.
+    pub per_class: Vec<(String, ClassQueueConfig)>,
+}
+
+/// `proxy.queue.per_class.CLASS: {max_waiting, timeout_ms}`: each unset is the
+/// queue's own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClassQueueConfig {
+    pub max_waiting: usize,
     pub timeout: Duration,
 }
 
@@ -92,6 +105,7 @@ impl Default for QueueConfig {
         QueueConfig {
             max_waiting: 0,
             timeout: Duration::from_millis(1000),
+            per_class: Vec::new(),
         }
     }
 }
@@ -127,6 +141,30 @@ pub(super) struct RawProxy {
 struct RawQueue {
     max_waiting: Option<u64>,
     timeout_ms: Option<u64>,
+    per_class: Option<std::collections::BTreeMap<String, RawClassQueue>>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
+struct RawClassQueue {
+    max_waiting: Option<u64>,
+    timeout_ms: Option<u64>,
+}
+
+/// `proxy.queue.max_waiting` at `key`: 0 to 1,000,000.
+fn max_waiting(ck: &Checker<'_>, key: &str, v: u64) -> Result<usize, ConfigError> {
+    if v > 1_000_000 {
+        return Err(ck.bad(key, v, "is out of range (requests, 0 = off, to 1,000,000)"));
+    }
+    Ok(v as usize)
+}
+
+/// `proxy.queue.timeout_ms` at `key`: 1 to 600,000.
+fn timeout_ms(ck: &Checker<'_>, key: &str, v: u64) -> Result<Duration, ConfigError> {
+    if !(1..=600_000).contains(&v) {
+        return Err(ck.bad(key, v, "is out of range (milliseconds, 1 to 600000)"));
+    }
+    Ok(Duration::from_millis(v))
 }
 
 impl RawProxy {
@@ -257,25 +295,29 @@ fn remote_media(v: Option<Value>, ck: &Checker<'_>) -> Result<RemoteMediaPolicy,
 impl RawQueue {
     fn validate(self, ck: &Checker<'_>) -> Result<QueueConfig, ConfigError> {
         let d = QueueConfig::default();
-        let max_waiting = self.max_waiting.unwrap_or(d.max_waiting as u64);
-        if max_waiting > 1_000_000 {
-            return Err(ck.bad(
-                "proxy.queue.max_waiting",
-                max_waiting,
-                "is out of range (requests, 0 = off, to 1,000,000)",
-            ));
-        }
-        let timeout_ms = self.timeout_ms.unwrap_or(d.timeout.as_millis() as u64);
-        if !(1..=600_000).contains(&timeout_ms) {
-            return Err(ck.bad(
-                "proxy.queue.timeout_ms",
-                timeout_ms,
-                "is out of range (milliseconds, 1 to 600000)",
-            ));
+        let max = self.max_waiting.unwrap_or(d.max_waiting as u64);
+        let max = max_waiting(ck, "proxy.queue.max_waiting", max)?;
+        let ms = self.timeout_ms.unwrap_or(d.timeout.as_millis() as u64);
+        let timeout = timeout_ms(ck, "proxy.queue.timeout_ms", ms)?;
+        let mut per_class = Vec::new();
+        for (class, raw) in self.per_class.unwrap_or_default() {
+            let at = format!("proxy.queue.per_class.{class}");
+            let bound = ClassQueueConfig {
+                max_waiting: match raw.max_waiting {
+                    Some(v) => max_waiting(ck, &format!("{at}.max_waiting"), v)?,
+                    None => max,
+                },
+                timeout: match raw.timeout_ms {
+                    Some(v) => timeout_ms(ck, &format!("{at}.timeout_ms"), v)?,
+                    None => timeout,
+                },
+            };
+            per_class.push((class, bound));
         }
         Ok(QueueConfig {
-            max_waiting: max_waiting as usize,
-            timeout: Duration::from_millis(timeout_ms),
+            max_waiting: max,
+            timeout,
+            per_class,
         })
     }
 }
@@ -292,7 +334,10 @@ mod tests {
             (p.max_retries, p.initial_backoff, p.retryable_statuses),
             (2, Duration::from_millis(50), vec![502, 503, 504])
         );
-        assert_eq!((p.attempt_timeout, p.queue), (None, QueueConfig::default()));
+        assert_eq!(
+            (p.attempt_timeout, &p.queue),
+            (None, &QueueConfig::default())
+        );
         assert_eq!(p.remote_media_url_policy, RemoteMediaPolicy::Allow);
         let p = load(&[("a", ONE), ("b", "proxy: {remote_media_url_policy: 415}\n")])
             .unwrap()
@@ -314,6 +359,18 @@ mod tests {
             (
                 "proxy: {queue: {timeout_ms: 0}}\n",
                 "proxy.queue.timeout_ms",
+            ),
+            (
+                "proxy: {queue: {per_class: {batch: {timeout_ms: 0}}}}\n",
+                "proxy.queue.per_class.batch.timeout_ms",
+            ),
+            (
+                "priority: {}\nproxy: {queue: {max_waiting: 4, per_class: {gold: {}}}}\n",
+                "proxy.queue.per_class.gold",
+            ),
+            (
+                "proxy: {queue: {max_waiting: 4, per_class: {batch: {}}}}\n",
+                "proxy.queue.per_class",
             ),
             (
                 "proxy: {request_timeout_secs: 5, attempt_timeout_secs: 6}\n",

@@ -35,6 +35,9 @@ pub struct TenantConfig {
     pub api_key_sha256: Vec<[u8; 32]>,
     /// Index of the most urgent class its requests may have (default the first).
     pub max_class: usize,
+    /// Its share of a class's slots against the other tenants waiting in it, in prompt
+    /// tokens (1 to 1000, default 1).
+    pub weight: u32,
 }
 
 impl Default for TenantsConfig {
@@ -63,6 +66,7 @@ pub(super) struct RawTenants {
 struct RawTenant {
     api_key_sha256: Option<Vec<String>>,
     max_class: Option<String>,
+    weight: Option<u32>,
 }
 
 /// A SHA-256 digest written as 64 hex digits.
@@ -131,10 +135,19 @@ impl RawTenants {
                     )
                 })?,
             };
+            let weight = raw.weight.unwrap_or(1);
+            if !(1..=1000).contains(&weight) {
+                return Err(ck.bad(
+                    &format!("{at}.weight"),
+                    weight,
+                    "is out of range (1 to 1000)",
+                ));
+            }
             list.push(TenantConfig {
                 name,
                 api_key_sha256,
                 max_class,
+                weight,
             });
         }
         Ok(TenantsConfig {
@@ -192,6 +205,10 @@ mod tests {
                 "tenants.list.a.max_class",
             ),
             ("tenants: {lists: {}}\n", "lists"),
+            (
+                "tenants: {list: {a: {weight: 0}}}\n",
+                "tenants.list.a.weight",
+            ),
         ] {
             let e = err(&[("a.yaml", ONE), ("b.yaml", over)]);
             assert!(e.contains("b.yaml") && e.contains(key), "{over}: {e}");

@@ -27,6 +27,8 @@ struct Tenant {
     max_class: u8,
     /// Named by an API key only (it has keys): a header naming it is not believed.
     keyed: bool,
+    /// `weight` (its share within a class).
+    weight: u32,
 }
 
 /// Resolves requests to [`Ticket`]s (see the module docs).
@@ -54,6 +56,7 @@ impl Classifier {
                 name: Arc::from(t.name.as_str()),
                 max_class: t.max_class as u8,
                 keyed: !t.api_key_sha256.is_empty(),
+                weight: t.weight,
             })
             .collect();
         for name in [DEFAULT_TENANT, OTHER_TENANT] {
@@ -62,6 +65,7 @@ impl Classifier {
                     name: Arc::from(name),
                     max_class: 0,
                     keyed: false,
+                    weight: 1,
                 });
             }
         }
@@ -158,6 +162,11 @@ impl Classifier {
 
     pub fn classes(&self) -> usize {
         self.classes.len()
+    }
+
+    /// Each tenant's `weight`, by index.
+    pub fn weights(&self) -> Vec<u32> {
+        self.tenants.iter().map(|t| t.weight).collect()
     }
 
     /// The ticket of a request no header names: `default` tenant, default class.

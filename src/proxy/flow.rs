@@ -9,7 +9,8 @@ use bytes::{Bytes, BytesMut};
 use http::HeaderMap;
 
 use super::Router;
-use crate::flow::Ticket;
+use crate::error::ProxyError;
+use crate::flow::{Refusal, Ticket};
 
 /// The top-level members of a request body that flow control reads.
 #[derive(Debug, Default)]
@@ -50,6 +51,63 @@ impl Router {
         let value = c.engine_priority(ticket.class).to_string();
         let body = with_member(&body, "priority", members.priority_at, &value);
         (ticket, body)
+    }
+}
+
+impl Router {
+    /// What the client is told when the queue refuses it: with flow control off, 503
+    /// `queue_full` or `queue_timeout` (as before classes existed); on, 429 naming its
+    /// class and the limit, never a 5xx.
+    pub(super) fn refused(&self, ticket: Ticket, r: Refusal) -> ProxyError {
+        let rule = self.flow.admission().rule(ticket.class);
+        let Some(c) = self.flow.classifier() else {
+            return match r {
+                Refusal::Timeout { .. } => ProxyError::QueueTimeout {
+                    ms: rule.timeout.as_millis() as u64,
+                },
+                Refusal::Full { max, .. } | Refusal::ClassFull { max } => {
+                    ProxyError::QueueFull { max }
+                }
+            };
+        };
+        let class = std::sync::Arc::clone(c.class_name(ticket.class));
+        let own = |key: &str| match rule.own {
+            true => format!("proxy.queue.per_class.{class}.{key}"),
+            false => format!("proxy.queue.{key}"),
+        };
+        let (why, limit, kind) = match r {
+            Refusal::Full {
+                max,
+                evicted: false,
+            } => (
+                "the admission queue is full and no less urgent request waits in it".to_string(),
+                format!("proxy.queue.max_waiting: {max}"),
+                "queue_full",
+            ),
+            Refusal::Full { max, evicted: true } => (
+                "a more urgent request took this one's place in the full admission queue"
+                    .to_string(),
+                format!("proxy.queue.max_waiting: {max}"),
+                "queue_full",
+            ),
+            Refusal::ClassFull { max } => (
+                "its class's queue is full".to_string(),
+                format!("{}: {max}", own("max_waiting")),
+                "class_queue_full",
+            ),
+            Refusal::Timeout { waited } => (
+                format!("no worker's slot freed for it in {} ms", waited.as_millis()),
+                format!("{}: {}", own("timeout_ms"), rule.timeout.as_millis()),
+                "queue_timeout",
+            ),
+        };
+        ProxyError::Shed {
+            class,
+            why,
+            limit,
+            kind,
+            retry_after: 1,
+        }
     }
 }
 

@@ -1,9 +1,13 @@
 //! Forward: the attempt loop of one routed request. Each attempt picks a worker not yet
 //! tried (the policy's decision and an in-flight slot), sends the request, and tells the
 //! breaker and the policy how it went; [`super::retry`] says whether another worker
-//! takes it. The answer that ends the loop goes to [`Router::respond`].
+//! takes it. The answer that ends the loop goes to [`Router::respond`]. The first
+//! attempt goes through admission (`crate::flow`): it may wait in the queue, and with
+//! `priority.preempt` a request of the last class may be cancelled while it waits for
+//! its worker's answer, then sent again.
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -15,6 +19,7 @@ use super::{ProxyBody, Router};
 use crate::cache::Pending;
 use crate::config::Role;
 use crate::error::ProxyError;
+use crate::flow::{Ticket, Wake, queue::State};
 use crate::policy::{self, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::pools::ModelPool;
 use crate::pools::pool::breaker::Outcome as BreakerOutcome;
@@ -40,12 +45,20 @@ pub(super) struct Route<'a> {
     pub pd: Option<super::pd::trail::Trail>,
     /// A streamed answer's continuation plan (see [`super::migrate`]).
     pub resume: Option<super::migrate::Resume>,
+    /// Its tenant and class (flow control; one ticket for every request when off).
+    pub ticket: Ticket,
+    /// How many times it was pre-empted (`priority.preempt`).
+    pub preempted: AtomicU8,
 }
 
 impl<'a> Route<'a> {
     /// A request routed without a prompt (`/v1/models`, a tunnel, a stored response's
     /// calls): the policy's least-loaded choice, or a bound session's worker.
-    pub fn without_prompt(id: Ident<'a>, pool: &'a ModelPool<Arc<dyn Policy>>) -> Self {
+    pub fn without_prompt(
+        id: Ident<'a>,
+        pool: &'a ModelPool<Arc<dyn Policy>>,
+        ticket: Ticket,
+    ) -> Self {
         Route {
             id,
             pool,
@@ -55,13 +68,22 @@ impl<'a> Route<'a> {
             cache: None,
             pd: None,
             resume: None,
+            ticket,
+            preempted: AtomicU8::new(0),
         }
+    }
+
+    /// Its prompt's tokens as the queue charges them: about 4 bytes a token.
+    fn cost(&self) -> u64 {
+        self.req.ctx.map_or(0, |c| c.total_len as u64) / 4 + 1
     }
 }
 
 impl Router {
     /// Picks a worker and forwards, retrying on other workers while nothing has been
-    /// returned to the client.
+    /// returned to the client; a pre-empted request goes back to the queue
+    /// (`priority.on_preempt: requeue`, at most [`crate::flow::admission::MAX_REQUEUES`]
+    /// times).
     pub(super) async fn forward(
         &self,
         set: &WorkerSet,
@@ -71,8 +93,22 @@ impl Router {
         waiting_on: &mut Option<Arc<str>>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let base = RequestTemplate::new(parts, route.id.request_id, &route.id.trace);
-        self.forward_with(set, &base, body, route, None, waiting_on)
-            .await
+        loop {
+            let sent = self
+                .forward_with(set, &base, body.clone(), route, None, waiting_on)
+                .await;
+            let adm = self.flow.admission();
+            match sent {
+                Err(ProxyError::Preempted)
+                    if adm.requeues()
+                        && route.preempted.load(Ordering::Relaxed)
+                            <= crate::flow::admission::MAX_REQUEUES =>
+                {
+                    tracing::info!(request_id = ?route.id.request_id, "pre-empted before its worker answered; queued again");
+                }
+                other => return other,
+            }
+        }
     }
 
     /// [`Router::forward`] with the request's head made (`base`), and its first attempt
@@ -156,11 +192,14 @@ impl Router {
                     self.send_hedged(after, watch, leg, &mut guard).await
                 }
                 None => (
-                    self.send(watch, base, to, &route.id, &mut guard, wait)
+                    self.send_preemptible(watch, base, to, route, &mut guard, wait)
                         .await,
                     Default::default(),
                 ),
             };
+            if let Err(ProxyError::Preempted) = result {
+                return Err(ProxyError::Preempted);
+            }
             if let Some(id) = hedged.tried {
                 tried.insert(id);
             }
@@ -206,7 +245,14 @@ impl Router {
         tried: &WorkerMask,
         started: Instant,
     ) -> Result<Option<(Pick, InFlightGuard)>, ProxyError> {
-        let picked = self.pick(set, route, tried);
+        // Admission: others ahead of it in the queue, or its class's capacity held, and
+        // it waits instead of taking a slot.
+        let must_wait = attempt == 0 && self.flow.admission().must_wait(route.ticket.class);
+        let picked = if must_wait {
+            None
+        } else {
+            self.pick(set, route, tried)
+        };
         if picked.is_some() || attempt > 0 {
             return Ok(picked);
         }
@@ -328,53 +374,102 @@ impl Router {
         (result, pushed_back.is_some())
     }
 
-    /// `proxy.queue`: when no worker could be picked only because every usable one is at
-    /// `max_load`, waits (FIFO among the waiting, bounded by `max_waiting`) for a slot to
-    /// free and picks again, for at most `timeout_ms`. `Ok(None)` when waiting cannot
-    /// help (the queue is off, or no worker is merely full); `Err` when the queue is full
-    /// or the time ran out (503 + Retry-After, saying which). A client that leaves drops
-    /// this future and so its place.
+    /// `proxy.queue` (see `crate::flow::admission`): when no worker could be picked only
+    /// because every usable one is at `max_load` (or its class's share is held, or
+    /// others are ahead of it), waits in the queue for a slot and picks again, for at
+    /// most its class's `timeout_ms`. `Ok(None)` when waiting cannot help (the queue is
+    /// off, or no worker is merely full); `Err` when the queue refuses it or the time
+    /// ran out (503 + Retry-After; 429 with flow control on), saying which. A client
+    /// that leaves drops this future and so its place.
     async fn wait_for_slot(
         &self,
         set: &WorkerSet,
         route: &Route<'_>,
         tried: &WorkerMask,
     ) -> Result<Option<(Pick, InFlightGuard)>, ProxyError> {
-        let q = self.config.proxy.queue;
-        let only_full = |now| {
-            set.workers()
-                .iter()
-                .any(|w| !tried.contains(w.id()) && w.is_full(now))
+        let adm = self.flow.admission();
+        let class = route.ticket.class;
+        let blocked = || {
+            let now = crate::pools::pool::now();
+            !adm.reserve_allows(class as usize)
+                || set
+                    .workers()
+                    .iter()
+                    .any(|w| !tried.contains(w.id()) && w.is_full(now))
         };
-        if q.max_waiting == 0 || !only_full(crate::pools::pool::now()) {
+        if !adm.queues(class) || !(adm.must_wait(class) || blocked()) {
             return Ok(None);
         }
-        let Some(_place) = self.metrics.queue_enter(q.max_waiting) else {
-            self.metrics.queue_rejected("full");
-            return Err(ProxyError::QueueFull { max: q.max_waiting });
-        };
-        let since = Instant::now();
-        let deadline = since + q.timeout;
+        let front = route.preempted.load(Ordering::Relaxed) > 0;
+        let pool = set as *const WorkerSet as usize;
+        let place = adm
+            .enter(route.ticket, route.cost(), pool, front)
+            .map_err(|r| self.refused(route.ticket, r))?;
+        if !blocked() {
+            // Others are ahead of it but a worker has room: the next in order tries.
+            adm.room_left(free_slots(set, tried));
+        } else {
+            // In the queue first, so that the slot a pre-empted request frees is its.
+            adm.preempt_for(route.ticket);
+        }
         loop {
-            // Registered before the re-check, so a slot freed in between is not missed.
+            // Registered before the state is read, so a slot freed in between is seen.
             let freed = self.pools.workers().slot_freed().notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
-            if let Some(picked) = self.pick(set, route, tried) {
-                self.metrics.queue_waited(since.elapsed());
-                return Ok(Some(picked));
+            match place.state() {
+                State::Shed => return Err(self.refused(route.ticket, place.refused(false))),
+                State::Granted => {
+                    if adm.reserve_allows(class as usize)
+                        && let Some(picked) = self.pick(set, route, tried)
+                    {
+                        place.admitted();
+                        adm.room_left(free_slots(set, tried));
+                        return Ok(Some(picked));
+                    }
+                    if !blocked() {
+                        // Not merely full: no worker it could wait for.
+                        return Ok(None);
+                    }
+                    place.no_slot();
+                }
+                State::Waiting => {}
             }
-            if !only_full(crate::pools::pool::now()) {
-                return Ok(None);
+            match place.wait(freed).await {
+                Wake::Told => {}
+                Wake::Freed => place.relay_freed(),
+                Wake::TimedOut => {
+                    return Err(self.refused(route.ticket, place.refused(true)));
+                }
             }
-            if tokio::time::timeout_at(deadline.into(), freed)
-                .await
-                .is_err()
-            {
-                self.metrics.queue_rejected("timeout");
-                return Err(ProxyError::QueueTimeout {
-                    ms: q.timeout.as_millis() as u64,
-                });
+        }
+    }
+
+    /// One attempt ([`Router::send`]); a request `priority.preempt` may cancel is
+    /// cancelled (its connection closed: the engine aborts it) when a more urgent one
+    /// pre-empts it before its worker's answer: `Err(Preempted)`.
+    async fn send_preemptible(
+        &self,
+        watch: Attempt<'_>,
+        base: &RequestTemplate,
+        body: &Bytes,
+        route: &Route<'_>,
+        guard: &mut InFlightGuard,
+        wait: Duration,
+    ) -> (Result<Response<UpstreamBody>, ProxyError>, bool) {
+        let preemptible = match route.pd {
+            None => self.flow.admission().preemptible(route.ticket),
+            // A disaggregated request's legs are never pre-empted.
+            Some(_) => None,
+        };
+        let Some(p) = preemptible else {
+            return self.send(watch, base, body, &route.id, guard, wait).await;
+        };
+        tokio::select! {
+            sent = self.send(watch, base, body, &route.id, guard, wait) => sent,
+            () = p.preempted() => {
+                route.preempted.fetch_add(1, Ordering::Relaxed);
+                (Err(ProxyError::Preempted), false)
             }
         }
     }
@@ -396,7 +491,15 @@ impl Router {
         tried: &WorkerMask,
     ) -> Option<(Pick, InFlightGuard)> {
         let policy = &**route.policy;
-        policy::decide::pick_slot(policy, set, &route.req, tried, &mut rand::rng())
+        let mut picked =
+            policy::decide::pick_slot(policy, set, &route.req, tried, &mut rand::rng());
+        if let (Some((_, guard)), Some(count)) = (
+            picked.as_mut(),
+            self.flow.admission().class_count(route.ticket.class),
+        ) {
+            guard.count_also(count);
+        }
+        picked
     }
 }
 
@@ -408,6 +511,21 @@ pub(super) struct Leg<'a, 'r> {
     pub route: &'a Route<'r>,
     pub wait: Duration,
     pub tried: &'a WorkerMask,
+}
+
+/// Slots free on the usable workers of `set` not yet tried (a worker without
+/// `max_load` counts one: enough for one more waiter to try).
+fn free_slots(set: &WorkerSet, tried: &WorkerMask) -> usize {
+    let now = crate::pools::pool::now();
+    set.workers()
+        .iter()
+        .filter(|w| !tried.contains(w.id()) && w.is_routable(now))
+        .map(|w| {
+            w.config().max_load.map_or(1, |m| {
+                m.get().saturating_sub(w.in_flight() + w.remote_in_flight())
+            })
+        })
+        .sum()
 }
 
 /// One attempt's pick, told to the policy exactly once: how it ended, or

@@ -1,6 +1,7 @@
 //! The request path's families in `/metrics`: requests, routing decisions and their
 //! time, latencies, the engines' token usage and the prefix numbers per worker, retries,
-//! fallback picks, back-pressure, the admission queue and how each request ended. They
+//! fallback picks, back-pressure and how each request ended (the admission queue's are
+//! `crate::flow`'s). They
 //! are updated as requests go (gauges of the pool itself are read at scrape time by
 //! `pools::pool::metrics`); before each scrape every current worker gets its series at
 //! 0, and a worker that leaves takes its series with it.
@@ -13,7 +14,6 @@
 //! what the router expected.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use prometheus_client::encoding::EncodeLabelSet;
@@ -55,11 +55,6 @@ struct PrefixLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ReasonLabels {
     reason: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct CauseLabels {
-    cause: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -112,11 +107,6 @@ pub struct RequestMetrics {
     noted: std::sync::Mutex<std::collections::HashMap<Arc<str>, Noted>>,
     /// The per-worker series a routed request updates, resolved once per worker.
     handles: handles::Handles,
-    /// `proxy.queue`: requests waiting for a slot now, their waits, refusals by cause.
-    queue_waiting: Gauge,
-    waiting: Arc<std::sync::atomic::AtomicUsize>,
-    queue_wait: Histogram,
-    queue_rejected: Family<CauseLabels, Counter>,
     outcomes: Family<OutcomeLabels, Counter>,
     /// `routing_decisions_total` per [`REASONS`] entry, resolved once (each request counts
     /// one).
@@ -204,25 +194,9 @@ fn register_request_families(r: &mut Metrics, m: &RequestMetrics) {
         m.fallback_picks.clone(),
     );
     r.register_family(
-        "queue_waiting",
-        "Requests waiting for an in-flight slot now (proxy.queue: every usable worker at max_load)",
-        m.queue_waiting.clone(),
-    );
-    r.register_family_with_unit(
-        "queue_wait",
-        "How long queued requests waited before a slot freed",
-        Unit::Seconds,
-        m.queue_wait.clone(),
-    );
-    r.register_family(
         "request_outcomes",
         "Requests by how their client's exchange ended: complete, client_gone (before or after the headers), upstream_error, upstream_idle_timeout",
         m.outcomes.clone(),
-    );
-    r.register_family(
-        "queue_rejected",
-        "Requests the admission queue answered 503: full (max_waiting reached) or timeout (timeout_ms passed)",
-        m.queue_rejected.clone(),
     );
     r.register_family(
         "back_pressure",
@@ -250,21 +224,6 @@ struct WorkerSeries {
 impl BeforeScrape for WorkerSeries {
     fn before_scrape(&self) {
         self.metrics.worker_series(&self.pool.set(), self.policy);
-    }
-}
-
-/// A request's place in the admission queue; dropping it (served, refused, or the
-/// client gone) gives the place back.
-#[derive(Debug)]
-pub struct QueuePlace {
-    waiting: Arc<std::sync::atomic::AtomicUsize>,
-    gauge: Gauge,
-}
-
-impl Drop for QueuePlace {
-    fn drop(&mut self) {
-        self.waiting.fetch_sub(1, Ordering::Relaxed);
-        self.gauge.dec();
     }
 }
 
@@ -306,7 +265,7 @@ impl Default for RequestMetrics {
 
 impl RequestMetrics {
     /// The families, with the series every process shows at 0 from start-up (each
-    /// decision reason, outcome and queue refusal), in no registry yet: see
+    /// decision reason and outcome), in no registry yet: see
     /// [`RequestMetrics::register`].
     pub fn new() -> Self {
         let mut m = RequestMetrics {
@@ -326,10 +285,6 @@ impl RequestMetrics {
             back_pressure: Family::default(),
             noted: Default::default(),
             handles: Default::default(),
-            queue_waiting: Gauge::default(),
-            waiting: Arc::default(),
-            queue_wait: latency_histogram(),
-            queue_rejected: Family::default(),
             outcomes: Family::default(),
             decision_counts: Default::default(),
             outcome_counts: Default::default(),
@@ -346,9 +301,6 @@ impl RequestMetrics {
         }
         for (outcome, count) in OUTCOMES.iter().zip(&mut m.outcome_counts) {
             *count = m.outcomes.get_or_create(&OutcomeLabels { outcome }).clone();
-        }
-        for cause in ["full", "timeout"] {
-            let _ = m.queue_rejected.get_or_create(&CauseLabels { cause });
         }
         m
     }
@@ -607,32 +559,6 @@ impl RequestMetrics {
             .get_or_create(&WorkerLabels {
                 worker: Arc::clone(worker),
             })
-            .inc();
-    }
-
-    /// Takes a place in the admission queue, unless `max` requests already wait.
-    pub fn queue_enter(&self, max: usize) -> Option<QueuePlace> {
-        self.waiting
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| {
-                (n < max).then_some(n + 1)
-            })
-            .ok()?;
-        self.queue_waiting.inc();
-        Some(QueuePlace {
-            waiting: Arc::clone(&self.waiting),
-            gauge: self.queue_waiting.clone(),
-        })
-    }
-
-    /// A queued request got a slot after waiting `took`.
-    pub fn queue_waited(&self, took: Duration) {
-        self.queue_wait.observe(took.as_secs_f64());
-    }
-
-    /// A request the queue refused: `full` or `timeout`.
-    pub fn queue_rejected(&self, cause: &'static str) {
-        self.queue_rejected
-            .get_or_create(&CauseLabels { cause })
             .inc();
     }
 

@@ -50,7 +50,8 @@ pub(super) async fn get(
     if cards.is_empty() {
         // No usable worker's list is known: one of them answers.
         let (parts, _) = req.into_parts();
-        let route = Route::without_prompt(end.id, table.everyone().pool);
+        let route =
+            Route::without_prompt(end.id, table.everyone().pool, router.flow.default_ticket());
         return router
             .forward(
                 table.set(),

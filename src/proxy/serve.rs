@@ -115,28 +115,13 @@ impl Router {
     ) -> Result<Response<ProxyBody>, ProxyError> {
         let id = end.id;
         let (parts, body) = req.into_parts();
-        let body = crate::request::body::read(
-            body,
-            crate::request::body::content_length(&parts.headers),
-            self.config.server.max_body_bytes,
-            self.config.server.body_timeout,
-        )
-        .await?;
-        // Before anything reads the body for routing or the response cache: every
-        // body the router forwards, routed endpoint or pass-through, is checked the same.
-        if let RemoteMediaPolicy::Reject(status) = self.config.proxy.remote_media_url_policy
-            && media::references_remote_media(&body)
-        {
-            return Err(ProxyError::RemoteMedia(
-                StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
-            ));
-        }
+        let body = self.read_body(&parts, body).await?;
         // Flow control's ticket (tenant, class), and the body as it is forwarded.
-        let (_ticket, body) = self.classify(&parts.headers, body);
+        let (ticket, body) = self.classify(&parts.headers, body);
         // A call on a stored response goes where the response is.
         let table = self.table();
         if endpoint.is_none() && responses::response_id_in_path(parts.uri.path()).is_some() {
-            let route = Route::without_prompt(id, table.everyone().pool);
+            let route = Route::without_prompt(id, table.everyone().pool, ticket);
             return self
                 .to_response_holder(parts, body, &route, &mut end.waiting_on)
                 .await;
@@ -223,6 +208,8 @@ impl Router {
             cache: pending,
             pd: None,
             resume: None,
+            ticket,
+            preempted: Default::default(),
         };
         if let (Some(legs), Some(endpoint)) = (routed.legs, endpoint) {
             return self
@@ -260,6 +247,31 @@ impl Router {
             super::migrate::Continuer::new(sending, model.cloned(), endpoint, head, body.clone())
         });
         Some(super::migrate::Resume { plan, continuer })
+    }
+
+    /// The request's body, read (bounded in size and time) and checked: before anything
+    /// reads it for routing or the response cache, every body the router forwards,
+    /// routed endpoint or pass-through, is checked the same.
+    async fn read_body(
+        &self,
+        parts: &http::request::Parts,
+        body: Incoming,
+    ) -> Result<bytes::Bytes, ProxyError> {
+        let body = crate::request::body::read(
+            body,
+            crate::request::body::content_length(&parts.headers),
+            self.config.server.max_body_bytes,
+            self.config.server.body_timeout,
+        )
+        .await?;
+        if let RemoteMediaPolicy::Reject(status) = self.config.proxy.remote_media_url_policy
+            && media::references_remote_media(&body)
+        {
+            return Err(ProxyError::RemoteMedia(
+                StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_REQUEST),
+            ));
+        }
+        Ok(body)
     }
 
     /// The `cache:` settings of the pool `name` (`models.overrides.<name>.cache` over

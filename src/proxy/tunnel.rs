@@ -71,7 +71,8 @@ impl Router {
         let client_side = hyper::upgrade::on(&mut req);
         let (parts, _) = req.into_parts();
         let table = self.table();
-        let route = Route::without_prompt(end.id, table.everyone().pool);
+        let route =
+            Route::without_prompt(end.id, table.everyone().pool, self.flow.default_ticket());
         let base = RequestTemplate::new(parts, route.id.request_id, &route.id.trace);
         let set = self.worker_set();
         let deadline = route.id.arrived + self.config.proxy.request_timeout;

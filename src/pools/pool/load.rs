@@ -1,7 +1,7 @@
 //! In-flight accounting: an RAII guard per forwarded request.
 
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Instant;
 
 use super::Worker;
@@ -20,6 +20,9 @@ pub struct InFlightGuard {
     worker: Arc<Worker>,
     admission: Option<Admission>,
     prefill: Option<PrefillTicket>,
+    /// Another count this request is in while the guard lives (its priority class's
+    /// in-flight, for `priority.reserve`): see [`InFlightGuard::count_also`].
+    also: Option<Arc<AtomicUsize>>,
 }
 
 /// One request's prefill reservation on its worker (see [`super::prefill`]): held from
@@ -72,7 +75,18 @@ impl InFlightGuard {
             worker: Arc::clone(worker),
             admission: None,
             prefill: None,
+            also: None,
         })
+    }
+
+    /// Counts the request in `counter` too, for as long as the guard lives (replacing
+    /// an earlier one).
+    pub fn count_also(&mut self, counter: &Arc<AtomicUsize>) {
+        // Relaxed: a count, as `in_flight`.
+        counter.fetch_add(1, Ordering::Relaxed);
+        if let Some(old) = self.also.replace(Arc::clone(counter)) {
+            old.fetch_sub(1, Ordering::Relaxed);
+        }
     }
 
     /// Reserves `tokens` of prefill on the worker (estimated uncached prompt tokens; 0
@@ -177,6 +191,9 @@ impl Drop for InFlightGuard {
             self.worker.record(a, Outcome::Neutral, now());
         }
         self.worker.in_flight.fetch_sub(1, Ordering::Relaxed);
+        if let Some(c) = self.also.take() {
+            c.fetch_sub(1, Ordering::Relaxed);
+        }
         // No waiter: a stored permit, one spurious re-check later at most.
         self.worker.freed.notify_one();
     }
@@ -233,6 +250,7 @@ mod tests {
             worker: Arc::clone(&w),
             admission: Some(Admission::Probe),
             prefill: None,
+            also: None,
         };
         w.in_flight.fetch_add(1, Ordering::Relaxed);
         drop(g);

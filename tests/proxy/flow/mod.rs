@@ -1,4 +1,7 @@
-//! Flow control (`tenants:`, `priority:`): who a request is and how urgent, as the
-//! worker and the client see it.
+//! Flow control (`tenants:`, `priority:`): who a request is and how urgent, the
+//! admission queue by class and tenant, pre-emption, as the worker and the client see
+//! them.
 
 mod classes;
+mod preempt;
+mod queue;
