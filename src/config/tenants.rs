@@ -8,6 +8,7 @@ use serde::Deserialize;
 use super::check::{Checker, ConfigError};
 use super::difference::Section;
 use super::priority::{PriorityConfig, is_label};
+use super::secret::Secret;
 
 /// The tenant of a request that names none.
 pub const DEFAULT_TENANT: &str = "default";
@@ -21,6 +22,11 @@ pub struct TenantsConfig {
     pub enabled: bool,
     /// The header a request names its tenant in (default `x-tenant-id`).
     pub header: http::HeaderName,
+    /// `tenants.isolate_cache`: every request's `cache_salt` becomes a keyed hash of its
+    /// tenant (default false).
+    pub isolate_cache: bool,
+    /// `tenants.secret`: the key of that hash (required with `isolate_cache`).
+    pub secret: Option<Secret>,
     /// The listed tenants, by name (sorted).
     pub list: Vec<TenantConfig>,
 }
@@ -45,6 +51,8 @@ impl Default for TenantsConfig {
         TenantsConfig {
             enabled: false,
             header: http::HeaderName::from_static("x-tenant-id"),
+            isolate_cache: false,
+            secret: None,
             list: Vec::new(),
         }
     }
@@ -58,6 +66,8 @@ impl Section for TenantsConfig {
 #[serde(deny_unknown_fields, expecting = "a mapping of keys")]
 pub(super) struct RawTenants {
     header: Option<String>,
+    isolate_cache: Option<bool>,
+    secret: Option<String>,
     list: Option<BTreeMap<String, RawTenant>>,
 }
 
@@ -98,6 +108,14 @@ impl RawTenants {
             Some(h) => http::HeaderName::from_bytes(h.as_bytes())
                 .map_err(|_| ck.bad("tenants.header", &h, "is not an HTTP header name"))?,
         };
+        let isolate_cache = self.isolate_cache.unwrap_or(d.isolate_cache);
+        let secret = ck.secret("tenants.secret", self.secret)?;
+        if isolate_cache && secret.is_none() {
+            return Err(ck.err(
+                "tenants.secret",
+                "is needed with tenants.isolate_cache: the key of the hash that makes each tenant's cache_salt (a long random string, e.g. `openssl rand -hex 32`)",
+            ));
+        }
         let mut list = Vec::new();
         let mut keys: BTreeMap<[u8; 32], String> = BTreeMap::new();
         for (name, raw) in self.list.unwrap_or_default() {
@@ -153,6 +171,8 @@ impl RawTenants {
         Ok(TenantsConfig {
             enabled: written,
             header,
+            isolate_cache,
+            secret,
             list,
         })
     }
@@ -209,6 +229,8 @@ mod tests {
                 "tenants: {list: {a: {weight: 0}}}\n",
                 "tenants.list.a.weight",
             ),
+            ("tenants: {isolate_cache: true}\n", "tenants.secret"),
+            ("tenants: {secret: \"a b\"}\n", "tenants.secret"),
         ] {
             let e = err(&[("a.yaml", ONE), ("b.yaml", over)]);
             assert!(e.contains("b.yaml") && e.contains(key), "{over}: {e}");

@@ -1,7 +1,8 @@
 //! Who a request is and how urgent: its tenant (a header, or its API key mapped to a
 //! name; else `default`) and its class (a header, or the body's vLLM `priority`; else
-//! the default class), clamped to the tenant's `max_class`. Pure: no locks, no
-//! allocation per request.
+//! the default class), clamped to the tenant's `max_class`; with
+//! `tenants.isolate_cache`, the tenant's `cache_salt`. Pure: no locks, no allocation
+//! per request.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -29,6 +30,22 @@ struct Tenant {
     keyed: bool,
     /// `weight` (its share within a class).
     weight: u32,
+    /// `tenants.isolate_cache`: its `cache_salt`, as a JSON string.
+    salt: Option<Box<str>>,
+}
+
+/// The `cache_salt` of tenant `name` under `secret`: HMAC-SHA256, its first 16 bytes in
+/// hex (as a JSON string). Nobody without the secret can make another tenant's salt.
+fn salt(secret: &str, name: &str) -> Box<str> {
+    use hmac::{Hmac, Mac};
+    let Ok(mut mac) = Hmac::<Sha256>::new_from_slice(secret.as_bytes()) else {
+        // HMAC takes a key of any length.
+        return Box::from("\"\"");
+    };
+    mac.update(name.as_bytes());
+    let tag = mac.finalize().into_bytes();
+    let hex: String = tag[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("\"{hex}\"").into_boxed_str()
 }
 
 /// Resolves requests to [`Ticket`]s (see the module docs).
@@ -57,6 +74,7 @@ impl Classifier {
                 max_class: t.max_class as u8,
                 keyed: !t.api_key_sha256.is_empty(),
                 weight: t.weight,
+                salt: None,
             })
             .collect();
         for name in [DEFAULT_TENANT, OTHER_TENANT] {
@@ -66,7 +84,13 @@ impl Classifier {
                     max_class: 0,
                     keyed: false,
                     weight: 1,
+                    salt: None,
                 });
+            }
+        }
+        if let (true, Some(secret)) = (config.tenants.isolate_cache, &config.tenants.secret) {
+            for t in &mut tenants {
+                t.salt = Some(salt(secret.expose(), &t.name));
             }
         }
         let by_name: HashMap<Box<str>, u16> = tenants
@@ -140,6 +164,11 @@ impl Classifier {
             Some(&t) if !self.tenants[t as usize].keyed => t,
             _ => self.other_tenant,
         }
+    }
+
+    /// `tenants.isolate_cache`: the `cache_salt` of `tenant`, as a JSON string.
+    pub fn salt(&self, tenant: u16) -> Option<&str> {
+        self.tenants[tenant as usize].salt.as_deref()
     }
 
     /// vLLM's `priority` for `class` ([`PriorityConfig::engine_of_class`]).
@@ -241,6 +270,23 @@ mod tests {
             "keyed"
         );
         assert_eq!(n(&[("authorization", "Bearer sk-wrong")]), "default");
+    }
+
+    #[test]
+    fn each_tenant_has_its_own_salt_under_the_secret() {
+        let yaml = "workers: [\"http://127.0.0.1:1\"]\ntenants: {isolate_cache: true, secret: s3cret, list: {a: {}, b: {}}}\n";
+        let c = Classifier::new(&load_text(yaml).unwrap());
+        let salts: Vec<&str> = (0..c.tenants() as u16)
+            .map(|t| c.salt(t).unwrap())
+            .collect();
+        assert_eq!(salts.len(), 4, "a, b, default, other");
+        for (i, s) in salts.iter().enumerate() {
+            assert_eq!(s.len(), 34, "{s}");
+            assert!(!salts[..i].contains(s));
+        }
+        let other = Classifier::new(&load_text(&yaml.replace("s3cret", "other")).unwrap());
+        assert_ne!(other.salt(0), c.salt(0), "the secret keys the hash");
+        assert_eq!(classifier().salt(0), None);
     }
 
     #[test]

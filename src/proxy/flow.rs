@@ -1,7 +1,9 @@
 //! The proxy's side of flow control (`crate::flow`): the body members it reads
-//! (`priority`), found in one pass over the body's top level ([`super::json_members`]),
-//! and the forwarded body's rewrite: with `priority.engine_priority` the request's class
-//! is written as vLLM's `priority`. With flow control off nothing here runs.
+//! (`priority`, `cache_salt`), found in one pass over the body's top level
+//! ([`super::json_members`]), and the forwarded body's rewrite, for the routed endpoints
+//! only: with `priority.engine_priority` the request's class is written as vLLM's
+//! `priority`; with `tenants.isolate_cache` its `cache_salt` becomes its tenant's
+//! (replacing the client's). With flow control off nothing here runs.
 
 use std::ops::Range;
 
@@ -19,6 +21,8 @@ struct Members {
     priority: Option<i64>,
     /// Where the `priority` value is, to be replaced.
     priority_at: Option<Range<usize>>,
+    /// Where the `cache_salt` value is, to be replaced.
+    salt_at: Option<Range<usize>>,
 }
 
 impl Members {
@@ -26,31 +30,70 @@ impl Members {
         let mut m = Members::default();
         let base = body.as_ptr() as usize;
         let _ = super::json_members::for_each(body, |key, value| {
-            if key == b"priority" {
-                let start = value.as_ptr() as usize - base;
-                m.priority_at = Some(start..start + value.len());
-                m.priority = serde_json::from_slice::<i64>(value).ok();
+            let start = value.as_ptr() as usize - base;
+            let at = Some(start..start + value.len());
+            match key {
+                b"priority" => {
+                    m.priority_at = at;
+                    m.priority = serde_json::from_slice::<i64>(value).ok();
+                }
+                b"cache_salt" => m.salt_at = at,
+                _ => {}
             }
         });
         m
     }
 }
 
+/// One member to set: `key` to the JSON text `value`, its old value at `at` (`None`:
+/// the body has none).
+struct Edit<'a> {
+    key: &'a str,
+    at: Option<Range<usize>>,
+    value: &'a str,
+}
+
 impl Router {
     /// The request's ticket (its tenant and class) and the body to forward (rewritten
-    /// as the module docs say). Flow control off: the one ticket, the body as it came.
-    pub(super) fn classify(&self, headers: &HeaderMap, body: Bytes) -> (Ticket, Bytes) {
+    /// as the module docs say, for a routed `endpoint`). Flow control off: the one
+    /// ticket, the body as it came.
+    pub(super) fn classify(
+        &self,
+        headers: &HeaderMap,
+        body: Bytes,
+        routed: bool,
+    ) -> (Ticket, Bytes) {
         let Some(c) = self.flow.classifier() else {
-            return (Ticket::default(), body);
+            return (self.flow.default_ticket(), body);
         };
         let members = Members::read(&body);
         let ticket = c.ticket(headers, members.priority);
-        if !self.flow.engine_priority() {
+        if !routed {
             return (ticket, body);
         }
-        let value = c.engine_priority(ticket.class).to_string();
-        let body = with_member(&body, "priority", members.priority_at, &value);
-        (ticket, body)
+        let priority = self
+            .flow
+            .engine_priority()
+            .then(|| c.engine_priority(ticket.class).to_string());
+        let mut edits = Vec::new();
+        if let Some(p) = &priority {
+            edits.push(Edit {
+                key: "priority",
+                at: members.priority_at,
+                value: p,
+            });
+        }
+        if let Some(salt) = c.salt(ticket.tenant) {
+            edits.push(Edit {
+                key: "cache_salt",
+                at: members.salt_at,
+                value: salt,
+            });
+        }
+        if edits.is_empty() {
+            return (ticket, body);
+        }
+        (ticket, with_members(&body, &mut edits))
     }
 }
 
@@ -111,30 +154,46 @@ impl Router {
     }
 }
 
-/// `body` with the member `key` set to the JSON text `value`: the value at `at`
-/// replaced, or (`at` `None`) a member put first in the object. A body that is not an
-/// object is returned as it is.
-fn with_member(body: &Bytes, key: &str, at: Option<Range<usize>>, value: &str) -> Bytes {
-    let (head, tail, member) = match at {
-        Some(r) if r.end <= body.len() => (&body[..r.start], &body[r.end..], false),
-        Some(_) => return body.clone(),
-        None => match body.iter().position(|b| !b.is_ascii_whitespace()) {
-            Some(i) if body[i] == b'{' => (&body[..=i], &body[i + 1..], true),
-            _ => return body.clone(),
-        },
-    };
-    let mut out = BytesMut::with_capacity(body.len() + key.len() + value.len() + 4);
-    out.extend_from_slice(head);
-    if member {
-        out.extend_from_slice(b"\"");
-        out.extend_from_slice(key.as_bytes());
-        out.extend_from_slice(b"\":");
+/// `body` with each edit's member set: a value at its `at` replaced, a member the body
+/// lacks put first in its object. A body that is not an object, or edits out of its
+/// bounds, leave it as it is.
+fn with_members(body: &Bytes, edits: &mut [Edit<'_>]) -> Bytes {
+    edits.sort_by_key(|e| e.at.as_ref().map(|r| r.start));
+    let inserts = edits.iter().filter(|e| e.at.is_none()).count();
+    let mut cursor = 0;
+    let mut out = BytesMut::with_capacity(body.len() + 64);
+    if inserts > 0 {
+        let Some(open) = body.iter().position(|b| !b.is_ascii_whitespace()) else {
+            return body.clone();
+        };
+        if body[open] != b'{' {
+            return body.clone();
+        }
+        out.extend_from_slice(&body[..=open]);
+        cursor = open + 1;
+        for (i, e) in edits.iter().filter(|e| e.at.is_none()).enumerate() {
+            if i > 0 {
+                out.extend_from_slice(b",");
+            }
+            out.extend_from_slice(b"\"");
+            out.extend_from_slice(e.key.as_bytes());
+            out.extend_from_slice(b"\":");
+            out.extend_from_slice(e.value.as_bytes());
+        }
+        if body[cursor..].iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'}') {
+            out.extend_from_slice(b",");
+        }
     }
-    out.extend_from_slice(value.as_bytes());
-    if member && tail.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'}') {
-        out.extend_from_slice(b",");
+    for e in edits.iter() {
+        let Some(r) = &e.at else { continue };
+        if r.start < cursor || r.end > body.len() {
+            return body.clone();
+        }
+        out.extend_from_slice(&body[cursor..r.start]);
+        out.extend_from_slice(e.value.as_bytes());
+        cursor = r.end;
     }
-    out.extend_from_slice(tail);
+    out.extend_from_slice(&body[cursor..]);
     out.freeze()
 }
 
@@ -142,27 +201,61 @@ fn with_member(body: &Bytes, key: &str, at: Option<Range<usize>>, value: &str) -
 mod tests {
     use super::*;
 
-    fn set(body: &str, value: &str) -> String {
+    fn set(body: &str, priority: Option<&str>, salt: Option<&str>) -> String {
         let body = Bytes::from(body.to_string());
         let m = Members::read(&body);
-        let out = with_member(&body, "priority", m.priority_at, value);
+        let mut edits = Vec::new();
+        if let Some(value) = priority {
+            edits.push(Edit {
+                key: "priority",
+                at: m.priority_at,
+                value,
+            });
+        }
+        if let Some(value) = salt {
+            edits.push(Edit {
+                key: "cache_salt",
+                at: m.salt_at,
+                value,
+            });
+        }
+        let out = with_members(&body, &mut edits);
         String::from_utf8(out.to_vec()).unwrap()
     }
 
     #[test]
-    fn the_priority_member_is_read_and_replaced_or_added() {
+    fn the_members_are_read_and_replaced_or_added() {
         let m = Members::read(br#"{"messages":[{"priority":9}],"priority": -3 }"#);
         assert_eq!(m.priority, Some(-3));
         assert_eq!(Members::read(br#"{"priority":"high"}"#).priority, None);
+        let p = Some("-1");
         assert_eq!(
-            set(r#"{"model":"m","priority":5}"#, "-1"),
+            set(r#"{"model":"m","priority":5}"#, p, None),
             r#"{"model":"m","priority":-1}"#
         );
         assert_eq!(
-            set(r#" {"model":"m"}"#, "1"),
+            set(r#" {"model":"m"}"#, Some("1"), None),
             r#" {"priority":1,"model":"m"}"#
         );
-        assert_eq!(set("{ }", "0"), r#"{"priority":0 }"#);
-        assert_eq!(set("[1]", "0"), "[1]");
+        assert_eq!(set("{ }", Some("0"), None), r#"{"priority":0 }"#);
+        assert_eq!(set("[1]", Some("0"), None), "[1]");
+        let salt = Some(r#""t1""#);
+        // The client's salt is replaced; the two members in either order.
+        assert_eq!(
+            set(r#"{"cache_salt":"mine","priority":2,"x":1}"#, p, salt),
+            r#"{"cache_salt":"t1","priority":-1,"x":1}"#
+        );
+        assert_eq!(
+            set(r#"{"priority":2,"cache_salt":"mine"}"#, p, salt),
+            r#"{"priority":-1,"cache_salt":"t1"}"#
+        );
+        assert_eq!(
+            set(r#"{"x":1}"#, p, salt),
+            r#"{"priority":-1,"cache_salt":"t1","x":1}"#
+        );
+        assert_eq!(
+            set(r#"{"priority":3}"#, p, salt),
+            r#"{"cache_salt":"t1","priority":-1}"#
+        );
     }
 }

@@ -117,7 +117,7 @@ impl Router {
         let (parts, body) = req.into_parts();
         let body = self.read_body(&parts, body).await?;
         // Flow control's ticket (tenant, class), and the body as it is forwarded.
-        let (ticket, body) = self.classify(&parts.headers, body);
+        let (ticket, body) = self.classify(&parts.headers, body, endpoint.is_some());
         // A call on a stored response goes where the response is.
         let table = self.table();
         if endpoint.is_none() && responses::response_id_in_path(parts.uri.path()).is_some() {

@@ -3,5 +3,6 @@
 //! them.
 
 mod classes;
+mod isolation;
 mod preempt;
 mod queue;
