@@ -15,6 +15,8 @@ pub struct Admin {
     metrics: std::sync::Arc<crate::metrics::Metrics>,
     fleet: Option<std::sync::Arc<crate::fleet::Fleet>>,
     cache: Option<std::sync::Arc<crate::cache::ResponseCache>>,
+    /// Flow control: the admission queue's depths.
+    flow: std::sync::Arc<crate::flow::Flow>,
     /// `server.admin_token`.
     token: Option<crate::config::Secret>,
     /// `server.body_timeout_secs`: how long an admin request's body may take.
@@ -33,12 +35,14 @@ impl Admin {
         metrics: std::sync::Arc<crate::metrics::Metrics>,
         fleet: Option<std::sync::Arc<crate::fleet::Fleet>>,
         cache: Option<std::sync::Arc<crate::cache::ResponseCache>>,
+        flow: std::sync::Arc<crate::flow::Flow>,
     ) -> Self {
         Admin {
             pools,
             metrics,
             fleet,
             cache,
+            flow,
             token: config.server.admin_token.clone(),
             body_timeout: config.server.body_timeout,
             engine_metrics: config.engine_metrics.clone(),
@@ -462,6 +466,8 @@ struct Workers {
     /// The workers' `hits` summed: how much of the reuse the pool held the policy
     /// routed to, and how much of that the engines delivered.
     hits: HitsSummary,
+    /// The admission queue now (`proxy.queue`; per class and tenant with flow control).
+    queue: crate::flow::view::QueueView,
     workers: Vec<WorkerView>,
 }
 
@@ -543,7 +549,7 @@ pub fn metrics(admin: &Admin) -> http::Response<ProxyBody> {
 
 /// `GET /workers`: per-worker URL, in-flight count, health, breaker state and tree share;
 /// in precise mode also the index and, per worker with `kv_events`, its feed (per DP
-/// rank too, see [`FeedView`]). API keys are never shown.
+/// rank too, see [`FeedView`]); the admission queue's depths. API keys are never shown.
 pub fn workers(admin: &Admin) -> http::Response<ProxyBody> {
     let table = admin.pools.table();
     let set = std::sync::Arc::clone(table.set());
@@ -616,6 +622,7 @@ pub fn workers(admin: &Admin) -> http::Response<ProxyBody> {
                 bytes: st.map(|s| s.bytes),
             }
         }),
+        queue: admin.flow.view(),
         workers,
     };
     json_response(

@@ -106,6 +106,7 @@ pub fn spawn_on(
             Arc::clone(&parts.metrics),
             parts.fleet.clone(),
             parts.cache.clone(),
+            Arc::clone(&parts.flow),
         )),
         router: Arc::new(Router::new(
             config.clone(),

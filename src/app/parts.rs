@@ -81,6 +81,9 @@ impl Parts {
         let requests = RequestMetrics::register(&mut metrics, &pool, default_policy);
         let reloads = ReloadMetrics::register(&mut metrics);
         let flow = Arc::new(Flow::new(config, &pool, &mut metrics));
+        if flow.is_on() {
+            metrics.register(Box::new(crate::flow::view::QueueDepths(Arc::clone(&flow))));
+        }
         // Every pool's policy's views' families, read from the table at each scrape
         // (pools made later included), and the table's own.
         metrics.register_text(Arc::new(policy::view::PoolViews(Arc::clone(&pools))));

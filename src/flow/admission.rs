@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::Ticket;
-use super::metrics::QueueMetrics;
+use super::metrics::{FlowMetrics, QueueMetrics};
 use super::queue::{Entry, Queue, State, Waiter};
 use crate::config::{Config, OnPreempt};
 use crate::pools::pool::Pool;
@@ -81,7 +81,7 @@ impl std::fmt::Debug for Reserve {
 struct Preemption {
     last: u8,
     on_preempt: OnPreempt,
-    running: Mutex<Vec<(u64, Arc<tokio::sync::Notify>)>>,
+    running: Mutex<Vec<(u64, Ticket, Arc<tokio::sync::Notify>)>>,
 }
 
 /// See the module docs.
@@ -97,6 +97,8 @@ pub struct Admission {
     preempt: Option<Preemption>,
     next_id: AtomicU64,
     metrics: QueueMetrics,
+    /// Per class and tenant (flow control on).
+    tickets: Option<FlowMetrics>,
 }
 
 impl Admission {
@@ -108,6 +110,7 @@ impl Admission {
         weights: &[u32],
         pool: &Arc<Pool>,
         metrics: QueueMetrics,
+        tickets: Option<FlowMetrics>,
     ) -> Self {
         let q = &config.proxy.queue;
         let p = &config.priority;
@@ -150,7 +153,28 @@ impl Admission {
             preempt,
             next_id: AtomicU64::new(1),
             metrics,
+            tickets,
         }
+    }
+
+    /// The per class and tenant families, when flow control is on.
+    pub fn tickets(&self) -> Option<&FlowMetrics> {
+        self.tickets.as_ref()
+    }
+
+    /// A request of `ticket` took a slot (straight away, or after waiting).
+    pub fn admitted(&self, ticket: Ticket) {
+        if let Some(m) = &self.tickets {
+            m.admitted(ticket.class, ticket.tenant);
+        }
+    }
+
+    /// Requests waiting now, by class then tenant.
+    pub fn depths(&self) -> Vec<Vec<usize>> {
+        let q = self.lock();
+        (0..self.rules.len())
+            .map(|c| (0..q.tenants()).map(|t| q.waiting_of(c, t)).collect())
+            .collect()
     }
 
     fn lock(&self) -> MutexGuard<'_, Queue> {
@@ -180,6 +204,11 @@ impl Admission {
         // arrived a moment earlier would have.
         (self.busy.load(Ordering::Relaxed) > 0 && self.lock().ahead_of(class as usize))
             || !self.reserve_allows(class as usize)
+    }
+
+    /// `proxy.queue.max_waiting`.
+    pub fn max_waiting(&self) -> usize {
+        self.max_waiting
     }
 
     /// The bounds of `class`.
@@ -242,22 +271,29 @@ impl Admission {
         let mut shed = Vec::new();
         if rule.own && q.waiting_in(class) >= rule.max_waiting {
             drop(q);
-            return Err(self.refuse(Refusal::ClassFull {
-                max: rule.max_waiting,
-            }));
+            return Err(self.refuse(
+                ticket,
+                Refusal::ClassFull {
+                    max: rule.max_waiting,
+                },
+            ));
         }
         if q.waiting() >= self.max_waiting {
             match q.shed_below(class) {
-                Some((_, _, e)) => {
+                Some((c, t, e)) => {
                     self.metrics.rejected("full");
+                    if let Some(m) = &self.tickets {
+                        m.shed(c as u8, t as u16, "queue_full");
+                    }
                     shed.push(e.waiter);
                 }
                 None => {
                     drop(q);
-                    return Err(self.refuse(Refusal::Full {
+                    let full = Refusal::Full {
                         max: self.max_waiting,
                         evicted: false,
-                    }));
+                    };
+                    return Err(self.refuse(ticket, full));
                 }
             }
         }
@@ -285,9 +321,17 @@ impl Admission {
         })
     }
 
-    /// Counts a refusal.
-    fn refuse(&self, r: Refusal) -> Refusal {
+    /// Counts a refusal of a request of `ticket`.
+    fn refuse(&self, ticket: Ticket, r: Refusal) -> Refusal {
         self.metrics.rejected(r.cause());
+        if let Some(m) = &self.tickets {
+            let reason = match r {
+                Refusal::Full { .. } => "queue_full",
+                Refusal::ClassFull { .. } => "class_full",
+                Refusal::Timeout { .. } => "timeout",
+            };
+            m.shed(ticket.class, ticket.tenant, reason);
+        }
         r
     }
 
@@ -297,7 +341,7 @@ impl Admission {
         let p = self.preempt.as_ref().filter(|p| ticket.class == p.last)?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
         let notify = Arc::new(tokio::sync::Notify::new());
-        lock(&p.running).push((id, Arc::clone(&notify)));
+        lock(&p.running).push((id, ticket, Arc::clone(&notify)));
         Some(Preemptible {
             running: &p.running,
             id,
@@ -313,8 +357,11 @@ impl Admission {
         };
         let victim = lock(&p.running).pop();
         match victim {
-            Some((_, n)) => {
+            Some((_, t, n)) => {
                 n.notify_one();
+                if let Some(m) = &self.tickets {
+                    m.preempted(t.class, t.tenant);
+                }
                 true
             }
             None => false,
@@ -350,7 +397,7 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// A request that may be pre-empted, registered until dropped.
 #[derive(Debug)]
 pub struct Preemptible<'a> {
-    running: &'a Mutex<Vec<(u64, Arc<tokio::sync::Notify>)>>,
+    running: &'a Mutex<Vec<(u64, Ticket, Arc<tokio::sync::Notify>)>>,
     id: u64,
     notify: Arc<tokio::sync::Notify>,
 }
@@ -365,7 +412,7 @@ impl Preemptible<'_> {
 impl Drop for Preemptible<'_> {
     fn drop(&mut self) {
         let mut running = lock(self.running);
-        if let Some(i) = running.iter().position(|(id, _)| *id == self.id) {
+        if let Some(i) = running.iter().position(|(id, ..)| *id == self.id) {
             running.swap_remove(i);
         }
     }
@@ -448,16 +495,19 @@ impl Place<'_> {
         let mut q = self.adm.lock();
         q.resolved(self.ticket.class as usize);
         self.adm.settle(q, Vec::new());
-        self.adm.metrics.waited(self.since.elapsed());
+        let took = self.since.elapsed();
+        self.adm.metrics.waited(took);
+        if let Some(m) = &self.adm.tickets {
+            m.waited(self.ticket.class, self.ticket.tenant, took);
+        }
     }
 
     /// Why it was refused, now that it was shed ([`State::Shed`]) or its time ran out;
     /// counted.
     pub fn refused(&self, timed_out: bool) -> Refusal {
         if timed_out {
-            self.adm.refuse(Refusal::Timeout {
-                waited: self.since.elapsed(),
-            })
+            let waited = self.since.elapsed();
+            self.adm.refuse(self.ticket, Refusal::Timeout { waited })
         } else {
             // Counted when it was shed.
             Refusal::Full {

@@ -75,3 +75,151 @@ impl QueueMetrics {
         }
     }
 }
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TicketLabels {
+    class: std::sync::Arc<str>,
+    tenant: std::sync::Arc<str>,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ShedLabels {
+    class: std::sync::Arc<str>,
+    tenant: std::sync::Arc<str>,
+    reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TokenLabels {
+    class: std::sync::Arc<str>,
+    tenant: std::sync::Arc<str>,
+    direction: &'static str,
+}
+
+/// Why flow control turned a request away: `queue_full` (no room in the queue for its
+/// class, or its place taken by a more urgent class), `class_full` (its class's own
+/// bound), `timeout` (its wait ran out), `budget` (its tenant's token budget).
+pub const SHED_REASONS: [&str; 4] = ["queue_full", "class_full", "timeout", "budget"];
+
+/// The per class and tenant families (flow control on): requests admitted, shed by
+/// reason, pre-empted, their waits and their tokens. Every series (the classes times
+/// the known tenants, `default` and `other` included) exists from start-up; each
+/// request updates handles resolved here, by index.
+#[derive(Debug)]
+pub struct FlowMetrics {
+    tenants: usize,
+    admitted: Vec<Counter>,
+    shed: Vec<[Counter; SHED_REASONS.len()]>,
+    preempted: Vec<Counter>,
+    wait: Vec<Histogram>,
+    tokens: Vec<[Counter; 2]>,
+}
+
+impl FlowMetrics {
+    /// The families for these `classes` and `tenants` (names, by index), registered in
+    /// `registry`.
+    pub fn register(
+        registry: &mut Metrics,
+        classes: &[std::sync::Arc<str>],
+        tenants: &[std::sync::Arc<str>],
+    ) -> Self {
+        let admitted: Family<TicketLabels, Counter> = Family::default();
+        let preempted: Family<TicketLabels, Counter> = Family::default();
+        let shed: Family<ShedLabels, Counter> = Family::default();
+        let tokens: Family<TokenLabels, Counter> = Family::default();
+        let wait: Family<TicketLabels, Histogram, fn() -> Histogram> =
+            Family::new_with_constructor(|| Histogram::new(exponential_buckets(0.001, 2.0, 18)));
+        let mut m = FlowMetrics {
+            tenants: tenants.len(),
+            admitted: Vec::new(),
+            shed: Vec::new(),
+            preempted: Vec::new(),
+            wait: Vec::new(),
+            tokens: Vec::new(),
+        };
+        for class in classes {
+            for tenant in tenants {
+                let labels = TicketLabels {
+                    class: class.clone(),
+                    tenant: tenant.clone(),
+                };
+                m.admitted.push(admitted.get_or_create(&labels).clone());
+                m.preempted.push(preempted.get_or_create(&labels).clone());
+                m.wait.push(wait.get_or_create(&labels).clone());
+                m.shed.push(SHED_REASONS.map(|reason| {
+                    let l = ShedLabels {
+                        class: class.clone(),
+                        tenant: tenant.clone(),
+                        reason,
+                    };
+                    shed.get_or_create(&l).clone()
+                }));
+                m.tokens.push(["input", "output"].map(|direction| {
+                    let l = TokenLabels {
+                        class: class.clone(),
+                        tenant: tenant.clone(),
+                        direction,
+                    };
+                    tokens.get_or_create(&l).clone()
+                }));
+            }
+        }
+        registry.register_family(
+            "flow_admitted",
+            "Requests admitted to a worker's slot, by class and tenant (flow control; a pre-empted request sent again counts again)",
+            admitted,
+        );
+        registry.register_family(
+            "flow_shed",
+            "Requests flow control turned away (429), by class, tenant and reason: queue_full, class_full, timeout, budget",
+            shed,
+        );
+        registry.register_family(
+            "flow_preempted",
+            "Requests cancelled before their worker's answer by a more urgent one (priority.preempt), by class and tenant",
+            preempted,
+        );
+        registry.register_family_with_unit(
+            "flow_queue_wait",
+            "How long queued requests waited before a slot, by class and tenant",
+            Unit::Seconds,
+            wait,
+        );
+        registry.register_family(
+            "flow_tokens",
+            "Tokens of answered requests by class, tenant and direction: input (the engine's prompt_tokens, else the router's estimate) and output (the engine's completion_tokens)",
+            tokens,
+        );
+        m
+    }
+
+    fn at(&self, class: u8, tenant: u16) -> usize {
+        class as usize * self.tenants + tenant as usize
+    }
+
+    pub fn admitted(&self, class: u8, tenant: u16) {
+        self.admitted[self.at(class, tenant)].inc();
+    }
+
+    /// One request shed for `reason`, one of [`SHED_REASONS`].
+    pub fn shed(&self, class: u8, tenant: u16, reason: &'static str) {
+        if let Some(i) = SHED_REASONS.iter().position(|r| *r == reason) {
+            self.shed[self.at(class, tenant)][i].inc();
+        }
+    }
+
+    pub fn preempted(&self, class: u8, tenant: u16) {
+        self.preempted[self.at(class, tenant)].inc();
+    }
+
+    pub fn waited(&self, class: u8, tenant: u16, took: Duration) {
+        self.wait[self.at(class, tenant)].observe(took.as_secs_f64());
+    }
+
+    /// An answered request's `input` and `output` tokens.
+    pub fn tokens(&self, class: u8, tenant: u16, input: u64, output: u64) {
+        let [i, o] = &self.tokens[self.at(class, tenant)];
+        i.inc_by(input);
+        o.inc_by(output);
+    }
+}

@@ -10,7 +10,9 @@
 //!            robin in prompt tokens across tenants; shedding; credits per freed slot
 //! admission  the fast path, the bounds per class, priority.reserve, pre-emption; a
 //!            waiter's Place
-//! metrics    the queue's families
+//! metrics    the queue's families; per class and tenant ones (admitted, shed, pre-empted,
+//!            waits, tokens)
+//! view       the queue's depths for GET /workers and the flow_queued gauge
 //! ```
 //!
 //! With neither `tenants:` nor `priority:` in the config, flow control is off: every
@@ -22,6 +24,7 @@ pub mod admission;
 pub mod classify;
 pub mod metrics;
 pub mod queue;
+pub mod view;
 
 use std::sync::Arc;
 
@@ -30,6 +33,30 @@ pub use classify::{Classifier, Ticket};
 
 use crate::config::Config;
 use crate::pools::pool::Pool;
+
+/// An answered request's tokens, counted (and charged to its tenant) when its answer
+/// ends.
+#[derive(Debug)]
+pub struct Charge {
+    flow: Arc<Flow>,
+    ticket: Ticket,
+    /// Its prompt's tokens as the router estimated them.
+    estimate: u64,
+}
+
+impl Charge {
+    /// The answer ended; `usage`: the engine's `(prompt, completion)` tokens, when it
+    /// reported them (else the estimate, and no output, are counted).
+    pub fn settle(self, usage: Option<(u64, Option<u64>)>) {
+        let (input, output) = match usage {
+            Some((prompt, completion)) => (prompt, completion.unwrap_or(0)),
+            None => (self.estimate, 0),
+        };
+        if let Some(m) = self.flow.admission.tickets() {
+            m.tokens(self.ticket.class, self.ticket.tenant, input, output);
+        }
+    }
+}
 
 /// Flow control's parts, built once from the config (see the module docs).
 #[derive(Debug)]
@@ -53,11 +80,20 @@ impl Flow {
             None => (1, vec![1]),
         };
         let metrics = metrics::QueueMetrics::register(registry);
+        let tickets = classifier.as_ref().map(|c| {
+            let classes: Vec<_> = (0..c.classes() as u8)
+                .map(|i| Arc::clone(c.class_name(i)))
+                .collect();
+            let tenants: Vec<_> = (0..c.tenants() as u16)
+                .map(|i| Arc::clone(c.tenant_name(i)))
+                .collect();
+            metrics::FlowMetrics::register(registry, &classes, &tenants)
+        });
         Flow {
             default_ticket: classifier
                 .as_ref()
                 .map_or_else(Ticket::default, Classifier::default_ticket),
-            admission: Admission::new(config, classes, &weights, pool, metrics),
+            admission: Admission::new(config, classes, &weights, pool, metrics, tickets),
             classifier,
             engine_priority: on && config.priority.engine_priority,
         }
@@ -80,6 +116,23 @@ impl Flow {
 
     pub fn admission(&self) -> &Admission {
         &self.admission
+    }
+
+    /// What an answered request of `ticket` with a prompt of about `estimate` tokens
+    /// is charged when its answer ends ([`Charge::settle`]); `None` with flow control
+    /// off.
+    pub fn charge(self: &Arc<Self>, ticket: Ticket, estimate: u64) -> Option<Charge> {
+        self.is_on().then(|| Charge {
+            flow: Arc::clone(self),
+            ticket,
+            estimate,
+        })
+    }
+
+    /// The tenant and class names of `ticket`, for the access line (flow control on).
+    pub fn names(&self, ticket: Ticket) -> Option<(&Arc<str>, &Arc<str>)> {
+        let c = self.classifier.as_ref()?;
+        Some((c.tenant_name(ticket.tenant), c.class_name(ticket.class)))
     }
 
     /// The ticket of a request nothing names (the `default` tenant, the default

@@ -124,6 +124,11 @@ impl Queue {
         }
     }
 
+    /// How many tenants each class has a queue for.
+    pub fn tenants(&self) -> usize {
+        self.quantum.len()
+    }
+
     /// Requests waiting in all classes.
     pub fn waiting(&self) -> usize {
         self.waiting

@@ -36,6 +36,8 @@ pub struct Ident<'a> {
     pub endpoint: &'static str,
     /// When the request arrived (TTFB, duration, and the bound on its wait).
     pub arrived: Instant,
+    /// Its tenant and class, once known (flow control on).
+    pub who: Option<(&'a Arc<str>, &'a Arc<str>)>,
 }
 
 /// How a worker was chosen for one attempt.
@@ -98,6 +100,8 @@ pub struct AccessLog {
     /// How its hedge went (`won`, `lost`, `failed`), when its first token was late and a
     /// second worker was asked too.
     pub hedge: Option<&'static str>,
+    /// Its tenant and class (flow control on).
+    pub who: Option<(Arc<str>, Arc<str>)>,
 }
 
 impl AccessLog {
@@ -117,6 +121,7 @@ impl AccessLog {
             continued_on: None,
             migrations: 0,
             hedge: None,
+            who: id.who.map(|(t, c)| (Arc::clone(t), Arc::clone(c))),
         }
     }
 
@@ -127,6 +132,7 @@ impl AccessLog {
             request_id: &self.request_id,
             trace: self.trace,
             endpoint: self.endpoint,
+            who: self.who.as_ref().map(|(t, c)| (&**t, &**c)),
             arrived: self.arrived,
             worker: &self.worker,
             status: self.status,
@@ -211,6 +217,7 @@ impl<'a> RequestEnd<'a> {
             request_id: self.id.request_id,
             trace: self.id.trace,
             endpoint: self.id.endpoint,
+            who: self.id.who.map(|(t, c)| (&**t, &**c)),
             arrived: self.id.arrived,
             worker,
             status,
@@ -237,6 +244,8 @@ struct Line<'a> {
     request_id: &'a HeaderValue,
     trace: TraceContext,
     endpoint: &'static str,
+    /// Tenant and class (flow control on).
+    who: Option<(&'a str, &'a str)>,
     arrived: Instant,
     /// The worker label counted and exported (`none`, `cache` for the router's own).
     worker: &'a Arc<str>,
@@ -319,6 +328,8 @@ fn write(metrics: &RequestMetrics, export: Option<&Exporter>, line: &Line<'_>) {
         request_id,
         trace_id = %line.trace.trace_id,
         endpoint = line.endpoint,
+        tenant = line.who.map(|w| w.0),
+        class = line.who.map(|w| w.1),
         worker = if error.is_some() { "-" } else { &**line.worker },
         role = routed.map(|r| r.0),
         reason = (!matches!(line.kind, Kind::ClientGone)).then_some(reason),
@@ -419,6 +430,7 @@ mod tests {
             trace: TraceContext::from_headers(&http::HeaderMap::new()),
             endpoint: "chat_completions",
             arrived: Instant::now(),
+            who: None,
         };
         let none: Arc<str> = Arc::from("none");
         tracing::subscriber::with_default(subscriber, || {
@@ -436,6 +448,7 @@ mod tests {
                 continued_on: None,
                 migrations: 0,
                 hedge: None,
+                who: None,
             };
             log.end(&metrics, None, "complete");
             let continued = AccessLog {

@@ -42,6 +42,8 @@ pub struct BodyTap {
     pub prepared: crate::policy::Prepared,
     /// The span exporter (`tracing.otlp_endpoint`); `None` = no span.
     pub export: Option<Arc<crate::trace::export::Exporter>>,
+    /// Flow control's count of the request's tokens (flow control on).
+    pub charge: Option<crate::flow::Charge>,
 }
 
 /// Streams the upstream body to the client as it arrives (no buffering: frames already
@@ -136,6 +138,7 @@ impl GuardedBody {
         if let Some(mut tap) = self.tap.take() {
             let worker = &tap.log.worker;
             tap.metrics.finished(worker, tap.log.arrived.elapsed());
+            let mut reported = None;
             if let Some(Stream::Migrate(m)) = &self.stream {
                 tap.log.continued_on = m.continued_on.clone();
                 tap.log.migrations = m.continuations();
@@ -155,6 +158,7 @@ impl GuardedBody {
                 let mut delivery = None;
                 let mut delivered_tokens = None;
                 if let Some(u) = found.usage {
+                    reported = Some((u.prompt_tokens, u.completion_tokens));
                     let cached = u.cached_tokens.unwrap_or(0);
                     tap.metrics.engine_usage(worker, u.prompt_tokens, cached);
                     if let Some(g) = &guard {
@@ -191,6 +195,9 @@ impl GuardedBody {
                 {
                     tap.policy.answered(w, &answer);
                 }
+            }
+            if let Some(c) = tap.charge.take() {
+                c.settle(reported);
             }
             if let Some(r) = tap.record {
                 r.finish(how == "complete");

@@ -74,7 +74,7 @@ impl<'a> Route<'a> {
     }
 
     /// Its prompt's tokens as the queue charges them: about 4 bytes a token.
-    fn cost(&self) -> u64 {
+    pub fn cost(&self) -> u64 {
         self.req.ctx.map_or(0, |c| c.total_len as u64) / 4 + 1
     }
 }
@@ -254,11 +254,15 @@ impl Router {
             self.pick(set, route, tried)
         };
         if picked.is_some() || attempt > 0 {
+            if attempt == 0 && picked.is_some() {
+                self.flow.admission().admitted(route.ticket);
+            }
             return Ok(picked);
         }
         let waited = self.wait_for_slot(set, route, tried).await;
-        if !matches!(waited, Ok(Some(_))) {
-            self.metrics.decision(Reason::NoWorker, started.elapsed());
+        match &waited {
+            Ok(Some(_)) => self.flow.admission().admitted(route.ticket),
+            _ => self.metrics.decision(Reason::NoWorker, started.elapsed()),
         }
         waited
     }

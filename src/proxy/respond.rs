@@ -93,6 +93,7 @@ impl Router {
             block_tokens: self.config.cache.engine_block_tokens as u64,
             prepared,
             export: self.export.clone(),
+            charge: self.flow.charge(route.ticket, route.cost()),
         };
         let stream = route
             .resume

@@ -58,6 +58,7 @@ impl Router {
             trace: TraceContext::from_headers(req.headers()),
             endpoint: call.label(),
             arrived,
+            who: None,
         };
         // `x-cache` on every answer while the cache is on: bypass unless the lookup
         // says otherwise.
@@ -106,18 +107,19 @@ impl Router {
 
     /// Reads the body (bounded), answers from the response cache or routes and
     /// forwards.
-    async fn read_and_forward(
-        &self,
+    async fn read_and_forward<'a>(
+        &'a self,
         req: Request<Incoming>,
         endpoint: Option<Endpoint>,
         x_cache: &mut Option<cache::Status>,
-        end: &mut RequestEnd<'_>,
+        end: &mut RequestEnd<'a>,
     ) -> Result<Response<ProxyBody>, ProxyError> {
-        let id = end.id;
         let (parts, body) = req.into_parts();
         let body = self.read_body(&parts, body).await?;
         // Flow control's ticket (tenant, class), and the body as it is forwarded.
         let (ticket, body) = self.classify(&parts.headers, body, endpoint.is_some());
+        end.id.who = self.flow.names(ticket);
+        let id = end.id;
         // A call on a stored response goes where the response is.
         let table = self.table();
         if endpoint.is_none() && responses::response_id_in_path(parts.uri.path()).is_some() {

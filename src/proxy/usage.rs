@@ -32,6 +32,9 @@ pub struct Usage {
     /// 0 from an engine that reports, unknown from one that never does (see
     /// `pool::hits::HitStats::delivered`).
     pub cached_tokens: Option<u64>,
+    /// Generated tokens (`completion_tokens`; Anthropic's `output_tokens`, in a stream
+    /// the last `message_delta`'s), when the answer names them.
+    pub completion_tokens: Option<u64>,
 }
 
 /// Incremental usage reader for one response body.
@@ -170,8 +173,14 @@ impl UsageScanner {
                             line.extend_from_slice(&rest[..nl]);
                             line
                         };
-                        if let Some(u) = sse_line_usage(whole) {
-                            *usage = Some(u);
+                        match sse_line_usage(whole) {
+                            Some(LineUsage::Whole(u)) => *usage = Some(u),
+                            Some(LineUsage::Output(n)) => {
+                                if let Some(u) = usage {
+                                    u.completion_tokens = Some(n);
+                                }
+                            }
+                            None => {}
                         }
                         if *wants_id && response_id.is_none() {
                             *response_id = sse_line_response_id(whole);
@@ -242,7 +251,14 @@ impl UsageScanner {
                 wants_id,
                 ..
             } => Found {
-                usage: usage.or_else(|| sse_line_usage(&line)),
+                usage: match (usage, sse_line_usage(&line)) {
+                    (_, Some(LineUsage::Whole(u))) => Some(u),
+                    (Some(u), Some(LineUsage::Output(n))) => Some(Usage {
+                        completion_tokens: Some(n),
+                        ..u
+                    }),
+                    (u, _) => u,
+                },
                 response_id: response_id
                     .or_else(|| wants_id.then(|| sse_line_response_id(&line)).flatten()),
             },
@@ -335,7 +351,14 @@ fn sse_line_response_id(line: &[u8]) -> Option<String> {
     serde_json::from_slice::<Event>(data).ok()?.response?.id
 }
 
-fn sse_line_usage(line: &[u8]) -> Option<Usage> {
+/// What one SSE line's `usage` says.
+enum LineUsage {
+    Whole(Usage),
+    /// Anthropic's `message_delta`: only the generated tokens so far.
+    Output(u64),
+}
+
+fn sse_line_usage(line: &[u8]) -> Option<LineUsage> {
     let data = line.strip_prefix(b"data:")?;
     // Parsed only when some `"usage"` key holds more than `null`: with
     // `stream_options.include_usage` every chunk says `"usage":null` and only the last
@@ -352,7 +375,12 @@ fn sse_line_usage(line: &[u8]) -> Option<Usage> {
             break;
         }
     }
-    Envelope::read(data, false)?.usage()
+    let env = Envelope::read(data, false)?;
+    let output = env.usage.as_ref().and_then(RawUsage::output_only);
+    match output {
+        Some(n) => Some(LineUsage::Output(n)),
+        None => env.usage().map(LineUsage::Whole),
+    }
 }
 
 /// Whether `needle` occurs in `hay` (SIMD substring search; the needles every line is
@@ -391,10 +419,22 @@ struct Message {
 #[derive(Deserialize)]
 struct RawUsage {
     prompt_tokens: Option<u64>,
+    completion_tokens: Option<u64>,
+    output_tokens: Option<u64>,
     prompt_tokens_details: Option<Details>,
     input_tokens: Option<u64>,
     cache_read_input_tokens: Option<u64>,
     cache_creation_input_tokens: Option<u64>,
+}
+
+impl RawUsage {
+    /// An Anthropic `message_delta`'s usage: the output count alone.
+    fn output_only(&self) -> Option<u64> {
+        match (self.prompt_tokens, self.input_tokens) {
+            (None, None) => self.output_tokens,
+            _ => None,
+        }
+    }
 }
 
 #[derive(Deserialize)]
@@ -438,6 +478,7 @@ impl<'a> Envelope<'a> {
             return Some(Usage {
                 prompt_tokens: prompt,
                 cached_tokens: u.prompt_tokens_details.and_then(|d| d.cached_tokens),
+                completion_tokens: u.completion_tokens,
             });
         }
         // Anthropic: input_tokens excludes the cached part.
@@ -446,6 +487,7 @@ impl<'a> Envelope<'a> {
         Some(Usage {
             prompt_tokens: input + read.unwrap_or(0) + u.cache_creation_input_tokens.unwrap_or(0),
             cached_tokens: read,
+            completion_tokens: u.output_tokens,
         })
     }
 }
@@ -472,7 +514,8 @@ mod tests {
             s.finish(),
             Some(Usage {
                 prompt_tokens: 120,
-                cached_tokens: Some(96)
+                cached_tokens: Some(96),
+                completion_tokens: Some(5),
             })
         );
     }
@@ -485,6 +528,7 @@ mod tests {
         let want = Some(Usage {
             prompt_tokens: 120,
             cached_tokens: Some(96),
+            completion_tokens: None,
         });
         let mut s = scanner("application/json");
         s.feed_bytes(&body);
@@ -560,7 +604,8 @@ mod tests {
                 s.finish(),
                 Some(Usage {
                     prompt_tokens: 50,
-                    cached_tokens: Some(32)
+                    cached_tokens: Some(32),
+                    completion_tokens: None,
                 }),
                 "split at {split}"
             );
@@ -581,7 +626,8 @@ mod tests {
                 s.finish(),
                 Some(Usage {
                     prompt_tokens: 7,
-                    cached_tokens: None
+                    cached_tokens: None,
+                    completion_tokens: None,
                 }),
                 "split at {split}"
             );
@@ -596,7 +642,8 @@ mod tests {
             s.finish(),
             Some(Usage {
                 prompt_tokens: 100,
-                cached_tokens: Some(90)
+                cached_tokens: Some(90),
+                completion_tokens: Some(3),
             })
         );
         let mut s = scanner("text/event-stream");
@@ -606,7 +653,8 @@ mod tests {
             s.finish(),
             Some(Usage {
                 prompt_tokens: 64,
-                cached_tokens: Some(60)
+                cached_tokens: Some(60),
+                completion_tokens: Some(9),
             })
         );
     }

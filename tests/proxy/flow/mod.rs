@@ -6,3 +6,4 @@ mod classes;
 mod isolation;
 mod preempt;
 mod queue;
+mod visible;

@@ -171,6 +171,14 @@ async fn with_on_preempt_error_the_batch_request_gets_503_saying_so() {
     assert_eq!(victim.header("x-preempted"), Some("true"));
     assert_eq!(victim.header("retry-after"), Some("1"));
     assert_eq!(victim.json()["error"]["type"], "preempted");
+    let m = scrape(addr).await;
+    assert_eq!(
+        m.value(
+            "cache_aware_router_flow_preempted_total",
+            &[("class", "batch"), ("tenant", "default")]
+        ),
+        1.0
+    );
     assert_eq!(tags(&w), ["victim", "critical"]);
     gate.open();
     router.shutdown().await;
