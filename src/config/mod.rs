@@ -87,7 +87,7 @@ pub use secret::Secret;
 pub use server::{AdminListen, ServerConfig};
 pub use session::{SessionConfig, SessionMode};
 pub use state::StateConfig;
-pub use tenants::{DEFAULT_TENANT, OTHER_TENANT, TenantConfig, TenantsConfig};
+pub use tenants::{DEFAULT_TENANT, OTHER_TENANT, TenantConfig, TenantsConfig, TokenLimits};
 pub use tls::TlsSetting;
 pub use trace::TracingConfig;
 pub use worker_url::WorkerUrl;

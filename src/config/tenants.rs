@@ -44,6 +44,24 @@ pub struct TenantConfig {
     /// Its share of a class's slots against the other tenants waiting in it, in prompt
     /// tokens (1 to 1000, default 1).
     pub weight: u32,
+    /// `tokens_per_minute`: its token budget per minute (default none).
+    pub tokens_per_minute: TokenLimits,
+    /// `tokens_per_day`: its token budget per day (default none).
+    pub tokens_per_day: TokenLimits,
+}
+
+/// A token budget: input (prompt) and output (generated) tokens, each unset = none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(deny_unknown_fields, expecting = "a mapping of keys")]
+pub struct TokenLimits {
+    pub input: Option<u64>,
+    pub output: Option<u64>,
+}
+
+impl TokenLimits {
+    pub fn is_set(&self) -> bool {
+        self.input.is_some() || self.output.is_some()
+    }
 }
 
 impl Default for TenantsConfig {
@@ -77,6 +95,8 @@ struct RawTenant {
     api_key_sha256: Option<Vec<String>>,
     max_class: Option<String>,
     weight: Option<u32>,
+    tokens_per_minute: Option<TokenLimits>,
+    tokens_per_day: Option<TokenLimits>,
 }
 
 /// A SHA-256 digest written as 64 hex digits.
@@ -161,11 +181,29 @@ impl RawTenants {
                     "is out of range (1 to 1000)",
                 ));
             }
+            let tokens_per_minute = raw.tokens_per_minute.unwrap_or_default();
+            let tokens_per_day = raw.tokens_per_day.unwrap_or_default();
+            for (key, limits) in [
+                ("tokens_per_minute", &tokens_per_minute),
+                ("tokens_per_day", &tokens_per_day),
+            ] {
+                for (dir, v) in [("input", limits.input), ("output", limits.output)] {
+                    if let Some(v) = v.filter(|v| !(1..=1_000_000_000_000).contains(v)) {
+                        return Err(ck.bad(
+                            &format!("{at}.{key}.{dir}"),
+                            v,
+                            "is out of range (tokens, 1 to 1e12)",
+                        ));
+                    }
+                }
+            }
             list.push(TenantConfig {
                 name,
                 api_key_sha256,
                 max_class,
                 weight,
+                tokens_per_minute,
+                tokens_per_day,
             });
         }
         Ok(TenantsConfig {
@@ -230,6 +268,14 @@ mod tests {
                 "tenants.list.a.weight",
             ),
             ("tenants: {isolate_cache: true}\n", "tenants.secret"),
+            (
+                "tenants: {list: {a: {tokens_per_minute: {input: 0}}}}\n",
+                "tenants.list.a.tokens_per_minute.input",
+            ),
+            (
+                "tenants: {list: {a: {tokens_per_day: {outputs: 5}}}}\n",
+                "outputs",
+            ),
             ("tenants: {secret: \"a b\"}\n", "tenants.secret"),
         ] {
             let e = err(&[("a.yaml", ONE), ("b.yaml", over)]);

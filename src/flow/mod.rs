@@ -13,6 +13,7 @@
 //! metrics    the queue's families; per class and tenant ones (admitted, shed, pre-empted,
 //!            waits, tokens)
 //! view       the queue's depths for GET /workers and the flow_queued gauge
+//! budget     token budgets per tenant: buckets in process or on Redis (fail open)
 //! ```
 //!
 //! With neither `tenants:` nor `priority:` in the config, flow control is off: every
@@ -21,6 +22,7 @@
 //! sockets.
 
 pub mod admission;
+pub mod budget;
 pub mod classify;
 pub mod metrics;
 pub mod queue;
@@ -29,6 +31,7 @@ pub mod view;
 use std::sync::Arc;
 
 pub use admission::{Admission, Place, Refusal, Wake};
+pub use budget::{Budgets, Debit, Over};
 pub use classify::{Classifier, Ticket};
 
 use crate::config::Config;
@@ -42,6 +45,8 @@ pub struct Charge {
     ticket: Ticket,
     /// Its prompt's tokens as the router estimated them.
     estimate: u64,
+    /// What its tenant's budgets were charged at admission, settled here.
+    debit: Option<Debit>,
 }
 
 impl Charge {
@@ -55,6 +60,9 @@ impl Charge {
         if let Some(m) = self.flow.admission.tickets() {
             m.tokens(self.ticket.class, self.ticket.tenant, input, output);
         }
+        if let (Some(b), Some(d)) = (&self.flow.budgets, self.debit) {
+            b.settle(d, input, output);
+        }
     }
 }
 
@@ -67,6 +75,8 @@ pub struct Flow {
     engine_priority: bool,
     admission: Admission,
     default_ticket: Ticket,
+    /// Token budgets, when a tenant has one.
+    budgets: Option<Arc<Budgets>>,
 }
 
 impl Flow {
@@ -80,14 +90,27 @@ impl Flow {
             None => (1, vec![1]),
         };
         let metrics = metrics::QueueMetrics::register(registry);
-        let tickets = classifier.as_ref().map(|c| {
+        let names = classifier.as_ref().map(|c| {
             let classes: Vec<_> = (0..c.classes() as u8)
                 .map(|i| Arc::clone(c.class_name(i)))
                 .collect();
             let tenants: Vec<_> = (0..c.tenants() as u16)
                 .map(|i| Arc::clone(c.tenant_name(i)))
                 .collect();
-            metrics::FlowMetrics::register(registry, &classes, &tenants)
+            (classes, tenants)
+        });
+        let tickets = names
+            .as_ref()
+            .map(|(classes, tenants)| metrics::FlowMetrics::register(registry, classes, tenants));
+        let budgets = names.as_ref().and_then(|(_, tenants)| {
+            let errors = prometheus_client::metrics::counter::Counter::default();
+            let b = Budgets::new(config, tenants, errors.clone())?;
+            registry.register_family(
+                "flow_budget_errors",
+                "Token budget calls to Redis (state.redis_url) that failed: limits failed open",
+                errors,
+            );
+            Some(Arc::new(b))
         });
         Flow {
             default_ticket: classifier
@@ -96,6 +119,34 @@ impl Flow {
             admission: Admission::new(config, classes, &weights, pool, metrics, tickets),
             classifier,
             engine_priority: on && config.priority.engine_priority,
+            budgets,
+        }
+    }
+
+    /// Whether some tenant has a token budget.
+    pub fn has_budgets(&self) -> bool {
+        self.budgets.is_some()
+    }
+
+    /// Charges a request of `ticket` with about `input` prompt tokens against its
+    /// tenant's budgets ([`Budgets::debit`]); over budget, counted as shed (`budget`).
+    pub async fn debit(&self, ticket: Ticket, input: u64) -> Result<Option<Debit>, Over> {
+        let Some(b) = &self.budgets else {
+            return Ok(None);
+        };
+        let debited = b.debit(ticket.tenant, input).await;
+        if debited.is_err()
+            && let Some(m) = self.admission.tickets()
+        {
+            m.shed(ticket.class, ticket.tenant, "budget");
+        }
+        debited
+    }
+
+    /// Gives back what a request turned away before any worker had it was charged.
+    pub fn refund(&self, debit: Debit) {
+        if let Some(b) = &self.budgets {
+            b.refund(debit);
         }
     }
 
@@ -121,11 +172,17 @@ impl Flow {
     /// What an answered request of `ticket` with a prompt of about `estimate` tokens
     /// is charged when its answer ends ([`Charge::settle`]); `None` with flow control
     /// off.
-    pub fn charge(self: &Arc<Self>, ticket: Ticket, estimate: u64) -> Option<Charge> {
+    pub fn charge(
+        self: &Arc<Self>,
+        ticket: Ticket,
+        estimate: u64,
+        debit: Option<Debit>,
+    ) -> Option<Charge> {
         self.is_on().then(|| Charge {
             flow: Arc::clone(self),
             ticket,
             estimate,
+            debit,
         })
     }
 

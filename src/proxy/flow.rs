@@ -12,7 +12,7 @@ use http::HeaderMap;
 
 use super::Router;
 use crate::error::ProxyError;
-use crate::flow::{Refusal, Ticket};
+use crate::flow::{Over, Refusal, Ticket};
 
 /// The top-level members of a request body that flow control reads.
 #[derive(Debug, Default)]
@@ -150,6 +150,24 @@ impl Router {
             limit,
             kind,
             retry_after: 1,
+        }
+    }
+}
+
+impl Router {
+    /// A request over its tenant's token budget: 429 naming the limit, `Retry-After`
+    /// the refill's time.
+    pub(super) fn over_budget(&self, ticket: Ticket, over: Over) -> ProxyError {
+        let class = self.flow.names(ticket).map_or_else(
+            || std::sync::Arc::from("-"),
+            |(_, c)| std::sync::Arc::clone(c),
+        );
+        ProxyError::Shed {
+            class,
+            why: "its tenant's token budget is spent".to_string(),
+            limit: over.limit,
+            kind: "budget_exceeded",
+            retry_after: over.retry_after,
         }
     }
 }

@@ -7,7 +7,7 @@
 //! its worker's answer, then sent again.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -49,6 +49,8 @@ pub(super) struct Route<'a> {
     pub ticket: Ticket,
     /// How many times it was pre-empted (`priority.preempt`).
     pub preempted: AtomicU8,
+    /// The input tokens its tenant's budgets were charged at admission (0: none).
+    pub debited: AtomicU64,
 }
 
 impl<'a> Route<'a> {
@@ -70,7 +72,17 @@ impl<'a> Route<'a> {
             resume: None,
             ticket,
             preempted: AtomicU8::new(0),
+            debited: AtomicU64::new(0),
         }
+    }
+
+    /// What its tenant's budgets were charged, taken (to settle or refund once).
+    pub fn take_debit(&self) -> Option<crate::flow::Debit> {
+        let input = self.debited.swap(0, Ordering::Relaxed);
+        (input > 0).then_some(crate::flow::Debit {
+            tenant: self.ticket.tenant,
+            input,
+        })
     }
 
     /// Its prompt's tokens as the queue charges them: about 4 bytes a token.
@@ -245,6 +257,9 @@ impl Router {
         tried: &WorkerMask,
         started: Instant,
     ) -> Result<Option<(Pick, InFlightGuard)>, ProxyError> {
+        if attempt == 0 {
+            self.debit(route).await?;
+        }
         // Admission: others ahead of it in the queue, or its class's capacity held, and
         // it waits instead of taking a slot.
         let must_wait = attempt == 0 && self.flow.admission().must_wait(route.ticket.class);
@@ -262,9 +277,33 @@ impl Router {
         let waited = self.wait_for_slot(set, route, tried).await;
         match &waited {
             Ok(Some(_)) => self.flow.admission().admitted(route.ticket),
-            _ => self.metrics.decision(Reason::NoWorker, started.elapsed()),
+            _ => {
+                self.metrics.decision(Reason::NoWorker, started.elapsed());
+                // Turned away before any worker had it: its budget charge comes back.
+                if let Some(d) = route.take_debit() {
+                    self.flow.refund(d);
+                }
+            }
         }
         waited
+    }
+
+    /// Token budgets (`tenants.list.NAME.tokens_per_minute`, `tokens_per_day`): a routed
+    /// request is charged its prompt's estimated tokens once, before it may queue;
+    /// over its tenant's budget, 429 with `Retry-After` from the refill.
+    async fn debit(&self, route: &Route<'_>) -> Result<(), ProxyError> {
+        if !self.flow.has_budgets()
+            || route.req.ctx.is_none()
+            || route.debited.load(Ordering::Relaxed) > 0
+        {
+            return Ok(());
+        }
+        match self.flow.debit(route.ticket, route.cost()).await {
+            Ok(Some(d)) => route.debited.store(d.input, Ordering::Relaxed),
+            Ok(None) => {}
+            Err(over) => return Err(self.over_budget(route.ticket, over)),
+        }
+        Ok(())
     }
 
     /// What an adapter request needs on `worker` before it is sent (see

@@ -93,7 +93,9 @@ impl Router {
             block_tokens: self.config.cache.engine_block_tokens as u64,
             prepared,
             export: self.export.clone(),
-            charge: self.flow.charge(route.ticket, route.cost()),
+            charge: self
+                .flow
+                .charge(route.ticket, route.cost(), route.take_debit()),
         };
         let stream = route
             .resume

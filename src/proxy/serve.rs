@@ -212,6 +212,7 @@ impl Router {
             resume: None,
             ticket,
             preempted: Default::default(),
+            debited: Default::default(),
         };
         if let (Some(legs), Some(endpoint)) = (routed.legs, endpoint) {
             return self

@@ -1,6 +1,7 @@
 //! State shared beyond one request: router replicas routing as one through a real
-//! Redis, and the response cache (in-process and on Redis).
+//! Redis, the response cache (in-process and on Redis), token budgets on Redis.
 
+mod budgets;
 #[path = "../common/mod.rs"]
 mod common;
 mod fleet;

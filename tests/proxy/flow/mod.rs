@@ -2,6 +2,7 @@
 //! admission queue by class and tenant, pre-emption, as the worker and the client see
 //! them.
 
+mod budgets;
 mod classes;
 mod isolation;
 mod preempt;
