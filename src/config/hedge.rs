@@ -16,8 +16,8 @@ pub struct HedgeConfig {
     pub after: Option<Duration>,
     /// Most requests hedged, as a share of the streamed requests (default 0.05).
     pub max_share: f64,
-    /// The priority classes hedged (default `[critical, interactive]`): read once
-    /// requests carry a class (flow control); until then every streamed request may be.
+    /// The priority classes hedged (default `[critical, interactive]`) with flow
+    /// control on; with it off every streamed request may be.
     pub classes: Vec<String>,
 }
 
@@ -107,5 +107,16 @@ mod tests {
             let e = load(&format!("hedge: {bad}\n{ONE}")).unwrap_err();
             assert!(e.contains(key), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn with_flow_control_the_hedged_classes_must_be_priority_classes() {
+        let e = load(&format!(
+            "hedge: {{after_ms: 300, classes: [interactive, urgent]}}\npriority: {{}}\n{ONE}"
+        ))
+        .unwrap_err();
+        assert!(e.contains("hedge.classes[1]"), "{e}");
+        assert!(e.contains("names no class of priority.classes"), "{e}");
+        load(&format!("hedge: {{after_ms: 300}}\npriority: {{}}\n{ONE}")).unwrap();
     }
 }

@@ -214,7 +214,9 @@ impl RawConfig {
         let priority = priority.0.validate(ck, priority.1)?;
         let tenants = self.tenants.map(|t| (t, true)).unwrap_or_default();
         let tenants = tenants.0.validate(ck, tenants.1, &priority)?;
+        let hedge = self.hedge.validate(ck)?;
         check_flow(&proxy, &priority, &tenants, ck)?;
+        check_hedge_classes(&hedge, &priority, &tenants, ck)?;
         Ok(Config {
             policy,
             server,
@@ -238,7 +240,7 @@ impl RawConfig {
             adapters: self.adapters.validate(ck)?,
             pd: self.pd.validate(ck, policy)?,
             migration: self.migration.validate(ck)?,
-            hedge: self.hedge.validate(ck)?,
+            hedge,
             tenants,
             priority,
         })
@@ -277,6 +279,35 @@ fn check_flow(
         ));
     }
     Ok(())
+}
+
+/// With hedging and flow control on, `hedge.classes` names classes of
+/// `priority.classes`.
+fn check_hedge_classes(
+    hedge: &HedgeConfig,
+    priority: &PriorityConfig,
+    tenants: &TenantsConfig,
+    ck: &Checker<'_>,
+) -> Result<(), ConfigError> {
+    if hedge.after.is_none() || !(priority.enabled || tenants.enabled) {
+        return Ok(());
+    }
+    match hedge
+        .classes
+        .iter()
+        .enumerate()
+        .find(|(_, c)| priority.class(c).is_none())
+    {
+        Some((i, c)) => Err(ck.bad(
+            &format!("hedge.classes[{i}]"),
+            c,
+            format!(
+                "names no class of priority.classes ({})",
+                priority.classes.join(", ")
+            ),
+        )),
+        None => Ok(()),
+    }
 }
 
 /// Merges `over` into `base`: mappings key by key (recursively), anything else replaces.

@@ -8,7 +8,8 @@
 //! for others, it takes a [`Place`] and waits: for a grant (a freed slot the queue hands
 //! it in order), for its class's `timeout_ms`, or until a more urgent request takes its
 //! place. Every waiter also listens to the pool's slot-freed signal and relays each one
-//! to the queue as a credit, so no task of its own runs the queue.
+//! to the queue, which counts the workers' free slots afresh and grants that many
+//! waiters (less those already granted), so no task of its own runs the queue.
 //!
 //! The lock is a `std::sync::Mutex` held for a few list operations and never across an
 //! await; waiters are woken after it is released.
@@ -60,19 +61,10 @@ pub struct ClassRule {
 
 /// `priority.reserve`: shares of the slots held per class, and each class's requests in
 /// flight (counted by their in-flight guards).
+#[derive(Debug)]
 struct Reserve {
     shares: Vec<f64>,
     in_flight: Vec<Arc<AtomicUsize>>,
-    /// The workers whose slots are shared.
-    pool: Arc<Pool>,
-}
-
-impl std::fmt::Debug for Reserve {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Reserve")
-            .field("shares", &self.shares)
-            .finish_non_exhaustive()
-    }
 }
 
 /// `priority.preempt`: the requests of the last class that may be cancelled now (sent,
@@ -99,6 +91,17 @@ pub struct Admission {
     metrics: QueueMetrics,
     /// Per class and tenant (flow control on).
     tickets: Option<FlowMetrics>,
+    /// The workers whose slots the queue hands out (all of them).
+    pool: Workers,
+}
+
+/// The membership, for counting free slots (not shown by `Debug`).
+struct Workers(Arc<Pool>);
+
+impl std::fmt::Debug for Workers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Workers(..)")
+    }
 }
 
 impl Admission {
@@ -137,7 +140,6 @@ impl Admission {
         let reserve = (classes > 1 && p.reserve.iter().any(|s| *s > 0.0)).then(|| Reserve {
             shares: p.reserve.clone(),
             in_flight: (0..classes).map(|_| Arc::default()).collect(),
-            pool: Arc::clone(pool),
         });
         let preempt = (classes > 1 && p.preempt).then(|| Preemption {
             last: (classes - 1) as u8,
@@ -154,7 +156,25 @@ impl Admission {
             next_id: AtomicU64::new(1),
             metrics,
             tickets,
+            pool: Workers(Arc::clone(pool)),
         }
+    }
+
+    /// Slots free now on the usable workers (one without `max_load` counts as many as
+    /// could want one).
+    fn free_slots(&self) -> usize {
+        let now = crate::pools::pool::now();
+        let set = self.pool.0.set();
+        set.workers()
+            .iter()
+            .filter(|w| w.is_routable(now))
+            .map(|w| match w.config().max_load {
+                Some(max) => max
+                    .get()
+                    .saturating_sub(w.in_flight() + w.remote_in_flight()),
+                None => self.max_waiting.max(1),
+            })
+            .fold(0usize, usize::saturating_add)
     }
 
     /// The per class and tenant families, when flow control is on.
@@ -234,7 +254,7 @@ impl Admission {
         let Some(r) = &self.reserve else {
             return true;
         };
-        let set = r.pool.set();
+        let set = self.pool.0.set();
         let (mut cap, mut used) = (0usize, 0usize);
         for w in set.workers().iter().filter(|w| w.is_healthy()) {
             let Some(max) = w.config().max_load else {
@@ -336,7 +356,7 @@ impl Admission {
     }
 
     /// `priority.preempt`: a request of `ticket`'s class registers as one that may be
-    /// cancelled while it waits for its worker's answer (the last class only).
+    /// cancelled until the first byte of its worker's answer (the last class only).
     pub fn preemptible(&self, ticket: Ticket) -> Option<Preemptible<'_>> {
         let p = self.preempt.as_ref().filter(|p| ticket.class == p.last)?;
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -347,6 +367,12 @@ impl Admission {
             id,
             notify,
         })
+    }
+
+    /// Whether requests of `class` may be pre-empted (`priority.preempt`, the last
+    /// class).
+    pub fn is_preemptible(&self, class: u8) -> bool {
+        self.preempt.as_ref().is_some_and(|p| class == p.last)
     }
 
     /// A request of the first class found no slot: cancels the newest pre-emptible
@@ -375,16 +401,15 @@ impl Admission {
             .is_some_and(|p| p.on_preempt == OnPreempt::Requeue)
     }
 
-    /// Workers have `free` slots while others wait: a credit for each slot no granted
-    /// waiter is already about to take, so the next waiters try for them.
-    pub fn room_left(&self, free: usize) {
+    /// A worker may have room while others wait: the next waiters try for each free
+    /// slot no granted waiter is already about to take.
+    pub fn room_left(&self) {
         if self.busy.load(Ordering::Relaxed) == 0 {
             return;
         }
+        let free = self.free_slots();
         let mut q = self.lock();
-        for _ in q.granted()..free.min(q.waiting() + q.granted()) {
-            q.credit();
-        }
+        q.refill(free);
         let granted = self.dispatch(&mut q);
         self.settle(q, granted);
     }
@@ -413,7 +438,8 @@ impl Drop for Preemptible<'_> {
     fn drop(&mut self) {
         let mut running = lock(self.running);
         if let Some(i) = running.iter().position(|(id, ..)| *id == self.id) {
-            running.swap_remove(i);
+            // In order: the newest is pre-empted first.
+            running.remove(i);
         }
     }
 }
@@ -463,10 +489,12 @@ impl Place<'_> {
         }
     }
 
-    /// Relays a freed slot to the queue: a credit, handed to the next waiter in order.
+    /// Relays a freed slot to the queue: its free slots, handed to the next waiters in
+    /// order.
     pub fn relay_freed(&self) {
+        let free = self.adm.free_slots();
         let mut q = self.adm.lock();
-        q.freed();
+        q.freed(free);
         let granted = self.adm.dispatch(&mut q);
         self.adm.settle(q, granted);
     }
@@ -474,6 +502,7 @@ impl Place<'_> {
     /// Granted, it found no slot: back to the head of its queue (see
     /// [`Queue::failed`]).
     pub fn no_slot(&self) {
+        let free = self.adm.free_slots();
         let mut q = self.adm.lock();
         if self.waiter.state() != State::Granted {
             return;
@@ -485,6 +514,7 @@ impl Place<'_> {
             waiter: Arc::clone(&self.waiter),
         };
         q.failed(self.ticket.class as usize, self.ticket.tenant as usize, e);
+        q.refill(free);
         let granted = self.adm.dispatch(&mut q);
         self.adm.settle(q, granted);
     }
@@ -524,6 +554,10 @@ impl Drop for Place<'_> {
             return;
         }
         let (class, tenant) = (self.ticket.class as usize, self.ticket.tenant as usize);
+        let free = match self.waiter.state() {
+            State::Granted => self.adm.free_slots(),
+            _ => 0,
+        };
         let mut q = self.adm.lock();
         let granted = match self.waiter.state() {
             State::Waiting => {
@@ -533,7 +567,7 @@ impl Drop for Place<'_> {
             // Its right to try goes to the next waiter.
             State::Granted => {
                 q.resolved(class);
-                q.credit();
+                q.refill(free);
                 self.adm.dispatch(&mut q)
             }
             State::Shed => Vec::new(),

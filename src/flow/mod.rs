@@ -7,7 +7,8 @@
 //!            and class (header, body `priority`, else the default), clamped to the
 //!            tenant's max_class: a Ticket
 //! queue      one queue per (class, tenant): strict order across classes, deficit round
-//!            robin in prompt tokens across tenants; shedding; credits per freed slot
+//!            robin in prompt tokens across tenants; shedding; credits counted afresh
+//!            from the workers' free slots
 //! admission  the fast path, the bounds per class, priority.reserve, pre-emption; a
 //!            waiter's Place
 //! metrics    the queue's families; per class and tenant ones (admitted, shed, pre-empted,

@@ -10,10 +10,12 @@
 //! request's tokens. A heavy tenant thus gets the same tokens per round as a light one
 //! of the same weight, however many requests it queues. One tenant, one class: FIFO.
 //!
-//! A freed slot is a **credit**; each credit grants one waiter (taken out of its queue)
-//! the right to try for a slot. A waiter that then finds none (another pool's worker
-//! freed it, or a request from outside the queue took it) goes back to the head of its
-//! queue, and its pool is passed over until the next slot frees.
+//! Each free slot no granted waiter is about to take is a **credit** (counted afresh from
+//! the workers whenever a slot frees, never accumulated, so one slot is never offered
+//! twice); each credit grants one waiter (taken out of its queue) the right to try for a
+//! slot. A waiter that then finds none (another pool's worker freed it, or a request
+//! from outside the queue took it) goes back to the head of its queue, and its pool is
+//! passed over until the next slot frees.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -233,28 +235,34 @@ impl Queue {
         Some((c, tenant, e))
     }
 
-    /// A slot freed: one more credit (never more than the waiters), and the pools
-    /// passed over may try again.
-    pub fn freed(&mut self) {
+    /// A slot freed, and the workers have `free` slots now: the pools passed over may
+    /// try again ([`Queue::refill`]).
+    pub fn freed(&mut self, free: usize) {
         self.failed.clear();
-        self.credits = (self.credits + 1).min(self.waiting);
+        self.refill(free);
     }
 
-    /// One more credit for the waiters (a granted one gave its right back unused).
+    /// The workers have `free` slots now: a credit for each one no granted waiter is
+    /// about to take (never more than the waiters).
+    pub fn refill(&mut self, free: usize) {
+        self.credits = free.saturating_sub(self.granted()).min(self.waiting);
+    }
+
+    /// One more credit (tests: a slot freed while nothing is granted).
+    #[cfg(test)]
     pub fn credit(&mut self) {
         self.credits = (self.credits + 1).min(self.waiting);
     }
 
     /// A granted waiter of `class` from `pool` found no slot: passed over with its pool
-    /// until the next slot frees; it goes back to the head of its queue (`e`), and its
-    /// credit goes to the next waiter of another pool.
+    /// until the next slot frees; it goes back to the head of its queue (`e`) (a
+    /// [`Queue::refill`] then offers the slot to a waiter of another pool).
     pub fn failed(&mut self, class: usize, tenant: usize, e: Entry) {
         if !self.failed.contains(&e.pool) {
             self.failed.push(e.pool);
         }
         self.resolved(class);
         self.push(class, tenant, e, true);
-        self.credit();
     }
 
     /// A granted waiter of `class` is done with its grant (admitted, or gone).
@@ -546,7 +554,7 @@ mod tests {
         q.credit();
         let g = q.dispatch(|_| true);
         assert!(Arc::ptr_eq(&g[0], &wa));
-        // It found no slot: back at its head, and the credit goes to pool 2.
+        // It found no slot: back at its head, and the slot goes to pool 2.
         q.failed(
             0,
             0,
@@ -557,12 +565,17 @@ mod tests {
                 waiter: wa.clone(),
             },
         );
+        q.refill(1);
         let g = q.dispatch(|_| true);
         assert!(Arc::ptr_eq(&g[0], &wb));
         assert_eq!(wa.state(), State::Waiting);
-        q.credit();
+        // While b is about to take the one free slot, nothing more is offered.
+        q.refill(1);
+        assert!(q.dispatch(|_| true).is_empty());
+        q.resolved(0);
+        q.refill(1);
         assert!(q.dispatch(|_| true).is_empty(), "pool 1 is passed over");
-        q.freed();
+        q.freed(1);
         assert!(Arc::ptr_eq(&q.dispatch(|_| true)[0], &wa));
     }
 }

@@ -3,7 +3,7 @@
 //! breaker and the policy how it went; [`super::retry`] says whether another worker
 //! takes it. The answer that ends the loop goes to [`Router::respond`]. The first
 //! attempt goes through admission (`crate::flow`): it may wait in the queue, and with
-//! `priority.preempt` a request of the last class may be cancelled while it waits for
+//! `priority.preempt` a request of the last class may be cancelled until the first byte of
 //! its worker's answer, then sent again.
 
 use std::sync::Arc;
@@ -450,7 +450,7 @@ impl Router {
             .map_err(|r| self.refused(route.ticket, r))?;
         if !blocked() {
             // Others are ahead of it but a worker has room: the next in order tries.
-            adm.room_left(free_slots(set, tried));
+            adm.room_left();
         } else {
             // In the queue first, so that the slot a pre-empted request frees is its.
             adm.preempt_for(route.ticket);
@@ -467,7 +467,7 @@ impl Router {
                         && let Some(picked) = self.pick(set, route, tried)
                     {
                         place.admitted();
-                        adm.room_left(free_slots(set, tried));
+                        adm.room_left();
                         return Ok(Some(picked));
                     }
                     if !blocked() {
@@ -490,7 +490,9 @@ impl Router {
 
     /// One attempt ([`Router::send`]); a request `priority.preempt` may cancel is
     /// cancelled (its connection closed: the engine aborts it) when a more urgent one
-    /// pre-empts it before its worker's answer: `Err(Preempted)`.
+    /// pre-empts it before the first byte of its worker's answer: `Err(Preempted)`.
+    /// Engines send a stream's headers at once and its first event with the first
+    /// token, so a 2xx answer's headers wait here for its first body byte.
     async fn send_preemptible(
         &self,
         watch: Attempt<'_>,
@@ -508,8 +510,17 @@ impl Router {
         let Some(p) = preemptible else {
             return self.send(watch, base, body, &route.id, guard, wait).await;
         };
+        let first_byte = async {
+            let mut sent = self.send(watch, base, body, &route.id, guard, wait).await;
+            if let Ok(resp) = &mut sent.0
+                && resp.status().is_success()
+            {
+                resp.body_mut().first().await;
+            }
+            sent
+        };
         tokio::select! {
-            sent = self.send(watch, base, body, &route.id, guard, wait) => sent,
+            sent = first_byte => sent,
             () = p.preempted() => {
                 route.preempted.fetch_add(1, Ordering::Relaxed);
                 (Err(ProxyError::Preempted), false)
@@ -554,21 +565,6 @@ pub(super) struct Leg<'a, 'r> {
     pub route: &'a Route<'r>,
     pub wait: Duration,
     pub tried: &'a WorkerMask,
-}
-
-/// Slots free on the usable workers of `set` not yet tried (a worker without
-/// `max_load` counts one: enough for one more waiter to try).
-fn free_slots(set: &WorkerSet, tried: &WorkerMask) -> usize {
-    let now = crate::pools::pool::now();
-    set.workers()
-        .iter()
-        .filter(|w| !tried.contains(w.id()) && w.is_routable(now))
-        .map(|w| {
-            w.config().max_load.map_or(1, |m| {
-                m.get().saturating_sub(w.in_flight() + w.remote_in_flight())
-            })
-        })
-        .sum()
 }
 
 /// One attempt's pick, told to the policy exactly once: how it ended, or

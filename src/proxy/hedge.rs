@@ -7,9 +7,11 @@
 //! the streamed requests: each one adds that share to a budget a hedge spends whole
 //! ([`Hedging`]). Only streamed chat and completions requests are hedged (a
 //! non-streamed answer's first byte is its end), and not LoRA adapter requests (the
-//! second worker may need the adapter loaded first). The answer's headers wait for its
-//! first byte while a hedge may still start: engines send their headers at once and
-//! their first event with the first token.
+//! second worker may need the adapter loaded first). With flow control on, only the
+//! classes of `hedge.classes` are hedged, and never a request `priority.preempt` may
+//! cancel (it gives way to urgent work; a hedge would take a second slot). The answer's
+//! headers wait for its first byte while a hedge may still start: engines send their
+//! headers at once and their first event with the first token.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -19,7 +21,7 @@ use http::Response;
 
 use super::Router;
 use super::forward::{Attempt, Leg, Route};
-use crate::config::HedgeConfig;
+use crate::config::{HedgeConfig, PriorityConfig};
 use crate::error::ProxyError;
 use crate::policy::Pick;
 use crate::pools::pool::{InFlightGuard, WorkerId};
@@ -41,16 +43,29 @@ pub struct Hedging {
     budget: AtomicU64,
     /// What each streamed request adds to it (`max_share`, in millionths).
     per_request: u64,
+    /// Per priority class, whether it is hedged (`hedge.classes`); empty with flow
+    /// control off: every request may be.
+    classes: Vec<bool>,
 }
 
 impl Hedging {
-    /// `hedge:` when on (`after_ms` set).
-    pub fn new(cfg: &HedgeConfig) -> Option<Self> {
+    /// `hedge:` when on (`after_ms` set); `priority`: the classes, when flow control is
+    /// on.
+    pub fn new(cfg: &HedgeConfig, priority: Option<&PriorityConfig>) -> Option<Self> {
+        let classes = priority.map_or_else(Vec::new, |p| {
+            p.classes.iter().map(|c| cfg.classes.contains(c)).collect()
+        });
         Some(Hedging {
             after: cfg.after?,
             budget: AtomicU64::new(0),
             per_request: (cfg.max_share * UNIT as f64).round() as u64,
+            classes,
         })
+    }
+
+    /// Whether requests of `class` may be hedged.
+    fn hedges(&self, class: u8) -> bool {
+        self.classes.is_empty() || self.classes.get(class as usize) == Some(&true)
     }
 
     /// A request that may be hedged: its share goes to the budget. Relaxed: a counter,
@@ -97,7 +112,13 @@ impl Router {
     pub(super) fn hedge_after(&self, attempt: u32, route: &Route<'_>) -> Option<Duration> {
         let h = self.hedging.as_ref()?;
         let streamed = route.resume.is_some() && route.pd.is_none();
-        if attempt > 0 || !streamed || route.req.adapter.is_some() {
+        let class = route.ticket.class;
+        if attempt > 0
+            || !streamed
+            || route.req.adapter.is_some()
+            || !h.hedges(class)
+            || self.flow.admission().is_preemptible(class)
+        {
             return None;
         }
         h.credit();
@@ -276,10 +297,10 @@ mod tests {
             ..HedgeConfig::default()
         };
         assert!(
-            Hedging::new(&cfg(None, 0.5)).is_none(),
+            Hedging::new(&cfg(None, 0.5), None).is_none(),
             "off without after_ms"
         );
-        let h = Hedging::new(&cfg(Some(100), 0.05)).unwrap();
+        let h = Hedging::new(&cfg(Some(100), 0.05), None).unwrap();
         let mut hedged = 0;
         for _ in 0..1000 {
             h.credit();
@@ -292,7 +313,7 @@ mod tests {
         }
         let burst = (0..100).filter(|_| h.spend()).count();
         assert_eq!(burst as u64, BURST);
-        let none = Hedging::new(&cfg(Some(100), 0.0)).unwrap();
+        let none = Hedging::new(&cfg(Some(100), 0.0), None).unwrap();
         none.credit();
         assert!(!none.spend());
     }

@@ -104,7 +104,7 @@ impl Router {
         export: Option<Arc<Exporter>>,
     ) -> Self {
         Router {
-            hedging: hedge::Hedging::new(&config.hedge),
+            hedging: hedge::Hedging::new(&config.hedge, flow.is_on().then_some(&config.priority)),
             flow,
             export,
             client,

@@ -137,3 +137,34 @@ async fn a_client_that_leaves_mid_race_closes_both_legs() {
     wait_all_idle(router.addr, Duration::from_secs(2)).await;
     router.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_flow_control_only_hedge_classes_are_hedged_and_never_a_preemptible_request() {
+    // Both first tokens late; batch is listed but may be pre-empted, standard is not
+    // listed: only the interactive request is hedged.
+    let extra = "  max_share: 1.0\n  classes: [interactive, batch]\npriority:\n  preempt: true\nproxy:\n  queue:\n    max_waiting: 8\n";
+    let (a, b, yaml) = hedged_pair(slow(300), slow(300), extra).await;
+    let router = start_router(&yaml).await;
+    let hedged = || async {
+        let m = scrape(router.addr).await;
+        ["won", "lost", "failed", "capped", "no_worker"]
+            .iter()
+            .map(|o| m.value(HEDGES, &[("outcome", o)]))
+            .sum::<f64>()
+    };
+    for class in ["batch", "standard"] {
+        let resp = send(router.addr, &stream_of(3).header("x-priority", class)).await;
+        assert_eq!(read(&resp.body).dones, 1, "{class}");
+        assert_eq!(hedged().await, 0.0, "{class} not hedged");
+    }
+    assert_eq!((a.count(), b.count()), (1, 1), "no request sent twice");
+    let resp = send(
+        router.addr,
+        &stream_of(3).header("x-priority", "interactive"),
+    )
+    .await;
+    assert_eq!(read(&resp.body).dones, 1);
+    assert_eq!(hedged().await, 1.0, "interactive hedged");
+    assert_eq!(a.count() + b.count(), 4, "sent to both workers");
+    router.shutdown().await;
+}
