@@ -30,8 +30,9 @@ pub const MAX_REQUEUES: u8 = 3;
 /// Why the queue refused a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refusal {
-    /// No room: `proxy.queue.max_waiting` requests wait, none less urgent; or a more
-    /// urgent request took this one's place.
+    /// No room: `proxy.queue.max_waiting` requests wait, none less urgent and none of
+    /// a tenant with more tokens waiting in its class; or such a request took this
+    /// one's place (`evicted`).
     Full { max: usize, evicted: bool },
     /// Its class's `proxy.queue.per_class.<class>.max_waiting` requests wait.
     ClassFull { max: usize },
@@ -299,7 +300,10 @@ impl Admission {
             ));
         }
         if q.waiting() >= self.max_waiting {
-            match q.shed_below(class) {
+            let displaced = q
+                .shed_below(class)
+                .or_else(|| q.shed_within(class, ticket.tenant as usize, cost));
+            match displaced {
                 Some((c, t, e)) => {
                     self.metrics.rejected("full");
                     if let Some(m) = &self.tickets {

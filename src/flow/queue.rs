@@ -235,6 +235,34 @@ impl Queue {
         Some((c, tenant, e))
     }
 
+    /// Makes room in a full queue for a request of `tenant` costing `cost` tokens in
+    /// `class`, when nothing less urgent waits: sheds the newest request of the tenant
+    /// of `class` with the most tokens waiting per unit of weight, if that is more than
+    /// `tenant` would have with this request (so a tenant that fills the queue cannot
+    /// keep a lighter one out of it). `None` when no other tenant holds more.
+    pub fn shed_within(
+        &mut self,
+        class: usize,
+        tenant: usize,
+        cost: u64,
+    ) -> Option<(usize, usize, Entry)> {
+        let cq = &self.classes[class];
+        // Tokens waiting per QUANTUM of the tenant's quantum (its weight).
+        let load = |t: usize, more: u64| {
+            u128::from(cq.tenants[t].queued + more) * u128::from(QUANTUM)
+                / u128::from(self.quantum[t].max(1))
+        };
+        let mine = load(tenant, cost);
+        let heaviest = (0..cq.tenants.len())
+            .filter(|&t| t != tenant && !cq.tenants[t].entries.is_empty())
+            .max_by_key(|&t| load(t, 0))
+            .filter(|&t| load(t, 0) > mine)?;
+        let e = self.classes[class].tenants[heaviest].entries.pop_back()?;
+        self.took(class, heaviest, &e);
+        e.waiter.set(State::Shed);
+        Some((class, heaviest, e))
+    }
+
     /// A slot freed, and the workers have `free` slots now: the pools passed over may
     /// try again ([`Queue::refill`]).
     pub fn freed(&mut self, free: usize) {
@@ -535,6 +563,27 @@ mod tests {
         assert_eq!(q.shed_below(0).unwrap().2.id, 2);
         assert_eq!(q.shed_below(0).unwrap().2.id, 1);
         assert_eq!(q.waiting(), 0);
+    }
+
+    #[test]
+    fn a_full_class_sheds_the_tenant_with_the_most_tokens_waiting_for_a_lighter_one() {
+        let mut q = Queue::new(2, &[1, 1, 2]);
+        for id in 0..4 {
+            q.push(1, 0, entry(id, 100), false);
+        }
+        q.push(1, 2, entry(10, 300), false);
+        // Tenant 1 (nothing waiting) displaces tenant 0's newest; tenant 2's 300 tokens
+        // count as 150 at weight 2.
+        let (c, t, e) = q.shed_within(1, 1, 100).unwrap();
+        assert_eq!((c, t, e.id), (1, 0, 3));
+        assert_eq!(e.waiter.state(), State::Shed);
+        q.push(1, 1, entry(20, 100), false);
+        // Tenant 0 now holds 300 tokens: it cannot displace anyone lighter than itself.
+        assert!(q.shed_within(1, 0, 100).is_none());
+        // Tenant 1 with a second request (200) still has less than tenant 0's 300.
+        assert_eq!(q.shed_within(1, 1, 100).unwrap().2.id, 2);
+        // A class with nothing waiting sheds nothing.
+        assert!(q.shed_within(0, 1, 1).is_none());
     }
 
     #[test]

@@ -123,12 +123,12 @@ impl Router {
                 max,
                 evicted: false,
             } => (
-                "the admission queue is full and no less urgent request waits in it".to_string(),
+                "the admission queue is full and no less urgent request, nor one of a tenant with more tokens waiting in its class, waits in it".to_string(),
                 format!("proxy.queue.max_waiting: {max}"),
                 "queue_full",
             ),
             Refusal::Full { max, evicted: true } => (
-                "a more urgent request took this one's place in the full admission queue"
+                "a more urgent request, or one of a tenant with fewer tokens waiting in its class, took this one's place in the full admission queue"
                     .to_string(),
                 format!("proxy.queue.max_waiting: {max}"),
                 "queue_full",

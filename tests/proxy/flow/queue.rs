@@ -164,6 +164,39 @@ async fn a_full_queue_sheds_the_least_urgent_first_with_429_naming_the_limit() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_that_fills_the_queue_gives_way_to_a_lighter_one_of_its_class() {
+    let gate = Gate::new();
+    let w = one_slot_worker(&gate, Duration::from_millis(10)).await;
+    let yaml = router_yaml(&w, "tenants:\n  list: {light: {}, heavy: {}}\n")
+        .replace("max_waiting: 16", "max_waiting: 2");
+    let router = start_router(&yaml).await;
+    let addr = router.addr;
+    let holder = hold_the_slot(addr).await;
+    let heavy_1 = spawn_send(addr, request("heavy-1", "standard", Some("heavy")));
+    wait_queued(addr, 1.0).await;
+    let heavy_2 = spawn_send(addr, request("heavy-2", "standard", Some("heavy")));
+    wait_queued(addr, 2.0).await;
+    // Full of the heavy tenant's requests: the light one takes its newest's place…
+    let light = spawn_send(addr, request("light-1", "standard", Some("light")));
+    let shed = within("the heavy tenant's newest shed", heavy_2)
+        .await
+        .unwrap();
+    assert_eq!(shed.status, 429, "{}", shed.text());
+    assert_eq!(shed.json()["error"]["type"], "queue_full");
+    // …but the heavy one cannot take it back: it would hold more than the light one.
+    let heavy_3 = send(addr, &request("heavy-3", "standard", Some("heavy"))).await;
+    assert_eq!(heavy_3.status, 429, "{}", heavy_3.text());
+    gate.open();
+    for h in [holder, heavy_1, light] {
+        assert_eq!(h.await.unwrap().status, 200);
+    }
+    let mut served = arrival_order(&w);
+    served[1..].sort();
+    assert_eq!(served, ["holder", "heavy-1", "light-1"]);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_class_bound_and_a_class_time_out_name_their_keys() {
     let gate = Gate::new();
     let w = one_slot_worker(&gate, Duration::from_millis(10)).await;
