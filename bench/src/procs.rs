@@ -424,8 +424,18 @@ pub async fn start_redis(
     startup_timeout: Duration,
     procs: &mut Vec<ChildProc>,
 ) -> Result<u16, ProcError> {
+    start_redis_on(bin, dir, free_port()?, startup_timeout, procs).await
+}
+
+/// [`start_redis`] on `port` (a Redis started again where it was).
+pub async fn start_redis_on(
+    bin: &Path,
+    dir: &ScratchDir,
+    port: u16,
+    startup_timeout: Duration,
+    procs: &mut Vec<ChildProc>,
+) -> Result<u16, ProcError> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let port = free_port()?;
     let log_path = dir.0.join("redis.log");
     let log = std::fs::File::create(&log_path)
         .map_err(io_err(format!("create {}", log_path.display())))?;
