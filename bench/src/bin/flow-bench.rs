@@ -402,7 +402,8 @@ struct Turns {
 
 /// `sessions` conversations replayed one turn at a time for `secs`: six turns each
 /// (a system prompt, then 150 new words a turn, the answers kept in the history),
-/// 100 ms between turns; a refused turn ends its conversation.
+/// 100 ms between turns; a refused turn ends its conversation (the next one starts
+/// after the same pause).
 async fn conversations(
     http: &Http,
     addr: SocketAddr,
@@ -435,11 +436,12 @@ async fn conversations(
                         _ if a.is_refused() => t.refused += 1,
                         _ => t.failed += 1,
                     }
+                    // The user's pause, after an answer or a refusal alike.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
                     if !a.is_ok() || Instant::now() >= deadline {
                         break;
                     }
                     messages.push(json!({"role": "assistant", "content": a.text}));
-                    tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             }
             t
