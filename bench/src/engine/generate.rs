@@ -36,6 +36,9 @@ struct SimRequest {
     model: Option<String>,
     /// Its `kv_transfer_params` (see `nixl`).
     kv_transfer_params: Option<Value>,
+    /// Its `cache_salt`: vLLM folds it into the first block's hash, so prompts under
+    /// different salts never share a block.
+    cache_salt: Option<String>,
     /// Its first token is held back `stall_first_token` (see [`Engine::stalls`]).
     stalled: bool,
 }
@@ -173,8 +176,13 @@ impl Engine {
     fn work(&self, sim: &SimRequest, model: &str, role: Option<KvRole>) -> Vec<PromptWork> {
         let bs = self.inner.cfg.block_size;
         // The default model's hashes are those of an engine serving one model; any
-        // other's chain starts from a root of its own (never a hit across models).
-        let under = (model != self.inner.cfg.model).then_some(model);
+        // other's chain, or any salted prompt's, starts from a root of its own (never a
+        // hit across models or salts).
+        let scoped = match &sim.cache_salt {
+            Some(salt) => Some(format!("{model}\0salt\0{salt}")),
+            None => (model != self.inner.cfg.model).then(|| model.to_string()),
+        };
+        let under = scoped.as_deref();
         let handed = match role {
             Some(KvRole::Decode { blocks }) if sim.prompts.len() == 1 => blocks,
             _ => 0,
@@ -343,6 +351,11 @@ fn parse_request(endpoint: Endpoint, body: &[u8], max_output: u64) -> Result<Sim
         Some(Value::String(m)) => Some(m.clone()),
         Some(_) => return Err("model must be a string".into()),
     };
+    let cache_salt = match present("cache_salt") {
+        None => None,
+        Some(Value::String(s)) => Some(s.clone()),
+        Some(_) => return Err("cache_salt must be a string".into()),
+    };
     let include_usage = present("stream_options")
         .and_then(|o| o.get("include_usage"))
         .and_then(Value::as_bool)
@@ -355,6 +368,7 @@ fn parse_request(endpoint: Endpoint, body: &[u8], max_output: u64) -> Result<Sim
         include_usage,
         model,
         kv_transfer_params: present("kv_transfer_params").cloned(),
+        cache_salt,
         stalled: false,
     })
 }

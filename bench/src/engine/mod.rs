@@ -136,7 +136,8 @@ pub struct EngineConfig {
     /// Further served model ids, each a model of its own in `/v1/models` (its own
     /// `root`). A request naming a model not served gets vLLM's 404. One cache holds
     /// them all, and a model's name is folded into its prompts' block hashes (as
-    /// vLLM folds a LoRA adapter's), so prompts never hit across models.
+    /// vLLM folds a LoRA adapter's), so prompts never hit across models; so is a
+    /// request's `cache_salt` (never a hit across salts).
     pub extra_models: Vec<String>,
     /// Prefix cache capacity, in blocks of `block_size` tokens.
     pub kv_blocks: usize,

@@ -10,4 +10,5 @@ mod http;
 mod models;
 mod pd;
 mod router;
+mod salt;
 mod support;

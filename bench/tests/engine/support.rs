@@ -60,12 +60,26 @@ pub async fn send(
 /// As [`send`], to any HTTP server at `base` (`http://host:port`): a router in front of
 /// engines, say.
 pub async fn send_to(c: &HttpClient, base: &str, method: Method, path: &str, body: &str) -> Reply {
-    let req = Request::builder()
+    send_with(c, base, method, path, body, &[]).await
+}
+
+/// As [`send_to`], with request `headers` of its own.
+pub async fn send_with(
+    c: &HttpClient,
+    base: &str,
+    method: Method,
+    path: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> Reply {
+    let mut req = Request::builder()
         .method(method)
         .uri(format!("{base}{path}"))
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_owned())))
-        .unwrap();
+        .header("content-type", "application/json");
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let req = req.body(Full::new(Bytes::from(body.to_owned()))).unwrap();
     let resp = c.request(req).await.unwrap();
     let header = |name: &str| {
         resp.headers()
