@@ -46,6 +46,25 @@ async fn worker_holding_the_victim(gate: &Gate) -> FakeWorker {
     .await
 }
 
+/// A batch request sent to `w` (through the router at `addr`, `on_preempt: error`)
+/// that a critical one then pre-empts while the worker holds it without an answer:
+/// the critical one's 200, and the batch one's answer, a 503 saying so.
+async fn preempted_by_a_critical_request(w: &FakeWorker, addr: SocketAddr) -> Response {
+    let victim = spawn_send(addr, request("victim", "batch"));
+    // The worker has it (and no answer for it yet).
+    w.wait_for_requests(1).await;
+    let critical = within(
+        "the critical request",
+        send(addr, &request("critical", "critical")),
+    )
+    .await;
+    assert_eq!(critical.status, 200);
+    let victim = within("the batch request", victim).await.unwrap();
+    assert_eq!(victim.status, 503);
+    assert_eq!(victim.header("x-preempted"), Some("true"));
+    victim
+}
+
 fn tags(w: &FakeWorker) -> Vec<String> {
     w.requests()
         .iter()
@@ -160,18 +179,7 @@ async fn with_on_preempt_error_the_batch_request_gets_503_saying_so() {
     let w = worker_holding_the_victim(&gate).await;
     let router = start_router(&yaml(&w, "error")).await;
     let addr = router.addr;
-    let victim = spawn_send(addr, request("victim", "batch"));
-    // The worker has it (and no answer for it yet).
-    w.wait_for_requests(1).await;
-    let critical = within(
-        "the critical request",
-        send(addr, &request("critical", "critical")),
-    )
-    .await;
-    assert_eq!(critical.status, 200);
-    let victim = within("the batch request", victim).await.unwrap();
-    assert_eq!(victim.status, 503);
-    assert_eq!(victim.header("x-preempted"), Some("true"));
+    let victim = preempted_by_a_critical_request(&w, addr).await;
     assert_eq!(victim.header("retry-after"), Some("1"));
     assert_eq!(victim.json()["error"]["type"], "preempted");
     let m = scrape(addr).await;
@@ -254,17 +262,7 @@ async fn a_batch_stream_with_headers_but_no_first_event_is_still_preempted() {
     .await;
     let router = start_router(&yaml(&w, "error")).await;
     let addr = router.addr;
-    let victim = spawn_send(addr, request("victim", "batch"));
-    w.wait_for_requests(1).await;
-    let critical = within(
-        "the critical request",
-        send(addr, &request("critical", "critical")),
-    )
-    .await;
-    assert_eq!(critical.status, 200);
-    let victim = within("the batch request", victim).await.unwrap();
-    assert_eq!(victim.status, 503);
-    assert_eq!(victim.header("x-preempted"), Some("true"));
+    preempted_by_a_critical_request(&w, addr).await;
     assert_eq!(tags(&w), ["victim", "critical"]);
     gate.open();
     router.shutdown().await;
