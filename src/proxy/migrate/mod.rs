@@ -157,9 +157,54 @@ struct Ask<'a> {
     prompt_logprobs: Option<u64>,
     #[serde(default)]
     echo: Option<bool>,
-    /// A completions `prompt`, unparsed: a string, or a list (of strings, of token ids).
-    #[serde(borrow, default)]
-    prompt: Option<&'a serde_json::value::RawValue>,
+    /// A completions `prompt` that is a list (of strings, of token ids), not a string.
+    #[serde(skip)]
+    listed: bool,
+}
+
+/// The top-level members [`Ask`] reads (`prompt` is only looked at).
+const ASKED: [&[u8]; 14] = [
+    b"stream",
+    b"n",
+    b"best_of",
+    b"use_beam_search",
+    b"response_format",
+    b"guided_json",
+    b"guided_regex",
+    b"guided_choice",
+    b"guided_grammar",
+    b"structured_outputs",
+    b"logprobs",
+    b"top_logprobs",
+    b"prompt_logprobs",
+    b"echo",
+];
+
+impl Ask<'_> {
+    /// The members of `body` a plan reads, parsed from their own bytes: the messages or
+    /// prompt (most of a body) are stepped over, not decoded. `None` when `body` is not
+    /// one JSON object or a member it reads is malformed.
+    fn of<'p>(body: &[u8], picked: &'p mut Vec<u8>) -> Option<Ask<'p>> {
+        let mut listed = false;
+        picked.push(b'{');
+        super::json_members::for_each(body, |key, value| {
+            if key == b"prompt" {
+                listed = value.first() == Some(&b'[');
+            } else if ASKED.contains(&key) {
+                if picked.len() > 1 {
+                    picked.push(b',');
+                }
+                picked.push(b'"');
+                picked.extend_from_slice(key);
+                picked.extend_from_slice(b"\":");
+                picked.extend_from_slice(value);
+            }
+        })?;
+        picked.push(b'}');
+        let picked: &'p Vec<u8> = picked;
+        let ask: Ask<'p> = serde_json::from_slice(picked).ok()?;
+        Some(Ask { listed, ..ask })
+    }
 }
 
 #[derive(Deserialize)]
@@ -181,7 +226,8 @@ pub fn plan(cfg: &MigrationConfig, endpoint: Option<Endpoint>, body: &[u8]) -> O
     if !cfg.enabled || memchr::memmem::find(body, b"\"stream\"").is_none() {
         return None;
     }
-    let ask: Ask<'_> = serde_json::from_slice(body).ok()?;
+    let mut picked = Vec::with_capacity(64);
+    let ask = Ask::of(body, &mut picked)?;
     if ask.stream != Some(true) {
         return None;
     }
@@ -218,8 +264,7 @@ fn refusal(ask: &Ask<'_>) -> Option<Refusal> {
     if logprobs || ask.top_logprobs.is_some_and(|n| n > 0) || ask.prompt_logprobs.is_some() {
         return Some(Refusal::Logprobs);
     }
-    let listed = ask.prompt.is_some_and(|p| p.get().starts_with('['));
-    if ask.echo == Some(true) || listed {
+    if ask.echo == Some(true) || ask.listed {
         return Some(Refusal::Unsupported);
     }
     None

@@ -19,6 +19,11 @@ use serde::de::IgnoredAny;
 use super::Kind;
 use crate::prompt::Text;
 
+/// The most bytes of the first part's events kept unread: past it they are read and
+/// dropped. Covers a typical answer of a few hundred tokens (an engine's chat chunk is
+/// about 200 bytes), so most streams are never parsed.
+pub const UNREAD_MAX: usize = 64 * 1024;
+
 /// What the client has been sent of the answer.
 #[derive(Debug, Default)]
 pub struct Said {
@@ -48,7 +53,11 @@ pub struct Relay {
     kind: Kind,
     /// The start of an event not whole yet.
     partial: Vec<u8>,
-    pub said: Said,
+    said: Said,
+    /// The first part's events passed but not read yet (see the module docs), and
+    /// their bytes.
+    unread: Vec<Bytes>,
+    unread_bytes: usize,
     /// 0 for the first worker's events, then one more per continuation.
     part: u32,
     /// This continuation's own id, written as the first part's.
@@ -86,6 +95,8 @@ impl Relay {
             kind,
             partial: Vec::new(),
             said: Said::default(),
+            unread: Vec::new(),
+            unread_bytes: 0,
             part: 0,
             their_id: None,
             before: 0,
@@ -96,8 +107,26 @@ impl Relay {
     }
 
     /// Tokens sent so far (every part's).
-    pub fn tokens(&self) -> u64 {
+    pub fn tokens(&mut self) -> u64 {
+        self.settle();
         self.before + self.events.max(self.reported)
+    }
+
+    /// What the client has been sent so far.
+    pub fn said(&mut self) -> &Said {
+        self.settle();
+        &self.said
+    }
+
+    /// Reads the events kept unread.
+    fn settle(&mut self) {
+        for event in std::mem::take(&mut self.unread) {
+            if let Some(data) = data_of(&event) {
+                // Never a break: an event naming "error" was read when it passed.
+                self.read(&event, &data);
+            }
+        }
+        self.unread_bytes = 0;
     }
 
     /// Continuations so far.
@@ -123,19 +152,22 @@ impl Relay {
         if self.broken {
             return Passed::default();
         }
-        let joined = !self.partial.is_empty();
-        let buf: Cow<'_, [u8]> = if joined {
+        let src = if self.partial.is_empty() {
+            data.clone()
+        } else {
             let mut held = std::mem::take(&mut self.partial);
             held.extend_from_slice(data);
-            Cow::Owned(held)
-        } else {
-            Cow::Borrowed(&data[..])
+            Bytes::from(held)
         };
+        let buf = &src[..];
         let mut edited: Option<Vec<u8>> = None;
         let (mut at, mut copied) = (0, 0);
         let mut broke = false;
-        while let Some(end) = event_end(&buf, at) {
-            let verdict = self.event(&buf[at..end]);
+        while let Some(end) = event_end(buf, at) {
+            let verdict = match self.part {
+                0 => self.first_part(&src, at, end),
+                _ => self.event(&buf[at..end]),
+            };
             if !matches!(verdict, Verdict::Keep) {
                 let out = edited.get_or_insert_with(|| Vec::with_capacity(buf.len()));
                 out.extend_from_slice(&buf[copied..at]);
@@ -162,8 +194,7 @@ impl Relay {
                 v.extend_from_slice(&buf[copied.min(whole)..whole]);
                 Bytes::from(v)
             }
-            None if !joined => data.slice(..whole),
-            None => Bytes::copy_from_slice(&buf[..whole]),
+            None => src.slice(..whole),
         };
         Passed {
             out: (!out.is_empty()).then_some(out),
@@ -171,7 +202,34 @@ impl Relay {
         }
     }
 
-    /// Reads one whole event (its bytes, blank line included).
+    /// One whole event of the first part (`src[at..end]`, blank line included): kept
+    /// unread unless it may break the part.
+    fn first_part(&mut self, src: &Bytes, at: usize, end: usize) -> Verdict {
+        let event = &src[at..end];
+        if self.said.done {
+            return Verdict::Keep;
+        }
+        let Some(data) = data_of(event) else {
+            return Verdict::Keep;
+        };
+        if data.trim_ascii() == b"[DONE]" {
+            self.said.done = true;
+            return Verdict::Keep;
+        }
+        // Inside a JSON string a quote is escaped: `"error"` is a key or a value.
+        if memchr::memmem::find(&data, b"\"error\"").is_some() {
+            self.settle();
+            return self.read(event, &data);
+        }
+        self.unread.push(src.slice(at..end));
+        self.unread_bytes += end - at;
+        if self.unread_bytes > UNREAD_MAX {
+            self.settle();
+        }
+        Verdict::Keep
+    }
+
+    /// One whole event of a continuation (its bytes, blank line included).
     fn event(&mut self, event: &[u8]) -> Verdict {
         let Some(data) = data_of(event) else {
             return Verdict::Keep;
@@ -183,7 +241,12 @@ impl Relay {
         if self.said.done {
             return Verdict::Keep;
         }
-        let Ok(chunk) = serde_json::from_slice::<Chunk<'_>>(&data) else {
+        self.read(event, &data)
+    }
+
+    /// What one event's data says (parsed): noted, and what becomes of the event.
+    fn read(&mut self, event: &[u8], data: &[u8]) -> Verdict {
+        let Ok(chunk) = serde_json::from_slice::<Chunk<'_>>(data) else {
             return Verdict::Keep;
         };
         if chunk.error.is_some() || chunk.object.as_deref() == Some("error") {
@@ -236,7 +299,7 @@ impl Relay {
             return Verdict::Keep;
         }
         if role_again || usage.is_some() {
-            return self.rewritten(&data);
+            return self.rewritten(data);
         }
         match (&self.their_id, &self.said.id) {
             (Some(theirs), Some(ours)) => Verdict::Replace(replace_id(event, theirs, ours)),
@@ -281,7 +344,8 @@ impl Relay {
     /// The end the router writes for an answer that was whole when its worker broke
     /// (its final chunk passed, or its token budget is spent): a final chunk when none
     /// passed (`finish_reason: length`), then `data: [DONE]`.
-    pub fn ending(&self) -> Bytes {
+    pub fn ending(&mut self) -> Bytes {
+        self.settle();
         let mut out = Vec::new();
         if !self.said.finished {
             let choice = match self.kind {
@@ -452,10 +516,10 @@ mod tests {
             let mut out = passed(&mut r, &stream[..split]);
             out += &passed(&mut r, &stream[split..]);
             assert_eq!(out, stream, "split at {split}");
-            assert_eq!(r.said.text, "Hello \"you\"");
+            assert_eq!(r.said().text, "Hello \"you\"");
             assert_eq!(r.tokens(), 2);
-            assert!(r.said.role_sent && !r.said.finished && !r.said.done);
-            assert_eq!(r.said.id.as_deref(), Some("a"));
+            assert!(r.said().role_sent && !r.said().finished && !r.said().done);
+            assert_eq!(r.said().id.as_deref(), Some("a"));
         }
         // A read of whole events goes out as the same buffer.
         let mut r = Relay::new(Kind::Chat);
@@ -472,6 +536,33 @@ mod tests {
     }
 
     #[test]
+    fn unread_events_are_bounded_and_read_when_asked() {
+        let mut r = Relay::new(Kind::Chat);
+        let one = chunk("a", r#"{"content":"x"}"#);
+        let n = 2 * UNREAD_MAX / one.len();
+        for _ in 0..n {
+            assert_eq!(passed(&mut r, &one), one);
+            assert!(r.unread_bytes <= UNREAD_MAX);
+        }
+        assert!(r.unread_bytes > 0, "the latest events wait unread");
+        assert_eq!(r.tokens(), n as u64);
+        assert_eq!(r.said().text, "x".repeat(n));
+        // An error event after unread ones: what came before it counts.
+        let mut r = Relay::new(Kind::Chat);
+        passed(&mut r, &chunk("a", r#"{"content":"one "}"#));
+        passed(&mut r, &chunk("a", r#"{"content":"two"}"#));
+        let p = r.pass(&Bytes::from_static(b"data: {\"error\":{\"code\":500}}\n\n"));
+        assert!(p.broke && p.out.is_none());
+        assert_eq!(r.said().text, "one two");
+        assert_eq!(r.tokens(), 2);
+        // A content token that says "error" in quotes is text, not a break.
+        let mut r = Relay::new(Kind::Chat);
+        let quoted = chunk("a", r#"{"content":"an \"error\""}"#);
+        assert_eq!(passed(&mut r, &quoted), quoted);
+        assert_eq!(r.said().text, "an \"error\"");
+    }
+
+    #[test]
     fn an_engine_error_event_breaks_the_part_and_is_not_passed() {
         let mut r = Relay::new(Kind::Chat);
         let ok = chunk("a", r#"{"content":"x"}"#);
@@ -479,7 +570,7 @@ mod tests {
         let p = r.pass(&Bytes::from(format!("{ok}{err}data: [DONE]\n\n")));
         assert!(p.broke);
         assert_eq!(p.out.unwrap(), ok.as_bytes());
-        assert!(!r.said.done, "the [DONE] after the error is not passed");
+        assert!(!r.said().done, "the [DONE] after the error is not passed");
         // vLLM's older error shape.
         let mut r = Relay::new(Kind::Completions);
         let p = r.pass(&Bytes::from_static(
@@ -515,8 +606,8 @@ mod tests {
         assert_eq!(v["usage"]["total_tokens"], 13);
         assert_eq!(v["usage"]["prompt_tokens_details"]["cached_tokens"], 8);
         assert_eq!(passed(&mut r, "data: [DONE]\n\n"), "data: [DONE]\n\n");
-        assert!(r.said.done);
-        assert_eq!(r.said.text, "one two three");
+        assert!(r.said().done);
+        assert_eq!(r.said().text, "one two three");
         assert_eq!(r.tokens(), 3);
     }
 
@@ -524,7 +615,7 @@ mod tests {
     fn tool_calls_and_reasoning_are_noted() {
         let mut r = Relay::new(Kind::Chat);
         passed(&mut r, &chunk("a", r#"{"reasoning_content":"hmm"}"#));
-        assert!(r.said.reasoning && !r.said.tool_call);
+        assert!(r.said().reasoning && !r.said().tool_call);
         passed(
             &mut r,
             &chunk(
@@ -532,10 +623,10 @@ mod tests {
                 r#"{"tool_calls":[{"index":0,"function":{"name":"f"}}]}"#,
             ),
         );
-        assert!(r.said.tool_call);
+        assert!(r.said().tool_call);
         let mut r = Relay::new(Kind::Chat);
         passed(&mut r, &chunk("a", r#"{"content":"x","tool_calls":[]}"#));
-        assert!(!r.said.tool_call);
+        assert!(!r.said().tool_call);
     }
 
     #[test]

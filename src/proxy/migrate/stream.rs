@@ -155,12 +155,13 @@ impl Migration {
     /// The stream served by `worker` broke (`cause`): continue it elsewhere, end it, or
     /// refuse (see [`Step`]).
     pub fn broke(&mut self, cause: Cause, worker: &Worker) -> Step {
-        let said = &self.relay.said;
+        let (tokens, part) = (self.relay.tokens(), self.relay.part());
+        let said = self.relay.said();
         let refused = if said.tool_call {
             Some(Refusal::ToolCall)
         } else if said.reasoning {
             Some(Refusal::Reasoning)
-        } else if self.relay.part() >= self.max_attempts {
+        } else if part >= self.max_attempts {
             Some(Refusal::Attempts)
         } else {
             None
@@ -172,13 +173,8 @@ impl Migration {
         }
         let next = match refused {
             Some(r) => Err(r),
-            None => resume::next(
-                self.kind,
-                self.continuer.original(),
-                said,
-                self.relay.tokens(),
-            )
-            .ok_or(Refusal::Unsupported),
+            None => resume::next(self.kind, self.continuer.original(), said, tokens)
+                .ok_or(Refusal::Unsupported),
         };
         let streams = self.metrics.streams();
         match next {
