@@ -418,7 +418,13 @@ fn event_end(buf: &[u8], from: usize) -> Option<usize> {
 /// it has one); `None` when it has none.
 fn data_of(event: &[u8]) -> Option<Cow<'_, [u8]>> {
     let mut found: Option<Cow<'_, [u8]>> = None;
-    for line in event.split(|b| *b == b'\n') {
+    let mut rest = event;
+    while !rest.is_empty() {
+        let (line, next) = match memchr::memchr(b'\n', rest) {
+            Some(nl) => (&rest[..nl], &rest[nl + 1..]),
+            None => (rest, &rest[rest.len()..]),
+        };
+        rest = next;
         let line = line.strip_suffix(b"\r").unwrap_or(line);
         let Some(v) = line.strip_prefix(b"data:") else {
             continue;
