@@ -24,6 +24,10 @@ use crate::prompt::Text;
 /// about 200 bytes), so most streams are never parsed.
 pub const UNREAD_MAX: usize = 64 * 1024;
 
+/// The search for `"error"` every event of the first part gets, built once.
+static ERROR_KEY: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
+    std::sync::LazyLock::new(|| memchr::memmem::Finder::new(b"\"error\""));
+
 /// What the client has been sent of the answer.
 #[derive(Debug, Default)]
 pub struct Said {
@@ -217,7 +221,7 @@ impl Relay {
             return Verdict::Keep;
         }
         // Inside a JSON string a quote is escaped: `"error"` is a key or a value.
-        if memchr::memmem::find(&data, b"\"error\"").is_some() {
+        if ERROR_KEY.find(&data).is_some() {
             self.settle();
             return self.read(event, &data);
         }
