@@ -120,6 +120,92 @@ async fn a_worker_that_dies_mid_stream_is_continued_and_the_client_reads_one_str
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_stream_is_continued_and_the_client_reads_one_response() {
+    let (_a, b, yaml) = pair(
+        Script {
+            die_after: Some(3),
+            ..Script::default()
+        },
+        "",
+    )
+    .await;
+    let router = start_router(&yaml).await;
+    let body = serde_json::json!({"model": "m", "input": "count for me please",
+        "instructions": "Be brief.", "stream": true, "max_output_tokens": 8});
+    let resp = within(
+        "the continued stream",
+        send(router.addr, &Req::post("/v1/responses", body.to_string())),
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    // Read as a client of the Responses API does: every event named and numbered.
+    let text = resp.text();
+    let mut kinds = Vec::new();
+    let (mut said, mut last) = (String::new(), None);
+    for (i, e) in text
+        .split("\n\n")
+        .filter(|e| !e.trim().is_empty())
+        .enumerate()
+    {
+        let kind = e.lines().find_map(|l| l.strip_prefix("event: ")).unwrap();
+        let data = e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(data).unwrap();
+        assert_eq!(v["type"], kind, "{e}");
+        assert_eq!(v["sequence_number"], i, "numbered without a gap: {text}");
+        if kind == "response.output_text.delta" {
+            assert_eq!(v["item_id"], "msg_a_0", "one message item: {e}");
+            said.push_str(v["delta"].as_str().unwrap());
+        }
+        kinds.push(kind.to_string());
+        last = Some(v);
+    }
+    assert_eq!(said, story(8), "every token once, in order: {text}");
+    let count = |k: &str| kinds.iter().filter(|x| *x == k).count();
+    assert_eq!(
+        (
+            count("response.created"),
+            count("response.output_item.added")
+        ),
+        (1, 1),
+        "{text}"
+    );
+    assert_eq!(count("response.output_text.done"), 1);
+    // The continuation stopped at its budget (finish_reason "length"): the answer ran
+    // to max_output_tokens, which the Responses API reports as incomplete.
+    assert_eq!(
+        kinds.last().map(String::as_str),
+        Some("response.incomplete")
+    );
+    let r = &last.unwrap()["response"];
+    assert_eq!(
+        (r["id"].as_str(), r["status"].as_str()),
+        (Some("resp_a_0"), Some("incomplete"))
+    );
+    assert_eq!(r["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(r["output"][0]["id"], "msg_a_0");
+    assert_eq!(r["output"][0]["content"][0]["text"], story(8));
+    assert_eq!(r["usage"]["output_tokens"], 8, "{r}");
+    assert_eq!(
+        r["usage"]["input_tokens_details"]["cached_tokens"], 5,
+        "as the worker that continued reported it"
+    );
+    // What the second worker was asked: the conversation as chat, the answer continued.
+    let asked = &b.requests()[0];
+    assert_eq!(asked.target, "/v1/chat/completions");
+    let asked: serde_json::Value = serde_json::from_slice(&asked.body).unwrap();
+    assert_eq!(
+        asked["messages"],
+        serde_json::json!([{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "count for me please"},
+            {"role": "assistant", "content": story(3)}])
+    );
+    assert_eq!(asked["continue_final_message"], true);
+    assert_eq!(asked["max_tokens"], 5);
+    assert_eq!(migrations(router.addr, "closed", "continued").await, 1.0);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_and_engine_error_events_continue_too() {
     let (_a, b, yaml) = pair(
         Script {

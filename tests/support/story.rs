@@ -65,6 +65,12 @@ pub fn story_engine(script: Script) -> impl Fn(&Recorded) -> Reply + Send + Sync
             if chat { "chatcmpl" } else { "cmpl" },
             script.name
         );
+        if req.target.contains("/v1/responses") && body["stream"] == true {
+            let max = body["max_output_tokens"].as_u64().unwrap_or(16) as usize;
+            let input = body["input"].as_str().unwrap_or("");
+            let name = format!("{}_{n}", script.name);
+            return responses_stream(&script, &name, max, input.split_whitespace().count());
+        }
         if body["stream"] != true {
             let text: String = (said..said + max).map(word).collect();
             return Reply::json(200, &whole(&id, chat, &text));
@@ -139,6 +145,79 @@ pub fn story_engine(script: Script) -> impl Fn(&Recorded) -> Reply + Send + Sync
             None => reply,
         }
     }
+}
+
+/// A streamed `/v1/responses` answer as vLLM writes one (`event:` + `data:` lines,
+/// numbered events): the response, its message item and text part, one
+/// `response.output_text.delta` per token, then the closing events. Dies as `script`
+/// says (a Responses request is never a continuation: those come as chat).
+fn responses_stream(script: &Script, name: &str, max: usize, prompt_words: usize) -> Reply {
+    let mut seq = 0;
+    let mut steps = Vec::new();
+    let mut ev = |kind: &str, mut data: serde_json::Value| {
+        data["type"] = kind.into();
+        data["sequence_number"] = seq.into();
+        seq += 1;
+        Step::Write(format!("event: {kind}\ndata: {data}\n\n").into_bytes())
+    };
+    let (resp_id, item_id) = (format!("resp_{name}"), format!("msg_{name}"));
+    let response = |status: &str, text: Option<&str>| {
+        let mut r = serde_json::json!({"id": resp_id, "object": "response", "created_at": 1,
+            "model": "m", "status": status, "output": [], "error": null});
+        if let Some(t) = text {
+            r["output"] = serde_json::json!([{"id": item_id, "type": "message",
+                "status": "completed", "role": "assistant",
+                "content": [{"type": "output_text", "text": t, "annotations": []}]}]);
+            r["usage"] = serde_json::json!({"input_tokens": prompt_words,
+                "input_tokens_details": {"cached_tokens": script.cached},
+                "output_tokens": max, "total_tokens": prompt_words + max});
+        }
+        r
+    };
+    steps.push(ev(
+        "response.created",
+        serde_json::json!({"response": response("in_progress", None)}),
+    ));
+    let item = serde_json::json!({"id": item_id, "type": "message", "status": "in_progress",
+        "role": "assistant", "content": []});
+    steps.push(ev(
+        "response.output_item.added",
+        serde_json::json!({"output_index": 0, "item": item}),
+    ));
+    let at = serde_json::json!({"item_id": item_id, "output_index": 0, "content_index": 0});
+    let mut part = at.clone();
+    part["part"] = serde_json::json!({"type": "output_text", "text": "", "annotations": []});
+    steps.push(ev("response.content_part.added", part));
+    for i in 0..max {
+        if script.die_after == Some(i) {
+            steps.push(Step::Die);
+            return Reply::status(200)
+                .header("Content-Type", "text/event-stream")
+                .chunked(steps);
+        }
+        if i > 0 && !script.gap.is_zero() {
+            steps.push(Step::Sleep(script.gap));
+        }
+        let mut d = at.clone();
+        d["delta"] = word(i).into();
+        steps.push(ev("response.output_text.delta", d));
+    }
+    let text = story(max);
+    let mut done = at.clone();
+    done["text"] = text.clone().into();
+    steps.push(ev("response.output_text.done", done));
+    steps.push(ev("response.content_part.done", at));
+    steps.push(ev(
+        "response.output_item.done",
+        serde_json::json!({"output_index": 0}),
+    ));
+    steps.push(ev(
+        "response.completed",
+        serde_json::json!({"response": response("completed", Some(&text))}),
+    ));
+    Reply::status(200)
+        .header("Content-Type", "text/event-stream")
+        .chunked(steps)
 }
 
 /// How many answer words the request already holds (the partial assistant message it

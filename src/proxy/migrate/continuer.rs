@@ -89,6 +89,14 @@ impl Continuer {
         let (mut copy, ()) = http::Request::new(()).into_parts();
         copy.method = parts.method.clone();
         copy.uri = parts.uri.clone();
+        // A Responses answer continues as chat (see `responses`).
+        let endpoint = match endpoint {
+            Endpoint::Responses => {
+                copy.uri = http::Uri::from_static("/v1/chat/completions");
+                Endpoint::ChatCompletions
+            }
+            other => other,
+        };
         copy.headers = parts.headers.clone();
         Continuer(Arc::new(Inner {
             client: sending.client,

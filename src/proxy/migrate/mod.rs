@@ -4,13 +4,16 @@
 //!
 //! ```text
 //! plan       which requests can continue: decided once from the request body (streamed
-//!            chat or completions; refused for n > 1, guided output, logprobs, echo)
+//!            chat, completions or Responses; refused for n > 1, guided output,
+//!            logprobs, echo, stored Responses context)
 //! relay      the answer's SSE events as they pass: what was generated so far, and the
 //!            continuation's events stitched to the first part (same id, no second role
 //!            chunk, one [DONE], usage covering both parts)
 //! resume     the continuation's body: the conversation plus the partial assistant
-//!            message continued (vLLM's continue_final_message), or prompt + text so far;
-//!            the token budget reduced by what was sent
+//!            message continued (vLLM's continue_final_message), or prompt + text so far
+//!            (Responses: as chat); the token budget reduced by what was sent
+//! responses  a Responses answer's events: read in the first part, written for the
+//!            chat continuation's chunks, and the closing events
 //! continuer  the continuation's pick and send, on the pool's current workers, the
 //!            failed ones excluded
 //! stream     the state a GuardedBody keeps for it: when to continue, refusals, counts
@@ -19,12 +22,13 @@
 //! A stream breaks when its worker's connection fails or closes before the body's end,
 //! when the engine sends an error event, when it stays silent past
 //! `proxy.request_timeout_secs`, or when its worker's drain (`proxy.drain_secs`) ends.
-//! Only a request that can continue pays for the relay (its events parsed as they
-//! pass); for the others the bytes pass as before, and a cut stream ends with an error
+//! Only a request that can continue pays for the relay (its events framed as they
+//! pass, read only when it breaks); for the others the bytes pass as before, and a cut stream ends with an error
 //! event saying why it could not continue.
 
 mod continuer;
 mod relay;
+mod responses;
 mod resume;
 mod stream;
 
@@ -45,6 +49,8 @@ pub enum Kind {
     Chat,
     /// `/v1/completions`: `choices[].text`.
     Completions,
+    /// `/v1/responses`: `response.output_text.delta` events (continued as chat).
+    Responses,
 }
 
 /// Why a stream broke.
@@ -157,13 +163,22 @@ struct Ask<'a> {
     prompt_logprobs: Option<u64>,
     #[serde(default)]
     echo: Option<bool>,
+    /// Responses: an answer that builds on a stored one, or a stored conversation (a
+    /// continuation as chat would not carry them).
+    #[serde(default)]
+    previous_response_id: Option<IgnoredAny>,
+    #[serde(default)]
+    conversation: Option<IgnoredAny>,
+    /// Responses: `text.format` (`json_schema`, `json_object`: structured output).
+    #[serde(borrow, default)]
+    text: Option<TextParam<'a>>,
     /// A completions `prompt` that is a list (of strings, of token ids), not a string.
     #[serde(skip)]
     listed: bool,
 }
 
 /// The top-level members [`Ask`] reads (`prompt` is only looked at).
-const ASKED: [&[u8]; 14] = [
+const ASKED: [&[u8]; 17] = [
     b"stream",
     b"n",
     b"best_of",
@@ -178,6 +193,9 @@ const ASKED: [&[u8]; 14] = [
     b"top_logprobs",
     b"prompt_logprobs",
     b"echo",
+    b"previous_response_id",
+    b"conversation",
+    b"text",
 ];
 
 impl Ask<'_> {
@@ -208,6 +226,12 @@ impl Ask<'_> {
 }
 
 #[derive(Deserialize)]
+struct TextParam<'a> {
+    #[serde(borrow, default)]
+    format: Option<Format<'a>>,
+}
+
+#[derive(Deserialize)]
 struct Format<'a> {
     #[serde(borrow, rename = "type", default)]
     kind: Option<Text<'a>>,
@@ -220,7 +244,8 @@ pub fn plan(cfg: &MigrationConfig, endpoint: Option<Endpoint>, body: &[u8]) -> O
     let kind = match endpoint? {
         Endpoint::ChatCompletions => Kind::Chat,
         Endpoint::Completions => Kind::Completions,
-        Endpoint::Messages | Endpoint::Responses => return None,
+        Endpoint::Responses => Kind::Responses,
+        Endpoint::Messages => return None,
     };
     // Most non-streamed bodies are told apart without a parse.
     if !cfg.enabled || memchr::memmem::find(body, b"\"stream\"").is_none() {
@@ -243,11 +268,12 @@ fn refusal(ask: &Ask<'_>) -> Option<Refusal> {
     if several(ask.n) || several(ask.best_of) || ask.use_beam_search == Some(true) {
         return Some(Refusal::N);
     }
-    let json_format = ask
-        .response_format
-        .as_ref()
-        .and_then(|f| f.kind.as_deref())
-        .is_some_and(|k| k != "text");
+    let text_format = ask.text.as_ref().and_then(|t| t.format.as_ref());
+    let json_format = [ask.response_format.as_ref(), text_format]
+        .into_iter()
+        .flatten()
+        .filter_map(|f| f.kind.as_deref())
+        .any(|k| k != "text");
     if json_format
         || ask.guided_json.is_some()
         || ask.guided_regex.is_some()
@@ -264,7 +290,11 @@ fn refusal(ask: &Ask<'_>) -> Option<Refusal> {
     if logprobs || ask.top_logprobs.is_some_and(|n| n > 0) || ask.prompt_logprobs.is_some() {
         return Some(Refusal::Logprobs);
     }
-    if ask.echo == Some(true) || ask.listed {
+    if ask.echo == Some(true)
+        || ask.listed
+        || ask.previous_response_id.is_some()
+        || ask.conversation.is_some()
+    {
         return Some(Refusal::Unsupported);
     }
     None
@@ -279,7 +309,7 @@ mod tests {
     }
 
     #[test]
-    fn only_streamed_chat_and_completions_get_a_plan() {
+    fn only_streamed_chat_completions_and_responses_get_a_plan() {
         let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
         assert_eq!(
             planned(Endpoint::ChatCompletions, chat),
@@ -299,12 +329,18 @@ mod tests {
                 r#"{"messages":[],"stream":false}"#,
             ),
             (Endpoint::ChatCompletions, r#"{"messages":[]}"#),
-            (Endpoint::Responses, r#"{"input":"x","stream":true}"#),
             (Endpoint::Messages, r#"{"messages":[],"stream":true}"#),
             (Endpoint::ChatCompletions, "not json \"stream\""),
         ] {
             assert_eq!(planned(e, body), None, "{body}");
         }
+        assert_eq!(
+            planned(Endpoint::Responses, r#"{"input":"x","stream":true}"#),
+            Some(Plan {
+                kind: Kind::Responses,
+                refused: None
+            })
+        );
         let off = MigrationConfig {
             enabled: false,
             max_attempts: 1,
@@ -347,6 +383,22 @@ mod tests {
             (r#"{"stream":true,"logprobs":2}"#, Some(Refusal::Logprobs)),
             (r#"{"stream":true,"top_logprobs":0}"#, None),
             (r#"{"stream":true,"echo":true}"#, Some(Refusal::Unsupported)),
+            (
+                r#"{"stream":true,"input":"x","previous_response_id":"resp_1"}"#,
+                Some(Refusal::Unsupported),
+            ),
+            (
+                r#"{"stream":true,"input":"x","previous_response_id":null}"#,
+                None,
+            ),
+            (
+                r#"{"stream":true,"input":"x","text":{"format":{"type":"json_schema","name":"a","schema":{}}}}"#,
+                Some(Refusal::Guided),
+            ),
+            (
+                r#"{"stream":true,"input":"x","text":{"format":{"type":"text"}}}"#,
+                None,
+            ),
             (
                 r#"{"stream":true,"prompt":["a","b"]}"#,
                 Some(Refusal::Unsupported),

@@ -16,7 +16,7 @@ use bytes::Bytes;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
-use super::Kind;
+use super::{Kind, responses};
 use crate::prompt::Text;
 
 /// The most bytes of the first part's events kept unread: past it they are read and
@@ -49,6 +49,8 @@ pub struct Said {
     pub tool_call: bool,
     /// Reasoning text was being streamed.
     pub reasoning: bool,
+    /// A Responses stream's item, sequence and closing events.
+    pub shape: super::responses::Shape,
 }
 
 /// See the module docs.
@@ -239,6 +241,11 @@ impl Relay {
             return Verdict::Keep;
         };
         if data.trim_ascii() == b"[DONE]" {
+            if self.kind == Kind::Responses && !self.said.done {
+                // The chat continuation's end: the Responses answer's closing events.
+                let tokens = self.before + self.events.max(self.reported);
+                return Verdict::Replace(responses::closing(&mut self.said, tokens, self.before));
+            }
             self.said.done = true;
             return Verdict::Keep;
         }
@@ -250,6 +257,13 @@ impl Relay {
 
     /// What one event's data says (parsed): noted, and what becomes of the event.
     fn read(&mut self, event: &[u8], data: &[u8]) -> Verdict {
+        if self.kind == Kind::Responses {
+            return if self.part == 0 {
+                self.first_response(data)
+            } else {
+                self.sequel(data)
+            };
+        }
         let Ok(chunk) = serde_json::from_slice::<Chunk<'_>>(data) else {
             return Verdict::Keep;
         };
@@ -274,7 +288,8 @@ impl Relay {
         if let Some(c) = chunk.choices.as_ref().and_then(|c| c.first()) {
             let text = match self.kind {
                 Kind::Chat => c.delta.as_ref().and_then(|d| d.content.as_deref()),
-                Kind::Completions => c.text.as_deref(),
+                // (Responses never reaches here: see `read`.)
+                Kind::Completions | Kind::Responses => c.text.as_deref(),
             };
             if let Some(d) = &c.delta {
                 role_again = d.role.is_some() && self.said.role_sent && !first;
@@ -308,6 +323,55 @@ impl Relay {
         match (&self.their_id, &self.said.id) {
             (Some(theirs), Some(ours)) => Verdict::Replace(replace_id(event, theirs, ours)),
             _ => Verdict::Keep,
+        }
+    }
+
+    /// One event of a Responses answer's first part, noted.
+    fn first_response(&mut self, data: &[u8]) -> Verdict {
+        match responses::note(&mut self.said, data) {
+            Err(()) => Verdict::Broke,
+            Ok(text) => {
+                self.events += u64::from(text);
+                Verdict::Keep
+            }
+        }
+    }
+
+    /// One chunk of a Responses answer's (chat) continuation, written as the first
+    /// part's events: its text as a delta; role, finish and usage chunks noted, not
+    /// passed.
+    fn sequel(&mut self, data: &[u8]) -> Verdict {
+        let Ok(chunk) = serde_json::from_slice::<Chunk<'_>>(data) else {
+            return Verdict::Drop;
+        };
+        if chunk.error.is_some() || chunk.object.as_deref() == Some("error") {
+            return Verdict::Broke;
+        }
+        let mut out = Vec::new();
+        if let Some(c) = chunk.choices.as_ref().and_then(|c| c.first()) {
+            let text = c.delta.as_ref().and_then(|d| d.content.as_deref());
+            if let Some(t) = text.filter(|t| !t.is_empty()) {
+                self.said.text.push_str(t);
+                self.events += 1;
+                out = responses::delta(&mut self.said.shape, t);
+            }
+            self.said.finished |= c.finish_reason.is_some();
+            self.said.shape.cut |= c.finish_reason.as_deref() == Some("length");
+        }
+        if let Some(u) = &chunk.usage {
+            self.reported = self.reported.max(u.completion_tokens.unwrap_or(0));
+            let shape = &mut self.said.shape;
+            shape.prompt_tokens = u.prompt_tokens.or(shape.prompt_tokens);
+            let cached = u
+                .prompt_tokens_details
+                .as_ref()
+                .and_then(|d| d.cached_tokens);
+            shape.cached_tokens = cached.or(shape.cached_tokens);
+        }
+        if out.is_empty() {
+            Verdict::Drop
+        } else {
+            Verdict::Replace(out)
         }
     }
 
@@ -350,13 +414,20 @@ impl Relay {
     /// passed (`finish_reason: length`), then `data: [DONE]`.
     pub fn ending(&mut self) -> Bytes {
         self.settle();
+        if self.kind == Kind::Responses {
+            if self.said.done {
+                return Bytes::new();
+            }
+            let tokens = self.before + self.events.max(self.reported);
+            return Bytes::from(responses::closing(&mut self.said, tokens, self.before));
+        }
         let mut out = Vec::new();
         if !self.said.finished {
             let choice = match self.kind {
                 Kind::Chat => {
                     serde_json::json!({"index": 0, "delta": {}, "finish_reason": "length"})
                 }
-                Kind::Completions => {
+                Kind::Completions | Kind::Responses => {
                     serde_json::json!({"index": 0, "text": "", "finish_reason": "length"})
                 }
             };
@@ -472,8 +543,8 @@ struct Choice<'a> {
     delta: Option<Delta<'a>>,
     #[serde(borrow, default)]
     text: Option<Text<'a>>,
-    #[serde(default)]
-    finish_reason: Option<IgnoredAny>,
+    #[serde(borrow, default)]
+    finish_reason: Option<Text<'a>>,
 }
 
 #[derive(Deserialize)]
@@ -496,6 +567,16 @@ struct Delta<'a> {
 struct Tokens {
     #[serde(default)]
     completion_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens: Option<u64>,
+    #[serde(default)]
+    prompt_tokens_details: Option<Details>,
+}
+
+#[derive(Deserialize)]
+struct Details {
+    #[serde(default)]
+    cached_tokens: Option<u64>,
 }
 
 #[cfg(test)]

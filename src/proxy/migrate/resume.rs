@@ -28,13 +28,16 @@ pub fn next(kind: Kind, original: &Bytes, said: &Said, sent: u64) -> Option<Next
     if said.finished {
         return Some(Next::End);
     }
-    if said.text.is_empty() {
+    if said.text.is_empty() && kind != Kind::Responses {
         // Nothing generated reached the client: the request as it was.
         return Some(Next::Send(original.clone()));
     }
     let Ok(Value::Object(mut body)) = serde_json::from_slice::<Value>(original) else {
         return None;
     };
+    if kind == Kind::Responses {
+        return response_as_chat(&body, &said.text, sent);
+    }
     for key in ["max_tokens", "max_completion_tokens"] {
         if let Some(max) = body.get(key).and_then(Value::as_u64) {
             let left = max.saturating_sub(sent);
@@ -48,7 +51,7 @@ pub fn next(kind: Kind, original: &Bytes, said: &Said, sent: u64) -> Option<Next
         body.insert("min_tokens".into(), min.saturating_sub(sent).into());
     }
     match kind {
-        Kind::Chat => continue_chat(&mut body, &said.text)?,
+        Kind::Chat | Kind::Responses => continue_chat(&mut body, &said.text)?,
         Kind::Completions => {
             let Some(Value::String(prompt)) = body.get_mut("prompt") else {
                 return None;
@@ -59,6 +62,81 @@ pub fn next(kind: Kind, original: &Bytes, said: &Said, sent: u64) -> Option<Next
     serde_json::to_vec(&Value::Object(body))
         .ok()
         .map(|b| Next::Send(Bytes::from(b)))
+}
+
+/// A Responses request continued as a streamed chat request (vLLM's Responses API
+/// has no way to continue a partial message): `instructions` as the system message,
+/// `input` (a string, or message items of text) as the conversation, `text` as the
+/// assistant's message to continue (none yet: a new turn), `max_output_tokens` less
+/// `sent` as `max_tokens`. `None` for input chat cannot carry (images, files, tool
+/// items).
+fn response_as_chat(body: &Map<String, Value>, text: &str, sent: u64) -> Option<Next> {
+    let mut messages = Vec::new();
+    if let Some(Value::String(s)) = body.get("instructions") {
+        messages.push(serde_json::json!({"role": "system", "content": s}));
+    }
+    match body.get("input")? {
+        Value::String(s) => messages.push(serde_json::json!({"role": "user", "content": s})),
+        Value::Array(items) => {
+            for item in items {
+                messages.push(message_of(item)?);
+            }
+        }
+        _ => return None,
+    }
+    let mut chat = Map::new();
+    for key in ["model", "temperature", "top_p", "seed", "user"] {
+        if let Some(v) = body.get(key) {
+            chat.insert(key.into(), v.clone());
+        }
+    }
+    if let Some(max) = body.get("max_output_tokens").and_then(Value::as_u64) {
+        let left = max.saturating_sub(sent);
+        if left == 0 {
+            return Some(Next::End);
+        }
+        chat.insert("max_tokens".into(), left.into());
+    }
+    chat.insert("messages".into(), Value::Array(messages));
+    if !text.is_empty() {
+        continue_chat(&mut chat, text)?;
+    }
+    chat.insert("stream".into(), Value::Bool(true));
+    chat.insert(
+        "stream_options".into(),
+        serde_json::json!({"include_usage": true}),
+    );
+    serde_json::to_vec(&Value::Object(chat))
+        .ok()
+        .map(|b| Next::Send(Bytes::from(b)))
+}
+
+/// A Responses input item as a chat message, when it is a message of text.
+fn message_of(item: &Value) -> Option<Value> {
+    let o = item.as_object()?;
+    if o.get("type").is_some_and(|t| t != "message") {
+        return None;
+    }
+    let role = match o.get("role")?.as_str()? {
+        "developer" => "system",
+        r => r,
+    };
+    let content = match o.get("content")? {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => {
+            let mut all = String::new();
+            for p in parts {
+                let kind = p.get("type")?.as_str()?;
+                if !matches!(kind, "input_text" | "output_text" | "text") {
+                    return None;
+                }
+                all.push_str(p.get("text")?.as_str()?);
+            }
+            all
+        }
+        _ => return None,
+    };
+    Some(serde_json::json!({"role": role, "content": content}))
 }
 
 /// Adds `text` to the conversation as the assistant's message to continue (to the
@@ -122,6 +200,52 @@ mod tests {
         assert_eq!(v["messages"].as_array().unwrap().len(), 2);
         assert_eq!(v["messages"][1]["content"], "Sure: a b");
         assert_eq!(v["max_completion_tokens"], 3);
+    }
+
+    #[test]
+    fn a_responses_request_continues_as_chat() {
+        let body = Bytes::from_static(
+            br#"{"model":"m","instructions":"Be brief.","input":[{"role":"user","content":"count"},{"type":"message","role":"assistant","content":[{"type":"output_text","text":"ok"}]},{"role":"user","content":[{"type":"input_text","text":"again"}]}],"stream":true,"max_output_tokens":10,"temperature":0.5}"#,
+        );
+        let v = sent(next(Kind::Responses, &body, &said("one two"), 3));
+        assert_eq!(
+            v["messages"],
+            serde_json::json!([
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "count"},
+                {"role": "assistant", "content": "ok"},
+                {"role": "user", "content": "again"},
+                {"role": "assistant", "content": "one two"},
+            ])
+        );
+        assert_eq!(v["continue_final_message"], true);
+        assert_eq!(v["add_generation_prompt"], false);
+        assert_eq!(
+            (v["max_tokens"].as_u64(), v["temperature"].as_f64()),
+            (Some(7), Some(0.5))
+        );
+        assert_eq!(
+            (v["stream"].as_bool(), v["model"].as_str()),
+            (Some(true), Some("m"))
+        );
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        // Nothing said yet: a new assistant turn, as chat.
+        let plain = Bytes::from_static(br#"{"input":"hi","stream":true}"#);
+        let v = sent(next(Kind::Responses, &plain, &said(""), 0));
+        assert_eq!(
+            v["messages"],
+            serde_json::json!([{"role": "user", "content": "hi"}])
+        );
+        assert!(v.get("continue_final_message").is_none());
+        // Input chat cannot carry.
+        let image = Bytes::from_static(
+            br#"{"input":[{"role":"user","content":[{"type":"input_image","image_url":"x"}]}],"stream":true}"#,
+        );
+        assert_eq!(next(Kind::Responses, &image, &said("a"), 1), None);
+        let tool = Bytes::from_static(
+            br#"{"input":[{"type":"function_call_output","call_id":"c","output":"1"}],"stream":true}"#,
+        );
+        assert_eq!(next(Kind::Responses, &tool, &said("a"), 1), None);
     }
 
     #[test]
