@@ -165,8 +165,8 @@ pub fn delta(shape: &mut Shape, text: &str) -> Vec<u8> {
 }
 
 /// The events that close the answer (those not passed yet), the last one
-/// `response.completed` (or `response.incomplete` when its budget ran out) with the
-/// response as created, its whole text, and `usage` when `tokens` (the output tokens of
+/// `response.completed` with the response as created (status `incomplete` when its
+/// budget ran out), its whole text, and `usage` when `tokens` (the output tokens of
 /// every part) and the last part's usage are known.
 pub fn closing(said: &mut Said, tokens: u64, before: u64) -> Vec<u8> {
     let text = said.text.clone();
@@ -199,13 +199,9 @@ pub fn closing(said: &mut Said, tokens: u64, before: u64) -> Vec<u8> {
     }
     shape.closed = [true; 3];
     let mut response = shape.response.take().unwrap_or_else(|| json!({}));
-    let kind = if shape.cut {
-        "response.incomplete"
-    } else {
-        "response.completed"
-    };
     if let Some(r) = response.as_object_mut() {
-        r.insert("status".into(), (&kind["response.".len()..]).into());
+        let status = if shape.cut { "incomplete" } else { "completed" };
+        r.insert("status".into(), status.into());
         if shape.cut {
             r.insert(
                 "incomplete_details".into(),
@@ -227,7 +223,13 @@ pub fn closing(said: &mut Said, tokens: u64, before: u64) -> Vec<u8> {
             );
         }
     }
-    out.extend(event(kind, json!({"response": response}), shape));
+    // vLLM ends every Responses stream with `response.completed`, the response's
+    // status saying whether it ran to max_output_tokens.
+    out.extend(event(
+        "response.completed",
+        json!({"response": response}),
+        shape,
+    ));
     said.done = true;
     out
 }
