@@ -203,6 +203,67 @@ async fn a_responses_stream_is_continued_and_the_client_reads_one_response() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_anthropic_messages_stream_is_continued_and_the_client_reads_one_message() {
+    let (_a, b, yaml) = pair(
+        Script {
+            die_after: Some(3),
+            ..Script::default()
+        },
+        "",
+    )
+    .await;
+    let router = start_router(&yaml).await;
+    let body = serde_json::json!({"model": "m", "max_tokens": 8, "stream": true,
+        "system": "Be brief.", "messages": [{"role": "user", "content": "count for me please"}]});
+    let resp = within(
+        "the continued stream",
+        send(router.addr, &Req::post("/v1/messages", body.to_string())),
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    let text = resp.text();
+    let (mut kinds, mut said, mut stop) = (Vec::new(), String::new(), None);
+    for e in text.split("\n\n").filter(|e| !e.trim().is_empty()) {
+        let kind = e.lines().find_map(|l| l.strip_prefix("event: ")).unwrap();
+        let data = e.lines().find_map(|l| l.strip_prefix("data: ")).unwrap();
+        let v: serde_json::Value = serde_json::from_str(data).unwrap();
+        assert_eq!(v["type"], kind, "{e}");
+        if kind == "content_block_delta" {
+            assert_eq!(v["index"], 0, "one text block: {e}");
+            said.push_str(v["delta"]["text"].as_str().unwrap());
+        }
+        if kind == "message_delta" {
+            stop = Some(v.clone());
+        }
+        kinds.push(kind.to_string());
+    }
+    assert_eq!(said, story(8), "every token once, in order: {text}");
+    let count = |k: &str| kinds.iter().filter(|x| *x == k).count();
+    assert_eq!(
+        [
+            count("message_start"),
+            count("content_block_start"),
+            count("content_block_stop"),
+            count("message_delta"),
+            count("message_stop")
+        ],
+        [1; 5],
+        "{text}"
+    );
+    assert_eq!(kinds.last().map(String::as_str), Some("message_stop"));
+    let stop = stop.unwrap();
+    assert_eq!(stop["delta"]["stop_reason"], "max_tokens");
+    assert_eq!(stop["usage"]["output_tokens"], 8);
+    let asked = &b.requests()[0];
+    assert_eq!(asked.target, "/v1/chat/completions");
+    let asked: serde_json::Value = serde_json::from_slice(&asked.body).unwrap();
+    assert_eq!(asked["messages"][2]["content"], story(3));
+    assert_eq!(asked["max_tokens"], 5);
+    assert_eq!(migrations(router.addr, "closed", "continued").await, 1.0);
+    router.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn completions_and_engine_error_events_continue_too() {
     let (_a, b, yaml) = pair(
         Script {

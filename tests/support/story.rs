@@ -71,6 +71,11 @@ pub fn story_engine(script: Script) -> impl Fn(&Recorded) -> Reply + Send + Sync
             let name = format!("{}_{n}", script.name);
             return responses_stream(&script, &name, max, input.split_whitespace().count());
         }
+        if req.target.contains("/v1/messages") && body["stream"] == true {
+            let words = body["messages"][0]["content"].as_str().unwrap_or("");
+            let name = format!("{}_{n}", script.name);
+            return messages_stream(&script, &name, max, words.split_whitespace().count());
+        }
         if body["stream"] != true {
             let text: String = (said..said + max).map(word).collect();
             return Reply::json(200, &whole(&id, chat, &text));
@@ -214,6 +219,60 @@ fn responses_stream(script: &Script, name: &str, max: usize, prompt_words: usize
     steps.push(ev(
         "response.completed",
         serde_json::json!({"response": response("completed", Some(&text))}),
+    ));
+    Reply::status(200)
+        .header("Content-Type", "text/event-stream")
+        .chunked(steps)
+}
+
+/// A streamed `/v1/messages` answer as an Anthropic-compatible engine writes one: the
+/// message, a text block with one `content_block_delta` per token, its stop, the
+/// message's delta and stop. Dies as `script` says (continuations come as chat).
+fn messages_stream(script: &Script, name: &str, max: usize, prompt_words: usize) -> Reply {
+    let ev = |kind: &str, data: serde_json::Value| {
+        Step::Write(format!("event: {kind}\ndata: {data}\n\n").into_bytes())
+    };
+    let message = serde_json::json!({"id": format!("msg_{name}"), "type": "message",
+        "role": "assistant", "model": "m", "content": [], "stop_reason": null,
+        "usage": {"input_tokens": prompt_words, "output_tokens": 0}});
+    let mut steps = vec![
+        ev(
+            "message_start",
+            serde_json::json!({"type": "message_start", "message": message}),
+        ),
+        ev(
+            "content_block_start",
+            serde_json::json!({"type": "content_block_start",
+            "index": 0, "content_block": {"type": "text", "text": ""}}),
+        ),
+        ev("ping", serde_json::json!({"type": "ping"})),
+    ];
+    for i in 0..max {
+        if script.die_after == Some(i) {
+            steps.push(Step::Die);
+            return Reply::status(200)
+                .header("Content-Type", "text/event-stream")
+                .chunked(steps);
+        }
+        steps.push(ev(
+            "content_block_delta",
+            serde_json::json!({"type": "content_block_delta",
+            "index": 0, "delta": {"type": "text_delta", "text": word(i)}}),
+        ));
+    }
+    steps.push(ev(
+        "content_block_stop",
+        serde_json::json!({"type": "content_block_stop", "index": 0}),
+    ));
+    steps.push(ev(
+        "message_delta",
+        serde_json::json!({"type": "message_delta",
+        "delta": {"stop_reason": "max_tokens", "stop_sequence": null},
+        "usage": {"output_tokens": max}}),
+    ));
+    steps.push(ev(
+        "message_stop",
+        serde_json::json!({"type": "message_stop"}),
     ));
     Reply::status(200)
         .header("Content-Type", "text/event-stream")

@@ -89,9 +89,9 @@ impl Continuer {
         let (mut copy, ()) = http::Request::new(()).into_parts();
         copy.method = parts.method.clone();
         copy.uri = parts.uri.clone();
-        // A Responses answer continues as chat (see `responses`).
+        // A Responses or Messages answer continues as chat (see `responses`).
         let endpoint = match endpoint {
-            Endpoint::Responses => {
+            Endpoint::Responses | Endpoint::Messages => {
                 copy.uri = http::Uri::from_static("/v1/chat/completions");
                 Endpoint::ChatCompletions
             }

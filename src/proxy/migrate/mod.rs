@@ -27,6 +27,7 @@
 //! event saying why it could not continue.
 
 mod continuer;
+mod messages;
 mod relay;
 mod responses;
 mod resume;
@@ -51,6 +52,15 @@ pub enum Kind {
     Completions,
     /// `/v1/responses`: `response.output_text.delta` events (continued as chat).
     Responses,
+    /// `/v1/messages`: `content_block_delta` events (continued as chat).
+    Messages,
+}
+
+impl Kind {
+    /// Its continuation is a chat request whose chunks are written in its own events.
+    pub fn continues_as_chat(self) -> bool {
+        matches!(self, Kind::Responses | Kind::Messages)
+    }
 }
 
 /// Why a stream broke.
@@ -245,7 +255,7 @@ pub fn plan(cfg: &MigrationConfig, endpoint: Option<Endpoint>, body: &[u8]) -> O
         Endpoint::ChatCompletions => Kind::Chat,
         Endpoint::Completions => Kind::Completions,
         Endpoint::Responses => Kind::Responses,
-        Endpoint::Messages => return None,
+        Endpoint::Messages => Kind::Messages,
     };
     // Most non-streamed bodies are told apart without a parse.
     if !cfg.enabled || memchr::memmem::find(body, b"\"stream\"").is_none() {
@@ -309,7 +319,7 @@ mod tests {
     }
 
     #[test]
-    fn only_streamed_chat_completions_and_responses_get_a_plan() {
+    fn only_streamed_answers_of_the_four_endpoints_get_a_plan() {
         let chat = r#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#;
         assert_eq!(
             planned(Endpoint::ChatCompletions, chat),
@@ -329,11 +339,14 @@ mod tests {
                 r#"{"messages":[],"stream":false}"#,
             ),
             (Endpoint::ChatCompletions, r#"{"messages":[]}"#),
-            (Endpoint::Messages, r#"{"messages":[],"stream":true}"#),
             (Endpoint::ChatCompletions, "not json \"stream\""),
         ] {
             assert_eq!(planned(e, body), None, "{body}");
         }
+        assert_eq!(
+            planned(Endpoint::Messages, r#"{"messages":[],"stream":true}"#).map(|p| p.kind),
+            Some(Kind::Messages)
+        );
         assert_eq!(
             planned(Endpoint::Responses, r#"{"input":"x","stream":true}"#),
             Some(Plan {

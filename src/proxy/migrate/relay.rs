@@ -16,7 +16,7 @@ use bytes::Bytes;
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
-use super::{Kind, responses};
+use super::{Kind, messages, responses};
 use crate::prompt::Text;
 
 /// The most bytes of the first part's events kept unread: past it they are read and
@@ -51,6 +51,8 @@ pub struct Said {
     pub reasoning: bool,
     /// A Responses stream's item, sequence and closing events.
     pub shape: super::responses::Shape,
+    /// A Messages stream's blocks and end.
+    pub blocks: super::messages::Blocks,
 }
 
 /// See the module docs.
@@ -241,10 +243,9 @@ impl Relay {
             return Verdict::Keep;
         };
         if data.trim_ascii() == b"[DONE]" {
-            if self.kind == Kind::Responses && !self.said.done {
-                // The chat continuation's end: the Responses answer's closing events.
-                let tokens = self.before + self.events.max(self.reported);
-                return Verdict::Replace(responses::closing(&mut self.said, tokens, self.before));
+            if self.kind.continues_as_chat() && !self.said.done {
+                // The chat continuation's end: the answer's closing events.
+                return Verdict::Replace(self.closing());
             }
             self.said.done = true;
             return Verdict::Keep;
@@ -257,7 +258,7 @@ impl Relay {
 
     /// What one event's data says (parsed): noted, and what becomes of the event.
     fn read(&mut self, event: &[u8], data: &[u8]) -> Verdict {
-        if self.kind == Kind::Responses {
+        if self.kind.continues_as_chat() {
             return if self.part == 0 {
                 self.first_response(data)
             } else {
@@ -288,8 +289,8 @@ impl Relay {
         if let Some(c) = chunk.choices.as_ref().and_then(|c| c.first()) {
             let text = match self.kind {
                 Kind::Chat => c.delta.as_ref().and_then(|d| d.content.as_deref()),
-                // (Responses never reaches here: see `read`.)
-                Kind::Completions | Kind::Responses => c.text.as_deref(),
+                // (Responses and Messages never reach here: see `read`.)
+                _ => c.text.as_deref(),
             };
             if let Some(d) = &c.delta {
                 role_again = d.role.is_some() && self.said.role_sent && !first;
@@ -326,9 +327,22 @@ impl Relay {
         }
     }
 
-    /// One event of a Responses answer's first part, noted.
+    /// The closing events of a Responses or Messages answer continued as chat.
+    fn closing(&mut self) -> Vec<u8> {
+        let tokens = self.before + self.events.max(self.reported);
+        match self.kind {
+            Kind::Messages => messages::closing(&mut self.said, tokens),
+            _ => responses::closing(&mut self.said, tokens, self.before),
+        }
+    }
+
+    /// One event of a Responses or Messages answer's first part, noted.
     fn first_response(&mut self, data: &[u8]) -> Verdict {
-        match responses::note(&mut self.said, data) {
+        let noted = match self.kind {
+            Kind::Messages => messages::note(&mut self.said, data),
+            _ => responses::note(&mut self.said, data),
+        };
+        match noted {
             Err(()) => Verdict::Broke,
             Ok(text) => {
                 self.events += u64::from(text);
@@ -337,8 +351,8 @@ impl Relay {
         }
     }
 
-    /// One chunk of a Responses answer's (chat) continuation, written as the first
-    /// part's events: its text as a delta; role, finish and usage chunks noted, not
+    /// One chunk of a Responses or Messages answer's (chat) continuation, written as
+    /// the first part's events: its text as a delta; role, finish and usage chunks noted, not
     /// passed.
     fn sequel(&mut self, data: &[u8]) -> Verdict {
         let Ok(chunk) = serde_json::from_slice::<Chunk<'_>>(data) else {
@@ -353,10 +367,15 @@ impl Relay {
             if let Some(t) = text.filter(|t| !t.is_empty()) {
                 self.said.text.push_str(t);
                 self.events += 1;
-                out = responses::delta(&mut self.said.shape, t);
+                out = match self.kind {
+                    Kind::Messages => messages::delta(&mut self.said.blocks, t),
+                    _ => responses::delta(&mut self.said.shape, t),
+                };
             }
             self.said.finished |= c.finish_reason.is_some();
-            self.said.shape.cut |= c.finish_reason.as_deref() == Some("length");
+            let cut = c.finish_reason.as_deref() == Some("length");
+            self.said.shape.cut |= cut;
+            self.said.blocks.cut |= cut;
         }
         if let Some(u) = &chunk.usage {
             self.reported = self.reported.max(u.completion_tokens.unwrap_or(0));
@@ -414,12 +433,11 @@ impl Relay {
     /// passed (`finish_reason: length`), then `data: [DONE]`.
     pub fn ending(&mut self) -> Bytes {
         self.settle();
-        if self.kind == Kind::Responses {
+        if self.kind.continues_as_chat() {
             if self.said.done {
                 return Bytes::new();
             }
-            let tokens = self.before + self.events.max(self.reported);
-            return Bytes::from(responses::closing(&mut self.said, tokens, self.before));
+            return Bytes::from(self.closing());
         }
         let mut out = Vec::new();
         if !self.said.finished {
@@ -427,7 +445,7 @@ impl Relay {
                 Kind::Chat => {
                     serde_json::json!({"index": 0, "delta": {}, "finish_reason": "length"})
                 }
-                Kind::Completions | Kind::Responses => {
+                _ => {
                     serde_json::json!({"index": 0, "text": "", "finish_reason": "length"})
                 }
             };

@@ -28,15 +28,17 @@ pub fn next(kind: Kind, original: &Bytes, said: &Said, sent: u64) -> Option<Next
     if said.finished {
         return Some(Next::End);
     }
-    if said.text.is_empty() && kind != Kind::Responses {
+    if said.text.is_empty() && !kind.continues_as_chat() {
         // Nothing generated reached the client: the request as it was.
         return Some(Next::Send(original.clone()));
     }
     let Ok(Value::Object(mut body)) = serde_json::from_slice::<Value>(original) else {
         return None;
     };
-    if kind == Kind::Responses {
-        return response_as_chat(&body, &said.text, sent);
+    match kind {
+        Kind::Responses => return response_as_chat(&body, &said.text, sent),
+        Kind::Messages => return message_as_chat(&body, &said.text, sent),
+        _ => {}
     }
     for key in ["max_tokens", "max_completion_tokens"] {
         if let Some(max) = body.get(key).and_then(Value::as_u64) {
@@ -51,7 +53,7 @@ pub fn next(kind: Kind, original: &Bytes, said: &Said, sent: u64) -> Option<Next
         body.insert("min_tokens".into(), min.saturating_sub(sent).into());
     }
     match kind {
-        Kind::Chat | Kind::Responses => continue_chat(&mut body, &said.text)?,
+        Kind::Chat | Kind::Responses | Kind::Messages => continue_chat(&mut body, &said.text)?,
         Kind::Completions => {
             let Some(Value::String(prompt)) = body.get_mut("prompt") else {
                 return None;
@@ -84,21 +86,99 @@ fn response_as_chat(body: &Map<String, Value>, text: &str, sent: u64) -> Option<
         }
         _ => return None,
     }
-    let mut chat = Map::new();
-    for key in ["model", "temperature", "top_p", "seed", "user"] {
-        if let Some(v) = body.get(key) {
-            chat.insert(key.into(), v.clone());
+    let carried = ["model", "temperature", "top_p", "seed", "user"];
+    as_chat(
+        body,
+        &carried,
+        ("max_output_tokens", false),
+        messages,
+        text,
+        sent,
+    )
+}
+
+/// An Anthropic Messages request continued as a streamed chat request: `system` as the
+/// system message, the messages of text as the conversation, `text` continuing the last
+/// assistant message (the client's prefill, or a new one), `max_tokens` less `sent`.
+/// `None` for content chat cannot carry (images, documents, tool use and results).
+fn message_as_chat(body: &Map<String, Value>, text: &str, sent: u64) -> Option<Next> {
+    let mut messages = Vec::new();
+    match body.get("system") {
+        None | Some(Value::Null) => {}
+        Some(system) => {
+            let content = text_of(system)?;
+            messages.push(serde_json::json!({"role": "system", "content": content}));
         }
     }
-    if let Some(max) = body.get("max_output_tokens").and_then(Value::as_u64) {
+    for m in body.get("messages")?.as_array()? {
+        let role = m.get("role")?.as_str()?;
+        let content = text_of(m.get("content")?)?;
+        messages.push(serde_json::json!({"role": role, "content": content}));
+    }
+    let carried = ["model", "temperature", "top_p", "top_k"];
+    let mut chat = as_chat(body, &carried, ("max_tokens", true), messages, text, sent)?;
+    if let (Next::Send(b), Some(stop)) = (&mut chat, body.get("stop_sequences")) {
+        let mut v: Map<String, Value> = serde_json::from_slice(b).ok()?;
+        v.insert("stop".into(), stop.clone());
+        *b = Bytes::from(serde_json::to_vec(&v).ok()?);
+    }
+    Some(chat)
+}
+
+/// A string, or text blocks (`{"type": "text", "text": …}`) joined; `None` otherwise.
+fn text_of(content: &Value) -> Option<String> {
+    match content {
+        Value::String(s) => Some(s.clone()),
+        Value::Array(blocks) => {
+            let mut all = String::new();
+            for b in blocks {
+                if b.get("type")?.as_str()? != "text" {
+                    return None;
+                }
+                all.push_str(b.get("text")?.as_str()?);
+            }
+            Some(all)
+        }
+        _ => None,
+    }
+}
+
+/// The streamed chat request that continues `text` after `messages`: the `carried`
+/// members of `body`, its budget (`budget.0`) less `sent` as `max_tokens`, usage on;
+/// with `budget.1`, a last assistant message is a prefill the answer continues
+/// (Anthropic's Messages API; the Responses API opens a new turn after it).
+fn as_chat(
+    body: &Map<String, Value>,
+    carried: &[&str],
+    budget: (&str, bool),
+    messages: Vec<Value>,
+    text: &str,
+    sent: u64,
+) -> Option<Next> {
+    let (budget_key, prefills) = budget;
+    let mut chat = Map::new();
+    for key in carried {
+        if let Some(v) = body.get(*key) {
+            chat.insert((*key).into(), v.clone());
+        }
+    }
+    if let Some(max) = body.get(budget_key).and_then(Value::as_u64) {
         let left = max.saturating_sub(sent);
         if left == 0 {
             return Some(Next::End);
         }
         chat.insert("max_tokens".into(), left.into());
     }
+    // A last assistant message (an Anthropic prefill) is continued, not closed.
+    let prefill = prefills
+        && messages
+            .last()
+            .is_some_and(|m| m.get("role").and_then(Value::as_str) == Some("assistant"));
     chat.insert("messages".into(), Value::Array(messages));
-    if !text.is_empty() {
+    if prefill {
+        chat.insert("continue_final_message".into(), Value::Bool(true));
+    }
+    if prefill || !text.is_empty() {
         continue_chat(&mut chat, text)?;
     }
     chat.insert("stream".into(), Value::Bool(true));
@@ -246,6 +326,59 @@ mod tests {
             br#"{"input":[{"type":"function_call_output","call_id":"c","output":"1"}],"stream":true}"#,
         );
         assert_eq!(next(Kind::Responses, &tool, &said("a"), 1), None);
+    }
+
+    #[test]
+    fn a_messages_request_continues_as_chat_and_a_prefill_grows() {
+        let body = Bytes::from_static(
+            br#"{"model":"m","system":[{"type":"text","text":"Be brief."}],"messages":[{"role":"user","content":[{"type":"text","text":"count"}]}],"stream":true,"max_tokens":10,"stop_sequences":["END"],"top_k":5}"#,
+        );
+        let v = sent(next(Kind::Messages, &body, &said("one two"), 3));
+        assert_eq!(
+            v["messages"],
+            serde_json::json!([
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "count"},
+                {"role": "assistant", "content": "one two"},
+            ])
+        );
+        assert_eq!(
+            (
+                v["continue_final_message"].as_bool(),
+                v["add_generation_prompt"].as_bool()
+            ),
+            (Some(true), Some(false))
+        );
+        assert_eq!(
+            (v["max_tokens"].as_u64(), v["top_k"].as_u64()),
+            (Some(7), Some(5))
+        );
+        assert_eq!(v["stop"], serde_json::json!(["END"]));
+        // The client's prefill is continued, with what was said added to it.
+        let prefill = Bytes::from_static(
+            br#"{"messages":[{"role":"user","content":"count"},{"role":"assistant","content":"Sure: "}],"stream":true,"max_tokens":4}"#,
+        );
+        let v = sent(next(Kind::Messages, &prefill, &said("a"), 1));
+        assert_eq!(v["messages"].as_array().unwrap().len(), 2);
+        assert_eq!(v["messages"][1]["content"], "Sure: a");
+        let v = sent(next(Kind::Messages, &prefill, &said(""), 0));
+        assert_eq!(
+            (
+                v["messages"][1]["content"].as_str(),
+                v["continue_final_message"].as_bool()
+            ),
+            (Some("Sure: "), Some(true))
+        );
+        // A Responses input's assistant message is history: the answer is a new turn.
+        let history = Bytes::from_static(
+            br#"{"input":[{"role":"user","content":"x"},{"role":"assistant","content":"y"}],"stream":true}"#,
+        );
+        let v = sent(next(Kind::Responses, &history, &said(""), 0));
+        assert!(v.get("continue_final_message").is_none(), "{v}");
+        let image = Bytes::from_static(
+            br#"{"messages":[{"role":"user","content":[{"type":"image","source":{}}]}],"stream":true,"max_tokens":4}"#,
+        );
+        assert_eq!(next(Kind::Messages, &image, &said("a"), 1), None);
     }
 
     #[test]
