@@ -88,7 +88,7 @@ pub fn note(said: &mut Said, data: &[u8]) -> Result<bool, ()> {
         }
         "content_block_start" => {
             let index = ev.index.unwrap_or(blocks.next);
-            blocks.next = index + 1;
+            blocks.next = index.saturating_add(1);
             match ev.content_block.as_ref().and_then(|b| b.kind.as_deref()) {
                 Some("text") => {
                     blocks.index = index;
@@ -134,7 +134,7 @@ pub fn delta(blocks: &mut Blocks, text: &str) -> Vec<u8> {
     let mut out = Vec::new();
     if !blocks.block_started || blocks.block_stopped {
         blocks.index = blocks.next;
-        blocks.next += 1;
+        blocks.next = blocks.next.saturating_add(1);
         blocks.block_started = true;
         blocks.block_stopped = false;
         out.extend(event(
@@ -236,5 +236,18 @@ mod tests {
         note(&mut said, br#"{"type":"content_block_stop","index":0}"#).unwrap();
         let d = String::from_utf8(delta(&mut said.blocks, "x")).unwrap();
         assert!(d.starts_with("event: content_block_start\n") && d.contains(r#""index":1"#));
+        // An engine's huge index never overflows.
+        let mut said = Said::default();
+        let huge = format!(
+            r#"{{"type":"content_block_start","index":{},"content_block":{{"type":"text"}}}}"#,
+            u64::MAX
+        );
+        note(&mut said, huge.as_bytes()).unwrap();
+        note(
+            &mut said,
+            br#"{"type":"content_block_stop","index":18446744073709551615}"#,
+        )
+        .unwrap();
+        assert!(!delta(&mut said.blocks, "x").is_empty());
     }
 }

@@ -117,7 +117,7 @@ impl Relay {
     /// Tokens sent so far (every part's).
     pub fn tokens(&mut self) -> u64 {
         self.settle();
-        self.before + self.events.max(self.reported)
+        self.before.saturating_add(self.events.max(self.reported))
     }
 
     /// What the client has been sent so far.
@@ -329,7 +329,7 @@ impl Relay {
 
     /// The closing events of a Responses or Messages answer continued as chat.
     fn closing(&mut self) -> Vec<u8> {
-        let tokens = self.before + self.events.max(self.reported);
+        let tokens = self.before.saturating_add(self.events.max(self.reported));
         match self.kind {
             Kind::Messages => messages::closing(&mut self.said, tokens),
             _ => responses::closing(&mut self.said, tokens, self.before),
@@ -415,10 +415,10 @@ impl Relay {
             };
             let (prompt, completion) = (get(u, "prompt_tokens"), get(u, "completion_tokens"));
             if let (Some(p), Some(c)) = (prompt, completion) {
-                let (p, c) = (p.saturating_sub(self.before), c + self.before);
+                let (p, c) = (p.saturating_sub(self.before), c.saturating_add(self.before));
                 u.insert("prompt_tokens".into(), p.into());
                 u.insert("completion_tokens".into(), c.into());
-                u.insert("total_tokens".into(), (p + c).into());
+                u.insert("total_tokens".into(), p.saturating_add(c).into());
             }
         }
         let mut out = b"data: ".to_vec();

@@ -115,7 +115,7 @@ pub fn note(said: &mut Said, data: &[u8]) -> Result<bool, ()> {
 
 /// One event as the client reads it.
 fn event(kind: &str, mut data: Value, shape: &mut Shape) -> Vec<u8> {
-    shape.sequence += 1;
+    shape.sequence = shape.sequence.saturating_add(1);
     if let Some(o) = data.as_object_mut() {
         o.insert("type".into(), kind.into());
         o.insert("sequence_number".into(), shape.sequence.into());
@@ -218,7 +218,7 @@ pub fn closing(said: &mut Said, tokens: u64, before: u64) -> Vec<u8> {
                     "input_tokens_details": {"cached_tokens": shape.cached_tokens.unwrap_or(0)},
                     "output_tokens": tokens,
                     "output_tokens_details": {"reasoning_tokens": 0},
-                    "total_tokens": input + tokens,
+                    "total_tokens": input.saturating_add(tokens),
                 }),
             );
         }
@@ -295,6 +295,19 @@ mod tests {
         assert_eq!(r["usage"]["output_tokens"], 3);
         assert_eq!(r["usage"]["input_tokens_details"]["cached_tokens"], 8);
         assert_eq!(v["sequence_number"], 9);
+    }
+
+    #[test]
+    fn an_engines_huge_numbers_never_overflow() {
+        let mut said = Said::default();
+        let seq = format!(
+            r#"{{"type":"response.output_text.delta","sequence_number":{},"delta":"a"}}"#,
+            u64::MAX
+        );
+        note(&mut said, seq.as_bytes()).unwrap();
+        delta(&mut said.shape, "b");
+        said.shape.prompt_tokens = Some(u64::MAX);
+        assert!(!closing(&mut said, u64::MAX, 0).is_empty());
     }
 
     #[test]
