@@ -142,9 +142,7 @@ pub fn story_engine(script: Script) -> impl Fn(&Recorded) -> Reply + Send + Sync
             }
             steps.push(Step::Write(b"data: [DONE]\n\n".to_vec()));
         }
-        let reply = Reply::status(200)
-            .header("Content-Type", "text/event-stream")
-            .chunked(steps);
+        let reply = event_stream(steps);
         match script.delay {
             Some(d) => reply.after(d),
             None => reply,
@@ -196,9 +194,7 @@ fn responses_stream(script: &Script, name: &str, max: usize, prompt_words: usize
     for i in 0..max {
         if script.die_after == Some(i) {
             steps.push(Step::Die);
-            return Reply::status(200)
-                .header("Content-Type", "text/event-stream")
-                .chunked(steps);
+            return event_stream(steps);
         }
         if i > 0 && !script.gap.is_zero() {
             steps.push(Step::Sleep(script.gap));
@@ -220,9 +216,7 @@ fn responses_stream(script: &Script, name: &str, max: usize, prompt_words: usize
         "response.completed",
         serde_json::json!({"response": response("completed", Some(&text))}),
     ));
-    Reply::status(200)
-        .header("Content-Type", "text/event-stream")
-        .chunked(steps)
+    event_stream(steps)
 }
 
 /// A streamed `/v1/messages` answer as an Anthropic-compatible engine writes one: the
@@ -250,9 +244,7 @@ fn messages_stream(script: &Script, name: &str, max: usize, prompt_words: usize)
     for i in 0..max {
         if script.die_after == Some(i) {
             steps.push(Step::Die);
-            return Reply::status(200)
-                .header("Content-Type", "text/event-stream")
-                .chunked(steps);
+            return event_stream(steps);
         }
         steps.push(ev(
             "content_block_delta",
@@ -274,6 +266,11 @@ fn messages_stream(script: &Script, name: &str, max: usize, prompt_words: usize)
         "message_stop",
         serde_json::json!({"type": "message_stop"}),
     ));
+    event_stream(steps)
+}
+
+/// A 200 event stream of `steps`.
+fn event_stream(steps: Vec<Step>) -> Reply {
     Reply::status(200)
         .header("Content-Type", "text/event-stream")
         .chunked(steps)

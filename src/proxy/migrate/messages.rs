@@ -121,11 +121,7 @@ pub fn note(said: &mut Said, data: &[u8]) -> Result<bool, ()> {
 }
 
 fn event(kind: &str, data: serde_json::Value) -> Vec<u8> {
-    let mut out = format!("event: {kind}\ndata: ").into_bytes();
-    // A Value always serialises.
-    out.extend_from_slice(&serde_json::to_vec(&data).unwrap_or_default());
-    out.extend_from_slice(b"\n\n");
-    out
+    super::relay::named_event(kind, &data)
 }
 
 /// A continuation's text written as the first part's `content_block_delta` (after a

@@ -479,6 +479,16 @@ pub fn error_event(message: &str, clean: bool) -> Bytes {
     Bytes::from(format!("{lead}data: {body}\n\n"))
 }
 
+/// A named SSE event (`event:` then `data:`), as Responses and Messages streams write
+/// each one.
+pub(super) fn named_event(kind: &str, data: &serde_json::Value) -> Vec<u8> {
+    let mut out = format!("event: {kind}\ndata: ").into_bytes();
+    // A Value always serialises.
+    out.extend_from_slice(&serde_json::to_vec(data).unwrap_or_default());
+    out.extend_from_slice(b"\n\n");
+    out
+}
+
 /// `event` with the JSON string `theirs` written as `ours`.
 fn replace_id(event: &[u8], theirs: &str, ours: &str) -> Vec<u8> {
     let (from, to) = (format!("\"{theirs}\""), format!("\"{ours}\""));

@@ -120,11 +120,7 @@ fn event(kind: &str, mut data: Value, shape: &mut Shape) -> Vec<u8> {
         o.insert("type".into(), kind.into());
         o.insert("sequence_number".into(), shape.sequence.into());
     }
-    let mut out = format!("event: {kind}\ndata: ").into_bytes();
-    // A Value always serialises.
-    out.extend_from_slice(&serde_json::to_vec(&data).unwrap_or_default());
-    out.extend_from_slice(b"\n\n");
-    out
+    super::relay::named_event(kind, &data)
 }
 
 /// A continuation's text written as the first part's `response.output_text.delta`
