@@ -9,6 +9,11 @@
 //! part's `id`; its role chunk is dropped (the client has had one); its usage covers both
 //! parts (`completion_tokens` plus what was sent before, `prompt_tokens` less it, as the
 //! continued prompt carried it; `cached_tokens` as the new worker reported).
+//!
+//! The first part's events are read (JSON-parsed) only when something needs what was
+//! said: a break, or more unread event bytes than [`UNREAD_MAX`]. Until then they are
+//! copied aside as they pass; an event naming `"error"` is read at once (it may break
+//! the part).
 
 use std::borrow::Cow;
 
@@ -20,9 +25,12 @@ use super::{Kind, messages, responses};
 use crate::prompt::Text;
 
 /// The most bytes of the first part's events kept unread: past it they are read and
-/// dropped. Covers a typical answer of a few hundred tokens (an engine's chat chunk is
-/// about 200 bytes), so most streams are never parsed.
-pub const UNREAD_MAX: usize = 64 * 1024;
+/// dropped. Covers a short answer (an engine's chat chunk is about 200 bytes: some 80
+/// events) while bounding what 5,000 open streams keep (80 MiB at most).
+pub const UNREAD_MAX: usize = 16 * 1024;
+
+/// The unread buffer's first allocation (it grows as events come).
+const UNREAD_FIRST: usize = 1024;
 
 /// The search for `"error"` every event of the first part gets, built once.
 static ERROR_KEY: std::sync::LazyLock<memchr::memmem::Finder<'static>> =
@@ -62,10 +70,10 @@ pub struct Relay {
     /// The start of an event not whole yet.
     partial: Vec<u8>,
     said: Said,
-    /// The first part's events passed but not read yet (see the module docs), and
-    /// their bytes.
-    unread: Vec<Bytes>,
-    unread_bytes: usize,
+    /// The first part's events passed but not read yet (see the module docs), copied
+    /// one after another: a slice of the worker's read buffer would keep the whole
+    /// buffer (8 KiB or more a read) alive.
+    unread: Vec<u8>,
     /// 0 for the first worker's events, then one more per continuation.
     part: u32,
     /// This continuation's own id, written as the first part's.
@@ -104,7 +112,6 @@ impl Relay {
             partial: Vec::new(),
             said: Said::default(),
             unread: Vec::new(),
-            unread_bytes: 0,
             part: 0,
             their_id: None,
             before: 0,
@@ -128,13 +135,18 @@ impl Relay {
 
     /// Reads the events kept unread.
     fn settle(&mut self) {
-        for event in std::mem::take(&mut self.unread) {
-            if let Some(data) = data_of(&event) {
+        let mut unread = std::mem::take(&mut self.unread);
+        let mut at = 0;
+        while let Some(end) = event_end(&unread, at) {
+            let event = &unread[at..end];
+            if let Some(data) = data_of(event) {
                 // Never a break: an event naming "error" was read when it passed.
-                self.read(&event, &data);
+                self.read(event, &data);
             }
+            at = end;
         }
-        self.unread_bytes = 0;
+        unread.clear();
+        self.unread = unread;
     }
 
     /// Continuations so far.
@@ -173,7 +185,7 @@ impl Relay {
         let mut broke = false;
         while let Some(end) = event_end(buf, at) {
             let verdict = match self.part {
-                0 => self.first_part(&src, at, end),
+                0 => self.first_part(&buf[at..end]),
                 _ => self.event(&buf[at..end]),
             };
             if !matches!(verdict, Verdict::Keep) {
@@ -212,8 +224,7 @@ impl Relay {
 
     /// One whole event of the first part (`src[at..end]`, blank line included): kept
     /// unread unless it may break the part.
-    fn first_part(&mut self, src: &Bytes, at: usize, end: usize) -> Verdict {
-        let event = &src[at..end];
+    fn first_part(&mut self, event: &[u8]) -> Verdict {
         if self.said.done {
             return Verdict::Keep;
         }
@@ -229,11 +240,14 @@ impl Relay {
             self.settle();
             return self.read(event, &data);
         }
-        self.unread.push(src.slice(at..end));
-        self.unread_bytes += end - at;
-        if self.unread_bytes > UNREAD_MAX {
+        if self.unread.len() + event.len() > UNREAD_MAX {
+            // Read what is kept first: the buffer never grows past its bound.
             self.settle();
         }
+        if self.unread.capacity() == 0 {
+            self.unread.reserve(UNREAD_FIRST);
+        }
+        self.unread.extend_from_slice(event);
         Verdict::Keep
     }
 
@@ -661,9 +675,9 @@ mod tests {
         let n = 2 * UNREAD_MAX / one.len();
         for _ in 0..n {
             assert_eq!(passed(&mut r, &one), one);
-            assert!(r.unread_bytes <= UNREAD_MAX);
+            assert!(r.unread.len() <= UNREAD_MAX);
         }
-        assert!(r.unread_bytes > 0, "the latest events wait unread");
+        assert!(!r.unread.is_empty(), "the latest events wait unread");
         assert_eq!(r.tokens(), n as u64);
         assert_eq!(r.said().text, "x".repeat(n));
         // An error event after unread ones: what came before it counts.
