@@ -222,8 +222,8 @@ impl Relay {
         }
     }
 
-    /// One whole event of the first part (`src[at..end]`, blank line included): kept
-    /// unread unless it may break the part.
+    /// One whole event of the first part (blank line included): kept unread unless it
+    /// may break the part.
     fn first_part(&mut self, event: &[u8]) -> Verdict {
         if self.said.done {
             return Verdict::Keep;
