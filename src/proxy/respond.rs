@@ -119,7 +119,9 @@ impl Router {
     fn stream_plan(&self, resume: &migrate::Resume, worker: &Worker) -> Option<migrate::Stream> {
         let metrics = Arc::clone(&self.metrics);
         Some(match (resume.plan.refused, &resume.continuer) {
-            (Some(r), _) => migrate::Stream::Watch(migrate::Watch::new(r, metrics)),
+            (Some(r), _) => {
+                migrate::Stream::Watch(migrate::Watch::new(resume.plan.kind, r, metrics))
+            }
             (None, Some(c)) => migrate::Stream::Migrate(Box::new(migrate::Migration::new(
                 resume.plan.kind,
                 c.clone(),

@@ -52,10 +52,10 @@ def read_line(proc: subprocess.Popen, timeout_s: float) -> str:
     return proc.stdout.readline().decode().strip()
 
 
-def start_engine(name: str, logs: Path) -> tuple[subprocess.Popen, str]:
+def start_engine(name: str, logs: Path, *extra: str) -> tuple[subprocess.Popen, str]:
     """`sim-engine --port 0`: the bound URL is the last word of its first line."""
     proc = subprocess.Popen(
-        [str(binary("sim-engine")), "--port", "0", "--name", name, "--time-factor", "0.01"],
+        [str(binary("sim-engine")), "--port", "0", "--name", name, "--time-factor", "0.01", *extra],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=open(logs / f"{name}.err", "wb"),
@@ -114,16 +114,15 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=5)
 
 
-@pytest.fixture(scope="session")
-def stack():
-    """{"router": URL, "engines": [URL, URL]}: two engines behind the router."""
+def two_engines_and_a_router(names: tuple[str, str], *engine_args: str):
+    """{"router": URL, "engines": [URL, URL]}, stopped when the generator ends."""
     procs = []
     with tempfile.TemporaryDirectory(prefix="sdk-e2e-") as tmp:
         logs = Path(tmp)
         try:
             engines = []
-            for name in ("sdk-a", "sdk-b"):
-                proc, url = start_engine(name, logs)
+            for name in names:
+                proc, url = start_engine(name, logs, *engine_args)
                 procs.append(proc)
                 engines.append(url)
             router, url = start_router(engines, logs)
@@ -132,3 +131,16 @@ def stack():
         finally:
             for proc in reversed(procs):
                 stop(proc)
+
+
+@pytest.fixture(scope="session")
+def stack():
+    """Two engines behind the router."""
+    yield from two_engines_and_a_router(("sdk-a", "sdk-b"))
+
+
+@pytest.fixture(scope="session")
+def dying_stack():
+    """Two engines that cut every fresh streamed answer after 3 tokens (a continuation
+    of a partial answer is served whole), behind the router."""
+    yield from two_engines_and_a_router(("sdk-c", "sdk-d"), "--die-after-tokens", "3")

@@ -147,6 +147,45 @@ def test_anthropic_error_is_raised_not_swallowed(claude):
     assert err.value.status_code == 400
 
 
+def test_streams_cut_mid_answer_are_read_whole_through_both_sdks(dying_stack):
+    """A worker that dies mid-stream: the router continues the answer on the other one
+    and each SDK reads one whole, well-formed answer."""
+    url = dying_stack["router"]
+    oai = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=30)
+    stream = oai.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": long_prompt("cut", 50)}],
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert len(pieces) == 8
+    assert len({c.id for c in chunks}) == 1
+    assert chunks[-1].usage.completion_tokens == 8
+    claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0, timeout=30)
+    with claude.messages.stream(
+        model=MODEL,
+        max_tokens=8,
+        messages=[{"role": "user", "content": long_prompt("cutc", 50)}],
+    ) as s:
+        pieces = list(s.text_stream)
+        final = s.get_final_message()
+    assert len(pieces) == 8
+    assert "".join(pieces) == final.content[0].text
+    assert final.stop_reason == "max_tokens"
+    assert final.usage.output_tokens == 8
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as r:
+        text = r.read().decode()
+    continued = sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line.startswith("cache_aware_router_stream_migrations_total{") and 'outcome="continued"' in line
+    )
+    assert continued == 2, text
+
+
 def test_router_metrics_match_what_the_clients_saw(stack):
     # Runs last (file order). The router reads usage from the responses as they pass
     # (JSON, the final OpenAI SSE chunk, Anthropic's message_start): its totals must

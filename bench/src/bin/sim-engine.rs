@@ -102,6 +102,11 @@ struct Cli {
     /// hash of the request body: the same body always stalls or never does.
     #[arg(long, default_value_t = 0.0)]
     stall_share: f64,
+    /// Cuts every streamed answer that continues nothing (not a chat request with
+    /// continue_final_message) after this many tokens: the connection closes without
+    /// the stream's end, as a killed engine's does (to test stream continuation).
+    #[arg(long)]
+    die_after_tokens: Option<u64>,
 }
 
 fn duration(value: f64, unit_s: f64, flag: &str) -> Result<Duration, String> {
@@ -169,6 +174,7 @@ async fn run(cli: Cli) -> Result<(), String> {
         )?,
         stall_first_token: duration(cli.stall_first_token_ms, 1e-3, "--stall-first-token-ms")?,
         stall_share: cli.stall_share,
+        die_after_tokens: cli.die_after_tokens,
     };
     let engine = Engine::new(cfg).map_err(|e| e.to_string())?;
     let listener = bench::engine::bind((cli.host.as_str(), cli.port))

@@ -3,7 +3,7 @@
 //! stream of SSE chunks (Anthropic events on `/v1/messages`).
 
 use std::sync::atomic::Ordering;
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use bytes::Bytes;
 use http_body_util::BodyExt;
@@ -41,6 +41,9 @@ struct SimRequest {
     cache_salt: Option<String>,
     /// Its first token is held back `stall_first_token` (see [`Engine::stalls`]).
     stalled: bool,
+    /// A chat request that continues its last assistant message
+    /// (`continue_final_message`): never cut by `die_after_tokens`.
+    continues: bool,
 }
 
 impl Engine {
@@ -217,9 +220,10 @@ impl Engine {
         let mut started = self.start(work, arrival, waiting, n).await;
         self.stall_first_token(&mut started, sim.stalled).await;
         let mut decoders: Vec<Decoder> = sim.prompts.iter().map(|p| Decoder::after(p)).collect();
+        let dies = self.inner.cfg.die_after_tokens.filter(|_| !sim.continues);
         if shape.endpoint == Endpoint::Messages {
             return self
-                .stream_messages(shape, work, &mut started, n, &mut decoders[0], tx)
+                .stream_messages(shape, work, &mut started, (n, dies), &mut decoders[0], tx)
                 .await;
         }
         if shape.endpoint == Endpoint::Chat {
@@ -232,6 +236,9 @@ impl Engine {
         for k in 0..n {
             if !started.next_token().await {
                 return;
+            }
+            if dies == Some(k) {
+                return die(tx).await;
             }
             let last = k + 1 == n;
             for (i, d) in decoders.iter_mut().enumerate() {
@@ -264,7 +271,7 @@ impl Engine {
         shape: &Shape,
         work: &[PromptWork],
         started: &mut Started<'_>,
-        n: u64,
+        (n, dies): (u64, Option<u64>),
         decoder: &mut Decoder,
         tx: &mpsc::Sender<Bytes>,
     ) {
@@ -285,9 +292,12 @@ impl Engine {
                 return;
             }
         }
-        for _ in 0..n {
+        for k in 0..n {
             if !started.next_token().await {
                 return;
+            }
+            if dies == Some(k) {
+                return die(tx).await;
             }
             let delta = Shape::event(
                 "content_block_delta",
@@ -318,6 +328,18 @@ impl Engine {
             }
         }
     }
+}
+
+/// Ends a stream as a killed engine does (`die_after_tokens`): once what it sent has
+/// been written out (a process's writes reach the socket before it dies), the body
+/// fails and the connection closes without the stream's end.
+async fn die(tx: &mpsc::Sender<Bytes>) {
+    while tx.capacity() < tx.max_capacity() && !tx.is_closed() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    // The connection's task writes what it took from the channel when it finds it empty.
+    tokio::time::sleep(Duration::from_millis(5)).await;
+    let _ = tx.send(Bytes::new()).await;
 }
 
 /// Validates a generation body and extracts what the simulation needs. The error
@@ -370,6 +392,7 @@ fn parse_request(endpoint: Endpoint, body: &[u8], max_output: u64) -> Result<Sim
         kv_transfer_params: present("kv_transfer_params").cloned(),
         cache_salt,
         stalled: false,
+        continues: present("continue_final_message") == Some(&Value::Bool(true)),
     })
 }
 

@@ -171,7 +171,7 @@ impl Engine {
 }
 
 fn full(status: StatusCode, content_type: Option<&'static str>, body: Bytes) -> Response<RespBody> {
-    let mut resp = Response::new(Full::new(body).boxed());
+    let mut resp = Response::new(Full::new(body).map_err(|never| match never {}).boxed());
     *resp.status_mut() = status;
     if let Some(ct) = content_type {
         resp.headers_mut()
@@ -204,13 +204,23 @@ pub(super) struct ChannelBody {
 
 impl Body for ChannelBody {
     type Data = Bytes;
-    type Error = Infallible;
+    type Error = std::io::Error;
 
+    /// An empty chunk is the stream's death (`die_after_tokens`): the body fails, and
+    /// hyper closes the connection without the chunked body's end.
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.rx.poll_recv(cx).map(|m| m.map(|b| Ok(Frame::data(b))))
+    ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
+        self.rx.poll_recv(cx).map(|m| {
+            m.map(|b| match b.is_empty() {
+                true => Err(std::io::Error::new(
+                    std::io::ErrorKind::ConnectionAborted,
+                    "the simulated engine died mid-stream",
+                )),
+                false => Ok(Frame::data(b)),
+            })
+        })
     }
 }
 

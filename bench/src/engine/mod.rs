@@ -96,7 +96,6 @@ mod steps;
 mod template;
 mod tokenizer;
 
-use std::convert::Infallible;
 use std::num::NonZeroUsize;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -183,6 +182,10 @@ pub struct EngineConfig {
     /// Share of the generation requests that stall (0 to 1; 0 = none), chosen by a hash
     /// of the request body.
     pub stall_share: f64,
+    /// A streamed answer that continues nothing (not a chat request with
+    /// `continue_final_message`) is cut after this many tokens: its connection closes
+    /// without the stream's end, as a killed engine's does (`None`: never).
+    pub die_after_tokens: Option<u64>,
 }
 
 impl Default for EngineConfig {
@@ -210,6 +213,7 @@ impl Default for EngineConfig {
             kv_transfer_per_token: Duration::from_micros(5),
             stall_first_token: Duration::ZERO,
             stall_share: 0.0,
+            die_after_tokens: None,
         }
     }
 }
@@ -381,7 +385,7 @@ struct Inner {
 }
 
 /// Response body of every handler.
-pub type RespBody = BoxBody<Bytes, Infallible>;
+pub type RespBody = BoxBody<Bytes, std::io::Error>;
 
 /// Which endpoint a generation request came in on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

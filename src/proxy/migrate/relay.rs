@@ -479,17 +479,25 @@ impl Relay {
     }
 }
 
-/// The SSE error event a stream that could not continue ends with (OpenAI's error
-/// shape, as vLLM sends one mid-stream), after a blank line when the bytes before it
+/// The SSE error event a stream of `kind` that could not continue ends with (OpenAI's
+/// error shape, as vLLM sends one mid-stream; Anthropic's `event: error` on
+/// `/v1/messages`, which its SDK raises), after a blank line when the bytes before it
 /// ended mid-event (`clean`: they did not).
-pub fn error_event(message: &str, clean: bool) -> Bytes {
+pub fn error_event(kind: Kind, message: &str, clean: bool) -> Bytes {
+    let lead: &str = if clean { "" } else { "\n\n" };
+    if kind == Kind::Messages {
+        let body = serde_json::json!({"type": "error", "error": {
+            "type": "api_error",
+            "message": message,
+        }});
+        return Bytes::from(format!("{lead}event: error\ndata: {body}\n\n"));
+    }
     let body = serde_json::json!({"error": {
         "message": message,
         "type": "stream_interrupted",
         "param": null,
         "code": 502,
     }});
-    let lead: &str = if clean { "" } else { "\n\n" };
     Bytes::from(format!("{lead}data: {body}\n\n"))
 }
 
@@ -773,8 +781,18 @@ mod tests {
         assert!(end.contains("\"finish_reason\":\"length\"") && end.contains("\"id\":\"c\""));
         assert!(end.ends_with("data: [DONE]\n\n"));
         assert_eq!(
-            error_event("x", false).slice(..2),
+            error_event(Kind::Chat, "x", false).slice(..2),
             Bytes::from_static(b"\n\n")
+        );
+        // Anthropic's error event on /v1/messages (its SDK raises it).
+        let e = error_event(Kind::Messages, "gone", true);
+        let e = String::from_utf8(e.to_vec()).unwrap();
+        assert!(e.starts_with("event: error\ndata: "), "{e}");
+        let v: serde_json::Value =
+            serde_json::from_str(e.lines().nth(1).unwrap()[6..].trim()).unwrap();
+        assert_eq!(
+            (v["type"].as_str(), v["error"]["message"].as_str()),
+            (Some("error"), Some("gone"))
         );
     }
 }

@@ -32,6 +32,7 @@ pub enum Stream {
 /// ends with an error event saying why it was not continued.
 #[derive(Debug)]
 pub struct Watch {
+    kind: Kind,
     refused: Refusal,
     /// The bytes sent so far end at an event's end.
     clean: bool,
@@ -39,8 +40,9 @@ pub struct Watch {
 }
 
 impl Watch {
-    pub fn new(refused: Refusal, metrics: Arc<RequestMetrics>) -> Self {
+    pub fn new(kind: Kind, refused: Refusal, metrics: Arc<RequestMetrics>) -> Self {
         Watch {
+            kind,
             refused,
             clean: true,
             metrics,
@@ -59,7 +61,7 @@ impl Watch {
         self.metrics
             .streams()
             .refused(cause.as_str(), self.refused.as_str());
-        relay::error_event(&refused_message(cause, self.refused), self.clean)
+        relay::error_event(self.kind, &refused_message(cause, self.refused), self.clean)
     }
 }
 
@@ -181,7 +183,11 @@ impl Migration {
             Err(r) => {
                 streams.refused(cause.as_str(), r.as_str());
                 tracing::warn!(request_id = ?self.continuer.request_id(), worker = %worker.url(), cause = cause.as_str(), refused = r.as_str(), "a stream broke and cannot continue elsewhere");
-                Step::Refused(relay::error_event(&refused_message(cause, r), true))
+                Step::Refused(relay::error_event(
+                    self.kind,
+                    &refused_message(cause, r),
+                    true,
+                ))
             }
             Ok(Next::End) => {
                 streams.migrated(cause.as_str(), "ended");
@@ -228,7 +234,7 @@ impl Migration {
                 let message = format!(
                     "the worker serving this stream failed ({cause}) and no other worker could continue it: {e}"
                 );
-                Err(relay::error_event(&message, true))
+                Err(relay::error_event(self.kind, &message, true))
             }
         })
     }
