@@ -119,8 +119,12 @@ async fn a_worker_that_dies_mid_stream_is_continued_and_the_client_reads_one_str
     router.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_responses_stream_is_continued_and_the_client_reads_one_response() {
+/// `body` streamed to `path` through a router in front of a worker that dies after three
+/// tokens and one that continues: the client's answer, the second worker, the router.
+async fn cut_after_three(
+    path: &str,
+    body: serde_json::Value,
+) -> (Response, FakeWorker, cache_aware_router::app::RunningRouter) {
     let (_a, b, yaml) = pair(
         Script {
             die_after: Some(3),
@@ -130,14 +134,20 @@ async fn a_responses_stream_is_continued_and_the_client_reads_one_response() {
     )
     .await;
     let router = start_router(&yaml).await;
-    let body = serde_json::json!({"model": "m", "input": "count for me please",
-        "instructions": "Be brief.", "stream": true, "max_output_tokens": 8});
     let resp = within(
         "the continued stream",
-        send(router.addr, &Req::post("/v1/responses", body.to_string())),
+        send(router.addr, &Req::post(path, body.to_string())),
     )
     .await;
     assert_eq!(resp.status, 200);
+    (resp, b, router)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_stream_is_continued_and_the_client_reads_one_response() {
+    let body = serde_json::json!({"model": "m", "input": "count for me please",
+        "instructions": "Be brief.", "stream": true, "max_output_tokens": 8});
+    let (resp, b, router) = cut_after_three("/v1/responses", body).await;
     // Read as a client of the Responses API does: every event named and numbered.
     let text = resp.text();
     let mut kinds = Vec::new();
@@ -204,23 +214,9 @@ async fn a_responses_stream_is_continued_and_the_client_reads_one_response() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_anthropic_messages_stream_is_continued_and_the_client_reads_one_message() {
-    let (_a, b, yaml) = pair(
-        Script {
-            die_after: Some(3),
-            ..Script::default()
-        },
-        "",
-    )
-    .await;
-    let router = start_router(&yaml).await;
     let body = serde_json::json!({"model": "m", "max_tokens": 8, "stream": true,
         "system": "Be brief.", "messages": [{"role": "user", "content": "count for me please"}]});
-    let resp = within(
-        "the continued stream",
-        send(router.addr, &Req::post("/v1/messages", body.to_string())),
-    )
-    .await;
-    assert_eq!(resp.status, 200);
+    let (resp, b, router) = cut_after_three("/v1/messages", body).await;
     let text = resp.text();
     let (mut kinds, mut said, mut stop) = (Vec::new(), String::new(), None);
     for e in text.split("\n\n").filter(|e| !e.trim().is_empty()) {
