@@ -65,21 +65,7 @@ async fn migrations(addr: std::net::SocketAddr, cause: &str, outcome: &str) -> f
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_that_dies_mid_stream_is_continued_and_the_client_reads_one_stream() {
-    let (a, b, yaml) = pair(
-        Script {
-            die_after: Some(3),
-            ..Script::default()
-        },
-        "",
-    )
-    .await;
-    let router = start_router(&yaml).await;
-    let resp = within(
-        "the continued stream",
-        send(router.addr, &chat(10, serde_json::json!({}))),
-    )
-    .await;
-    assert_eq!(resp.status, 200);
+    let (resp, a, b, router) = cut_after_three(&chat(10, serde_json::json!({}))).await;
     let r = read(&resp.body);
     assert_eq!(
         r.text,
@@ -119,13 +105,17 @@ async fn a_worker_that_dies_mid_stream_is_continued_and_the_client_reads_one_str
     router.shutdown().await;
 }
 
-/// `body` streamed to `path` through a router in front of a worker that dies after three
-/// tokens and one that continues: the client's answer, the second worker, the router.
+/// `req` streamed through a router in front of a worker (`a`) that dies after three
+/// tokens and one (`b`) that continues: the client's answer, both workers, the router.
 async fn cut_after_three(
-    path: &str,
-    body: serde_json::Value,
-) -> (Response, FakeWorker, cache_aware_router::app::RunningRouter) {
-    let (_a, b, yaml) = pair(
+    req: &Req,
+) -> (
+    Response,
+    FakeWorker,
+    FakeWorker,
+    cache_aware_router::app::RunningRouter,
+) {
+    let (a, b, yaml) = pair(
         Script {
             die_after: Some(3),
             ..Script::default()
@@ -134,20 +124,17 @@ async fn cut_after_three(
     )
     .await;
     let router = start_router(&yaml).await;
-    let resp = within(
-        "the continued stream",
-        send(router.addr, &Req::post(path, body.to_string())),
-    )
-    .await;
+    let resp = within("the continued stream", send(router.addr, req)).await;
     assert_eq!(resp.status, 200);
-    (resp, b, router)
+    (resp, a, b, router)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_responses_stream_is_continued_and_the_client_reads_one_response() {
     let body = serde_json::json!({"model": "m", "input": "count for me please",
         "instructions": "Be brief.", "stream": true, "max_output_tokens": 8});
-    let (resp, b, router) = cut_after_three("/v1/responses", body).await;
+    let req = Req::post("/v1/responses", body.to_string());
+    let (resp, _a, b, router) = cut_after_three(&req).await;
     // Read as a client of the Responses API does: every event named and numbered.
     let text = resp.text();
     let mut kinds = Vec::new();
@@ -216,7 +203,8 @@ async fn a_responses_stream_is_continued_and_the_client_reads_one_response() {
 async fn an_anthropic_messages_stream_is_continued_and_the_client_reads_one_message() {
     let body = serde_json::json!({"model": "m", "max_tokens": 8, "stream": true,
         "system": "Be brief.", "messages": [{"role": "user", "content": "count for me please"}]});
-    let (resp, b, router) = cut_after_three("/v1/messages", body).await;
+    let req = Req::post("/v1/messages", body.to_string());
+    let (resp, _a, b, router) = cut_after_three(&req).await;
     let text = resp.text();
     let (mut kinds, mut said, mut stop) = (Vec::new(), String::new(), None);
     for e in text.split("\n\n").filter(|e| !e.trim().is_empty()) {
