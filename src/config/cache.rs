@@ -21,6 +21,12 @@ pub struct CacheConfig {
     pub balance_abs_threshold: usize,
     /// …and by more than this factor (default 1.5, ≥ 1).
     pub balance_rel_threshold: f64,
+    /// A hit that moving would make the least-loaded worker recompute part of, on a
+    /// prefix whose recent traffic its holders can carry, is overridden only past
+    /// `balance_abs_threshold` + this many requests × the share of the prompt that
+    /// would be recomputed (default 64; 0 = off: the two thresholds above alone). See
+    /// `policy::select::hold_margin`.
+    pub balance_match_threshold: usize,
     /// Routing text kept per request, in bytes, cut on a UTF-8 boundary (default 32 KiB).
     pub max_prompt_bytes: usize,
     /// Node ceiling for the whole tree (default 1,000,000).
@@ -56,6 +62,7 @@ impl Default for CacheConfig {
             match_abs_threshold: 8192,
             balance_abs_threshold: 2,
             balance_rel_threshold: 1.5,
+            balance_match_threshold: 64,
             max_prompt_bytes: 32 << 10,
             max_tree_size: 1_000_000,
             max_tree_bytes: 1 << 30,
@@ -80,6 +87,7 @@ pub(super) struct RawCache {
     match_abs_threshold: Option<u64>,
     balance_abs_threshold: Option<u64>,
     balance_rel_threshold: Option<f64>,
+    balance_match_threshold: Option<u64>,
     max_prompt_bytes: Option<u64>,
     max_tree_size: Option<u64>,
     max_tree_bytes: Option<u64>,
@@ -105,6 +113,7 @@ impl RawCache {
             match_abs_threshold: self.match_abs_threshold.or(b.match_abs_threshold),
             balance_abs_threshold: self.balance_abs_threshold.or(b.balance_abs_threshold),
             balance_rel_threshold: self.balance_rel_threshold.or(b.balance_rel_threshold),
+            balance_match_threshold: self.balance_match_threshold.or(b.balance_match_threshold),
             max_prompt_bytes: self.max_prompt_bytes.or(b.max_prompt_bytes),
             max_tree_size: self.max_tree_size.or(b.max_tree_size),
             max_tree_bytes: self.max_tree_bytes.or(b.max_tree_bytes),
@@ -215,6 +224,9 @@ impl RawCache {
                 .balance_abs_threshold
                 .map_or(d.balance_abs_threshold, |n| n as usize),
             balance_rel_threshold,
+            balance_match_threshold: self
+                .balance_match_threshold
+                .map_or(d.balance_match_threshold, |n| n as usize),
             max_prompt_bytes: max_prompt_bytes as usize,
             max_tree_size: max_tree_size as usize,
             max_tree_bytes,
@@ -245,6 +257,19 @@ mod tests {
         let doc = format!("cache: {{engine_block_tokens: 0}}\n{ONE}");
         let e = err(&[("a.yaml", &doc)]);
         assert!(e.contains("cache.engine_block_tokens"), "{doc}: {e}");
+    }
+
+    #[test]
+    fn the_match_margin_defaults_to_64_and_takes_whole_requests() {
+        let c = load(&[("a.yaml", ONE)]).unwrap();
+        assert_eq!(c.cache.balance_match_threshold, 64);
+        let doc = |v: &str| format!("cache:\n  balance_match_threshold: {v}\n");
+        let off = load(&[("a.yaml", ONE), ("b.yaml", &doc("0"))]).unwrap();
+        assert_eq!(off.cache.balance_match_threshold, 0);
+        for bad in ["-1", "2.5", "lots"] {
+            let e = err(&[("a.yaml", ONE), ("b.yaml", &doc(bad))]);
+            assert!(e.contains("balance_match_threshold"), "{bad}: {e}");
+        }
     }
 
     #[test]

@@ -13,7 +13,10 @@
 //!    (bytes of those whole blocks);
 //! 5. …unless the cached worker's load exceeds the least-loaded one's by more than
 //!    `balance_abs_threshold` AND more than `balance_rel_threshold` times
-//!    ⇒ least-loaded ([`Reason::HitOverloaded`], a degradation);
+//!    ⇒ least-loaded ([`Reason::HitOverloaded`], a degradation); where the least-loaded
+//!    worker lacks part of the match and that part is not busier than its holders'
+//!    share of the pool, the gap must also exceed [`hold_margin`] for the share of the
+//!    prompt a move would recompute ([`Held`]);
 //! 6. otherwise least-loaded ([`Reason::Miss`], or [`Reason::EmptyText`] for an empty
 //!    prompt).
 //!
@@ -28,7 +31,8 @@ use std::sync::Arc;
 use rand::RngCore;
 
 use super::select::{
-    BlockScale, CacheParams, eviction_evidence, is_overloaded, least_loaded, usable,
+    BlockScale, CacheParams, eviction_evidence, hold_margin, is_overloaded, least_loaded,
+    outgrows_holders, usable,
 };
 use super::{Answer, Candidate, Delivery, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
@@ -518,10 +522,24 @@ pub fn pick_cache_aware(
     match cached {
         Some(c) if is_overloaded(params, c.load, least_load) => {
             let least = least(rng);
+            let own_least = own(least);
+            let cached = scale(c).tokens(m.matched);
+            let hold = Held {
+                text,
+                cached,
+                lost: cached.saturating_sub(scale(least).tokens(own_least)),
+                text_tokens: scale(c).text_tokens(text.len()),
+                from: own_least,
+                workers: candidates.len(),
+            };
+            if hold.stays(params, tree, c.load.saturating_sub(least_load)) {
+                let mark = eviction_evidence(mark, tree.clock(), in_flight);
+                return pick(c, Reason::CacheHit, m.matched, available, mark);
+            }
             pick(
                 least,
                 Reason::HitOverloaded,
-                own(least),
+                own_least,
                 available,
                 Mark::default(),
             )
@@ -535,6 +553,42 @@ pub fn pick_cache_aware(
             let least = least(rng);
             pick(least, Reason::Miss, own(least), available, Mark::default())
         }
+    }
+}
+
+/// A hit on an overloaded worker, weighed against moving it to the least-loaded one
+/// (step 5 of the module docs, [`hold_margin`]).
+struct Held<'a> {
+    text: &'a [u8],
+    /// Tokens the cached worker would serve from its KV cache.
+    cached: usize,
+    /// …of which the least-loaded worker would recompute these.
+    lost: usize,
+    text_tokens: usize,
+    /// Bytes of `text` the least-loaded worker holds: where what it lacks begins.
+    from: usize,
+    /// Workers in the pool.
+    workers: usize,
+}
+
+impl Held<'_> {
+    /// Whether the hit stays on its worker although that one's load is `gap` requests
+    /// above the least-loaded one's: the gap is within [`hold_margin`] for the share of
+    /// the prompt a move would recompute, and the part the least-loaded worker lacks is
+    /// not a prefix outgrowing its holders ([`outgrows_holders`]; unknown to this
+    /// replica's tree — another replica's record — it moves, as without the margin).
+    fn stays(&self, params: &CacheParams, tree: &RadixTree, gap: usize) -> bool {
+        if params.balance_match_threshold == 0 || self.lost == 0 || self.cached == 0 {
+            return false;
+        }
+        let share = self.lost as f64 / self.text_tokens.max(1) as f64;
+        if gap > hold_margin(params, share) {
+            return false;
+        }
+        tree.use_at(self.text, self.from).is_some_and(|u| {
+            let age = tree.clock().saturating_sub(u.used);
+            !outgrows_holders(age, u.holders, self.workers)
+        })
     }
 }
 
@@ -915,6 +969,120 @@ mod tests {
             (r.worker, r.reason),
             (Some(WorkerId(1)), Reason::HitOverloaded)
         );
+    }
+
+    /// Records `n` prompts of their own for worker 1, so what was recorded before is
+    /// `n` records old.
+    fn age(t: &mut RadixTree, n: usize) {
+        for i in 0..n {
+            t.insert(format!("another prompt {i}").as_bytes(), WorkerId(1));
+        }
+    }
+
+    #[test]
+    fn a_match_few_requests_share_stays_until_the_gap_outweighs_its_recompute() {
+        // 256 bytes: 64 tokens at the prior rate, four whole blocks.
+        let text = [b'p'; 256];
+        let mut t = RadixTree::new();
+        t.insert(&text, WorkerId(0));
+        age(&mut t, 10);
+        // Worker 1 would recompute the whole prompt: the margin is 2 + 64 × 1.
+        let r = serve(
+            &params(),
+            &text,
+            &cands(&[40, 0]),
+            &mut t.clone(),
+            &mut rng(),
+        );
+        assert_eq!((r.worker, r.reason), (Some(WorkerId(0)), Reason::CacheHit));
+        let r = serve(
+            &params(),
+            &text,
+            &cands(&[66, 0]),
+            &mut t.clone(),
+            &mut rng(),
+        );
+        assert_eq!(r.reason, Reason::CacheHit);
+        let r = serve(
+            &params(),
+            &text,
+            &cands(&[67, 0]),
+            &mut t.clone(),
+            &mut rng(),
+        );
+        assert_eq!(
+            (r.worker, r.reason),
+            (Some(WorkerId(1)), Reason::HitOverloaded)
+        );
+        // Off: the two plain thresholds alone.
+        let off = CacheParams {
+            balance_match_threshold: 0,
+            ..params()
+        };
+        let r = serve(&off, &text, &cands(&[5, 0]), &mut t, &mut rng());
+        assert_eq!(
+            (r.worker, r.reason),
+            (Some(WorkerId(1)), Reason::HitOverloaded)
+        );
+    }
+
+    #[test]
+    fn the_margin_counts_only_what_the_least_loaded_worker_lacks() {
+        // Worker 1 holds the first half of the prompt, worker 0 all of it: a move would
+        // recompute half, so the margin is 2 + 64 × 0.5 = 34.
+        let head = vec![b'd'; 256];
+        let text = [&head[..], &[b'q'; 256][..]].concat();
+        let mut t = RadixTree::new();
+        t.insert(&head, WorkerId(1));
+        t.insert(&text, WorkerId(0));
+        age(&mut t, 10);
+        let r = serve(
+            &params(),
+            &text,
+            &cands(&[34, 0]),
+            &mut t.clone(),
+            &mut rng(),
+        );
+        assert_eq!((r.worker, r.reason), (Some(WorkerId(0)), Reason::CacheHit));
+        let r = serve(&params(), &text, &cands(&[35, 0]), &mut t, &mut rng());
+        assert_eq!(
+            (r.worker, r.reason, r.matched),
+            (Some(WorkerId(1)), Reason::HitOverloaded, 64)
+        );
+    }
+
+    #[test]
+    fn a_prefix_busier_than_its_holders_spreads_at_the_plain_margin() {
+        // A system prompt behind every other request, all of them on worker 0 so far:
+        // one request in two through it, against one holder of four workers.
+        let system = "s".repeat(2500);
+        let prompt = |i: usize| format!("{system} turn {i}");
+        let mut t = RadixTree::new();
+        for i in 0..20 {
+            t.insert(prompt(i).as_bytes(), WorkerId(0));
+            t.insert(format!("one-off {i}").as_bytes(), WorkerId(2));
+        }
+        let r = serve(
+            &params(),
+            prompt(99).as_bytes(),
+            &cands(&[5, 0, 1, 1]),
+            &mut t.clone(),
+            &mut rng(),
+        );
+        assert_eq!(
+            (r.worker, r.reason),
+            (Some(WorkerId(1)), Reason::HitOverloaded)
+        );
+        // The same prompt seen once in the last ten records: within its holder's share.
+        age(&mut t, 10);
+        let r = serve(
+            &params(),
+            prompt(99).as_bytes(),
+            &cands(&[5, 0, 1, 1]),
+            &mut t,
+            &mut rng(),
+        );
+        assert_eq!((r.worker, r.reason), (Some(WorkerId(0)), Reason::CacheHit));
     }
 
     #[test]

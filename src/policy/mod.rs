@@ -558,6 +558,7 @@ pub(crate) mod fixtures {
             match_abs_threshold: 8192,
             balance_abs_threshold: 2,
             balance_rel_threshold: 1.5,
+            balance_match_threshold: 64,
             block_tokens: 16,
         }
     }

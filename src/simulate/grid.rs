@@ -2,7 +2,8 @@
 //!
 //! Rows: `cache_aware` at the design defaults and with one knob moved at a time
 //! (`cache.threshold`, `cache.match_abs_threshold`, the balance margins
-//! `balance_abs_threshold` / `balance_rel_threshold`), then `cost_aware`,
+//! `balance_abs_threshold` / `balance_rel_threshold` / `balance_match_threshold`), then
+//! `cost_aware`,
 //! `consistent_hash`, `prefix_hash`, `least_load` and `round_robin`. Each row is YAML layered on the
 //! user's `-c` files, so a row reads exactly as a config would.
 //!
@@ -88,6 +89,11 @@ fn tuning() -> Vec<Setting> {
         cache(
             "balance=32/4.0",
             "balance_abs_threshold: 32, balance_rel_threshold: 4.0",
+        ),
+        cache("balance_match_threshold=0", "balance_match_threshold: 0"),
+        cache(
+            "balance_match_threshold=256",
+            "balance_match_threshold: 256",
         ),
         plain("cost_aware"),
         plain("consistent_hash"),

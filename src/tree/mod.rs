@@ -536,6 +536,15 @@ impl Mark {
     }
 }
 
+/// One node's use ([`RadixTree::use_at`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeUse {
+    /// The tree's clock when a record last passed through it.
+    pub used: u64,
+    /// Workers holding it.
+    pub holders: usize,
+}
+
 /// A match with what the decision hands on: its [`Mark`], and the workers disbelieved
 /// along the text's path ([`doubt`]), whom a least-loaded choice for this text avoids
 /// at equal load.
@@ -718,6 +727,30 @@ impl RadixTree {
             mark,
             disbelieved,
         }
+    }
+
+    /// The node holding byte `at` of `text`: when it was last used (the tree's clock)
+    /// and how many workers hold it; `None` when the tree does not hold `text` that
+    /// far. Read-only; one walk down the path.
+    pub fn use_at(&self, text: &[u8], at: usize) -> Option<NodeUse> {
+        let (mut node, mut pos) = (ROOT, 0);
+        while pos <= at && pos < text.len() {
+            let child = self.child(node, text[pos])?;
+            let c = &self.nodes[child as usize];
+            let n = common_prefix_len(&c.edge, &text[pos..]);
+            if pos + n > at {
+                return Some(NodeUse {
+                    used: c.last_access,
+                    holders: c.workers.iter().count(),
+                });
+            }
+            if n < c.edge.len() {
+                return None;
+            }
+            pos += n;
+            node = child;
+        }
+        None
     }
 
     /// The logical clock: inserts made so far (the stamp of the latest one).
