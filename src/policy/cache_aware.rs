@@ -529,7 +529,10 @@ pub fn pick_cache_aware(
                 cached,
                 lost: cached.saturating_sub(scale(least).tokens(own_least)),
                 text_tokens: scale(c).text_tokens(text.len()),
-                from: own_least,
+                lacking: own_least
+                    .saturating_add(scale(least).block_bytes())
+                    .min(m.matched)
+                    .saturating_sub(1),
                 workers: candidates.len(),
             };
             if hold.stays(params, tree, c.load.saturating_sub(least_load)) {
@@ -565,8 +568,11 @@ struct Held<'a> {
     /// …of which the least-loaded worker would recompute these.
     lost: usize,
     text_tokens: usize,
-    /// Bytes of `text` the least-loaded worker holds: where what it lacks begins.
-    from: usize,
+    /// A byte of `text` in the first whole block the least-loaded worker lacks: whose
+    /// tree node says how busy that part is. (Not the first byte it lacks: that may
+    /// lie in a few bytes every prompt shares, such as a chat template's `user: `,
+    /// busy by construction.)
+    lacking: usize,
     /// Workers in the pool.
     workers: usize,
 }
@@ -585,7 +591,7 @@ impl Held<'_> {
         if gap > hold_margin(params, share) {
             return false;
         }
-        tree.use_at(self.text, self.from).is_some_and(|u| {
+        tree.use_at(self.text, self.lacking).is_some_and(|u| {
             let age = tree.clock().saturating_sub(u.used);
             !outgrows_holders(age, u.holders, self.workers)
         })

@@ -60,6 +60,14 @@ impl BlockScale {
         ((t as f64 / self.tokens_per_byte) as usize).min(bytes)
     }
 
+    /// Bytes of routing text in one whole block (at least 1).
+    pub fn block_bytes(&self) -> usize {
+        if self.tokens_per_byte <= 0.0 {
+            return usize::MAX;
+        }
+        ((self.block_tokens.max(1) as f64 / self.tokens_per_byte).ceil() as usize).max(1)
+    }
+
     /// Tokens of a `bytes`-long text, unrounded (at least 1 when not empty).
     pub fn text_tokens(&self, bytes: usize) -> usize {
         if bytes == 0 {

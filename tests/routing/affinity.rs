@@ -164,26 +164,7 @@ async fn open_stream(addr: std::net::SocketAddr, body: &str, tag: &str) -> Conn 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn imbalanced_load_picks_least_in_flight() {
     let gate = Gate::new();
-    let mut pool = Vec::new();
-    for _ in 0..2 {
-        let gate = gate.clone();
-        pool.push(
-            FakeWorker::start_with(move |req| {
-                if req.body_str().contains(r#""stream":true"#) {
-                    Reply::status(200)
-                        .header("Content-Type", "text/event-stream")
-                        .chunked(vec![
-                            Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
-                            Step::Wait(gate.clone()),
-                            Step::Write(b"data: [DONE]\n\n".to_vec()),
-                        ])
-                } else {
-                    Reply::ok()
-                }
-            })
-            .await,
-        );
-    }
+    let pool = gated_workers(&gate).await;
     let ws: Vec<&FakeWorker> = pool.iter().collect();
     // Defaults: balance_abs_threshold 2, balance_rel_threshold 1.5.
     let router = start_router(&yaml_for(&ws, "")).await;
@@ -238,6 +219,87 @@ async fn imbalanced_load_picks_least_in_flight() {
     }
     wait_all_idle(router.addr, Duration::from_secs(1)).await;
     router.shutdown().await;
+}
+
+/// Workers that stream one event, then wait for `gate` (plain requests answer at once).
+async fn gated_workers(gate: &Gate) -> Vec<FakeWorker> {
+    let mut pool = Vec::new();
+    for _ in 0..2 {
+        let gate = gate.clone();
+        pool.push(
+            FakeWorker::start_with(move |req| {
+                if req.body_str().contains(r#""stream":true"#) {
+                    Reply::status(200)
+                        .header("Content-Type", "text/event-stream")
+                        .chunked(vec![
+                            Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
+                            Step::Wait(gate.clone()),
+                            Step::Write(b"data: [DONE]\n\n".to_vec()),
+                        ])
+                } else {
+                    Reply::ok()
+                }
+            })
+            .await,
+        );
+    }
+    pool
+}
+
+/// A document read once, then the worker holding it made 3 requests busier than the
+/// other with streams of another prompt; returns who serves the document's next
+/// reader, and who held it.
+async fn next_reader_of_a_document(cache: &str) -> (usize, usize) {
+    let gate = Gate::new();
+    let pool = gated_workers(&gate).await;
+    let ws: Vec<&FakeWorker> = pool.iter().collect();
+    let router = start_router(&yaml_for(&ws, cache)).await;
+    let addr = router.addr;
+    let doc = chat_body(&long_prompt("Operations manual, chapter 7"), false);
+    let (_, x) = send_tagged(addr, &ws, Req::post("/v1/chat/completions", doc.clone())).await;
+    // Another prompt recorded on x (a miss goes where its digest breaks the tie).
+    let mut other = None;
+    for i in 0..32 {
+        let body = chat_body(&long_prompt(&format!("Release notes {i}")), false);
+        let (_, w) = send_tagged(addr, &ws, Req::post("/v1/chat/completions", body)).await;
+        if w == x {
+            other = Some(long_prompt(&format!("Release notes {i}")));
+            break;
+        }
+    }
+    let other = other.expect("a new prompt lands on either worker");
+    let streamed = chat_body(&other, true);
+    let mut streams = Vec::new();
+    for _ in 0..3 {
+        let tag = new_tag();
+        streams.push(open_stream(addr, &streamed, &tag).await);
+        assert_eq!(
+            served_by(&ws, &tag),
+            x,
+            "within the margins: the prefix wins"
+        );
+    }
+    assert_eq!(in_flight(addr).await[x], 3);
+    let (resp, w) = send_tagged(addr, &ws, Req::post("/v1/chat/completions", doc)).await;
+    assert_eq!(resp.status, 200);
+    gate.open();
+    for mut s in streams {
+        while s.next_piece().await.is_some() {}
+    }
+    wait_all_idle(addr, Duration::from_secs(1)).await;
+    router.shutdown().await;
+    (w, x)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_document_few_requests_share_stays_on_its_worker_past_the_plain_margin() {
+    // 3 in flight against 0 is past balance_abs_threshold (2) and the ratio, but the
+    // other worker would recompute the whole document: the margin is 2 + 64.
+    let (w, x) = next_reader_of_a_document("").await;
+    assert_eq!(w, x, "the document stays where it is cached");
+    // With the key at 0, the plain margins alone move it.
+    let (w, x) = next_reader_of_a_document("cache:\n  balance_match_threshold: 0\n").await;
+    assert_ne!(w, x, "without the match margin the idle worker gets it");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
