@@ -21,16 +21,6 @@ async fn listed_urls(addr: std::net::SocketAddr) -> Vec<String> {
         .collect()
 }
 
-fn gated_stream(gate: &Gate) -> Reply {
-    Reply::status(200)
-        .header("Content-Type", "text/event-stream")
-        .chunked(vec![
-            Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
-            Step::Wait(gate.clone()),
-            Step::Write(b"data: [DONE]\n\n".to_vec()),
-        ])
-}
-
 /// Opens a streamed request and reads its first event.
 async fn open_stream(addr: std::net::SocketAddr) -> Conn {
     let mut conn = Conn::connect(addr).await;

@@ -60,24 +60,6 @@ fn long_prompt(topic: &str) -> String {
     p
 }
 
-/// Streams one event, then waits for `gate` before `[DONE]`; plain JSON otherwise.
-fn gated_streams(gate: &Gate) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
-    let gate = gate.clone();
-    move |req| {
-        if req.body_str().contains(r#""stream":true"#) {
-            Reply::status(200)
-                .header("Content-Type", "text/event-stream")
-                .chunked(vec![
-                    Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
-                    Step::Wait(gate.clone()),
-                    Step::Write(b"data: [DONE]\n\n".to_vec()),
-                ])
-        } else {
-            Reply::ok()
-        }
-    }
-}
-
 /// Opens a tagged streamed request and reads its first event (it is then in flight).
 async fn open_stream(addr: SocketAddr, prompt: &str, tag: &str) -> Conn {
     let mut conn = Conn::connect(addr).await;

@@ -152,16 +152,7 @@ async fn client_leaving_while_the_worker_is_silent_releases_in_flight() {
     // First event, then nothing until the test ends (a long prefill or tool wait).
     let gate = Gate::new();
     let g = gate.clone();
-    let w = FakeWorker::start_with(move |_| {
-        Reply::status(200)
-            .header("Content-Type", "text/event-stream")
-            .chunked(vec![
-                Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
-                Step::Wait(g.clone()),
-                Step::Write(b"data: [DONE]\n\n".to_vec()),
-            ])
-    })
-    .await;
+    let w = FakeWorker::start_with(move |_| gated_stream(&g)).await;
     let router = start_router(&yaml_for(&[&w], "")).await;
     let mut conn = Conn::connect(router.addr).await;
     conn.send(&Req::post("/v1/chat/completions", chat_body("go", true)))

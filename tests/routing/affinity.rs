@@ -221,27 +221,11 @@ async fn imbalanced_load_picks_least_in_flight() {
     router.shutdown().await;
 }
 
-/// Workers that stream one event, then wait for `gate` (plain requests answer at once).
+/// Two [`gated_streams`] workers.
 async fn gated_workers(gate: &Gate) -> Vec<FakeWorker> {
     let mut pool = Vec::new();
     for _ in 0..2 {
-        let gate = gate.clone();
-        pool.push(
-            FakeWorker::start_with(move |req| {
-                if req.body_str().contains(r#""stream":true"#) {
-                    Reply::status(200)
-                        .header("Content-Type", "text/event-stream")
-                        .chunked(vec![
-                            Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
-                            Step::Wait(gate.clone()),
-                            Step::Write(b"data: [DONE]\n\n".to_vec()),
-                        ])
-                } else {
-                    Reply::ok()
-                }
-            })
-            .await,
-        );
+        pool.push(FakeWorker::start_with(gated_streams(gate)).await);
     }
     pool
 }

@@ -8,6 +8,30 @@ use crate::client::{Conn, Req, new_tag, served_by};
 use crate::config::yaml_for;
 use crate::worker::{FakeWorker, Gate, Recorded, Reply, Step};
 
+/// A stream of one event that then waits for `gate` before `[DONE]` (a long decode, a
+/// tool wait): it holds its worker's in-flight slot until the test opens the gate.
+pub fn gated_stream(gate: &Gate) -> Reply {
+    Reply::status(200)
+        .header("Content-Type", "text/event-stream")
+        .chunked(vec![
+            Step::Write(format!("data: {}\n\n", sse_event(0)).into_bytes()),
+            Step::Wait(gate.clone()),
+            Step::Write(b"data: [DONE]\n\n".to_vec()),
+        ])
+}
+
+/// A mock worker: streamed requests get a [`gated_stream`], plain ones answer at once.
+pub fn gated_streams(gate: &Gate) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
+    let gate = gate.clone();
+    move |req| {
+        if req.body_str().contains(r#""stream":true"#) {
+            gated_stream(&gate)
+        } else {
+            Reply::ok()
+        }
+    }
+}
+
 /// The `usage` object vLLM and SGLang report: `prompt` tokens, `cached` of them.
 pub fn usage_json(prompt: u64, cached: u64) -> String {
     format!(
