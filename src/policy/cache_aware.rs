@@ -523,11 +523,11 @@ pub fn pick_cache_aware(
         Some(c) if is_overloaded(params, c.load, least_load) => {
             let least = least(rng);
             let own_least = own(least);
-            let cached = scale(c).tokens(m.matched);
             let hold = Held {
                 text,
-                cached,
-                lost: cached.saturating_sub(scale(least).tokens(own_least)),
+                lost: scale(c)
+                    .tokens(m.matched)
+                    .saturating_sub(scale(least).tokens(own_least)),
                 text_tokens: scale(c).text_tokens(text.len()),
                 lacking: own_least
                     .saturating_add(scale(least).block_bytes())
@@ -563,9 +563,7 @@ pub fn pick_cache_aware(
 /// (step 5 of the module docs, [`hold_margin`]).
 struct Held<'a> {
     text: &'a [u8],
-    /// Tokens the cached worker would serve from its KV cache.
-    cached: usize,
-    /// …of which the least-loaded worker would recompute these.
+    /// Tokens of the cached worker's match the least-loaded worker would recompute.
     lost: usize,
     text_tokens: usize,
     /// A byte of `text` in the first whole block the least-loaded worker lacks: whose
@@ -584,7 +582,7 @@ impl Held<'_> {
     /// not a prefix outgrowing its holders ([`outgrows_holders`]; unknown to this
     /// replica's tree — another replica's record — it moves, as without the margin).
     fn stays(&self, params: &CacheParams, tree: &RadixTree, gap: usize) -> bool {
-        if params.balance_match_threshold == 0 || self.lost == 0 || self.cached == 0 {
+        if params.balance_match_threshold == 0 || self.lost == 0 {
             return false;
         }
         let share = self.lost as f64 / self.text_tokens.max(1) as f64;
