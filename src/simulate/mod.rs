@@ -83,7 +83,9 @@ pub struct SimulateArgs {
     pub load: f64,
     /// How each engine's prefills share it: `serial` (one at a time), `parallel` (up
     /// to --prefill-slots at once, each at full speed) or `shared` (up to
-    /// --prefill-slots sharing one speed, as chunked prefill does); FIFO beyond.
+    /// --prefill-slots sharing one speed), FIFO beyond; or `chunked` (vLLM's chunked
+    /// prefill: steps of 2,048 tokens shared by every decoding request's next token and
+    /// prompt chunks, oldest first, so a prefill slows the tokens decoding beside it).
     #[arg(long, value_enum, default_value_t = Physics::Serial)]
     pub prefill_physics: Physics,
     /// Prefills at once under the parallel and shared physics.
@@ -165,6 +167,10 @@ impl Report {
     pub fn render(&self, args: &SimulateArgs) -> String {
         let physics = match args.prefill_physics {
             Physics::Serial => "one at a time per engine".to_owned(),
+            Physics::Chunked => format!(
+                "chunked, {} tokens a step",
+                crate::simulate::engine::CHUNKED_BUDGET_TOKENS
+            ),
             p => format!("{} × {} per engine", p.as_str(), args.prefill_slots),
         };
         let mut out = format!(

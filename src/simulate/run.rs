@@ -208,15 +208,25 @@ impl Sim {
             if self.engines[e.index].version() != e.version {
                 return;
             }
-            let Some(done) = self.engines[e.index].finish_next() else {
+            // A chunked engine's step may end with no token to hand out: its next step
+            // is scheduled all the same.
+            let done = self.engines[e.index].finish_next();
+            self.schedule(e.index);
+            let Some(done) = done else {
                 return;
             };
-            self.schedule(e.index);
+            if done.last {
+                return self.end(done.index, policy);
+            }
+            let times_last = self.engines[e.index].times_last_tokens();
             let Some(f) = self.flying.get_mut(done.index).and_then(Option::as_mut) else {
                 return;
             };
             f.guard.first_byte();
             m.ttft_ms.push(done.first_token_ms - f.arrival_ms);
+            if times_last {
+                return;
+            }
             let last_ms = match f.duration_ms {
                 Some(d) => (f.arrival_ms + d).max(done.first_token_ms),
                 None => done.first_token_ms + f.decode_ms,
@@ -229,7 +239,12 @@ impl Sim {
             }));
             return;
         }
-        let Some(f) = self.flying.get_mut(e.index).and_then(Option::take) else {
+        self.end(e.index, policy);
+    }
+
+    /// Request `index`'s last byte (see [`Sim::on_event`]).
+    fn end(&mut self, index: usize, policy: &dyn Policy) {
+        let Some(f) = self.flying.get_mut(index).and_then(Option::take) else {
             return;
         };
         self.in_flight -= 1;
@@ -333,7 +348,13 @@ impl Sim {
         let engine = &mut self.engines[position];
         let loaded = r.adapter.as_ref().is_some_and(|a| engine.use_adapter(a));
         let extra_ms = if loaded { load_ms } else { 0.0 };
-        let cached = engine.arrive(sent_ms, index, (&r.hashes, r.prompt_tokens), extra_ms);
+        let cached = engine.arrive(
+            sent_ms,
+            index,
+            (&r.hashes, r.prompt_tokens),
+            extra_ms,
+            r.output_tokens,
+        );
         self.schedule(position);
         self.in_flight += 1;
         self.flying[index] = Some(InFlight {

@@ -226,16 +226,20 @@ impl Engine {
                 .stream_messages(shape, work, &mut started, (n, dies), &mut decoders[0], tx)
                 .await;
         }
-        if shape.endpoint == Endpoint::Chat {
-            for i in 0..work.len() {
-                if tx.send(shape.role_chunk(i)).await.is_err() {
-                    return;
-                }
-            }
-        }
         for k in 0..n {
             if !started.next_token().await {
                 return;
+            }
+            // The role chunk comes with the first token, as vLLM sends it (its first
+            // output is the first token): under the chunked physics `start` returns
+            // before the prefill, and a role chunk sent then would be a first byte
+            // long before the first token.
+            if k == 0 && shape.endpoint == Endpoint::Chat {
+                for i in 0..work.len() {
+                    if tx.send(shape.role_chunk(i)).await.is_err() {
+                        return;
+                    }
+                }
             }
             if dies == Some(k) {
                 return die(tx).await;
