@@ -32,7 +32,7 @@ use rand::RngCore;
 
 use super::select::{
     BlockScale, CacheParams, eviction_evidence, hold_margin, is_overloaded, least_loaded,
-    outgrows_holders, usable,
+    least_queued, outgrows_holders, usable,
 };
 use super::{Answer, Candidate, Delivery, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
@@ -439,7 +439,9 @@ pub fn pick_cache_aware(
     let Some(first) = usable(candidates).next() else {
         return Pick::load_only(None, text.len());
     };
-    let least = |rng: &mut dyn RngCore| least_loaded(usable(candidates), tie, rng).unwrap_or(first);
+    let least = |rng: &mut dyn RngCore| {
+        least_queued(usable(candidates), params, least_load, tie, rng).unwrap_or(first)
+    };
     let scale = |c: &Candidate| BlockScale {
         tokens_per_byte: (memory.tokens_per_byte)(c.id),
         block_tokens: params.block_tokens,
@@ -473,8 +475,17 @@ pub fn pick_cache_aware(
         mut mark,
         disbelieved,
     } = own_match;
-    let least =
-        |rng: &mut dyn RngCore| least_believed(least(rng), candidates, &disbelieved, tie, rng);
+    let least = |rng: &mut dyn RngCore| {
+        least_believed(
+            least(rng),
+            candidates,
+            &disbelieved,
+            params,
+            least_load,
+            tie,
+            rng,
+        )
+    };
     // A bound on the other replicas' longest match over every eligible worker: no one
     // worker's can be longer, which spares `own` a second remote lookup when the tree's
     // is as long. An empty answer bounds it by the guess only (the lookup reports no
@@ -496,7 +507,7 @@ pub fn pick_cache_aware(
     }
     // The least-loaded holder, and whether what it holds is a hit in whole blocks.
     let cached = (m.matched > 0)
-        .then(|| least_usable_holder(candidates, &m.workers, tie, rng))
+        .then(|| least_usable_holder(candidates, &m.workers, params, least_load, tie, rng))
         .flatten()
         .filter(|c| {
             let aligned = scale(c).aligned_bytes(m.matched);
@@ -619,54 +630,72 @@ fn tree_matches(
     (matched, Lookup { found, ..held })
 }
 
-/// `least` (the least-loaded usable worker), unless it is disbelieved on this text's
-/// path ([`RadixTree::answered`]) and another usable worker is as lightly loaded: a
-/// prefix its engine does not serve from cache goes where it will be.
+/// `least` (the usable worker [`least_queued`] picks), unless it is disbelieved on this
+/// text's path ([`RadixTree::answered`]) and another usable worker is as lightly
+/// loaded: a prefix its engine does not serve from cache goes where it will be.
 fn least_believed<'a>(
     least: &'a Candidate,
     candidates: &'a [Candidate],
     disbelieved: &WorkerMask,
+    p: &CacheParams,
+    least_load: usize,
     tie: Option<u64>,
     rng: &mut dyn RngCore,
 ) -> &'a Candidate {
     if disbelieved.is_empty() || !disbelieved.contains(least.id) {
         return least;
     }
-    least_loaded(
-        usable(candidates).filter(|c| !disbelieved.contains(c.id)),
-        tie,
-        rng,
-    )
-    .filter(|c| c.load <= least.load)
-    .unwrap_or(least)
+    let others = usable(candidates).filter(|c| !disbelieved.contains(c.id));
+    least_queued(others, p, least_load, tie, rng)
+        .filter(|c| (c.pending, c.load) <= (least.pending, least.load))
+        .unwrap_or(least)
 }
 
-/// The least-loaded usable worker among `holders` (see [`least_loaded`]). Holders are
-/// looked up by id when the list is in id order (the proxy's is the pool's, and a pool
-/// numbers its workers in order until one leaves): a pass over the holders, not over a
-/// pool of 1,000 workers. Otherwise one pass over the list.
+/// The usable worker among `holders` that [`least_queued`] picks, else (none within the
+/// load guard) the least-loaded one ([`least_loaded`]). Holders are looked up by id when
+/// the list is in id order (the proxy's is the pool's, and a pool numbers its workers in
+/// order until one leaves): a pass over the holders, not over a pool of 1,000 workers.
+/// Otherwise one pass over the list.
 fn least_usable_holder<'a>(
     candidates: &'a [Candidate],
     holders: &WorkerMask,
+    p: &CacheParams,
+    least_load: usize,
     tie: Option<u64>,
     rng: &mut dyn RngCore,
 ) -> Option<&'a Candidate> {
+    fn of<'a, I: Iterator<Item = &'a Candidate>>(
+        holders: impl Fn() -> I,
+        p: &CacheParams,
+        least_load: usize,
+        tie: Option<u64>,
+        rng: &mut dyn RngCore,
+    ) -> Option<&'a Candidate> {
+        least_queued(holders(), p, least_load, tie, rng)
+            .or_else(|| least_loaded(holders(), tie, rng))
+    }
     let by_id = |id: WorkerId| {
         candidates
             .get(id.0 as usize)
             .filter(|c: &&Candidate| c.id == id)
     };
     if holders.iter().all(|id| by_id(id).is_some()) {
-        least_loaded(
-            holders.iter().filter_map(by_id).filter(|c| c.usable),
+        of(
+            || holders.iter().filter_map(by_id).filter(|c| c.usable),
+            p,
+            least_load,
             tie,
             rng,
         )
     } else {
-        least_loaded(
-            candidates
-                .iter()
-                .filter(|c| c.usable && holders.contains(c.id)),
+        of(
+            || {
+                candidates
+                    .iter()
+                    .filter(|c| c.usable && holders.contains(c.id))
+            },
+            p,
+            least_load,
             tie,
             rng,
         )
@@ -1235,6 +1264,7 @@ mod tests {
             load,
             usable,
             cache_aware: true,
+            pending: 0,
         };
         let in_order: Vec<Candidate> = (0..200)
             .map(|i| cand(i, (i as usize * 7) % 5, i % 3 != 0))
@@ -1258,7 +1288,15 @@ mod tests {
                     &mut rng(),
                 )
                 .map(|c| c.id);
-                let got = least_usable_holder(list, &mask, Some(42), &mut rng()).map(|c| c.id);
+                // Nothing waits for a first byte: the least loaded, as before.
+                let least = list
+                    .iter()
+                    .filter(|c| c.usable)
+                    .map(|c| c.load)
+                    .min()
+                    .unwrap();
+                let got = least_usable_holder(list, &mask, &params(), least, Some(42), &mut rng())
+                    .map(|c| c.id);
                 assert_eq!(got, by_pass, "holders {holders:?}");
             }
         }

@@ -647,6 +647,7 @@ mod tests {
                 load: 0,
                 usable: true,
                 cache_aware: true,
+                pending: 0,
             })
             .collect()
     }

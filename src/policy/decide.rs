@@ -41,6 +41,7 @@ pub fn pick_slot(
             .iter()
             .map(|w| {
                 let (routable, load) = w.routing_state(now);
+                let pending = w.prefill().pending_requests() as usize;
                 let usable = routable && (none_excluded || !excluded.contains(w.id()));
                 avoided |= usable && (is_fallback(w) || is_saturated(w));
                 Candidate {
@@ -48,6 +49,7 @@ pub fn pick_slot(
                     load,
                     usable,
                     cache_aware: w.is_cache_aware(),
+                    pending,
                 }
             })
             .collect();

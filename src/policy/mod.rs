@@ -126,6 +126,8 @@ pub struct Candidate {
     pub usable: bool,
     /// Whether prefix affinity applies to this worker.
     pub cache_aware: bool,
+    /// Requests the router sent this worker that have not had their first byte yet.
+    pub pending: usize,
 }
 
 /// A decision.
@@ -573,6 +575,7 @@ pub(crate) mod fixtures {
                 load,
                 usable: true,
                 cache_aware: true,
+                pending: 0,
             })
             .collect()
     }

@@ -597,6 +597,7 @@ mod tests {
                 load: *l,
                 usable: true,
                 cache_aware: true,
+                pending: 0,
             })
             .collect();
         let req = RouteRequest {
@@ -622,6 +623,7 @@ mod tests {
                 load: 0,
                 usable: true,
                 cache_aware: true,
+                pending: 0,
             })
             .collect();
         let pick = p.pick(&req, &set, &c, &mut rand::rng());

@@ -286,6 +286,101 @@ async fn a_document_few_requests_share_stays_on_its_worker_past_the_plain_margin
     assert_ne!(w, x, "without the match margin the idle worker gets it");
 }
 
+/// A mock worker for the queue tests: a streamed prompt containing `WAITING` sends its
+/// headers and then nothing until `gate` opens (a request queued for prefill: no first
+/// token yet); one containing `DECODING` sends its first event and then waits (a request
+/// decoding); anything else is answered at once.
+fn queue_engine(gate: &Gate) -> impl Fn(&Recorded) -> Reply + Send + Sync + 'static {
+    let gate = gate.clone();
+    move |req| {
+        let body = req.body_str();
+        let event = |i| format!("data: {}\n\n", sse_event(i)).into_bytes();
+        let stream = |steps| {
+            Reply::status(200)
+                .header("Content-Type", "text/event-stream")
+                .chunked(steps)
+        };
+        if body.contains("WAITING") {
+            stream(vec![
+                Step::Wait(gate.clone()),
+                Step::Write(event(0)),
+                Step::Write(b"data: [DONE]\n\n".to_vec()),
+            ])
+        } else if body.contains("DECODING") {
+            stream(vec![
+                Step::Write(event(0)),
+                Step::Wait(gate.clone()),
+                Step::Write(b"data: [DONE]\n\n".to_vec()),
+            ])
+        } else {
+            Reply::ok()
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_request_goes_where_no_request_waits_for_its_first_token() {
+    let gate = Gate::new();
+    let a = FakeWorker::start_with(queue_engine(&gate)).await;
+    let b = FakeWorker::start_with(queue_engine(&gate)).await;
+    let ws = [&a, &b];
+    let router = start_router(&yaml_for(&ws, "")).await;
+    let addr = router.addr;
+    // x: one request decoding.
+    let tag = new_tag();
+    let d1 = open_stream(addr, &chat_body(&long_prompt("DECODING one"), true), &tag).await;
+    let x = served_by(&ws, &tag);
+    let y = 1 - x;
+    // y: one request still waiting for its first token (the least-loaded worker).
+    let tag = new_tag();
+    let mut waiting = Conn::connect(addr).await;
+    waiting
+        .send(
+            &Req::post(
+                "/v1/chat/completions",
+                chat_body(&long_prompt("WAITING for prefill"), true),
+            )
+            .header("x-test-tag", &tag),
+        )
+        .await
+        .unwrap();
+    assert_eq!(waiting.read_head().await.status, 200);
+    assert_eq!(
+        served_by(&ws, &tag),
+        y,
+        "the idle worker gets the second request"
+    );
+    // One in flight on each: the new request goes where nothing waits for prefill.
+    let tag = new_tag();
+    let d2 = open_stream(addr, &chat_body(&long_prompt("DECODING two"), true), &tag).await;
+    assert_eq!(
+        served_by(&ws, &tag),
+        x,
+        "equal loads: the empty prefill queue wins"
+    );
+    // 2 in flight on x against 1 on y, within the load guard: still x, whose requests
+    // are all past their first token.
+    let loads = in_flight(addr).await;
+    assert_eq!((loads[x], loads[y]), (2, 1), "{loads:?}");
+    let (resp, w) = send_tagged(
+        addr,
+        &ws,
+        Req::post(
+            "/v1/chat/completions",
+            chat_body(&long_prompt("A new question"), false),
+        ),
+    )
+    .await;
+    assert_eq!(resp.status, 200);
+    assert_eq!(w, x, "the worker with no request queued for prefill");
+    gate.open();
+    for mut s in [d1, d2, waiting] {
+        while s.next_piece().await.is_some() {}
+    }
+    wait_all_idle(addr, Duration::from_secs(1)).await;
+    router.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_at_max_load_is_skipped_even_when_it_holds_the_prefix() {
     let gate = Gate::new();

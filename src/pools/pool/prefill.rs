@@ -209,6 +209,12 @@ impl Default for Prefill {
 }
 
 impl Prefill {
+    /// Requests reserved now: sent and not yet answered their first byte (one load,
+    /// read for every worker at every decision).
+    pub fn pending_requests(&self) -> u64 {
+        self.pending_requests.load(Ordering::Relaxed)
+    }
+
     /// (requests, tokens) reserved now.
     pub fn pending(&self) -> (u64, u64) {
         (
