@@ -5,7 +5,7 @@
 //! 1. usable = healthy ∧ breaker admits ∧ in-flight < `max_load` ∧ not tried for this
 //!    request (decided by the proxy); none usable ⇒ [`Reason::NoWorker`];
 //! 2. the least-loaded usable worker by `in_flight + load_penalty`, ties broken stably
-//!    by the request's session or prompt digest ([`least_loaded`]);
+//!    by the request's session or prompt digest ([`super::select::least_loaded`]);
 //! 3. the prompt is prefix-matched in the tree, restricted to usable cache-aware workers,
 //!    and the match is rounded down to whole engine KV blocks (`cache.engine_block_tokens`
 //!    at the worker's learned tokens per byte, [`BlockScale`]): under one block is a miss;
@@ -31,8 +31,8 @@ use std::sync::Arc;
 use rand::RngCore;
 
 use super::select::{
-    BlockScale, CacheParams, eviction_evidence, hold_margin, is_overloaded, least_loaded,
-    least_queued, outgrows_holders, usable,
+    BlockScale, CacheParams, eviction_evidence, hold_margin, is_overloaded, least_queued,
+    least_queued_or_loaded, outgrows_holders, usable,
 };
 use super::{Answer, Candidate, Delivery, MatchUnit, Outcome, Pick, Policy, Reason, RouteRequest};
 use crate::config::CacheConfig;
@@ -420,7 +420,7 @@ impl Survey {
 /// the tree's and the other replicas' matches wins, equal ones merge); records nothing
 /// (the policy records the served worker in [`Policy::observe`]). The pick's numbers
 /// are prompt tokens in whole engine blocks, at the chosen worker's tokens per byte.
-/// `tie` breaks load ties stably (see [`least_loaded`]).
+/// `tie` breaks load ties stably (see [`super::select::least_loaded`]).
 pub fn pick_cache_aware(
     params: &CacheParams,
     text: &[u8],
@@ -651,11 +651,10 @@ fn least_believed<'a>(
         .unwrap_or(least)
 }
 
-/// The usable worker among `holders` that [`least_queued`] picks, else (none within the
-/// load guard) the least-loaded one ([`least_loaded`]). Holders are looked up by id when
-/// the list is in id order (the proxy's is the pool's, and a pool numbers its workers in
-/// order until one leaves): a pass over the holders, not over a pool of 1,000 workers.
-/// Otherwise one pass over the list.
+/// The usable worker among `holders` that [`least_queued_or_loaded`] picks. Holders are
+/// looked up by id when the list is in id order (the proxy's is the pool's, and a pool
+/// numbers its workers in order until one leaves): a pass over the holders, not over a
+/// pool of 1,000 workers. Otherwise one pass over the list.
 fn least_usable_holder<'a>(
     candidates: &'a [Candidate],
     holders: &WorkerMask,
@@ -664,23 +663,13 @@ fn least_usable_holder<'a>(
     tie: Option<u64>,
     rng: &mut dyn RngCore,
 ) -> Option<&'a Candidate> {
-    fn of<'a, I: Iterator<Item = &'a Candidate>>(
-        holders: impl Fn() -> I,
-        p: &CacheParams,
-        least_load: usize,
-        tie: Option<u64>,
-        rng: &mut dyn RngCore,
-    ) -> Option<&'a Candidate> {
-        least_queued(holders(), p, least_load, tie, rng)
-            .or_else(|| least_loaded(holders(), tie, rng))
-    }
     let by_id = |id: WorkerId| {
         candidates
             .get(id.0 as usize)
             .filter(|c: &&Candidate| c.id == id)
     };
     if holders.iter().all(|id| by_id(id).is_some()) {
-        of(
+        least_queued_or_loaded(
             || holders.iter().filter_map(by_id).filter(|c| c.usable),
             p,
             least_load,
@@ -688,7 +677,7 @@ fn least_usable_holder<'a>(
             rng,
         )
     } else {
-        of(
+        least_queued_or_loaded(
             || {
                 candidates
                     .iter()
@@ -1282,7 +1271,7 @@ mod tests {
         ] {
             let mask: WorkerMask = holders.iter().map(|&i| WorkerId(i)).collect();
             for list in [&in_order, &gapped, &reversed] {
-                let by_pass = least_loaded(
+                let by_pass = super::super::select::least_loaded(
                     list.iter().filter(|c| c.usable && mask.contains(c.id)),
                     Some(42),
                     &mut rng(),

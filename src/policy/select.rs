@@ -163,6 +163,19 @@ pub fn least_queued<'a>(
     )
 }
 
+/// [`least_queued`] of the candidates `of` yields, else (none within the load guard)
+/// [`least_loaded`] of them: the least-loaded worker as both cache-aware picks take it.
+/// `of` is called again for the second pass, so the list need not be collected.
+pub fn least_queued_or_loaded<'a, I: Iterator<Item = &'a Candidate>>(
+    of: impl Fn() -> I,
+    p: &CacheParams,
+    least_load: usize,
+    tie: Option<u64>,
+    rng: &mut dyn RngCore,
+) -> Option<&'a Candidate> {
+    least_queued(of(), p, least_load, tie, rng).or_else(|| least_loaded(of(), tie, rng))
+}
+
 /// The candidate with the least `key`, ties broken as [`least_loaded`] says.
 fn least_by<'a>(
     candidates: impl Iterator<Item = &'a Candidate>,

@@ -2,7 +2,9 @@
 //! worker. Pure: no I/O, no clock, randomness passed in.
 //!
 //! 1. usable workers as in the approximate pick (none ⇒ [`Reason::NoWorker`]); the
-//!    least-loaded one by `in_flight + load_penalty`, ties broken stably (`tie`);
+//!    least-loaded one as there: within the load guard of the pool's least
+//!    `in_flight + load_penalty`, the fewest requests waiting for their first byte, then
+//!    the least loaded ([`crate::policy::select::least_queued`]), ties broken stably (`tie`);
 //! 2. each usable cache-aware worker with a scorable feed has a matched run of the
 //!    request's full blocks (a worker with several DP ranks: the longest run of its
 //!    live ranks, an optimistic figure; see [`super`]); a worker without one (no feed,
@@ -11,10 +13,11 @@
 //! 3. its cost is the prompt's uncached prefill: `prompt_tokens - matched_blocks ×
 //!    block_size`, where a block held only off the GPU counts at its tier's weight
 //!    (`precise.tier_weights`: a CPU block 0.8 of a GPU block by default, since it must
-//!    be loaded first); the lowest cost wins, ties to the least loaded, then at random;
+//!    be loaded first); the lowest cost wins, ties to the least loaded as in step 1,
+//!    then at random;
 //! 4. the same balance guard as the approximate mode: the winner's load may exceed the
-//!    least-loaded worker's by at most `balance_abs_threshold` or
-//!    `balance_rel_threshold` times, else least-loaded ([`Reason::HitOverloaded`]);
+//!    pool's least load by at most `balance_abs_threshold` or `balance_rel_threshold`
+//!    times, else the least-loaded worker of step 1 ([`Reason::HitOverloaded`]);
 //! 5. no block matched anywhere ⇒ least-loaded ([`Reason::Miss`]).
 //!
 //! One whole block is the smallest saving an engine can make, so any match counts
@@ -23,7 +26,7 @@
 
 use rand::RngCore;
 
-use crate::policy::select::{is_overloaded, least_loaded, usable};
+use crate::policy::select::{is_overloaded, least_queued_or_loaded, usable};
 use crate::policy::{CacheParams, Candidate, MatchUnit, Pick, Reason};
 
 /// A candidate's matched run: its blocks in any tier, and their worth in GPU blocks
@@ -85,7 +88,11 @@ pub fn pick_precise(
         prefill_tokens: prompt_tokens.saturating_sub(matched_tokens) as u64,
         mark: crate::tree::Mark::default(),
     };
-    let Some(least) = least_loaded(usable(candidates), tie, rng) else {
+    let Some(least_load) = usable(candidates).map(|c| c.load).min() else {
+        return pick(None, Reason::NoWorker, 0);
+    };
+    let Some(least) = least_queued_or_loaded(|| usable(candidates), params, least_load, tie, rng)
+    else {
         return pick(None, Reason::NoWorker, 0);
     };
     let scored = || {
@@ -98,15 +105,19 @@ pub fn pick_precise(
     if best < CREDIT_EPSILON {
         return pick(Some(least), Reason::Miss, own(Some(least)));
     }
-    let cached = least_loaded(
-        scored()
-            .filter(|(i, _)| run(*i).credit >= best - CREDIT_EPSILON)
-            .map(|(_, c)| c),
+    let cached = least_queued_or_loaded(
+        || {
+            scored()
+                .filter(|(i, _)| run(*i).credit >= best - CREDIT_EPSILON)
+                .map(|(_, c)| c)
+        },
+        params,
+        least_load,
         tie,
         rng,
     );
     match cached {
-        Some(c) if is_overloaded(params, c.load, least.load) => {
+        Some(c) if is_overloaded(params, c.load, least_load) => {
             pick(Some(least), Reason::HitOverloaded, own(Some(least)))
         }
         Some(c) => pick(Some(c), Reason::CacheHit, own(Some(c))),
@@ -184,6 +195,46 @@ mod tests {
             seen[p.worker.unwrap().0 as usize] += 1;
         }
         assert!(seen[0] > 50 && seen[1] > 50, "{seen:?}");
+    }
+
+    #[test]
+    fn the_least_loaded_is_the_fewest_waiting_for_a_first_token_within_the_guard() {
+        let with = |loads: &[usize], pending: &[usize]| {
+            let mut c = cands(loads);
+            for (c, &p) in c.iter_mut().zip(pending) {
+                c.pending = p;
+            }
+            c
+        };
+        let run = |c: &[Candidate], m: &[Option<usize>]| {
+            let p = pick_precise(
+                &params(),
+                c,
+                &gpu(m),
+                100,
+                16,
+                None,
+                &mut StdRng::seed_from_u64(5),
+            );
+            (p.worker, p.reason)
+        };
+        // A miss: worker 1 has more in flight, but none of it waits for a first token.
+        let c = with(&[1, 2, 1], &[1, 0, 1]);
+        assert_eq!(run(&c, &[None; 3]), (Some(WorkerId(1)), Reason::Miss));
+        // Equal matches: the holder with nothing waiting, though it runs more.
+        assert_eq!(
+            run(&c, &[Some(3), Some(3), Some(0)]),
+            (Some(WorkerId(1)), Reason::CacheHit)
+        );
+        // Past the guard (5 > 1 + 2 and 5 > 1.5 × 1) an idle queue does not count: the
+        // fewest in flight again.
+        let c = with(&[1, 5, 2], &[1, 0, 1]);
+        assert_eq!(run(&c, &[None; 3]), (Some(WorkerId(0)), Reason::Miss));
+        // The guard still measures a hit against the pool's least load.
+        assert_eq!(
+            run(&c, &[Some(0), Some(4), Some(0)]),
+            (Some(WorkerId(0)), Reason::HitOverloaded)
+        );
     }
 
     #[test]
