@@ -88,6 +88,12 @@ async fn client_connection_close_does_not_close_the_upstream_connection() {
     // the worker counts is a request's.
     let yaml = format!("workers:\n  - url: {}\n    models: [m]\n", w.url());
     let router = start_router(&yaml).await;
+    // The startup health probe shares the pool: let it be done first, or a probe still
+    // holding a connection when a request comes makes that request open another.
+    wait_until("the startup health probe", STEP_TIMEOUT, || async {
+        !w.probes().is_empty()
+    })
+    .await;
     // Each request after the first shows that the one before left its upstream
     // connection open: it is served on a pooled one.
     let mut conns_before_second = 0;

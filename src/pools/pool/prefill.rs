@@ -409,7 +409,15 @@ mod tests {
         Parallel(usize),
         /// Up to this many at once sharing one full speed, FIFO beyond.
         Shared(usize),
+        /// vLLM's chunked prefill: steps of this many prompt tokens, oldest prompt
+        /// first, each step lasting an ITL of 15 ms plus its tokens at full speed; a
+        /// prompt joins the batch after the fixed part of its work (the API server's).
+        Chunked(usize),
     }
+
+    /// The engine of [`serve`]: a prefill's fixed part (s) and its time per token (s).
+    const BASE_S: f64 = 0.020;
+    const PER_TOKEN_S: f64 = 80e-6;
 
     /// Prefill end of each job `(arrival s, work s)` (sorted by arrival) under `physics`.
     fn prefill_ends(physics: Physics, jobs: &[(f64, f64)]) -> Vec<f64> {
@@ -473,6 +481,42 @@ mod tests {
                 }
                 end
             }
+            Physics::Chunked(budget) => {
+                const ITL_S: f64 = 0.015;
+                let mut end = vec![0.0; jobs.len()];
+                let mut t = 0.0f64;
+                let mut next = 0usize;
+                // (job, prompt tokens left), oldest first.
+                let mut queued: std::collections::VecDeque<(usize, f64)> = Default::default();
+                loop {
+                    while next < jobs.len() && jobs[next].0 + BASE_S <= t {
+                        let tokens = ((jobs[next].1 - BASE_S) / PER_TOKEN_S).round();
+                        queued.push_back((next, tokens));
+                        next += 1;
+                    }
+                    if queued.is_empty() {
+                        let Some(j) = jobs.get(next) else { break };
+                        t = t.max(j.0 + BASE_S);
+                        continue;
+                    }
+                    let mut room = budget as f64;
+                    let mut done = 0;
+                    for q in queued.iter_mut() {
+                        let take = q.1.min(room);
+                        q.1 -= take;
+                        room -= take;
+                        if q.1 > 0.0 {
+                            break;
+                        }
+                        done += 1;
+                    }
+                    t += ITL_S + (budget as f64 - room) * PER_TOKEN_S;
+                    for (j, _) in queued.drain(..done) {
+                        end[j] = t;
+                    }
+                }
+                end
+            }
         }
     }
 
@@ -482,7 +526,7 @@ mod tests {
     /// as the proxy drives it (reserve when sent, first byte, learn). Returns the
     /// learned rate and, for each answer in order, (TTFT, own tokens, predicted wait).
     fn serve(physics: Physics, answers: usize) -> (PrefillRate, Vec<(f64, f64, f64)>) {
-        let (base, per_token) = (0.020, 80e-6);
+        let (base, per_token) = (BASE_S, PER_TOKEN_S);
         let mut seed = 0x2545_f491_4f6c_dd1du64;
         let mut draw = move || {
             seed ^= seed << 13;
@@ -553,20 +597,22 @@ mod tests {
     #[test]
     fn the_queue_factor_learns_each_engine_physics_within_200_answers() {
         for (physics, band) in [
-            (Physics::Serial, 0.8..1.2),
-            (Physics::Parallel(6), 0.0..0.25),
-            (Physics::Shared(6), 0.05..0.9),
+            (Physics::Serial, Some(0.8..1.2)),
+            (Physics::Parallel(6), Some(0.0..0.25)),
+            (Physics::Shared(6), Some(0.05..0.9)),
+            // No settled κ: see the error check below.
+            (Physics::Chunked(2048), None),
         ] {
             let (learned, _) = serve(physics, 200);
             let k = learned.queue_factor;
             assert!(
-                band.contains(&k),
+                band.is_none_or(|b| b.contains(&k)),
                 "{physics:?}: queue factor {k}, {learned:?}"
             );
             // The speed is the engine's own where a prefill running alone keeps its
             // speed; a shared one's is slowed by prefills arriving during it, and so
             // is its TTFT.
-            if !matches!(physics, Physics::Shared(_)) {
+            if !matches!(physics, Physics::Shared(_) | Physics::Chunked(_)) {
                 assert!(
                     (learned.secs_per_token / 80e-6 - 1.0).abs() < 0.1,
                     "{learned:?}"
@@ -583,6 +629,11 @@ mod tests {
                 Physics::Parallel(_) => assert!(ours < serial * 0.5, "{ours} vs {serial}"),
                 // A shared engine's wait is not linear in the drain; still better.
                 Physics::Shared(_) => assert!(ours < serial * 0.85, "{ours} vs {serial}"),
+                // A chunked step carries whatever prompts came after too, so a
+                // prefill's end depends on arrivals the router cannot know when it
+                // sends: no model of what is in flight beats the serial one by much
+                // (both miss by ~30 % of the mean TTFT here), nor may it do worse.
+                Physics::Chunked(_) => assert!(ours < serial * 1.05, "{ours} vs {serial}"),
             }
         }
     }
