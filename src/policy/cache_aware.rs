@@ -1271,7 +1271,7 @@ mod tests {
         ] {
             let mask: WorkerMask = holders.iter().map(|&i| WorkerId(i)).collect();
             for list in [&in_order, &gapped, &reversed] {
-                let by_pass = super::super::select::least_loaded(
+                let by_pass = crate::policy::select::least_loaded(
                     list.iter().filter(|c| c.usable && mask.contains(c.id)),
                     Some(42),
                     &mut rng(),
